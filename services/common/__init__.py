@@ -1,0 +1,1 @@
+"""Plumbing shared by both services: app factory, error envelope, health, metrics, settings."""

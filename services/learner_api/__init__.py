@@ -1,0 +1,1 @@
+"""The learner service: REST control plane around the train loop."""
