@@ -1,0 +1,158 @@
+"""Turn trajectory groups into padded tensors, and compute the log-probs of exactly the sampled tokens.
+
+Layout (the same for every row): the prompt is LEFT-padded to the batch's longest prompt `P`, the
+response is RIGHT-padded to the longest response `R`, so every response starts at column `P` and
+`input_ids` is (B, P + R). Position ids restart at 0 on each row's first real prompt token, as in vLLM.
+
+`token_logprobs` applies each row's sampling temperature to the logits (logits / T, then log-softmax),
+which is what vLLM reports with `logprobs_mode="processed_logprobs"`. Deliberately simplified: top-p and
+top-k truncation are not modelled; actors that feed the learner should sample with top_p=1, top_k=-1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from buffer.types import TrajectoryGroup
+
+
+class BatchError(ValueError):
+    """Groups that cannot be collated (empty, mismatched lengths, greedy sampling); the message says why."""
+
+
+@dataclass(slots=True)
+class Batch:
+    """One sampled batch as padded tensors; `None` fields are filled in by the train loop."""
+
+    input_ids: torch.Tensor  # (B, P+R) long: left-padded prompt, then right-padded response
+    attention_mask: torch.Tensor  # (B, P+R) long: 1 on real prompt and response tokens
+    position_ids: torch.Tensor  # (B, P+R) long: 0 at each row's first prompt token
+    response_ids: torch.Tensor  # (B, R) long: the sampled token ids (pad after the end)
+    response_mask: torch.Tensor  # (B, R) float: 1 on sampled tokens
+    rollout_log_probs: torch.Tensor  # (B, R) float: behaviour log-probs (0 on padding)
+    rewards: torch.Tensor  # (B,) float: one scalar reward per completion
+    group_index: torch.Tensor  # (B,) long: 0..G-1, which group each row belongs to
+    policy_versions: torch.Tensor  # (B,) long: the group's policy_version
+    behavior_versions: torch.Tensor  # (B, R) long: per-token version (the group's, unless it spans a reload)
+    temperatures: torch.Tensor  # (B,) float: the sampling temperature of each row's group
+    prompt_width: int  # P: column where every response starts
+    # Filled in by the loop (spec §5.1):
+    old_log_probs: torch.Tensor | None = None  # (B, R) pi_old (decoupled) or pi_rollout (bypass)
+    advantages: torch.Tensor | None = None  # (B, R)
+    is_weights: torch.Tensor | None = None  # (B, R) decoupled IS weights, detached
+    returns: torch.Tensor | None = None  # (B, R) GAE returns (critic targets)
+    values: torch.Tensor | None = None  # (B, R) critic values at sampling time
+
+    @property
+    def num_rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    def to(self, device: torch.device | str) -> Batch:
+        """The same batch with every tensor on `device`."""
+        return dataclasses.replace(self, **{k: v.to(device) for k, v in self._tensors().items()})
+
+    def select(self, rows: torch.Tensor) -> Batch:
+        """The rows `rows` (long index), with columns that are padding in all of them trimmed away."""
+        sub = {k: v[rows] for k, v in self._tensors().items()}
+        prompt_mask = sub["attention_mask"][:, : self.prompt_width]  # (b, P)
+        drop_left = int((prompt_mask.sum(0) == 0).long().cumprod(0).sum())  # leading all-pad columns
+        keep_r = int(sub["response_mask"].sum(0).nonzero().max()) + 1 if sub["response_mask"].any() else 1
+        for k, v in sub.items():
+            if v.dim() == 2 and v.shape[1] == self.input_ids.shape[1]:
+                sub[k] = v[:, drop_left : self.prompt_width + keep_r]
+            elif v.dim() == 2:
+                sub[k] = v[:, :keep_r]
+        return dataclasses.replace(self, prompt_width=self.prompt_width - drop_left, **sub)
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+
+
+def collate(groups: Sequence[TrajectoryGroup], pad_token_id: int) -> Batch:
+    """Pad the completions of `groups` into one `Batch` (rows in group order, then completion order)."""
+    if not groups:
+        raise BatchError("collate needs at least one group")
+    rows = [(gi, g, t) for gi, g in enumerate(groups) for t in g.trajectories]
+    for _, g, t in rows:
+        if g.sampling.temperature <= 0:
+            raise BatchError(
+                f"group {g.group_id}: temperature {g.sampling.temperature} has no sampling log-probs"
+            )
+        if len(t.response_ids) == 0 or len(t.response_ids) != len(t.behavior_logprobs):
+            raise BatchError(
+                f"group {g.group_id}: {len(t.response_ids)} response ids, "
+                f"{len(t.behavior_logprobs)} behaviour log-probs"
+            )
+    B = len(rows)
+    P = max(len(g.prompt_ids) for _, g, _ in rows)
+    R = max(len(t.response_ids) for _, _, t in rows)
+    ids = np.full((B, P + R), pad_token_id, dtype=np.int64)
+    attn = np.zeros((B, P + R), dtype=np.int64)
+    lp = np.zeros((B, R), dtype=np.float32)
+    bver = np.zeros((B, R), dtype=np.int64)
+    for b, (_, g, t) in enumerate(rows):
+        p, r = len(g.prompt_ids), len(t.response_ids)
+        ids[b, P - p : P] = g.prompt_ids
+        ids[b, P : P + r] = t.response_ids
+        attn[b, P - p : P + r] = 1
+        lp[b, :r] = t.behavior_logprobs
+        bver[b, :r] = g.policy_version if t.versions is None else t.versions
+    input_ids, attention_mask = torch.from_numpy(ids), torch.from_numpy(attn)
+    response_mask = attention_mask[:, P:].float()  # (B, R)
+    return Batch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
+        response_ids=input_ids[:, P:].clone(),
+        response_mask=response_mask,
+        rollout_log_probs=torch.from_numpy(lp) * response_mask,
+        rewards=torch.tensor([float(t.reward) for _, _, t in rows], dtype=torch.float32),
+        group_index=torch.tensor([gi for gi, _, _ in rows], dtype=torch.long),
+        policy_versions=torch.tensor([g.policy_version for _, g, _ in rows], dtype=torch.long),
+        behavior_versions=torch.from_numpy(bver),
+        temperatures=torch.tensor([g.sampling.temperature for _, g, _ in rows], dtype=torch.float32),
+        prompt_width=P,
+    )
+
+
+def response_hidden_logits(model: PreTrainedModel, batch: Batch) -> torch.Tensor:
+    """Logits at the positions that predict the response tokens: (B, R, V), prompt logits never built."""
+    R = batch.response_ids.shape[1]
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        logits_to_keep=R + 1,  # positions P-1 .. P+R-1; the last one predicts nothing we sampled
+        use_cache=False,
+    )
+    return out.logits[:, :-1, :]  # (B, R, V)
+
+
+def token_logprobs(model: PreTrainedModel, batch: Batch) -> torch.Tensor:
+    """log pi(response token | prefix) under `model` at each row's temperature: (B, R), 0 on padding.
+
+    Only the response positions go through the LM head (`logits_to_keep`); the log-softmax is a gather
+    minus a logsumexp, so no (B, R, V) log-prob tensor is kept besides the logits themselves.
+    """
+    logits = response_hidden_logits(model, batch).float()  # (B, R, V)
+    logits = logits / batch.temperatures.to(logits.device)[:, None, None]  # (B, R, V)
+    picked = logits.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)  # (B, R)
+    return (picked - torch.logsumexp(logits, dim=-1)) * batch.response_mask  # (B, R)
+
+
+def staleness(batch: Batch, consumer_version: int) -> torch.Tensor:
+    """Per-row staleness in optimizer steps: consumer_version - the group's policy_version, (B,)."""
+    return consumer_version - batch.policy_versions
