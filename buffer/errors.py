@@ -1,0 +1,28 @@
+"""Typed errors of the replay buffer: every failure a caller can act on has its own class."""
+
+from __future__ import annotations
+
+
+class BufferError(Exception):  # the package base error, named by the contract (shadows the builtin)
+    """Base class of every error the buffer raises."""
+
+
+class InvalidTrajectory(BufferError):
+    """A group failed validation; `field` names the offending field (e.g. `trajectories[2].reward`)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class RateLimited(BufferError):
+    """The rate limiter (samples_per_insert ratio or producer pacing) kept saying no past the wait bound."""
+
+
+class BufferNotReady(BufferError):
+    """Not enough eligible groups to sample (min_size_to_sample or fresh groups) within the wait bound."""
+
+
+class StorageUnavailable(BufferError):
+    """Redis could not be reached (or kept failing) within the retry bound."""

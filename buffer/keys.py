@@ -1,0 +1,59 @@
+"""Every Redis key and channel name of a run; all share the hash tag `{run_id}` (one Cluster slot)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_RUN_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+
+
+def _prefix(run_id: str) -> str:
+    if not _RUN_ID.match(run_id):
+        raise ValueError(f"run_id={run_id!r} must match {_RUN_ID.pattern} (no braces: it is the hash tag)")
+    return f"offpolicy:{{{run_id}}}"
+
+
+@dataclass(frozen=True, slots=True)
+class BufferKeys:
+    """The keys of one buffer, in the order the Lua scripts declare them in KEYS."""
+
+    data: str  # hash group_id -> encoded group
+    order: str  # zset group_id -> insert sequence number (fifo / newest / eviction order)
+    by_version: str  # zset group_id -> policy_version (staleness gate and weights)
+    uses: str  # hash group_id -> times sampled (absent = 0)
+    priority: str  # zset group_id -> priority (prioritized sampler only)
+    seen: str  # set of every group_id ever inserted (dedupe survives removal)
+    counters: str  # hash of lifetime counters (inserted, sampled, evicted:*, dropped:*, rejected:*)
+
+    @classmethod
+    def for_run(cls, run_id: str) -> BufferKeys:
+        """The keys of `run_id`'s buffer."""
+        p = _prefix(run_id)
+        return cls(
+            data=f"{p}:buf:data",
+            order=f"{p}:buf:order",
+            by_version=f"{p}:buf:version",
+            uses=f"{p}:buf:uses",
+            priority=f"{p}:buf:priority",
+            seen=f"{p}:buf:seen",
+            counters=f"{p}:buf:counters",
+        )
+
+    def all(self) -> list[str]:
+        """KEYS for the scripts, in declaration order."""
+        return [self.data, self.order, self.by_version, self.uses, self.priority, self.seen, self.counters]
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyKeys:
+    """The policy record key and the channel its updates are announced on."""
+
+    record: str  # string: JSON PolicyRecord
+    channel: str  # pub/sub channel: JSON PolicyRecord on every publish
+
+    @classmethod
+    def for_run(cls, run_id: str) -> PolicyKeys:
+        """The policy keys of `run_id`."""
+        p = _prefix(run_id)
+        return cls(record=f"{p}:policy", channel=f"{p}:policy:announce")

@@ -1,0 +1,87 @@
+"""The records that cross process boundaries (groups of trajectories) and the buffer's result types."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """The sampling parameters an actor generated a group with."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off (vLLM's convention)
+    max_tokens: int = 256
+
+
+@dataclass(slots=True)
+class Trajectory:
+    """One completion: its tokens, the behaviour log-prob of each, and its reward."""
+
+    response_ids: np.ndarray  # int32[R]
+    behavior_logprobs: np.ndarray  # float32[R], finite, <= 0
+    reward: float
+    finish_reason: str  # "stop" | "length" | ...
+    versions: np.ndarray | None = None  # int32[R]: policy version per token, when a completion spans a reload
+
+
+@dataclass(slots=True)
+class TrajectoryGroup:
+    """All completions of one prompt: the unit of insert and sample (group-relative advantages need it)."""
+
+    group_id: str  # uuid4 hex: the idempotency key
+    prompt_id: str
+    prompt_ids: np.ndarray  # int32[P]
+    policy_version: int  # version of the weights that generated the group
+    actor_id: str
+    created_at: float  # unix seconds
+    sampling: SamplingParams
+    trajectories: list[Trajectory]  # n >= 1
+    metadata: dict[str, str] = field(default_factory=dict)
+    priority: float | None = None  # for the `prioritized` sampler; None = |advantage| proxy
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def num_tokens(self) -> int:
+        """Response tokens over all trajectories of the group."""
+        return sum(len(t.response_ids) for t in self.trajectories)
+
+
+@dataclass(frozen=True, slots=True)
+class InsertResult:
+    """What `insert_many` did with each group of a batch, by `group_id`."""
+
+    inserted: tuple[str, ...] = ()
+    duplicates: tuple[str, ...] = ()
+    rejected: dict[str, str] = field(default_factory=dict)  # group_id (or "#<index>") -> failing field
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing was rejected."""
+        return not self.rejected
+
+
+@dataclass(frozen=True, slots=True)
+class BufferStats:
+    """A snapshot of one buffer (one run): size, lifetime counters, and the learner's buffer position.
+
+    `inserted_total` and `sampled_total` are the buffer position a learner checkpoints: they only grow,
+    and they are what the `samples_per_insert` rate limiter compares.
+    """
+
+    size: int  # groups stored now
+    max_size: int
+    fill_ratio: float  # size / max_size
+    inserted_total: int  # groups accepted since the buffer was created (or cleared)
+    duplicates_total: int  # inserts that were no-ops because the group_id had been seen
+    sampled_total: int  # groups handed out by `sample` (a group sampled twice counts twice)
+    evicted_total: dict[str, int]  # removals by the remover: "max_size", "max_times_sampled"
+    dropped_total: dict[str, int]  # data lost: "stale" (past max_staleness), "evicted_unsampled"
+    rejected_total: dict[str, int]  # invalid groups by field name (indices stripped)
+    policy_version_min: int | None  # oldest policy_version stored; None when empty
+    policy_version_max: int | None  # newest policy_version stored; None when empty
