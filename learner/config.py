@@ -1,0 +1,276 @@
+"""The learner's configuration as data: one frozen model per concern, loaded from YAML + `OFFPOLICY_` env.
+
+Fields marked `frozen_while_running` (in their JSON schema) cannot change while the loop runs: the REST API
+answers 409 naming them; `frozen_field_changes(old, new)` lists the ones a new config would change.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, Self
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from buffer.config import BufferConfig
+from learner.correction_config import RolloutCorrectionConfig
+from learner.errors import LearnerError
+
+ENV_PREFIX = "OFFPOLICY_"
+ENV_NESTING = "__"
+FROZEN = {"frozen_while_running": True}
+
+AdvEstimator = Literal["grpo", "rloo", "reinforce", "gae"]
+LossAggMode = Literal[
+    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"
+]
+
+
+class FrozenFieldChange(LearnerError, ValueError):
+    """A new config changes fields that cannot change while the learner runs; `fields` names them."""
+
+    def __init__(self, fields: list[str]) -> None:
+        super().__init__(f"cannot change while running: {', '.join(fields)}")
+        self.fields = fields
+
+
+class OptimizerConfig(BaseModel):
+    """AdamW with linear warm-up, then constant, linear or cosine decay (per optimizer step)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    lr: float = Field(1e-6, gt=0.0)
+    """Peak learning rate, reached after `warmup_steps` optimizer steps."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW (beta1, beta2)."""
+    eps: float = Field(1e-8, gt=0.0)
+    """AdamW epsilon."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """Decoupled weight decay (AdamW)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up from 0 to `lr` over this many optimizer steps; 0 = start at `lr`."""
+    decay: Literal["constant", "linear", "cosine"] = "constant"
+    """Schedule after warm-up; `linear` and `cosine` reach `min_lr_ratio * lr` at `decay_steps`."""
+    decay_steps: int | None = Field(None, ge=1)
+    """Optimizer step at which the decay ends (then the LR stays at its minimum). Required unless constant."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """Final LR as a fraction of `lr` for `linear` / `cosine`."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.decay != "constant" and self.decay_steps is None:
+            raise ValueError(f"decay={self.decay!r} needs decay_steps (got None)")
+        if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
+            raise ValueError(f"decay_steps={self.decay_steps} must be > warmup_steps={self.warmup_steps}")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas={self.betas} must lie in [0, 1)")
+        return self
+
+
+class CriticConfig(BaseModel):
+    """The value model for `adv_estimator: gae`: the policy's backbone architecture plus a scalar head."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_path: str | None = Field(None, json_schema_extra=FROZEN)
+    """Where the critic's backbone comes from; None = the policy's `model_path`."""
+    lr: float = Field(1e-5, gt=0.0)
+    """Critic AdamW learning rate (constant)."""
+    cliprange_value: float = Field(0.5, gt=0.0)
+    """PPO value clipping: new values stay within this distance of the values at sampling time."""
+    loss_coef: float = Field(0.5, gt=0.0)
+    """Weight of the value loss (the critic has its own optimizer; this scales its gradient)."""
+
+
+class PublishConfig(BaseModel):
+    """Where and how often the learner publishes weights for the actors."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    weights_dir: str = Field("runs/weights", json_schema_extra=FROZEN)
+    """Folder holding `v<version>/` (safetensors + config + tokenizer), shared with the actors."""
+    publish_every: int = Field(1, ge=1)
+    """Publish after every this many learner steps."""
+    keep_versions: int = Field(3, ge=1)
+    """How many published versions stay on disk; older folders are deleted."""
+
+
+class CheckpointConfig(BaseModel):
+    """Where and how often the learner writes resumable checkpoints."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    checkpoint_dir: str | None = Field("runs/checkpoints", json_schema_extra=FROZEN)
+    """Folder of `step-<version>/` checkpoints; the newest is resumed on start. None = no checkpoints."""
+    checkpoint_every: int | None = Field(10, ge=1)
+    """Checkpoint after every this many learner steps; None = only on demand (`POST /v1/checkpoints`)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """How many checkpoints stay on disk."""
+
+
+class LearnerConfig(BaseModel):
+    """Everything the learner loop reads; applied at step boundaries (DESIGN.md "Learner")."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # --- model and device
+    model_path: str = Field(json_schema_extra=FROZEN)
+    """Hugging Face causal LM: a local folder or a hub id."""
+    device: str | None = Field(None, json_schema_extra=FROZEN)
+    """torch device, e.g. `cuda:0` or `cpu`; None = CUDA when available, else CPU (bf16 / fp32)."""
+    seed: int = Field(0, json_schema_extra=FROZEN)
+    """Seed of torch's and Python's generators at start (restored from the checkpoint on resume)."""
+
+    # --- the algorithm
+    groups_per_step: int = Field(8, ge=1)
+    """Groups sampled from the buffer for one learner step."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each sampled batch."""
+    mini_batch_groups: int | None = Field(None, ge=1)
+    """Groups per optimizer step; None = the whole batch (one optimizer step per epoch). Must divide
+    `groups_per_step`. Policy version advances by `ppo_epochs * groups_per_step / mini_batch_groups`."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Completions (rows) per forward/backward; gradients accumulate over a mini-batch's micro-batches."""
+    adv_estimator: AdvEstimator = "grpo"
+    """`grpo` (group mean/std), `rloo` (leave-one-out), `reinforce` (batch baseline), `gae` (critic)."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide by the group's reward std (False = Dr. GRPO)."""
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    """Discount for `gae` (token steps)."""
+    lam: float = Field(1.0, ge=0.0, le=1.0)
+    """GAE lambda."""
+    loss_agg_mode: LossAggMode = "token-mean"
+    """How the per-token loss matrix becomes a scalar (spec §5.4)."""
+    clip_ratio_low: float = Field(0.2, ge=0.0, lt=1.0)
+    """PPO clip: ratio lower bound 1 - clip_ratio_low."""
+    clip_ratio_high: float = Field(0.2, ge=0.0)
+    """PPO clip: ratio upper bound 1 + clip_ratio_high (DAPO clip-higher when > clip_ratio_low)."""
+    clip_ratio_c: float = Field(3.0, gt=1.0)
+    """Dual-clip bound for negative advantages; must be > 1."""
+    grad_clip: float | None = Field(1.0, gt=0.0)
+    """Clip the global gradient norm to this value; None = no clipping (the norm is still reported)."""
+    optimizer: OptimizerConfig = OptimizerConfig()
+    """Policy optimizer and LR schedule."""
+    critic: CriticConfig = CriticConfig()
+    """Value model; used only with `adv_estimator: gae`."""
+    rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
+    """Rollout correction (spec); a preset name (canonical or seed alias) is accepted in its place.
+    The default computes the off-policy metrics only."""
+
+    # --- the buffer
+    redis_url: str = Field("redis://localhost:6379/0", json_schema_extra=FROZEN)
+    """Redis holding the replay buffer and the policy record."""
+    run_id: str = Field("default", min_length=1, json_schema_extra=FROZEN)
+    """Namespace of this run's keys in Redis (the buffer's hash tag)."""
+    buffer: BufferConfig = BufferConfig()
+    """Replay table: sampler, staleness gate, remover, rate limiter."""
+    sample_timeout_s: float = Field(30.0, gt=0.0)
+    """How long one `sample` call waits for enough groups before the step is retried."""
+
+    # --- publishing, checkpoints, logs
+    publish: PublishConfig = PublishConfig()
+    """Weight publication for the actors."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Resumable checkpoints."""
+    max_steps: int | None = Field(None, ge=1)
+    """`run` returns after this many learner steps; None = until stopped."""
+    metrics_jsonl: str | None = None
+    """Append each step's metrics as one JSON line to this file; None = don't."""
+
+    @field_validator("rollout_correction", mode="before")
+    @classmethod
+    def _preset_by_name(cls, value: Any) -> Any:
+        return RolloutCorrectionConfig.from_preset(value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        mb = self.mini_batch_groups
+        if mb is not None and self.groups_per_step % mb != 0:
+            raise ValueError(f"mini_batch_groups={mb} must divide groups_per_step={self.groups_per_step}")
+        return self
+
+    @property
+    def optimizer_steps_per_step(self) -> int:
+        """Optimizer steps (= policy versions) per learner step."""
+        return self.ppo_epochs * self.groups_per_step // (self.mini_batch_groups or self.groups_per_step)
+
+
+# --- loading
+
+
+def frozen_field_paths(model: type[BaseModel] = LearnerConfig, prefix: str = "") -> list[str]:
+    """Dotted paths of every field marked `frozen_while_running`, nested models included."""
+    paths = []
+    for name, info in model.model_fields.items():
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        if extra.get("frozen_while_running"):
+            paths.append(prefix + name)
+        elif isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+            paths.extend(frozen_field_paths(info.annotation, f"{prefix}{name}."))
+    return paths
+
+
+def frozen_field_changes(old: LearnerConfig, new: LearnerConfig) -> list[str]:
+    """The frozen-while-running fields whose value differs between `old` and `new` (dotted paths)."""
+    a, b = old.model_dump(), new.model_dump()
+    changed = []
+    for path in frozen_field_paths():
+        va, vb = a, b
+        for part in path.split("."):
+            va, vb = va[part], vb[part]
+        if va != vb:
+            changed.append(path)
+    if (old.adv_estimator == "gae") != (new.adv_estimator == "gae"):
+        changed.append("adv_estimator")  # a critic cannot appear or vanish mid-run
+    return changed
+
+
+def env_overrides(environ: Mapping[str, str], prefix: str = ENV_PREFIX) -> dict[str, Any]:
+    """`OFFPOLICY_OPTIMIZER__LR=1e-5` → {"optimizer": {"lr": 1e-5}}; values parsed as YAML scalars."""
+    out: dict[str, Any] = {}
+    for key, raw in sorted(environ.items()):
+        if not key.startswith(prefix):
+            continue
+        parts = key[len(prefix) :].lower().split(ENV_NESTING)
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else None
+    return out
+
+
+def merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep merge of plain dicts (`over` wins); used for YAML + env and for PATCH bodies."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(
+    path: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> LearnerConfig:
+    """Build a `LearnerConfig` from a YAML file, then `OFFPOLICY_*` variables of `environ`, then kwargs.
+
+    Only the mapping passed as `environ` is read (pass `os.environ` explicitly from a CLI or app factory).
+    Only keys under the learner's own fields are taken from the environment, so unrelated `OFFPOLICY_*`
+    variables of other components (e.g. `OFFPOLICY_API_TOKEN`) are ignored.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
+    if environ is not None:
+        env = {k: v for k, v in env_overrides(environ).items() if k in LearnerConfig.model_fields}
+        data = merge(data, env)
+    return LearnerConfig.model_validate(merge(data, overrides))
+
+
+def load_config_from_process_env(path: str | Path | None = None) -> LearnerConfig:
+    """`load_config(path, os.environ)`: for command-line entry points (read at call time, not import)."""
+    return load_config(path, os.environ)
