@@ -1,0 +1,150 @@
+"""What the sync and async replay buffers share: encoding batches, filing script replies, metrics, stats."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry
+
+from buffer.codec import decode_group, encode_group
+from buffer.config import BufferConfig
+from buffer.errors import InvalidTrajectory, RateLimited
+from buffer.keys import BufferKeys
+from buffer.metrics import BufferMetrics
+from buffer.rate_limiter import Backoff, check_sample_size
+from buffer.samplers import group_priority
+from buffer.storage import (
+    InsertReply,
+    SampleReply,
+)
+from buffer.types import BufferStats, InsertResult, TrajectoryGroup
+
+_INDEX = re.compile(r"\[\d+\]")
+_CHUNK_BYTES = 4 * 1024 * 1024  # one insert script call carries at most this much payload (or one group)
+Entry = tuple[str, int, float, bytes]
+
+
+class Core:
+    """Config, keys, codec and metrics bookkeeping shared by the sync and async buffers."""
+
+    def __init__(self, run_id: str, config: BufferConfig, registry: CollectorRegistry | None) -> None:
+        self.cfg = config
+        self.keys = BufferKeys.for_run(run_id)
+        self.metrics = BufferMetrics(registry if registry is not None else CollectorRegistry())
+
+    def prepare(
+        self, groups: Sequence[TrajectoryGroup]
+    ) -> tuple[list[list[Entry]], dict[str, InvalidTrajectory]]:
+        """Validate and encode; return insert chunks and the rejections by group_id (or "#<index>")."""
+        chunks: list[list[Entry]] = [[]]
+        size = 0
+        rejected: dict[str, InvalidTrajectory] = {}
+        for i, g in enumerate(groups):
+            try:
+                payload = encode_group(g, self.cfg.limits)
+            except InvalidTrajectory as e:
+                key = g.group_id if isinstance(g.group_id, str) and g.group_id else f"#{i}"
+                rejected[key] = e
+                self.metrics.rejected.labels(_INDEX.sub("", e.field)).inc()
+                continue
+            if chunks[-1] and size + len(payload) > _CHUNK_BYTES:
+                chunks.append([])
+                size = 0
+            chunks[-1].append((g.group_id, g.policy_version, group_priority(g), payload))
+            size += len(payload)
+        return [c for c in chunks if c], rejected
+
+    def rejected_counts(self, rejected: dict[str, InvalidTrajectory]) -> dict[str, int]:
+        """Counter increments for the `counters` hash: rejected:<field without indices>."""
+        counts: dict[str, int] = {}
+        for e in rejected.values():
+            name = f"rejected:{_INDEX.sub('', e.field)}"
+            counts[name] = counts.get(name, 0) + 1
+        return counts
+
+    def on_insert(self, reply: InsertReply) -> None:
+        m = self.metrics
+        m.inserts.inc(reply.statuses.count(1))
+        m.duplicates.inc(reply.statuses.count(0))
+        m.evictions.labels("max_size").inc(reply.evicted)
+        m.drops.labels("evicted_unsampled").inc(reply.evicted_unsampled)
+        self._size(reply.size)
+
+    def on_sample(self, reply: SampleReply) -> None:
+        m = self.metrics
+        m.drops.labels("stale").inc(reply.stale)
+        m.evictions.labels("max_times_sampled").inc(reply.consumed)
+        self._size(reply.size)
+
+    def _size(self, size: int) -> None:
+        self.metrics.size.set(size)
+        self.metrics.fill_ratio.set(size / self.cfg.max_size)
+
+    def decode(self, reply: SampleReply, consumer_version: int) -> list[TrajectoryGroup]:
+        groups = [decode_group(payload, self.cfg.limits) for _, _, payload in reply.chosen]
+        self.metrics.samples.inc(len(groups))
+        for g in groups:
+            self.metrics.sampled_staleness.observe(max(consumer_version - g.policy_version, 0))
+        return groups
+
+    def check_sample(self, num_groups: int) -> None:
+        if self.cfg.samples_per_insert is not None:
+            check_sample_size(num_groups, *self.cfg.limiter_bounds())
+        elif num_groups < 1:
+            raise ValueError(f"num_groups={num_groups} must be >= 1")
+
+    def backoff(self, timeout_s: float) -> Backoff:
+        return Backoff(timeout_s, self.cfg.backoff_initial_s, self.cfg.backoff_max_s)
+
+    def fresh_floor(self, producer_version: int) -> str:
+        """Lowest policy_version a learner at `producer_version` may still sample (ZCOUNT's min)."""
+        if self.cfg.max_staleness is None:
+            return "-inf"
+        return str(producer_version - self.cfg.max_staleness)
+
+    def stats(self, counters: dict, size: int, lo: list, hi: list) -> BufferStats:
+        c = {k.decode(): int(v) for k, v in counters.items()}
+
+        def by(prefix: str) -> dict[str, int]:
+            return {k[len(prefix) :]: v for k, v in c.items() if k.startswith(prefix)}
+
+        return BufferStats(
+            size=size,
+            max_size=self.cfg.max_size,
+            fill_ratio=size / self.cfg.max_size,
+            inserted_total=c.get("inserted", 0),
+            duplicates_total=c.get("duplicates", 0),
+            sampled_total=c.get("sampled", 0),
+            evicted_total=by("evicted:"),
+            dropped_total=by("dropped:"),
+            rejected_total=by("rejected:"),
+            policy_version_min=int(lo[0][1]) if lo else None,
+            policy_version_max=int(hi[0][1]) if hi else None,
+        )
+
+
+def file_statuses(
+    chunk: list[Entry], reply: InsertReply, inserted: list[str], dups: list[str]
+) -> list[Entry]:
+    """File each entry of `chunk` by its status; return the entries the rate limiter refused."""
+    limited: list[Entry] = []
+    for entry, status in zip(chunk, reply.statuses, strict=True):
+        if status == 1:
+            inserted.append(entry[0])
+        elif status == 0:
+            dups.append(entry[0])
+        else:
+            limited.append(entry)
+    return limited
+
+
+def insert_limited(cfg: BufferConfig, inserted: int) -> RateLimited:
+    return RateLimited(
+        f"samples_per_insert limiter refused inserts for insert_timeout_s={cfg.insert_timeout_s} "
+        f"({inserted} inserted before that; retrying the batch is safe)"
+    )
+
+
+def make_result(inserted: list[str], dups: list[str], rejected: dict[str, InvalidTrajectory]) -> InsertResult:
+    return InsertResult(tuple(inserted), tuple(dups), {k: e.field for k, e in rejected.items()})

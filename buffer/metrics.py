@@ -1,0 +1,69 @@
+"""Prometheus metrics of the buffer (`offpolicy_buffer_*`), declared on an injected CollectorRegistry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+_STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+
+
+class BufferMetrics:
+    """All buffer metrics of one process; build one per registry (learner and actor each have their own)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.size = Gauge(
+            "offpolicy_buffer_size_groups", "Groups stored in the buffer (last seen)", registry=registry
+        )
+        self.fill_ratio = Gauge(
+            "offpolicy_buffer_fill_ratio", "Groups stored / max_size (last seen)", registry=registry
+        )
+        self.inserts = Counter(
+            "offpolicy_buffer_inserts_total", "Groups inserted (new group_id)", registry=registry
+        )
+        self.duplicates = Counter(
+            "offpolicy_buffer_duplicates_total", "Inserts that were no-ops (group_id seen)", registry=registry
+        )
+        self.rejected = Counter(
+            "offpolicy_buffer_rejected_total", "Groups rejected as invalid, by field", ["field"],
+            registry=registry,
+        )  # fmt: skip
+        self.samples = Counter(
+            "offpolicy_buffer_samples_total", "Groups handed out by sample", registry=registry
+        )
+        self.evictions = Counter(
+            "offpolicy_buffer_evictions_total",
+            "Groups removed by the remover, by reason (max_size, max_times_sampled)",
+            ["reason"],
+            registry=registry,
+        )
+        self.drops = Counter(
+            "offpolicy_buffer_drops_total",
+            "Groups lost before use or too stale to use, by reason (stale, evicted_unsampled)",
+            ["reason"],
+            registry=registry,
+        )
+        self.rate_limited_waits = Counter(
+            "offpolicy_buffer_rate_limited_waits_total",
+            "Backoff waits because a limiter said no, by operation (insert, sample, pace)",
+            ["op"],
+            registry=registry,
+        )
+        self.storage_retries = Counter(
+            "offpolicy_buffer_storage_retries_total", "Redis calls retried after a connection error",
+            registry=registry,
+        )  # fmt: skip
+        self.sampled_staleness = Histogram(
+            "offpolicy_buffer_sampled_staleness_versions",
+            "consumer_version - policy_version of each sampled group",
+            buckets=_STALENESS_BUCKETS,
+            registry=registry,
+        )
+        self.insert_latency = Histogram(
+            "offpolicy_buffer_insert_latency_seconds", "insert/insert_many call time, waits included",
+            buckets=_LATENCY_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.sample_latency = Histogram(
+            "offpolicy_buffer_sample_latency_seconds", "sample call time, waits included",
+            buckets=_LATENCY_BUCKETS, registry=registry,
+        )  # fmt: skip

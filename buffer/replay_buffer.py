@@ -1,0 +1,296 @@
+"""`ReplayBuffer` (sync, for the learner) and `AsyncReplayBuffer` (asyncio, for actors and services).
+
+Both drive the same Lua scripts (scripts/insert.lua, scripts/sample.lua) and the same codec; `Core`
+(buffer/core.py) holds what they share, so the two classes only differ in how they wait and call Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry
+
+from buffer.config import BufferConfig
+from buffer.core import Core, file_statuses, insert_limited, make_result
+from buffer.errors import RateLimited
+from buffer.rate_limiter import SampleStatus, sample_refused
+from buffer.storage import (
+    InsertReply,
+    SampleReply,
+    async_client,
+    call_async,
+    call_sync,
+    insert_args,
+    sample_args,
+    script_source,
+    sync_client,
+)
+from buffer.types import BufferStats, InsertResult, TrajectoryGroup
+
+
+class ReplayBuffer:
+    """Synchronous replay buffer over Redis (the learner's side; also used by tests and tools)."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        run_id: str,
+        config: BufferConfig | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self._core = Core(run_id, config or BufferConfig(), registry)
+        self.config = self._core.cfg
+        self._client = sync_client(redis_url, self.config)
+        self._insert = self._client.register_script(script_source("insert"))
+        self._sample = self._client.register_script(script_source("sample"))
+
+    def _call(self, fn, what: str):
+        return call_sync(fn, self.config, what, self._core.metrics.storage_retries.inc)
+
+    def insert(self, group: TrajectoryGroup) -> bool:
+        """Insert one group; False when its group_id was already inserted. Invalid: `InvalidTrajectory`."""
+        inserted, _, rejected = self._insert_many([group])
+        if rejected:
+            raise next(iter(rejected.values()))
+        return bool(inserted)
+
+    def insert_many(self, groups: Sequence[TrajectoryGroup]) -> InsertResult:
+        """Insert a batch; invalid groups are rejected (by field) without affecting the valid ones.
+
+        Waits (bounded by `insert_timeout_s`) while the samples_per_insert limiter refuses, then raises
+        `RateLimited`; groups inserted before that stay inserted and retrying the batch is a no-op for them.
+        """
+        return make_result(*self._insert_many(groups))
+
+    def _insert_many(self, groups: Sequence[TrajectoryGroup]):
+        t0 = time.perf_counter()
+        core, keys = self._core, self._core.keys.all()
+        chunks, rejected = core.prepare(groups)
+        if rejected:
+            self._call(lambda: self._count(core.rejected_counts(rejected)), "count rejected")
+        inserted: list[str] = []
+        dups: list[str] = []
+        backoff = None
+        for pending in chunks:
+            while pending:
+                raw = self._call(lambda p=pending: self._insert(keys, insert_args(self.config, p)), "insert")
+                reply = InsertReply.parse(raw)
+                core.on_insert(reply)
+                pending = file_statuses(pending, reply, inserted, dups)
+                if pending:
+                    backoff = backoff or core.backoff(self.config.insert_timeout_s)
+                    delay = backoff.delay()
+                    if delay is None:
+                        raise insert_limited(self.config, len(inserted))
+                    core.metrics.rate_limited_waits.labels("insert").inc()
+                    time.sleep(delay)
+        core.metrics.insert_latency.observe(time.perf_counter() - t0)
+        return inserted, dups, rejected
+
+    def _count(self, counts: dict[str, int]) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        for name, n in counts.items():
+            pipe.hincrby(self._core.keys.counters, name, n)
+        pipe.execute()
+
+    def sample(
+        self, num_groups: int, consumer_version: int, timeout_s: float = 10.0
+    ) -> list[TrajectoryGroup]:
+        """Sample `num_groups` distinct groups no staler than `max_staleness` for a learner at
+        `consumer_version`; waits (bounded by `timeout_s`) while a limiter refuses, then raises
+        `RateLimited` (samples_per_insert) or `BufferNotReady` (min size, too few fresh groups)."""
+        t0 = time.perf_counter()
+        core = self._core
+        core.check_sample(num_groups)
+        backoff = core.backoff(timeout_s)
+        while True:
+            args = sample_args(self.config, num_groups, consumer_version)
+            reply = SampleReply.parse(self._call(lambda a=args: self._sample(core.keys.all(), a), "sample"))
+            core.on_sample(reply)
+            if reply.status is SampleStatus.OK:
+                break
+            delay = backoff.delay()
+            if delay is None:
+                raise sample_refused(reply.status, num_groups, reply.size, timeout_s)
+            core.metrics.rate_limited_waits.labels("sample").inc()
+            time.sleep(delay)
+        groups = core.decode(reply, consumer_version)
+        core.metrics.sample_latency.observe(time.perf_counter() - t0)
+        return groups
+
+    def wait_for_room(self, producer_version: int, timeout_s: float = 60.0) -> int:
+        """Producer pacing: hold while >= `max_ahead` groups a learner at `producer_version` could still
+        sample are stored; return that count once below, or raise `RateLimited` after `timeout_s`."""
+        k = self._core.keys
+        backoff = self._core.backoff(timeout_s)
+        while True:
+            floor = self._core.fresh_floor(producer_version)
+            fresh = self._call(lambda f=floor: self._client.zcount(k.by_version, f, "+inf"), "pace")
+            if self.config.max_ahead is None or fresh < self.config.max_ahead:
+                return fresh
+            delay = backoff.delay()
+            if delay is None:
+                raise RateLimited(
+                    f"{fresh} fresh groups >= max_ahead={self.config.max_ahead} for {timeout_s} s"
+                )
+            self._core.metrics.rate_limited_waits.labels("pace").inc()
+            time.sleep(delay)
+
+    def stats(self) -> BufferStats:
+        """Size, lifetime counters (the learner's buffer position) and the stored version range."""
+        k = self._core.keys
+
+        def read():
+            pipe = self._client.pipeline(transaction=True)
+            pipe.hgetall(k.counters).zcard(k.order)
+            pipe.zrange(k.by_version, 0, 0, withscores=True).zrevrange(k.by_version, 0, 0, withscores=True)
+            return pipe.execute()
+
+        return self._core.stats(*self._call(read, "stats"))
+
+    def clear(self) -> None:
+        """Delete every key of this buffer (stored groups, dedupe set and counters)."""
+        self._call(lambda: self._client.delete(*self._core.keys.all()), "clear")
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._client.close()
+
+    def __enter__(self) -> ReplayBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncReplayBuffer:
+    """The asyncio twin of `ReplayBuffer` (actors and services); same scripts, same codec, same errors."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        run_id: str,
+        config: BufferConfig | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self._core = Core(run_id, config or BufferConfig(), registry)
+        self.config = self._core.cfg
+        self._client = async_client(redis_url, self.config)
+        self._insert = self._client.register_script(script_source("insert"))
+        self._sample = self._client.register_script(script_source("sample"))
+
+    async def _call(self, fn, what: str):
+        return await call_async(fn, self.config, what, self._core.metrics.storage_retries.inc)
+
+    async def insert(self, group: TrajectoryGroup) -> bool:
+        """Insert one group; False when its group_id was already inserted. Invalid: `InvalidTrajectory`."""
+        inserted, _, rejected = await self._insert_many([group])
+        if rejected:
+            raise next(iter(rejected.values()))
+        return bool(inserted)
+
+    async def insert_many(self, groups: Sequence[TrajectoryGroup]) -> InsertResult:
+        """See `ReplayBuffer.insert_many`."""
+        return make_result(*(await self._insert_many(groups)))
+
+    async def _insert_many(self, groups: Sequence[TrajectoryGroup]):
+        t0 = time.perf_counter()
+        core, keys = self._core, self._core.keys.all()
+        chunks, rejected = core.prepare(groups)
+        if rejected:
+            await self._call(lambda: self._count(core.rejected_counts(rejected)), "count rejected")
+        inserted: list[str] = []
+        dups: list[str] = []
+        backoff = None
+        for pending in chunks:
+            while pending:
+                raw = await self._call(
+                    lambda p=pending: self._insert(keys, insert_args(self.config, p)), "insert"
+                )
+                reply = InsertReply.parse(raw)
+                core.on_insert(reply)
+                pending = file_statuses(pending, reply, inserted, dups)
+                if pending:
+                    backoff = backoff or core.backoff(self.config.insert_timeout_s)
+                    delay = backoff.delay()
+                    if delay is None:
+                        raise insert_limited(self.config, len(inserted))
+                    core.metrics.rate_limited_waits.labels("insert").inc()
+                    await asyncio.sleep(delay)
+        core.metrics.insert_latency.observe(time.perf_counter() - t0)
+        return inserted, dups, rejected
+
+    async def _count(self, counts: dict[str, int]) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        for name, n in counts.items():
+            pipe.hincrby(self._core.keys.counters, name, n)
+        await pipe.execute()
+
+    async def sample(
+        self, num_groups: int, consumer_version: int, timeout_s: float = 10.0
+    ) -> list[TrajectoryGroup]:
+        """See `ReplayBuffer.sample`."""
+        t0 = time.perf_counter()
+        core = self._core
+        core.check_sample(num_groups)
+        backoff = core.backoff(timeout_s)
+        while True:
+            args = sample_args(self.config, num_groups, consumer_version)
+            raw = await self._call(lambda a=args: self._sample(core.keys.all(), a), "sample")
+            reply = SampleReply.parse(raw)
+            core.on_sample(reply)
+            if reply.status is SampleStatus.OK:
+                break
+            delay = backoff.delay()
+            if delay is None:
+                raise sample_refused(reply.status, num_groups, reply.size, timeout_s)
+            core.metrics.rate_limited_waits.labels("sample").inc()
+            await asyncio.sleep(delay)
+        groups = core.decode(reply, consumer_version)
+        core.metrics.sample_latency.observe(time.perf_counter() - t0)
+        return groups
+
+    async def wait_for_room(self, producer_version: int, timeout_s: float = 60.0) -> int:
+        """See `ReplayBuffer.wait_for_room`."""
+        k = self._core.keys
+        backoff = self._core.backoff(timeout_s)
+        while True:
+            floor = self._core.fresh_floor(producer_version)
+            fresh = await self._call(lambda f=floor: self._client.zcount(k.by_version, f, "+inf"), "pace")
+            if self.config.max_ahead is None or fresh < self.config.max_ahead:
+                return fresh
+            delay = backoff.delay()
+            if delay is None:
+                raise RateLimited(
+                    f"{fresh} fresh groups >= max_ahead={self.config.max_ahead} for {timeout_s} s"
+                )
+            self._core.metrics.rate_limited_waits.labels("pace").inc()
+            await asyncio.sleep(delay)
+
+    async def stats(self) -> BufferStats:
+        """See `ReplayBuffer.stats`."""
+        k = self._core.keys
+
+        async def read():
+            pipe = self._client.pipeline(transaction=True)
+            pipe.hgetall(k.counters).zcard(k.order)
+            pipe.zrange(k.by_version, 0, 0, withscores=True).zrevrange(k.by_version, 0, 0, withscores=True)
+            return await pipe.execute()
+
+        return self._core.stats(*(await self._call(read, "stats")))
+
+    async def clear(self) -> None:
+        """See `ReplayBuffer.clear`."""
+        await self._call(lambda: self._client.delete(*self._core.keys.all()), "clear")
+
+    async def close(self) -> None:
+        """Close the connection pool."""
+        await self._client.aclose()
+
+    async def __aenter__(self) -> AsyncReplayBuffer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

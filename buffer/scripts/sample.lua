@@ -1,0 +1,105 @@
+-- Sample k groups atomically: drop (and count) stale groups, apply the rate limiter, choose by the
+-- sampler, count each use, remove groups sampled max_times_sampled times.
+-- KEYS: data order by_version uses priority seen counters  (all under one {run_id} hash tag)
+-- ARGV: k, consumer_version, max_staleness (-1 = none), max_times_sampled (0 = none), sampler, seed,
+--       min_size_to_sample, use_ratio (0|1), samples_per_insert, min_diff, priority_epsilon
+-- Returns: {status, size, n_stale, n_consumed, then 3 per chosen group: group_id, policy_version, payload}
+--   status: 1 ok, 2 rate limited (ratio), 3 below min_size_to_sample, 4 fewer than k eligible groups
+local data, order, byver, uses, prio, counters = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[7]
+local k = tonumber(ARGV[1])
+local consumer_version = tonumber(ARGV[2])
+local max_staleness = tonumber(ARGV[3])
+local max_times = tonumber(ARGV[4])
+local sampler = ARGV[5]
+-- Redis 6.2 reseeds the script PRNG identically on every call; the client passes a fresh seed.
+math.randomseed(tonumber(ARGV[6]))
+local min_size = tonumber(ARGV[7])
+local use_ratio = ARGV[8] == '1'
+local spi = tonumber(ARGV[9])
+local min_diff = tonumber(ARGV[10])
+local eps = tonumber(ARGV[11])
+
+local function remove(gid)
+  redis.call('HDEL', data, gid)
+  redis.call('ZREM', order, gid)
+  redis.call('ZREM', byver, gid)
+  redis.call('ZREM', prio, gid)
+  redis.call('HDEL', uses, gid)
+end
+
+-- 1. Drop groups a consumer at consumer_version may no longer use.
+local n_stale = 0
+if max_staleness >= 0 then
+  local stale = redis.call('ZRANGEBYSCORE', byver, '-inf', '(' .. (consumer_version - max_staleness))
+  for _, gid in ipairs(stale) do remove(gid) end
+  n_stale = #stale
+  if n_stale > 0 then redis.call('HINCRBY', counters, 'dropped:stale', n_stale) end
+end
+
+-- 2. Rate limiters (Reverb's MinSize and SampleToInsertRatio).
+local size = redis.call('ZCARD', order)
+if size < min_size then return {3, size, n_stale, 0} end
+if use_ratio then
+  local inserted = tonumber(redis.call('HGET', counters, 'inserted') or '0')
+  local sampled = tonumber(redis.call('HGET', counters, 'sampled') or '0')
+  if inserted * spi - (sampled + k) < min_diff then return {2, size, n_stale, 0} end
+end
+if size < k then return {4, size, n_stale, 0} end
+
+-- 3. Choose k distinct groups (every stored group is eligible after step 1).
+local chosen = {}
+if sampler == 'fifo' then
+  chosen = redis.call('ZRANGE', order, 0, k - 1)
+elseif sampler == 'newest' then
+  chosen = redis.call('ZREVRANGE', order, 0, k - 1)
+elseif sampler == 'uniform' then
+  -- Floyd's algorithm: k distinct ranks out of size, uniformly.
+  local picked = {}
+  for j = size - k + 1, size do
+    local t = math.random(1, j)
+    if picked[t] then t = j end
+    picked[t] = true
+    chosen[#chosen + 1] = redis.call('ZRANGE', order, t - 1, t - 1)[1]
+  end
+else
+  -- Weighted without replacement (Efraimidis-Spirakis): the k largest log(u)/w.
+  local rows
+  if sampler == 'staleness_weighted' then
+    rows = redis.call('ZRANGE', byver, 0, -1, 'WITHSCORES')
+  else
+    rows = redis.call('ZRANGE', prio, 0, -1, 'WITHSCORES')
+  end
+  local keyed = {}
+  for i = 1, #rows, 2 do
+    local w
+    if sampler == 'staleness_weighted' then
+      w = 1.0 / (math.max(consumer_version - tonumber(rows[i + 1]), 0) + 1)
+    else
+      w = tonumber(rows[i + 1]) + eps
+    end
+    local key = -math.huge
+    if w > 0 then key = math.log(1.0 - math.random()) / w end
+    keyed[#keyed + 1] = {key, rows[i]}
+  end
+  table.sort(keyed, function(a, b) return a[1] > b[1] end)
+  for i = 1, k do chosen[i] = keyed[i][2] end
+end
+
+-- 4. Count uses, collect payloads, remove groups that reached max_times_sampled.
+local out = {1, 0, n_stale, 0}
+local n_consumed = 0
+for _, gid in ipairs(chosen) do
+  local n_uses = redis.call('HINCRBY', uses, gid, 1)
+  out[#out + 1] = gid
+  out[#out + 1] = redis.call('ZSCORE', byver, gid)
+  out[#out + 1] = redis.call('HGET', data, gid)
+  if max_times > 0 and n_uses >= max_times then
+    remove(gid)
+    n_consumed = n_consumed + 1
+  end
+end
+redis.call('HINCRBY', counters, 'sampled', k)
+if n_consumed > 0 then redis.call('HINCRBY', counters, 'evicted:max_times_sampled', n_consumed) end
+out[2] = size - n_consumed
+out[4] = n_consumed
+return out

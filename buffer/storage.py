@@ -1,0 +1,165 @@
+"""The wire to Redis: clients, the Lua scripts, their arguments and replies, and error translation.
+
+Redis errors become buffer errors here and nowhere else: connection errors and timeouts are retried
+with backoff for `storage_timeout_s`, then raise `StorageUnavailable`; any other Redis error raises
+`StorageUnavailable` at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import redis
+import redis.asyncio as aioredis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from buffer.config import BufferConfig
+from buffer.errors import StorageUnavailable
+from buffer.rate_limiter import Backoff, SampleStatus
+
+T = TypeVar("T")
+SCRIPTS_DIR = Path(__file__).parent / "scripts"
+_RETRYABLE = (redis.ConnectionError, redis.TimeoutError)  # BusyLoadingError (AOF replay) is a ConnectionError
+
+
+def script_source(name: str) -> str:
+    """The text of `scripts/<name>.lua`."""
+    return (SCRIPTS_DIR / f"{name}.lua").read_text()
+
+
+def _client_kwargs(cfg: BufferConfig) -> dict:
+    # redis-py's own retries (3, with up to 10 s backoff) would break our bound; we retry ourselves.
+    return {
+        "socket_timeout": cfg.socket_timeout_s,
+        "socket_connect_timeout": cfg.socket_timeout_s,
+        "retry": Retry(NoBackoff(), 0),
+    }
+
+
+def sync_client(url: str, cfg: BufferConfig) -> redis.Redis:
+    """A redis-py client for `url` (hiredis parser when installed) that does not retry on its own."""
+    return redis.Redis.from_url(url, **_client_kwargs(cfg))
+
+
+def async_client(url: str, cfg: BufferConfig) -> aioredis.Redis:
+    """The asyncio twin of `sync_client`."""
+    return aioredis.Redis.from_url(url, **_client_kwargs(cfg))
+
+
+def _unavailable(e: redis.RedisError, what: str, attempts: int) -> StorageUnavailable:
+    return StorageUnavailable(f"{what} failed after {attempts} attempt(s): {type(e).__name__}: {e}")
+
+
+def call_sync(fn: Callable[[], T], cfg: BufferConfig, what: str, on_retry: Callable[[], None]) -> T:
+    """Run `fn`, retrying connection errors for `cfg.storage_timeout_s`; translate Redis errors."""
+    backoff = Backoff(cfg.storage_timeout_s, cfg.backoff_initial_s, 0.5)
+    while True:
+        try:
+            return fn()
+        except _RETRYABLE as e:
+            delay = backoff.delay()
+            if delay is None:
+                raise _unavailable(e, what, backoff.waits + 1) from e
+            on_retry()
+            time.sleep(delay)
+        except redis.RedisError as e:
+            raise _unavailable(e, what, backoff.waits + 1) from e
+
+
+async def call_async(
+    fn: Callable[[], Awaitable[T]], cfg: BufferConfig, what: str, on_retry: Callable[[], None]
+) -> T:
+    """The asyncio twin of `call_sync`."""
+    backoff = Backoff(cfg.storage_timeout_s, cfg.backoff_initial_s, 0.5)
+    while True:
+        try:
+            return await fn()
+        except _RETRYABLE as e:
+            delay = backoff.delay()
+            if delay is None:
+                raise _unavailable(e, what, backoff.waits + 1) from e
+            on_retry()
+            await asyncio.sleep(delay)
+        except redis.RedisError as e:
+            raise _unavailable(e, what, backoff.waits + 1) from e
+
+
+# --- script arguments and replies
+
+
+def _num(x: float) -> str:
+    return repr(float(x))
+
+
+def insert_args(cfg: BufferConfig, entries: list[tuple[str, int, float, bytes]]) -> list:
+    """ARGV of insert.lua for (group_id, policy_version, priority, payload) entries."""
+    _, max_diff = cfg.limiter_bounds()
+    ratio = cfg.samples_per_insert is not None
+    args: list = [
+        cfg.max_size,
+        "1" if ratio else "0",
+        _num(cfg.samples_per_insert or 0.0),
+        _num(max_diff if ratio else 0.0),
+        cfg.min_size_to_sample,
+        "1" if cfg.sampler == "prioritized" else "0",
+    ]
+    for gid, version, priority, payload in entries:
+        args += [gid, version, _num(priority), payload]
+    return args
+
+
+@dataclass(frozen=True, slots=True)
+class InsertReply:
+    """insert.lua's reply: per-entry status (1 inserted, 0 duplicate, 2 rate limited) and removals."""
+
+    statuses: list[int]
+    size: int
+    evicted: int
+    evicted_unsampled: int
+
+    @classmethod
+    def parse(cls, raw: list) -> InsertReply:
+        return cls([int(s) for s in raw[0]], int(raw[1]), int(raw[2]), int(raw[3]))
+
+
+def sample_args(cfg: BufferConfig, k: int, consumer_version: int) -> list:
+    """ARGV of sample.lua, with a fresh random seed."""
+    min_diff, _ = cfg.limiter_bounds()
+    ratio = cfg.samples_per_insert is not None
+    return [
+        k,
+        consumer_version,
+        -1 if cfg.max_staleness is None else cfg.max_staleness,
+        cfg.max_times_sampled or 0,
+        cfg.sampler,
+        secrets.randbits(31),
+        cfg.min_size_to_sample,
+        "1" if ratio else "0",
+        _num(cfg.samples_per_insert or 0.0),
+        _num(min_diff if ratio else 0.0),
+        _num(cfg.priority_epsilon),
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class SampleReply:
+    """sample.lua's reply: verdict, size after, removals, and the chosen (group_id, version, payload)."""
+
+    status: SampleStatus
+    size: int
+    stale: int
+    consumed: int
+    chosen: list[tuple[str, int, bytes]]
+
+    @classmethod
+    def parse(cls, raw: list) -> SampleReply:
+        rest = raw[4:]
+        chosen = [(rest[i].decode(), int(float(rest[i + 1])), rest[i + 2]) for i in range(0, len(rest), 3)]
+        return cls(SampleStatus(int(raw[0])), int(raw[1]), int(raw[2]), int(raw[3]), chosen)
