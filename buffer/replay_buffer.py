@@ -42,12 +42,12 @@ class ReplayBuffer:
     ) -> None:
         self._core = Core(run_id, config or BufferConfig(), registry)
         self.config = self._core.cfg
-        self._client = sync_client(redis_url, self.config)
+        self._client = sync_client(redis_url, self.config.socket_timeout_s)
         self._insert = self._client.register_script(script_source("insert"))
         self._sample = self._client.register_script(script_source("sample"))
 
     def _call(self, fn, what: str):
-        return call_sync(fn, self.config, what, self._core.metrics.storage_retries.inc)
+        return call_sync(fn, self.config.storage_timeout_s, what, self._core.metrics.storage_retries.inc)
 
     def insert(self, group: TrajectoryGroup) -> bool:
         """Insert one group; False when its group_id was already inserted. Invalid: `InvalidTrajectory`."""
@@ -177,12 +177,14 @@ class AsyncReplayBuffer:
     ) -> None:
         self._core = Core(run_id, config or BufferConfig(), registry)
         self.config = self._core.cfg
-        self._client = async_client(redis_url, self.config)
+        self._client = async_client(redis_url, self.config.socket_timeout_s)
         self._insert = self._client.register_script(script_source("insert"))
         self._sample = self._client.register_script(script_source("sample"))
 
     async def _call(self, fn, what: str):
-        return await call_async(fn, self.config, what, self._core.metrics.storage_retries.inc)
+        return await call_async(
+            fn, self.config.storage_timeout_s, what, self._core.metrics.storage_retries.inc
+        )
 
     async def insert(self, group: TrajectoryGroup) -> bool:
         """Insert one group; False when its group_id was already inserted. Invalid: `InvalidTrajectory`."""

@@ -26,6 +26,7 @@ from buffer.rate_limiter import Backoff, SampleStatus
 
 T = TypeVar("T")
 SCRIPTS_DIR = Path(__file__).parent / "scripts"
+_RETRY_INITIAL_S, _RETRY_MAX_S = 0.01, 0.5
 _RETRYABLE = (redis.ConnectionError, redis.TimeoutError)  # BusyLoadingError (AOF replay) is a ConnectionError
 
 
@@ -34,32 +35,32 @@ def script_source(name: str) -> str:
     return (SCRIPTS_DIR / f"{name}.lua").read_text()
 
 
-def _client_kwargs(cfg: BufferConfig) -> dict:
+def _client_kwargs(socket_timeout_s: float) -> dict:
     # redis-py's own retries (3, with up to 10 s backoff) would break our bound; we retry ourselves.
     return {
-        "socket_timeout": cfg.socket_timeout_s,
-        "socket_connect_timeout": cfg.socket_timeout_s,
+        "socket_timeout": socket_timeout_s,
+        "socket_connect_timeout": socket_timeout_s,
         "retry": Retry(NoBackoff(), 0),
     }
 
 
-def sync_client(url: str, cfg: BufferConfig) -> redis.Redis:
+def sync_client(url: str, socket_timeout_s: float) -> redis.Redis:
     """A redis-py client for `url` (hiredis parser when installed) that does not retry on its own."""
-    return redis.Redis.from_url(url, **_client_kwargs(cfg))
+    return redis.Redis.from_url(url, **_client_kwargs(socket_timeout_s))
 
 
-def async_client(url: str, cfg: BufferConfig) -> aioredis.Redis:
+def async_client(url: str, socket_timeout_s: float) -> aioredis.Redis:
     """The asyncio twin of `sync_client`."""
-    return aioredis.Redis.from_url(url, **_client_kwargs(cfg))
+    return aioredis.Redis.from_url(url, **_client_kwargs(socket_timeout_s))
 
 
 def _unavailable(e: redis.RedisError, what: str, attempts: int) -> StorageUnavailable:
     return StorageUnavailable(f"{what} failed after {attempts} attempt(s): {type(e).__name__}: {e}")
 
 
-def call_sync(fn: Callable[[], T], cfg: BufferConfig, what: str, on_retry: Callable[[], None]) -> T:
-    """Run `fn`, retrying connection errors for `cfg.storage_timeout_s`; translate Redis errors."""
-    backoff = Backoff(cfg.storage_timeout_s, cfg.backoff_initial_s, 0.5)
+def call_sync(fn: Callable[[], T], timeout_s: float, what: str, on_retry: Callable[[], None]) -> T:
+    """Run `fn`, retrying connection errors for `timeout_s` seconds; translate Redis errors."""
+    backoff = Backoff(timeout_s, _RETRY_INITIAL_S, _RETRY_MAX_S)
     while True:
         try:
             return fn()
@@ -74,10 +75,10 @@ def call_sync(fn: Callable[[], T], cfg: BufferConfig, what: str, on_retry: Calla
 
 
 async def call_async(
-    fn: Callable[[], Awaitable[T]], cfg: BufferConfig, what: str, on_retry: Callable[[], None]
+    fn: Callable[[], Awaitable[T]], timeout_s: float, what: str, on_retry: Callable[[], None]
 ) -> T:
     """The asyncio twin of `call_sync`."""
-    backoff = Backoff(cfg.storage_timeout_s, cfg.backoff_initial_s, 0.5)
+    backoff = Backoff(timeout_s, _RETRY_INITIAL_S, _RETRY_MAX_S)
     while True:
         try:
             return await fn()
