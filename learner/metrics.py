@@ -1,0 +1,200 @@
+"""Every Prometheus metric the learner exports, declared on an injected registry, plus the last step's dict.
+
+Names follow `offpolicy_learner_<what>_<unit>`. Each `rollout_corr/<key>` of the spec (section 6) is a
+gauge `offpolicy_learner_rollout_corr_<key>`, declared up front for every key the correction can emit
+(so dashboards may name them before the first step); a key outside that list still gets a gauge on first
+sight. Token-level histograms (IS weights, staleness) are filled from whole arrays at once by
+`BulkHistogram`, never by one `observe` per token.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+PREFIX = "offpolicy_learner_"
+PHASES = ("sample_wait", "collate", "old_logprob", "forward_backward", "optimizer", "publish")
+STALENESS_BUCKETS = ("0", "1", "2-3", "4-7", "8+")
+STALENESS_EDGES = (0, 1, 3, 7)  # bucketize(right=False): 0 | 1 | 2-3 | 4-7 | 8+
+
+IS_KEYS = (
+    "mean", "max", "min", "ratio_fraction_high", "ratio_fraction_low", "std", "eff_sample_size",
+    "seq_mean", "seq_std", "seq_max", "seq_min", "seq_max_deviation", "seq_fraction_high",
+    "seq_fraction_low", "oob_ratio", "batch_norm_factor", "veto_fraction", "catastrophic_token_fraction",
+)  # fmt: skip
+RS_OPTIONS = (
+    "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3",
+)  # fmt: skip
+RS_KEYS = (
+    "mean", "max", "min", "fraction_high", "fraction_low", "std", "seq_mean", "seq_std", "seq_max",
+    "seq_min", "seq_max_deviation", "seq_fraction_high", "seq_fraction_low", "masked_fraction",
+    "seq_masked_fraction",
+)  # fmt: skip
+OFFPOLICY_KEYS = (
+    "training_ppl", "training_log_ppl", "kl", "k3_kl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",
+    "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "chi2_token", "chi2_seq",
+)  # fmt: skip
+ROLLOUT_CORR_KEYS = (
+    *(f"rollout_is_{k}" for k in IS_KEYS),
+    "rollout_rs_masked_fraction",
+    "rollout_rs_seq_masked_fraction",
+    *(f"rollout_rs_{o}_{k}" for o in RS_OPTIONS for k in RS_KEYS),
+    *OFFPOLICY_KEYS,
+)
+ACTOR_KEYS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
+CRITIC_KEYS = ("vf_loss", "vf_clipfrac", "values_mean")
+SCALARS = {  # step-dict key -> (metric name suffix, help)
+    "loss": ("loss", "Policy loss of the last learner step (mean over its optimizer steps)."),
+    "grad_norm": ("grad_norm", "Global gradient norm before clipping (last optimizer step)."),
+    "lr": ("learning_rate", "Learning rate of the last optimizer step."),
+    "tokens_per_s": ("tokens_per_second", "Response tokens trained per second over the last step."),
+    "version": ("policy_version", "Policy version = optimizer steps taken."),
+    "reward_mean": ("reward_mean", "Mean reward of the completions in the last sampled batch."),
+    "response_length_mean": ("response_length_tokens", "Mean response length of the last batch."),
+    "staleness_mean": ("staleness_mean_steps", "Mean staleness of the last batch's groups."),
+}
+IS_WEIGHT_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0)
+STALENESS_HIST_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+def sanitize(key: str) -> str:
+    """A metric-name-safe form of a metric key: lower case, runs of other characters become `_`."""
+    return re.sub(r"[^a-z0-9_]+", "_", key.lower()).strip("_")
+
+
+class BulkHistogram(Collector):
+    """A Prometheus histogram filled from whole arrays (`observe_many`), one numpy pass per call."""
+
+    def __init__(self, name: str, documentation: str, buckets: Iterable[float], registry: CollectorRegistry):
+        self.name, self.documentation = name, documentation
+        self.bounds = np.asarray(sorted(buckets), dtype=np.float64)
+        self.counts = np.zeros(len(self.bounds) + 1, dtype=np.int64)
+        self.total = 0.0
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe_many(self, values: np.ndarray) -> None:
+        values = np.asarray(values, dtype=np.float64).ravel()
+        idx = np.searchsorted(self.bounds, values, side="left")  # first bound >= value: Prometheus `le`
+        with self._lock:
+            self.counts += np.bincount(idx, minlength=len(self.counts))
+            self.total += float(values.sum())
+
+    def describe(self) -> list[HistogramMetricFamily]:
+        return [HistogramMetricFamily(self.name, self.documentation)]
+
+    def collect(self) -> list[HistogramMetricFamily]:
+        with self._lock:
+            cum, total = np.cumsum(self.counts), self.total
+        buckets = [(repr(float(b)), int(c)) for b, c in zip(self.bounds, cum[:-1], strict=True)]
+        family = HistogramMetricFamily(self.name, self.documentation)
+        family.add_metric([], [*buckets, ("+Inf", int(cum[-1]))], total)
+        return [family]
+
+
+def staleness_bucket_index(staleness: torch.Tensor) -> torch.Tensor:
+    """(B,) staleness in steps → (B,) index into STALENESS_BUCKETS."""
+    edges = torch.tensor(STALENESS_EDGES, device=staleness.device, dtype=staleness.dtype)
+    return torch.bucketize(staleness, edges, right=False)
+
+
+class StalenessKL:
+    """Accumulates the k1 off-policy KL, mean over tokens of (log pi_rollout - log pi_train), per bucket."""
+
+    def __init__(self) -> None:
+        self.sums = torch.zeros(len(STALENESS_BUCKETS), dtype=torch.float64)
+        self.counts = torch.zeros(len(STALENESS_BUCKETS), dtype=torch.float64)
+
+    def add(
+        self, train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor, staleness: torch.Tensor
+    ):
+        """Rows (B, R) with their (B,) staleness; everything stays on the tensors' device until `result`."""
+        bucket = staleness_bucket_index(staleness)  # (B,)
+        row_kl = ((rollout_lp - train_lp.detach()) * mask).sum(-1).double()  # (B,)
+        dev = row_kl.device
+        self.sums = self.sums.to(dev).index_add(0, bucket, row_kl)
+        self.counts = self.counts.to(dev).index_add(0, bucket, mask.sum(-1).double())
+
+    def result(self) -> dict[str, float]:
+        """{bucket: KL} for the buckets that saw tokens (one host transfer)."""
+        sums, counts = torch.stack([self.sums, self.counts]).cpu().tolist()
+        return {b: s / c for b, s, c in zip(STALENESS_BUCKETS, sums, counts, strict=True) if c > 0}
+
+
+class LearnerMetrics:
+    """The learner's metrics on `registry`; `last` is the last step's metrics as a plain dict."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.last: dict[str, float] = {}
+        self._gauges: dict[str, Gauge] = {}
+        self._lock = threading.Lock()
+        for key in ROLLOUT_CORR_KEYS:
+            self._gauge(f"rollout_corr/{key}")
+        for key in ACTOR_KEYS:
+            self._gauge(f"actor/{key}")
+        for key in CRITIC_KEYS:
+            self._gauge(f"critic/{key}")
+        for key in SCALARS:
+            self._gauge(key)
+        self.steps = Counter(PREFIX + "steps", "Learner steps completed.", registry=registry)
+        self.tokens = Counter(PREFIX + "tokens", "Response tokens trained on.", registry=registry)
+        self.groups = Counter(PREFIX + "groups", "Groups sampled and trained on.", registry=registry)
+        self.publishes = Counter(PREFIX + "publishes", "Weight versions published.", registry=registry)
+        self.checkpoints = Counter(PREFIX + "checkpoints", "Checkpoints written.", registry=registry)
+        self.paused = Gauge(PREFIX + "paused", "1 while the learner is paused, else 0.", registry=registry)
+        self.phase_seconds = Histogram(
+            PREFIX + "step_phase_seconds", "Time per learner step phase.", ["phase"],
+            buckets=PHASE_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.step_seconds = Histogram(
+            PREFIX + "step_seconds",
+            "Wall time of one learner step.",
+            buckets=PHASE_BUCKETS,
+            registry=registry,
+        )
+        self.staleness_hist = BulkHistogram(
+            PREFIX + "sampled_staleness_steps", "Staleness of sampled groups (learner version - policy version).",
+            STALENESS_HIST_BUCKETS, registry,
+        )  # fmt: skip
+        self.is_weight_hist = BulkHistogram(
+            PREFIX + "token_is_weight", "Per-token importance weights applied (or, in bypass, computed).",
+            IS_WEIGHT_BUCKETS, registry,
+        )  # fmt: skip
+        self.offpolicy_kl = Gauge(
+            PREFIX + "offpolicy_kl",
+            "k1 KL(pi_rollout || pi_train) over the last step's tokens, by staleness bucket (steps).",
+            ["staleness"], registry=registry,
+        )  # fmt: skip
+
+    def _gauge(self, key: str) -> Gauge:
+        with self._lock:
+            if key not in self._gauges:
+                suffix, doc = SCALARS.get(key, (sanitize(key), f"Last learner step's `{key}`."))
+                self._gauges[key] = Gauge(PREFIX + suffix, doc, registry=self.registry)
+            return self._gauges[key]
+
+    def record_step(self, step_metrics: Mapping[str, float], phases: Mapping[str, float]) -> None:
+        """Set the gauges from one step's metrics dict and observe its phase times; keep the dict."""
+        for key, value in step_metrics.items():
+            if key.startswith(("rollout_corr/", "actor/", "critic/")) or key in SCALARS:
+                self._gauge(key).set(value)
+        for phase, seconds in phases.items():
+            self.phase_seconds.labels(phase=phase).observe(seconds)
+        self.step_seconds.observe(sum(phases.values()))
+        self.steps.inc()
+        self.tokens.inc(step_metrics.get("tokens", 0.0))
+        self.groups.inc(step_metrics.get("groups", 0.0))
+        for bucket in STALENESS_BUCKETS:
+            if f"offpolicy_kl/{bucket}" in step_metrics:
+                self.offpolicy_kl.labels(staleness=bucket).set(step_metrics[f"offpolicy_kl/{bucket}"])
+        self.last = dict(step_metrics)
