@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ("correction", "buffer", "learner", "actor", "e2e")
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
@@ -14,17 +19,112 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _service_overrides(args: argparse.Namespace) -> dict:
+    given = {"config_path": args.config, "host": args.host, "port": args.port, "log_level": args.log_level}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _learner(args: argparse.Namespace) -> int:
+    from services.learner_api.main import serve
+
+    return serve(**_service_overrides(args))
+
+
+def _actor(args: argparse.Namespace) -> int:
+    from services.actor_api.main import serve
+
+    return serve(**_service_overrides(args))
+
+
+def _quickstart(args: argparse.Namespace) -> int:
+    from services.quickstart import QuickstartOptions, run_quickstart
+
+    options = QuickstartOptions(
+        model=args.model,
+        dataset=args.dataset,
+        redis_url=args.redis_url,
+        max_steps=args.max_steps,
+        runs_dir=args.runs_dir,
+        timeout_s=args.timeout_s,
+    )
+    return run_quickstart(options)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    names = args.names or list(BENCHMARKS)
+    failed = []
+    for name in names:
+        script = REPO_ROOT / "benchmarks" / f"{name}.py"
+        if not script.exists():
+            print(f"[bench] {name}: {script} does not exist", file=sys.stderr)
+            failed.append(name)
+            continue
+        print(f"[bench] {name}", flush=True)
+        cmd = [sys.executable, str(script), *(["--json"] if args.json else [])]
+        if subprocess.run(cmd, cwd=REPO_ROOT, check=False).returncode != 0:
+            failed.append(name)
+    if failed:
+        print(f"[bench] failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _add_service_args(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--config", type=Path, help=f"YAML file with the {what}; env OFFPOLICY_CONFIG_PATH")
+    parser.add_argument("--host", help="interface to bind (default 127.0.0.1; env OFFPOLICY_HOST)")
+    parser.add_argument("--port", type=int, help="TCP port (env OFFPOLICY_PORT)")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log level")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="offpolicy",
         description="Asynchronous replay-buffer off-policy RL training for LLMs.",
+        epilog="Set OFFPOLICY_API_TOKEN to require `Authorization: Bearer <token>` on mutating routes.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+
+    quick = sub.add_parser(
+        "quickstart",
+        help="embedded Redis + learner + one actor on a tiny model and a toy task, until the reward rises",
+        description="Start an embedded Redis, build a tiny model, start the learner and one actor service "
+        "as child processes, train on the target-token toy task with live progress, then write "
+        "runs/<id>/metrics.jsonl and a PNG plot and stop everything. Ctrl-C stops cleanly.",
+    )
+    quick.add_argument("--model", help="model folder or hub id instead of the tiny local model")
+    quick.add_argument("--dataset", type=Path, help="prompts (.jsonl/.parquet) instead of the toy task's")
+    quick.add_argument("--redis-url", help="use this Redis instead of starting the embedded one")
+    quick.add_argument("--max-steps", type=int, default=60, help="stop after this many learner steps")
+    quick.add_argument("--runs-dir", type=Path, default=Path("runs"), help="where runs/<id>/ is written")
+    quick.add_argument("--timeout-s", type=float, default=540.0, help="give up after this many seconds")
+    quick.set_defaults(func=_quickstart)
+
+    learner = sub.add_parser(
+        "learner",
+        help="the learner service: train loop + REST control plane (/v1/config, /v1/status, ...)",
+        description="Run the learner loop in a background thread behind its REST API (uvicorn). "
+        "SIGTERM / Ctrl-C finish the current step and stop.",
+    )
+    _add_service_args(learner, "LearnerConfig")
+    learner.set_defaults(func=_learner)
+
+    actor = sub.add_parser(
+        "actor",
+        help="the actor service: vLLM rollout loop + /healthz, /readyz, /metrics, /v1/status",
+        description="Run the actor loop (vLLM generation into the replay buffer, weight reloads) in a "
+        "background thread beside its health, metrics and status routes.",
+    )
+    _add_service_args(actor, "ActorConfig")
+    actor.set_defaults(func=_actor)
 
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random Llama + character tokenizer to DIR")
     tiny.add_argument("dir", help="output folder (created if missing)")
     tiny.add_argument("--seed", type=int, default=0, help="torch seed for the random weights")
     tiny.set_defaults(func=_make_tiny_model)
+
+    bench = sub.add_parser("bench", help=f"run the benchmarks ({', '.join(BENCHMARKS)}) one after another")
+    bench.add_argument("names", nargs="*", metavar="NAME", help="benchmarks/<NAME>.py to run (default: all)")
+    bench.add_argument("--json", action="store_true", help="machine-readable output from each benchmark")
+    bench.set_defaults(func=_bench)
     return parser
 
 

@@ -99,6 +99,10 @@ class NotReady(ServiceError):
     """A readiness check failed or the domain object is not built yet; `detail` names the checks."""
 
 
+class ChildProcessFailed(ServiceError):
+    """A service child process exited or did not become ready in time (quickstart, e2e, benchmarks)."""
+
+
 # --- the table
 
 ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {

@@ -1,0 +1,140 @@
+"""Config changes of the running learner: validation, the frozen-field rule, config versions and history.
+
+The service accepts a new config (PUT = replace, PATCH = merge), validates it as a `LearnerConfig`,
+refuses changes to fields marked `frozen_while_running` (409), gives it the next `config_version` and
+hands it to the learner, which switches at its next step boundary and reports back through
+`mark_applied`. Every accepted config stays in the history with when it was submitted and applied.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from learner.config import LearnerConfig, frozen_field_changes, merge
+from learner.errors import UnknownPreset
+from services.common.errors import FieldFrozen, InvalidConfig, field_errors
+from services.learner_api.schemas import ConfigEntry, ConfigSource
+
+
+def changed_fields(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """Dotted paths of the leaves that differ between two plain dicts (a nested dict counts as a node)."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.extend(changed_fields(a, b, f"{prefix}{key}."))
+        elif a != b:
+            out.append(prefix + key)
+    return out
+
+
+def validate_body(body: Mapping[str, Any]) -> LearnerConfig:
+    """`body` as a `LearnerConfig`; `InvalidConfig` with `body.`-prefixed field paths when it is not one."""
+    try:
+        return LearnerConfig.model_validate(dict(body))
+    except ValidationError as exc:
+        raise InvalidConfig(
+            f"{exc.error_count()} invalid field(s) in the config",
+            field_errors(exc.errors(include_url=False), prefix=("body",)),
+        ) from exc
+    except UnknownPreset as exc:  # a preset name in place of `rollout_correction`
+        detail = [{"field": "body.rollout_correction", "message": str(exc.args[0]), "type": "unknown_preset"}]
+        raise InvalidConfig("unknown rollout-correction preset", detail) from exc
+
+
+class ConfigControl:
+    """The config history of one learner service and the rules for changing it; thread-safe."""
+
+    def __init__(
+        self,
+        initial: LearnerConfig,
+        apply: Callable[[LearnerConfig, int], None],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """`apply(config, config_version)` hands an accepted config to the learner's next step boundary."""
+        self._apply = apply
+        self._clock = clock
+        self._lock = threading.Lock()  # guards _entries
+        self._change_lock = threading.Lock()  # one change at a time: versions dense, history ordered
+        now = clock()
+        self._entries = [
+            ConfigEntry(
+                config_version=0,
+                source="initial",
+                submitted_at=now,
+                applied_at=now,
+                applied_at_step=0,
+                changed_fields=[],
+                config=initial,
+            )
+        ]
+
+    # --- reading
+
+    def history(self) -> list[ConfigEntry]:
+        with self._lock:
+            return list(self._entries)
+
+    def running(self) -> ConfigEntry:
+        """The newest config the loop has switched to."""
+        with self._lock:
+            return next(e for e in reversed(self._entries) if e.applied_at is not None)
+
+    def newest(self) -> ConfigEntry:
+        """The newest accepted config (pending or running): PATCHes merge into this one."""
+        with self._lock:
+            return self._entries[-1]
+
+    def pending_version(self) -> int | None:
+        newest = self.newest()
+        return None if newest.applied_at is not None else newest.config_version
+
+    # --- resolving a request body into a config
+
+    def resolve(self, body: Mapping[str, Any], mode: str) -> tuple[LearnerConfig, list[str]]:
+        """The config a `replace` or `merge` body produces and the fields it changes; raises InvalidConfig
+        (422) or FieldFrozen (409) exactly as a real change would."""
+        base = self.newest().config.model_dump(mode="json")
+        new = validate_body(merge(base, body) if mode == "merge" else body)
+        frozen = frozen_field_changes(self.running().config, new)
+        if frozen:
+            raise FieldFrozen(
+                f"cannot change while the learner runs: {', '.join(frozen)}", detail={"fields": frozen}
+            )
+        return new, changed_fields(base, new.model_dump(mode="json"))
+
+    # --- changing
+
+    def submit(self, body: Mapping[str, Any], mode: str, source: ConfigSource) -> ConfigEntry:
+        """Validate, version and hand over a change; the learner applies it at its next step boundary."""
+        with self._change_lock:
+            new, changed = self.resolve(body, mode)
+            entry = ConfigEntry(
+                config_version=self.newest().config_version + 1,
+                source=source,
+                submitted_at=self._clock(),
+                applied_at=None,
+                applied_at_step=None,
+                changed_fields=changed,
+                config=new,
+            )
+            with self._lock:
+                self._entries.append(entry)
+            self._apply(new, entry.config_version)
+        return entry
+
+    def mark_applied(self, config_version: int, step: int) -> None:
+        """Called from the learner's loop at the step boundary where `config_version` took effect.
+
+        Earlier pending versions that were superseded before a boundary are marked applied at the same
+        boundary (they never ran a step, but their changes are contained in the newer one)."""
+        now = self._clock()
+        with self._lock:
+            for i, entry in enumerate(self._entries):
+                if entry.applied_at is None and entry.config_version <= config_version:
+                    self._entries[i] = entry.model_copy(update={"applied_at": now, "applied_at_step": step})

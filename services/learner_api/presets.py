@@ -1,0 +1,32 @@
+"""The rollout-correction preset catalogue (learner/correction_presets.py) as the API's `Preset` models."""
+
+from __future__ import annotations
+
+from learner.correction_config import RolloutCorrectionConfig
+from learner.correction_presets import ALIASES, canonical_preset_name
+from learner.errors import UnknownPreset
+from services.common.errors import NotFound
+from services.learner_api.schemas import Preset
+
+
+def list_presets() -> list[Preset]:
+    """Every canonical preset with its aliases and the fields of its default configuration."""
+    return [
+        Preset(name=name, aliases=_aliases_of(name), fields=RolloutCorrectionConfig.from_preset(name))
+        for name in RolloutCorrectionConfig.presets()
+    ]
+
+
+def get_preset(name: str) -> Preset:
+    """One preset by canonical name or alias (an alias shows its own fields, e.g. the seed veto)."""
+    try:
+        canonical = canonical_preset_name(name)
+    except UnknownPreset as exc:
+        raise NotFound(str(exc.args[0]), detail={"name": name}) from exc
+    return Preset(
+        name=canonical, aliases=_aliases_of(canonical), fields=RolloutCorrectionConfig.from_preset(name)
+    )
+
+
+def _aliases_of(canonical: str) -> list[str]:
+    return sorted(alias for alias, (target, _) in ALIASES.items() if target == canonical)

@@ -1,0 +1,107 @@
+"""Request and response models of the learner's control plane (`/v1/...`), as OpenAPI documents them."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from learner.config import LearnerConfig
+from learner.correction_config import RolloutCorrectionConfig
+
+ConfigSource = Literal["initial", "put", "patch", "resume"]
+
+
+class ConfigEntry(BaseModel):
+    """One config the learner ran (or will run from its next step boundary) and when it took effect."""
+
+    config_version: int = Field(ge=0)
+    """0 for the config the service started with, +1 for every accepted PUT or PATCH."""
+    source: ConfigSource
+    """What produced it: the start-up file, a PUT, a PATCH."""
+    submitted_at: float
+    """Unix seconds when the service accepted it."""
+    applied_at: float | None
+    """Unix seconds of the step boundary where the loop switched to it; null while still pending."""
+    applied_at_step: int | None
+    """Learner step count at that boundary; null while pending."""
+    changed_fields: list[str]
+    """Dotted paths of the fields that differ from the previous config version."""
+    config: LearnerConfig
+
+
+class ConfigHistory(BaseModel):
+    """Every config version, oldest first."""
+
+    entries: list[ConfigEntry]
+
+
+class ConfigChange(BaseModel):
+    """Answer to a PUT / PATCH: the version the change got and whether the loop runs it yet."""
+
+    config_version: int
+    status: Literal["pending", "applied"]
+    """`pending` until the next step boundary (or `applied` at once while the loop is paused or idle)."""
+    changed_fields: list[str]
+    config: LearnerConfig
+
+
+class ConfigValidation(BaseModel):
+    """Answer to `POST /v1/config/validate`: the body is valid and allowed; nothing was applied."""
+
+    valid: Literal[True] = True
+    changed_fields: list[str]
+    """Fields the change would modify relative to the newest accepted config."""
+    config: LearnerConfig
+    """The config the change would produce."""
+
+
+class ConfigPatch(BaseModel):
+    """A merge patch: nested objects merge into the current config, other values replace; a string for
+    `rollout_correction` selects a preset by name."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": True})
+
+
+class Preset(BaseModel):
+    """A rollout-correction preset with the fields of its default configuration."""
+
+    name: str
+    """Canonical name (verl 0.9.1)."""
+    aliases: list[str]
+    """Seed-era names that resolve to it (some add a veto or IS metrics; GET the alias to see its fields)."""
+    fields: RolloutCorrectionConfig
+
+
+class PresetList(BaseModel):
+    presets: list[Preset]
+
+
+class LearnerStatus(BaseModel):
+    """What the learner is doing: state, version, throughput, buffer, last step's key metrics."""
+
+    state: str
+    """`starting`, `running`, `paused`, `stopped` or `failed`."""
+    policy_version: int
+    """Optimizer steps taken so far (= the version the actors load)."""
+    step: int
+    """Learner steps taken (each step samples one batch)."""
+    config_version: int
+    """Version of the config the loop is running now."""
+    pending_config_version: int | None
+    """A newer accepted config that waits for the next step boundary; null when none."""
+    tokens_per_s: float | None
+    """Trained response tokens per second over the last step; null before the first step."""
+    buffer: dict[str, Any]
+    """Buffer statistics (size, inserts, samples, drops by reason, ...)."""
+    last_step: dict[str, float]
+    """Key metrics of the last step (reward, loss, staleness, IS ESS, KL, ...)."""
+    error: str | None = None
+    """Why the loop stopped, when it failed."""
+
+
+class CheckpointResult(BaseModel):
+    """Where the on-demand checkpoint was written."""
+
+    path: str
+    policy_version: int
