@@ -123,7 +123,7 @@ def save_checkpoint(
 
 
 def load_checkpoint(path: str | Path, parts: Trainables) -> dict[str, Any]:
-    """Restore `parts` and the RNGs from the checkpoint folder `path`; return its meta (version, step, ...)."""
+    """Restore `parts` and the RNGs from the checkpoint folder `path`; return its meta (version, ...)."""
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
     if meta.get("format") != FORMAT:

@@ -163,7 +163,7 @@ class LearnerMetrics:
             registry=registry,
         )
         self.staleness_hist = BulkHistogram(
-            PREFIX + "sampled_staleness_steps", "Staleness of sampled groups (learner version - policy version).",
+            PREFIX + "sampled_staleness_steps", "Staleness of sampled groups (learner - policy version).",
             STALENESS_HIST_BUCKETS, registry,
         )  # fmt: skip
         self.is_weight_hist = BulkHistogram(

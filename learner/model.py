@@ -1,4 +1,4 @@
-"""Load any Hugging Face causal LM for training, and build the tiny local model used by tests and the quickstart.
+"""Load any Hugging Face causal LM for training; build the tiny local model of the tests and quickstart.
 
 The tiny model is a random Llama (hidden 128, 2 layers, 2 heads of head_dim 64, the smallest head size the
 vLLM CPU attention backend accepts) with a character-level tokenizer, saved with `save_pretrained` so that
@@ -106,3 +106,40 @@ def load_model(path_or_id: str | Path, device: str | None = None) -> PreTrainedM
 def load_tokenizer(path_or_id: str | Path) -> PreTrainedTokenizerBase:
     """Load the tokenizer that goes with a model path or hub id."""
     return AutoTokenizer.from_pretrained(str(path_or_id))
+
+
+@torch.no_grad()
+def sample_completions(
+    model: PreTrainedModel,
+    prompt_ids: list[int],
+    n: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    eos_token_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> list[tuple[list[int], list[float]]]:
+    """Sample `n` completions of one prompt with plain torch: [(token ids, log-probs at temperature)].
+
+    A slow reference sampler (no KV cache) for tests, benchmarks and toy runs without vLLM. The log-probs
+    are those of the distribution sampled from (logits / temperature), as vLLM's processed_logprobs.
+    """
+    device = next(model.parameters()).device
+    seqs = torch.tensor([prompt_ids] * n, dtype=torch.long, device=device)  # (n, P)
+    done = torch.zeros(n, dtype=torch.bool, device=device)
+    out_ids, out_lps = [], []
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=seqs, logits_to_keep=1, use_cache=False).logits[:, -1].float()  # (n, V)
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        tok = torch.multinomial(logp.exp(), 1, generator=generator)  # (n, 1)
+        out_ids.append(tok[:, 0])
+        out_lps.append(logp.gather(-1, tok)[:, 0])
+        seqs = torch.cat([seqs, tok], dim=1)
+        done |= tok[:, 0] == eos_token_id if eos_token_id is not None else done
+        if bool(done.all()):
+            break
+    ids, lps = torch.stack(out_ids, 1).tolist(), torch.stack(out_lps, 1).tolist()  # (n, L)
+    results = []
+    for row_ids, row_lps in zip(ids, lps, strict=True):
+        end = row_ids.index(eos_token_id) + 1 if eos_token_id in row_ids else len(row_ids)
+        results.append((row_ids[:end], row_lps[:end]))
+    return results

@@ -1,0 +1,501 @@
+"""The learner loop: sample groups, correct, compute advantages, take PPO steps, publish weights.
+
+Reads top to bottom like a CleanRL file: helpers, then `Learner.__init__` (model, optimizer, buffer,
+resume), then `step()` in the order of spec §5.1:
+
+    sample k groups (consumer_version = version) → collate → [decoupled] pi_old once, correction, the
+    RS mask replaces the response mask → advantages → ppo_epochs × mini-batches (groups) × micro-batches
+    (rows, gradient accumulation) → clip → AdamW step (version += 1) → publish / checkpoint.
+
+In bypass mode pi_old := pi_rollout and the correction runs per micro-batch inside the loss. Config
+changes land only between steps; `checkpoint()` from another thread waits for the running step to end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from buffer.errors import BufferNotReady, RateLimited
+from buffer.policy import PolicyStore
+from buffer.replay_buffer import ReplayBuffer
+from learner.batching import Batch, collate, token_logprobs
+from learner.checkpoint import Trainables, latest_checkpoint, load_checkpoint, save_checkpoint
+from learner.config import FrozenFieldChange, LearnerConfig, OptimizerConfig, frozen_field_changes
+from learner.correction import compute_rollout_correction
+from learner.critic import ValueModel, gae_advantages, value_loss
+from learner.metrics import LearnerMetrics, StalenessKL
+from learner.model import load_model, load_tokenizer
+from learner.weights import publish_weights
+
+log = logging.getLogger(__name__)
+
+# --- helpers
+
+
+def lr_lambda(cfg: OptimizerConfig) -> Callable[[int], float]:
+    """LR multiplier at optimizer step s: linear warm-up, then constant / linear / cosine decay."""
+
+    def factor(s: int) -> float:
+        if s < cfg.warmup_steps:
+            return (s + 1) / cfg.warmup_steps
+        if cfg.decay == "constant" or cfg.decay_steps is None:
+            return 1.0
+        frac = min(1.0, (s - cfg.warmup_steps) / (cfg.decay_steps - cfg.warmup_steps))
+        shape = 1.0 - frac if cfg.decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
+        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+    return factor
+
+
+def set_optimizer_hparams(opt: torch.optim.Optimizer, cfg: OptimizerConfig, base_lr: float) -> None:
+    """Apply a new optimizer config in place (moments kept); the scheduler rescales `initial_lr`."""
+    for g in opt.param_groups:
+        g.update(betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, initial_lr=base_lr)
+
+
+@contextmanager
+def timed(phases: dict[str, float], name: str) -> Iterator[None]:
+    """Add the wall time of the block to `phases[name]` (seconds); syncs CUDA so GPU time is counted."""
+    t0 = time.perf_counter()
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
+
+
+def micro_batches(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """Split a (n,) row index into chunks of at most `size`."""
+    return list(torch.split(rows, size))
+
+
+def mean_metrics(acc: dict[str, list[torch.Tensor]]) -> dict[str, float]:
+    """Mean of each metric's 0-d tensors, moved to the host in one transfer."""
+    if not acc:
+        return {}
+    names = list(acc)
+    values = torch.stack([torch.stack([v.float().reshape(()) for v in acc[n]]).mean() for n in names])
+    return dict(zip(names, values.cpu().tolist(), strict=True))
+
+
+# --- the loss of one micro-batch (ADAPTER: local PPO/REINFORCE math until learner/losses.py lands)
+
+
+def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, den: dict[str, Any]) -> torch.Tensor:
+    """spec §5.4 with the mini-batch's denominators `den`: micro-batch losses add up to the mini-batch's."""
+    if mode == "token-mean":
+        return (loss_mat * mask).sum() / den["tokens"].clamp(min=1)
+    if mode == "token-sum":
+        return (loss_mat * mask).sum()
+    row = (loss_mat * mask).sum(-1)  # (b,)
+    if mode == "seq-mean-token-mean":
+        row = row / (mask.sum(-1) + 1e-8)
+    out = row.sum() / den["rows"].clamp(min=1)
+    return out / den["width"] if mode == "seq-mean-token-sum-norm" else out
+
+
+def ppo_clip_matrix(log_prob, old_log_prob, adv, cfg: LearnerConfig):
+    """Per-token dual-clip PPO loss (spec §5.2) and the masks its metrics need."""
+    neg_approx_kl = (log_prob - old_log_prob).clamp(-20.0, 20.0)
+    ratio = neg_approx_kl.exp()
+    l1 = -adv * ratio
+    l2 = -adv * ratio.clamp(1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high)
+    c1 = torch.maximum(l1, l2)
+    l3 = -adv * cfg.clip_ratio_c
+    loss = torch.where(adv < 0, torch.minimum(l3, c1), c1)
+    return loss, -neg_approx_kl, (l2 > l1).float(), ((c1 > l3) & (adv < 0)).float()
+
+
+def policy_loss_terms(
+    log_prob: torch.Tensor, mb: Batch, cfg: LearnerConfig, den: dict[str, Any]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss of one micro-batch (already scaled for accumulation) and its metrics as 0-d tensors."""
+    rc, mask, adv = cfg.rollout_correction, mb.response_mask, mb.advantages
+    metrics: dict[str, torch.Tensor] = {}
+    weights = mb.is_weights
+    if rc.bypass_mode:  # spec §5.3: correction from the current log-probs, per micro-batch
+        corr = compute_rollout_correction(log_prob.detach(), mb.rollout_log_probs, mask, rc)
+        mask = corr.response_mask.float()
+        weights = corr.weights
+        metrics |= {k: torch.tensor(v) for k, v in corr.metrics.items()}
+    n = mask.sum().clamp(min=1)
+    if rc.bypass_mode and rc.loss_type == "reinforce":
+        loss_mat = -adv * log_prob * (weights if weights is not None else 1.0)
+        metrics["actor/ppo_kl"] = ((mb.rollout_log_probs - log_prob.detach()) * mask).sum() / n
+    else:
+        loss_mat, kl, clipped, clipped_lower = ppo_clip_matrix(log_prob, mb.old_log_probs, adv, cfg)
+        if not rc.bypass_mode and weights is not None:
+            loss_mat = loss_mat * weights
+        metrics["actor/ppo_kl"] = (kl.detach() * mask).sum() / n
+        metrics["actor/pg_clipfrac"] = (clipped * mask).sum() / n
+        metrics["actor/pg_clipfrac_lower"] = (clipped_lower * mask).sum() / n
+    return aggregate(loss_mat, mask, cfg.loss_agg_mode, den), metrics
+
+
+def compute_advantages(estimator, rewards, group_index, response_mask, norm_adv_by_std_in_grpo=True):
+    """ADAPTER until learner/advantages.py lands: outcome advantages (B,) broadcast over the mask (B, R)."""
+    g = int(group_index.max()) + 1
+    ones = torch.ones_like(rewards)
+    count = torch.zeros(g, device=rewards.device).index_add(0, group_index, ones)[group_index]  # (B,)
+    total = torch.zeros(g, device=rewards.device).index_add(0, group_index, rewards)[group_index]
+    if estimator == "reinforce":
+        adv = rewards - rewards.mean()
+    elif estimator == "rloo":
+        adv = torch.where(count > 1, (rewards - (total - rewards) / (count - 1).clamp(min=1)), 0.0)
+    else:  # grpo
+        mean = total / count
+        sq = torch.zeros(g, device=rewards.device).index_add(0, group_index, (rewards - mean) ** 2)[
+            group_index
+        ]
+        std = torch.where(count > 1, (sq / (count - 1).clamp(min=1)).sqrt(), 0.0)
+        adv = (rewards - mean) / (std + 1e-6) if norm_adv_by_std_in_grpo else rewards - mean
+    return adv[:, None] * response_mask  # (B, R)
+
+
+# --- the learner
+
+
+class Learner:
+    """One training process: holds model, optimizer, buffer and policy store; `run` loops `step`."""
+
+    def __init__(self, config: LearnerConfig, registry: CollectorRegistry | None = None) -> None:
+        self.config = config
+        self.config_version = 0
+        self.metrics = LearnerMetrics(registry if registry is not None else CollectorRegistry())
+        random.seed(config.seed)
+        torch.manual_seed(config.seed)
+        # --- model, tokenizer, optimizer, schedule
+        self.model = load_model(config.model_path, config.device)
+        self.device = next(self.model.parameters()).device
+        self.tokenizer = load_tokenizer(config.model_path)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        oc = config.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=oc.lr, betas=oc.betas, eps=oc.eps, weight_decay=oc.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(oc))
+        # --- critic (GAE only)
+        self.critic: ValueModel | None = None
+        self.critic_optimizer: torch.optim.Optimizer | None = None
+        if config.adv_estimator == "gae":
+            self.critic = ValueModel(config.critic.model_path or config.model_path, config.device)
+            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=config.critic.lr)
+        # --- buffer and policy record
+        self.buffer = ReplayBuffer(config.redis_url, config.run_id, config.buffer, registry)
+        self.store = PolicyStore(config.redis_url, config.run_id)
+        # --- state shared with the control thread
+        self.version = 0  # optimizer steps taken = policy version
+        self.step_count = 0  # learner steps taken
+        self.state = "starting"
+        self._pending: tuple[LearnerConfig, int] | None = None
+        self._lock = threading.Lock()  # guards _pending
+        self._step_lock = threading.Lock()  # held while a step trains, publishes or checkpoints
+        self._running = threading.Event()
+        self._running.set()
+        self._tokens_per_s: float | None = None
+        # --- resume from the newest checkpoint, then make sure actors see our weights
+        self._resume()
+        record = self.store.read()
+        if record is None or record.version < self.version:
+            self._publish()
+        self.state = "running"
+
+    # --- control (called from other threads)
+
+    def apply_config(self, new_config: LearnerConfig, config_version: int | None = None) -> None:
+        """Queue `new_config`; it takes effect at the next step boundary. Frozen fields raise at once."""
+        changed = frozen_field_changes(self.config, new_config)
+        if changed:
+            raise FrozenFieldChange(changed)
+        with self._lock:
+            self._pending = (
+                new_config,
+                self.config_version + 1 if config_version is None else config_version,
+            )
+
+    def pause(self) -> None:
+        """Stop after the running step (nothing is torn); `resume()` continues."""
+        self._running.clear()
+        self.metrics.paused.set(1)
+
+    def resume(self) -> None:
+        self._running.set()
+        self.metrics.paused.set(0)
+
+    def checkpoint(self) -> tuple[Path, int]:
+        """Write a checkpoint now (after the running step, if any); return (folder, version)."""
+        with self._step_lock:
+            return self._checkpoint(), self.version
+
+    def status(self) -> dict[str, Any]:
+        """State, version, step, tokens/s, buffer stats and the last step's key metrics (JSON-safe)."""
+        state = "paused" if not self._running.is_set() and self.state == "running" else self.state
+        return {
+            "state": state,
+            "policy_version": self.version,
+            "step": self.step_count,
+            "config_version": self.config_version,
+            "tokens_per_s": self._tokens_per_s,
+            "buffer": self.buffer.stats(),
+            "last_step": dict(self.metrics.last),
+        }
+
+    def run(self, stop_event: threading.Event) -> None:
+        """Loop `step()` until `stop_event` is set or `max_steps` is reached; waits while paused."""
+        while not stop_event.is_set():
+            if not self._running.wait(timeout=0.2):
+                continue
+            if self.config.max_steps is not None and self.step_count >= self.config.max_steps:
+                self.state = "finished"
+                return
+            try:
+                self.step()
+            except (BufferNotReady, RateLimited) as exc:  # no data yet: wait and retry, bounded by the loop
+                self.state = "waiting_for_data"
+                log.info("no groups to train on yet: %s", exc)
+                stop_event.wait(0.5)
+        self.state = "stopped"
+
+    # --- one learner step
+
+    def step(self) -> dict[str, float]:
+        """Sample, train, publish, checkpoint: one learner step. Returns its metrics."""
+        self._apply_pending()
+        cfg, phases = self.config, {}
+        with timed(phases, "sample_wait"):
+            groups = self.buffer.sample(cfg.groups_per_step, self.version, cfg.sample_timeout_s)
+        self.state = "running"
+        with self._step_lock:
+            metrics = self._train_on(groups, phases)
+            self.step_count += 1
+            if self.step_count % cfg.publish.publish_every == 0:
+                with timed(phases, "publish"):
+                    self._publish()
+            every = cfg.checkpoint.checkpoint_every
+            if cfg.checkpoint.checkpoint_dir and every and self.step_count % every == 0:
+                self._checkpoint()
+        total = sum(phases.values())
+        self._tokens_per_s = metrics["tokens"] / total if total > 0 else None
+        metrics |= {"tokens_per_s": self._tokens_per_s or 0.0, "step": float(self.step_count)}
+        metrics |= {f"time/{k}": v for k, v in phases.items()}
+        self.metrics.record_step(metrics, phases)
+        self._write_jsonl(metrics)
+        return metrics
+
+    def _train_on(self, groups: list, phases: dict[str, float]) -> dict[str, float]:
+        cfg, rc = self.config, self.config.rollout_correction
+        # --- collate
+        with timed(phases, "collate"):
+            batch = collate(groups, self.pad_id).to(self.device)
+            staleness = self.version - batch.policy_versions  # (B,)
+            tokens = batch.response_mask.sum()
+        host: dict[str, float] = {}
+        kl = StalenessKL()
+        # --- pi_old and the correction (decoupled: once per batch; its mask replaces the response mask)
+        with timed(phases, "old_logprob"):
+            if rc.bypass_mode:
+                batch.old_log_probs = batch.rollout_log_probs
+            else:
+                batch.old_log_probs = self._no_grad_logprobs(batch)  # (B, R)
+                kl.add(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, staleness)
+                corr = compute_rollout_correction(
+                    batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, rc
+                )
+                batch.response_mask, batch.is_weights = corr.response_mask.float(), corr.weights
+                host |= corr.metrics
+            self._advantages(batch)
+        # --- PPO epochs × mini-batches × micro-batches
+        acc: dict[str, list[torch.Tensor]] = {}
+        for epoch in range(cfg.ppo_epochs):
+            for mini in self._mini_batches(batch):
+                self._optimizer_step(batch, mini, acc, phases, kl if epoch == 0 and rc.bypass_mode else None)
+        if batch.is_weights is not None:
+            self.metrics.is_weight_hist.observe_many(batch.is_weights[batch.response_mask > 0].cpu().numpy())
+        self.metrics.staleness_hist.observe_many(staleness.cpu().numpy())
+        host |= mean_metrics(acc)
+        host["actor/pg_loss"] = host["loss"]
+        host |= {f"offpolicy_kl/{b}": v for b, v in kl.result().items()}
+        scalars = torch.stack([tokens, batch.rewards.mean(), staleness.float().mean()]).cpu().tolist()
+        host |= {
+            "tokens": scalars[0],
+            "groups": float(len(groups)),
+            "reward_mean": scalars[1],
+            "staleness_mean": scalars[2],
+            "response_length_mean": scalars[0] / batch.num_rows,
+            "version": float(self.version),
+            "lr": self.scheduler.get_last_lr()[0],
+        }
+        return host
+
+    def _advantages(self, batch: Batch) -> None:
+        cfg = self.config
+        if self.critic is None:
+            batch.advantages = compute_advantages(
+                cfg.adv_estimator,
+                batch.rewards,
+                batch.group_index,
+                batch.response_mask,
+                norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo,
+            )
+            return
+        with torch.no_grad():
+            width = batch.response_mask.shape[1]
+            batch.values = torch.cat(
+                [_pad_cols(self.critic(batch.select(r)), width) for r in self._rows(batch)]
+            )
+        batch.advantages, batch.returns = gae_advantages(
+            batch.rewards, batch.values, batch.response_mask, cfg.gamma, cfg.lam
+        )
+
+    def _optimizer_step(self, batch, mini, acc, phases, kl: StalenessKL | None) -> None:
+        """Gradient accumulation over the micro-batches of `mini`, then one AdamW step (version += 1)."""
+        cfg = self.config
+        mask = batch.response_mask[mini]  # (b, R)
+        denominators = {"tokens": mask.sum(), "rows": (mask.sum(-1) > 0).sum(), "width": mask.shape[1]}
+        step_loss = torch.zeros((), device=self.device)
+        with timed(phases, "forward_backward"):
+            for rows in micro_batches(mini, cfg.micro_batch_size):
+                mb = batch.select(rows)
+                log_prob = token_logprobs(self.model, mb)  # (b, r)
+                loss, m = policy_loss_terms(log_prob, mb, cfg, denominators)
+                loss.backward()
+                step_loss += loss.detach()
+                if kl is not None:
+                    kl.add(
+                        log_prob, mb.rollout_log_probs, mb.response_mask, self.version - mb.policy_versions
+                    )
+                if self.critic is not None:
+                    v_loss, vm = value_loss(
+                        self.critic(mb), mb.values, mb.returns, mb.response_mask, cfg.critic.cliprange_value
+                    )
+                    (v_loss * cfg.critic.loss_coef * len(rows) / len(mini)).backward()
+                    m |= vm
+                for k, v in m.items():
+                    acc.setdefault(k, []).append(v)
+        with timed(phases, "optimizer"):
+            limit = cfg.grad_clip if cfg.grad_clip is not None else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit)
+            acc.setdefault("grad_norm", []).append(grad_norm)
+            acc.setdefault("loss", []).append(step_loss)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.critic is not None and self.critic_optimizer is not None:
+                torch.nn.utils.clip_grad_norm_(self.critic.parameters(), limit)
+                self.critic_optimizer.step()
+                self.critic_optimizer.zero_grad(set_to_none=True)
+            self.version += 1
+
+    # --- plumbing
+
+    def _rows(self, batch: Batch) -> list[torch.Tensor]:
+        return micro_batches(torch.arange(batch.num_rows, device=self.device), self.config.micro_batch_size)
+
+    @torch.no_grad()
+    def _no_grad_logprobs(self, batch: Batch) -> torch.Tensor:
+        """pi_old: log-probs of the whole batch under the current weights, micro-batched, (B, R)."""
+        width = batch.response_ids.shape[1]
+        return torch.cat(
+            [_pad_cols(token_logprobs(self.model, batch.select(r)), width) for r in self._rows(batch)]
+        )
+
+    def _mini_batches(self, batch: Batch) -> list[torch.Tensor]:
+        """Row indices of each mini-batch: groups shuffled, `mini_batch_groups` at a time."""
+        n_groups = int(batch.group_index.max()) + 1
+        per = self.config.mini_batch_groups or n_groups
+        order = torch.randperm(n_groups).to(self.device)
+        return [
+            torch.isin(batch.group_index, order[i : i + per]).nonzero().squeeze(-1)
+            for i in range(0, n_groups, per)
+        ]
+
+    def _apply_pending(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        new, version = pending
+        if new.optimizer != self.config.optimizer:
+            set_optimizer_hparams(self.optimizer, new.optimizer, new.optimizer.lr)
+            self.scheduler.lr_lambdas = [lr_lambda(new.optimizer)]
+        if new.buffer != self.config.buffer:
+            self.buffer.close()  # rebuilt on a private registry (the first one keeps its metrics)
+            self.buffer = ReplayBuffer(new.redis_url, new.run_id, new.buffer)
+        self.config, self.config_version = new, version
+        log.info("applied config version %d", version)
+
+    def _publish(self) -> None:
+        pc = self.config.publish
+        publish_weights(
+            self.model,
+            pc.weights_dir,
+            self.version,
+            tokenizer=self.tokenizer,
+            store=self.store,
+            keep_versions=pc.keep_versions,
+        )
+        self.metrics.publishes.inc()
+
+    def _trainables(self) -> Trainables:
+        return Trainables(self.model, self.optimizer, self.scheduler, self.critic, self.critic_optimizer)
+
+    def _checkpoint(self) -> Path:
+        cc = self.config.checkpoint
+        if cc.checkpoint_dir is None:
+            raise ValueError("checkpoint.checkpoint_dir is None: checkpoints are disabled in this config")
+        stats = self.buffer.stats()
+        path = save_checkpoint(
+            cc.checkpoint_dir,
+            self._trainables(),
+            version=self.version,
+            step=self.step_count,
+            config=self.config.model_dump(mode="json"),
+            buffer_position={"inserted_total": stats.inserted_total, "sampled_total": stats.sampled_total},
+            keep=cc.keep_checkpoints,
+        )
+        self.metrics.checkpoints.inc()
+        return path
+
+    def _resume(self) -> None:
+        """Load the newest checkpoint, if any. Versions stay monotonic for the actors: when a newer
+        version was published after that checkpoint, the counter continues from the published one."""
+        cdir = self.config.checkpoint.checkpoint_dir
+        path = latest_checkpoint(cdir) if cdir else None
+        if path is None:
+            return
+        meta = load_checkpoint(path, self._trainables())
+        self.version, self.step_count = int(meta["version"]), int(meta["step"])
+        record = self.store.read()
+        if record is not None and record.version > self.version:
+            log.warning("published v%d is newer than checkpoint v%d", record.version, self.version)
+            self.version = record.version
+        log.info("resumed from %s at version %d", path, self.version)
+
+    def _write_jsonl(self, metrics: dict[str, float]) -> None:
+        if self.config.metrics_jsonl is None:
+            return
+        path = Path(self.config.metrics_jsonl)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as fh:
+            fh.write(json.dumps({"time": time.time(), **metrics}) + "\n")
+
+    def close(self) -> None:
+        """Close the Redis connections."""
+        self.buffer.close()
+        self.store.close()
+
+
+def _pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Right-pad a (b, r) tensor with zeros to (b, width) (micro-batches trim their padding columns)."""
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]))
