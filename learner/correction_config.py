@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 SUPPORTED_ROLLOUT_RS_OPTIONS: frozenset[str] = frozenset(
     {
@@ -167,7 +167,7 @@ class RolloutCorrectionConfig(BaseModel):
     aliases. Every invalid setting raises a ValidationError when the model is built.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     rollout_is: Literal["token", "sequence", "geometric"] | None = None
     """IS aggregation level: per token, per sequence (product of ratios), or geometric (per-sequence
@@ -185,7 +185,7 @@ class RolloutCorrectionConfig(BaseModel):
     """Comma list of rejection criteria from {token,seq_sum,seq_mean}_k{1,2,3} and seq_max_k{2,3};
     a token survives only if every criterion keeps it. None = no rejection sampling."""
 
-    rollout_rs_threshold: float | str | None = None
+    rollout_rs_threshold: float | str | None = Field(None, validate_default=True)
     """One spec shared by all criteria, or one per criterion, comma separated. k1: "l_u" keeps
     l <= rho <= u for rho = pi_train/pi_rollout (a lone u means [1/u, u]); k2/k3: one positive upper
     bound. Required when rollout_rs is set."""
@@ -234,12 +234,18 @@ class RolloutCorrectionConfig(BaseModel):
 
     @field_validator("rollout_rs_threshold", mode="before")
     @classmethod
-    def _check_rs_threshold_type(cls, value: Any) -> Any:
+    def _check_rs_threshold(cls, value: Any, info: ValidationInfo) -> Any:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float | str)):
             raise ValueError(
                 f"rollout_rs_threshold={value!r}: rollout_rs_threshold must be a string or numeric value "
                 "specifying per-option thresholds."
             )
+        rollout_rs = info.data.get("rollout_rs")  # absent when rollout_rs itself failed validation
+        if rollout_rs is not None:
+            try:
+                parse_rs_thresholds(parse_rs_options(rollout_rs), value)
+            except ValueError as exc:
+                raise ValueError(f"rollout_rs={rollout_rs!r}, rollout_rs_threshold={value!r}: {exc}") from exc
         return value
 
     @field_validator("rollout_token_veto_threshold", mode="before")
@@ -262,16 +268,6 @@ class RolloutCorrectionConfig(BaseModel):
                 f"loss_type={value!r}: Invalid loss_type: {value}. Must be 'reinforce' or 'ppo_clip'."
             )
         return value
-
-    @model_validator(mode="after")
-    def _check_rs_thresholds(self) -> RolloutCorrectionConfig:
-        if self.rollout_rs is not None:
-            try:
-                parse_rs_thresholds(parse_rs_options(self.rollout_rs), self.rollout_rs_threshold)
-            except ValueError as exc:
-                values = f"rollout_rs={self.rollout_rs!r}, rollout_rs_threshold={self.rollout_rs_threshold!r}"
-                raise ValueError(f"{values}: {exc}") from exc
-        return self
 
     # --- derived values used by learner/correction.py
 
