@@ -18,6 +18,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from buffer.errors import BufferNotReady, InvalidTrajectory, RateLimited, StorageUnavailable
+from learner.config import FrozenFieldChange
+from learner.errors import UnknownPreset
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,10 @@ class FieldFrozen(ServiceError):
     """A config change touches fields that cannot change while the loop runs; `detail.fields` names them."""
 
 
+class Precondition(ServiceError):
+    """The request is valid but the running state does not allow it (e.g. checkpoints are disabled)."""
+
+
 class InvalidConfig(ServiceError):
     """A config body failed validation; `detail` is the list of `FieldError`s."""
 
@@ -109,6 +115,7 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
     Unauthorized: (401, "unauthorized"),
     NotFound: (404, "not_found"),
     FieldFrozen: (409, "field_frozen"),
+    Precondition: (409, "precondition_failed"),
     InvalidConfig: (422, "validation_error"),
     RequestValidationError: (422, "validation_error"),
     ValidationError: (422, "validation_error"),
@@ -117,6 +124,8 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
     RateLimited: (429, "rate_limited"),
     BufferNotReady: (503, "buffer_not_ready"),
     StorageUnavailable: (503, "storage_unavailable"),
+    FrozenFieldChange: (409, "field_frozen"),
+    UnknownPreset: (404, "not_found"),
 }
 
 

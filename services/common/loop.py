@@ -44,9 +44,10 @@ class BackgroundLoop:
         return not self._thread.is_alive()
 
     def readiness(self) -> str | None:
-        """None while the loop runs (or finished cleanly after a stop), else why it is not ready."""
+        """None unless the loop raised (a loop that returned on its own, e.g. at max_steps, is fine)."""
         if self.error is not None:
             return f"{self._thread.name} loop failed: {type(self.error).__name__}: {self.error}"
-        if not self._thread.is_alive() and not self._stop.is_set():
-            return f"{self._thread.name} loop is not running"
         return None
+
+    def __repr__(self) -> str:
+        return f"BackgroundLoop({self._thread.name!r})"

@@ -15,7 +15,10 @@ def get_runtime(request: Request) -> LearnerRuntime:
 
 
 def get_control(request: Request) -> ConfigControl:
-    return request.app.state.runtime.control
+    """The config history, first brought up to date with the loop's step boundaries."""
+    runtime: LearnerRuntime = request.app.state.runtime
+    runtime.sync()
+    return runtime.control
 
 
 Runtime = Annotated[LearnerRuntime, Depends(get_runtime)]

@@ -121,8 +121,7 @@ def status(runtime: Runtime) -> LearnerStatus:
     responses=error_responses(401, 503),
 )
 def pause(runtime: Runtime) -> LearnerStatus:
-    runtime.require().pause()
-    return runtime.status()
+    return runtime.pause()
 
 
 @router.post(
@@ -134,8 +133,7 @@ def pause(runtime: Runtime) -> LearnerStatus:
     responses=error_responses(401, 503),
 )
 def resume(runtime: Runtime) -> LearnerStatus:
-    runtime.require().resume()
-    return runtime.status()
+    return runtime.resume()
 
 
 @router.post(

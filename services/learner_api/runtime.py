@@ -4,34 +4,55 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from learner.config import LearnerConfig
-from services.common.errors import NotReady
+from services.common.errors import NotReady, Precondition
 from services.common.loop import BackgroundLoop
 from services.learner_api.control import ConfigControl
 from services.learner_api.presets import get_preset, list_presets
 from services.learner_api.schemas import CheckpointResult, LearnerStatus, Preset
 
 log = logging.getLogger(__name__)
+WATCH_INTERVAL_S = 0.05
 
 
 class LearnerLike(Protocol):
-    """What the service calls on `learner.train.Learner` (docs/architecture.md)."""
+    """What the service uses of `learner.train.Learner` (docs/architecture.md)."""
 
-    def run(self, stop_event: Any) -> Any: ...
-    def apply_config(self, config: LearnerConfig, config_version: int) -> None: ...
+    config_version: int
+    step_count: int
+
+    def run(self, stop_event: threading.Event) -> None: ...
+    def apply_config(self, new_config: LearnerConfig, config_version: int | None = None) -> None: ...
     def pause(self) -> None: ...
     def resume(self) -> None: ...
-    def checkpoint(self) -> Any: ...
-    def status(self) -> Any: ...
+    def checkpoint(self) -> tuple[Any, int]: ...
+    def status(self) -> dict[str, Any]: ...
 
 
 LearnerFactory = Callable[[LearnerConfig, CollectorRegistry], LearnerLike]
+
+
+class ConfigVersionCollector(Collector):
+    """`offpolicy_learner_config_version`: the config version the loop runs, read at scrape time."""
+
+    def __init__(self, runtime: LearnerRuntime) -> None:
+        self._runtime = runtime
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "offpolicy_learner_config_version",
+            "config_version (GET /v1/config/history) of the config the learner loop is running.",
+        )
+        family.add_metric([], float(self._runtime.running_config_version()))
+        yield family
 
 
 class LearnerRuntime:
@@ -43,27 +64,47 @@ class LearnerRuntime:
         self._factory = factory
         self.learner: LearnerLike | None = None
         self.loop: BackgroundLoop | None = None
+        self.watcher: BackgroundLoop | None = None
         self.control = ConfigControl(config, self._hand_over)
-        self.started_at = time.time()
+        registry.register(ConfigVersionCollector(self))
 
     def start(self) -> None:
-        """Build the learner (loads the model: seconds to minutes) and start `run(stop_event)`."""
+        """Build the learner (loads the model, resumes, publishes v0) and start `run(stop_event)`."""
         self.learner = self._factory(self.config, self.registry)
         self.loop = BackgroundLoop(self.learner.run, "learner")
+        self.watcher = BackgroundLoop(self._watch, "config-watcher")
         self.loop.start()
+        self.watcher.start()
         log.info("learner loop started", extra={"model_path": self.config.model_path})
 
     def stop(self, timeout_s: float = 60.0) -> None:
-        if self.loop is not None and not self.loop.stop(timeout_s):
-            log.error("learner loop did not stop within %.0f s", timeout_s)
+        """Stop the loop at its next step boundary (waits for a running step), then the watcher."""
+        for loop in (self.loop, self.watcher):
+            if loop is not None and not loop.stop(timeout_s):
+                log.error("%s did not stop within %.0f s", loop, timeout_s)
 
     def require(self) -> LearnerLike:
         if self.learner is None:
             raise NotReady("the learner is still starting (loading the model)")
         return self.learner
 
+    # --- config versions: the service numbers them, the learner switches at a step boundary
+
     def _hand_over(self, config: LearnerConfig, config_version: int) -> None:
         self.require().apply_config(config, config_version)
+
+    def sync(self) -> None:
+        """Record in the history any config version the loop has switched to since the last look."""
+        if self.learner is not None:
+            self.control.mark_applied(self.learner.config_version, self.learner.step_count)
+
+    def _watch(self, stop_event: threading.Event) -> None:
+        while not stop_event.wait(WATCH_INTERVAL_S):
+            self.sync()
+
+    def running_config_version(self) -> int:
+        self.sync()
+        return self.control.running().config_version
 
     # --- what the routes call
 
@@ -79,39 +120,47 @@ class LearnerRuntime:
         return get_preset(name)
 
     def status(self) -> LearnerStatus:
+        self.sync()
+        running, pending = self.control.running().config_version, self.control.pending_version()
         if self.learner is None:
             return LearnerStatus(
                 state="starting",
                 policy_version=0,
                 step=0,
-                config_version=self.control.running().config_version,
-                pending_config_version=self.control.pending_version(),
+                config_version=running,
+                pending_config_version=pending,
                 tokens_per_s=None,
                 buffer={},
                 last_step={},
             )
-        return status_model(self.learner.status(), self.control, self.loop)
+        raw = self.learner.status()
+        state, error = str(raw["state"]), None
+        if self.loop is not None and self.loop.error is not None:
+            state, error = "failed", f"{type(self.loop.error).__name__}: {self.loop.error}"
+        buffer = raw.get("buffer")
+        return LearnerStatus(
+            state=state,
+            policy_version=int(raw["policy_version"]),
+            step=int(raw["step"]),
+            config_version=running,
+            pending_config_version=pending,
+            tokens_per_s=raw.get("tokens_per_s"),
+            buffer=dataclasses.asdict(buffer) if dataclasses.is_dataclass(buffer) else dict(buffer or {}),
+            last_step={k: float(v) for k, v in (raw.get("last_step") or {}).items()},
+            error=error,
+        )
+
+    def pause(self) -> LearnerStatus:
+        self.require().pause()
+        return self.status()
+
+    def resume(self) -> LearnerStatus:
+        self.require().resume()
+        return self.status()
 
     def checkpoint(self) -> CheckpointResult:
-        path, version = self.require().checkpoint()
+        learner = self.require()
+        if self.control.running().config.checkpoint.checkpoint_dir is None:
+            raise Precondition("checkpoints are disabled: checkpoint.checkpoint_dir is null in the config")
+        path, version = learner.checkpoint()
         return CheckpointResult(path=str(path), policy_version=version)
-
-
-def status_model(raw: Any, control: ConfigControl, loop: BackgroundLoop | None) -> LearnerStatus:
-    """The learner's `status()` as the API model, with the service's config versions and loop state."""
-    state = str(raw.get("state", "running"))
-    error = None
-    if loop is not None and loop.error is not None:
-        state, error = "failed", f"{type(loop.error).__name__}: {loop.error}"
-    buffer = raw.get("buffer") or {}
-    return LearnerStatus(
-        state=state,
-        policy_version=int(raw.get("policy_version", 0)),
-        step=int(raw.get("step", 0)),
-        config_version=control.running().config_version,
-        pending_config_version=control.pending_version(),
-        tokens_per_s=raw.get("tokens_per_s"),
-        buffer=buffer if isinstance(buffer, dict) else dataclasses.asdict(buffer),
-        last_step={k: float(v) for k, v in (raw.get("last_step") or {}).items()},
-        error=error,
-    )

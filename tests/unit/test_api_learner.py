@@ -25,23 +25,24 @@ class FakeLearner:
     def __init__(self, config: LearnerConfig, registry: CollectorRegistry) -> None:
         self.config = config
         self.pending: tuple[LearnerConfig, int] | None = None
-        self.on_applied = None
-        self.step = 0
+        self.config_version = 0
+        self.step_count = 0
         self.paused = False
         self.checkpoints: list[int] = []
 
     def run(self, stop_event: threading.Event) -> None:
         stop_event.wait()
 
-    def apply_config(self, config: LearnerConfig, config_version: int) -> None:
+    def apply_config(self, config: LearnerConfig, config_version: int | None = None) -> None:
+        assert config_version is not None
         self.pending = (config, config_version)
 
-    def boundary(self, runtime: Any) -> None:
-        self.step += 1
+    def boundary(self) -> None:
+        """Switch to the pending config (as the real loop does before a step), then take the step."""
         if self.pending is not None:
-            self.config, version = self.pending
+            self.config, self.config_version = self.pending
             self.pending = None
-            runtime.control.mark_applied(version, self.step)
+        self.step_count += 1
 
     def pause(self) -> None:
         self.paused = True
@@ -50,14 +51,14 @@ class FakeLearner:
         self.paused = False
 
     def checkpoint(self) -> tuple[Path, int]:
-        self.checkpoints.append(self.step)
-        return Path(f"/ckpt/step-{self.step}"), self.step
+        self.checkpoints.append(self.step_count)
+        return Path(f"/ckpt/step-{self.step_count}"), self.step_count
 
     def status(self) -> dict[str, Any]:
         return {
             "state": "paused" if self.paused else "running",
-            "policy_version": self.step,
-            "step": self.step,
+            "policy_version": self.step_count,
+            "step": self.step_count,
             "tokens_per_s": 10.0,
             "buffer": {"size": 3},
             "last_step": {"reward_mean": 0.25},
@@ -91,11 +92,12 @@ def test_patch_is_pending_until_a_step_boundary(client: TestClient) -> None:
     assert r.json()["changed_fields"] == ["clip_ratio_high"]
     assert client.get("/v1/config").json()["config_version"] == 0
     assert client.get("/v1/status").json()["pending_config_version"] == 1
-    _fake(client).boundary(client.app.state.runtime)
+    _fake(client).boundary()
     running = client.get("/v1/config").json()
     assert running["config_version"] == 1
     assert running["config"]["clip_ratio_high"] == 0.28
-    assert running["applied_at_step"] == 1
+    assert running["applied_at_step"] == 1  # observed after the step that ran with it
+    assert "offpolicy_learner_config_version 1.0" in client.get("/metrics").text
     status = client.get("/v1/status").json()
     assert (status["config_version"], status["pending_config_version"]) == (1, None)
 
@@ -112,7 +114,7 @@ def test_patch_switches_preset_by_name_and_merges_nested(client: TestClient) -> 
 
 def test_history_lists_every_version(client: TestClient) -> None:
     client.patch("/v1/config", json={"groups_per_step": 4}, headers=AUTH)
-    _fake(client).boundary(client.app.state.runtime)
+    _fake(client).boundary()
     client.patch("/v1/config", json={"groups_per_step": 2}, headers=AUTH)
     entries = client.get("/v1/config/history").json()["entries"]
     assert [e["config_version"] for e in entries] == [0, 1, 2]
@@ -215,7 +217,7 @@ def test_status_pause_resume_checkpoint(client: TestClient) -> None:
     assert status["last_step"] == {"reward_mean": 0.25}
     assert client.post("/v1/pause", headers=AUTH).json()["state"] == "paused"
     assert client.post("/v1/resume", headers=AUTH).json()["state"] == "running"
-    _fake(client).boundary(client.app.state.runtime)
+    _fake(client).boundary()
     r = client.post("/v1/checkpoints", headers=AUTH)
     assert r.status_code == 201
     assert r.json() == {"path": "/ckpt/step-1", "policy_version": 1}

@@ -1,0 +1,68 @@
+"""The actor service's domain side: builds the `Actor` (and its vLLM engine), hosts its loop thread."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry
+
+from services.actor_api.schemas import ActorStatus
+from services.common.loop import BackgroundLoop
+
+log = logging.getLogger(__name__)
+
+
+class ActorLike(Protocol):
+    """What the service calls on `actors.worker.Actor` (docs/architecture.md)."""
+
+    def run(self, stop_event: Any) -> Any: ...
+    def status(self) -> Any: ...
+
+
+ActorFactory = Callable[[Any, CollectorRegistry], ActorLike]
+
+
+class ActorRuntime:
+    """One actor and its loop thread; built and started by the app's lifespan (in the main thread, since
+    vLLM's engine start-up installs signal handlers and spawns workers)."""
+
+    def __init__(self, config: Any, registry: CollectorRegistry, factory: ActorFactory) -> None:
+        self.config = config
+        self.registry = registry
+        self._factory = factory
+        self.actor: ActorLike | None = None
+        self.loop: BackgroundLoop | None = None
+
+    def start(self) -> None:
+        self.actor = self._factory(self.config, self.registry)
+        self.loop = BackgroundLoop(self.actor.run, "actor")
+        self.loop.start()
+        log.info("actor loop started")
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        if self.loop is not None and not self.loop.stop(timeout_s):
+            log.error("actor loop did not stop within %.0f s", timeout_s)
+
+    def readiness(self) -> str | None:
+        if self.actor is None or self.loop is None:
+            return "the actor is still starting (loading the engine)"
+        return self.loop.readiness()
+
+    def status(self) -> ActorStatus:
+        if self.actor is None:
+            return ActorStatus(
+                state="starting",
+                actor_id="",
+                loaded_policy_version=None,
+                learner_policy_version=None,
+                tokens_per_s=None,
+                groups_pushed=0,
+                reloads=0,
+            )
+        raw = dict(self.actor.status())
+        error = None
+        if self.loop is not None and self.loop.error is not None:
+            raw["state"], error = "failed", f"{type(self.loop.error).__name__}: {self.loop.error}"
+        return ActorStatus(**{k: v for k, v in raw.items() if k in ActorStatus.model_fields}, error=error)

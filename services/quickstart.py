@@ -1,0 +1,202 @@
+"""`offpolicy quickstart`: the embedded default: Redis, tiny model, learner + actor children, live progress.
+
+Everything runs on this machine with no Docker: an embedded `redis-server`, a tiny random Llama built
+locally, the learner and one actor service as child processes (stopped by handle on exit or Ctrl-C), the
+target-token toy task (reward = share of one token in the completion). It prints one progress line per
+learner step and stops when the reward has clearly risen or at `max_steps`, then writes
+`runs/<id>/metrics.jsonl` and `runs/<id>/progress.png`.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from services.children import ServiceProcess, start_service
+from services.common.errors import ChildProcessFailed
+from services.quickstart_report import RewardTracker, format_progress, plot_run, summary_lines
+
+# --- the toy run's settings
+
+
+@dataclass(frozen=True)
+class QuickstartOptions:
+    """What `offpolicy quickstart` was asked to do."""
+
+    model: str | None = None
+    """Model folder or hub id; None = build the tiny local model."""
+    dataset: Path | None = None
+    """Prompt file; None = write the target-token toy dataset."""
+    redis_url: str | None = None
+    """Redis to use; None = start the embedded one in the run folder."""
+    max_steps: int = 60
+    """Stop after this many learner steps even if the reward has not risen yet."""
+    runs_dir: Path = Path("runs")
+    """Parent of the run folder `runs/<id>/`."""
+    timeout_s: float = 540.0
+    """Give up (and stop everything) after this many seconds."""
+
+
+def learner_config(run_dir: Path, model: str, redis_url: str, run_id: str) -> dict[str, Any]:
+    """The learner's config for the toy task: small batches, a high learning rate, staleness bound 2."""
+    return {
+        "model_path": model,
+        "redis_url": redis_url,
+        "run_id": run_id,
+        "groups_per_step": 4,
+        "micro_batch_size": 16,
+        "adv_estimator": "grpo",
+        "optimizer": {"lr": 3e-3},
+        "rollout_correction": "decoupled_token_is",
+        "buffer": {"sampler": "newest", "max_staleness": 2, "max_times_sampled": 1, "max_size": 256},
+        "publish": {"weights_dir": str(run_dir / "weights"), "publish_every": 1, "keep_versions": 3},
+        "checkpoint": {"checkpoint_dir": str(run_dir / "checkpoints"), "checkpoint_every": None},
+        "metrics_jsonl": str(run_dir / "learner_steps.jsonl"),
+    }
+
+
+def actor_config(run_dir: Path, model: str, dataset: Path, redis_url: str, run_id: str) -> dict[str, Any]:
+    """The actor's config for the toy task (tiny model on vLLM CPU: float32, eager, 1 GiB KV cache)."""
+    return {
+        "model_path": model,
+        "dataset_path": str(dataset),
+        "redis_url": redis_url,
+        "run_id": run_id,
+    }
+
+
+# --- the run
+
+
+def run_quickstart(options: QuickstartOptions) -> int:
+    """Run the embedded default end to end; 0 when the reward rose, 1 when it did not, 130 on Ctrl-C."""
+    run_id = time.strftime("qs-%Y%m%d-%H%M%S")
+    run_dir = (options.runs_dir / run_id).resolve()
+    run_dir.mkdir(parents=True)
+    print(f"[quickstart] run {run_id}: everything goes to {run_dir}")
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    stoppable: list[Any] = []  # stopped in reverse order, each by its handle
+    try:
+        redis_url = options.redis_url or _start_redis(run_dir, stoppable)
+        model = options.model or _build_tiny_model(run_dir)
+        dataset = options.dataset or _write_dataset(run_dir)
+        learner, actor = _start_services(run_dir, model, dataset, redis_url, run_id, stoppable)
+        tracker = _follow(run_dir, learner, actor, options)
+        for line in summary_lines(tracker, run_dir):
+            print(line)
+        plot_run(tracker.records, run_dir / "progress.png")
+        print(f"[quickstart] plot: {run_dir / 'progress.png'}")
+        return 0 if tracker.risen() else 1
+    except KeyboardInterrupt:
+        print("\n[quickstart] interrupted: stopping every child process")
+        return 130
+    except ChildProcessFailed as exc:
+        print(f"[quickstart] {exc}")
+        return 1
+    finally:
+        for thing in reversed(stoppable):
+            thing.stop()
+        signal.signal(signal.SIGTERM, previous)
+        print("[quickstart] stopped")
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _start_redis(run_dir: Path, stoppable: list[Any]) -> str:
+    from buffer.embedded import EmbeddedRedis
+
+    redis = EmbeddedRedis.start(run_dir / "redis")
+    stoppable.append(redis)
+    print(f"[quickstart] embedded redis-server {redis.version} at {redis.url}")
+    return redis.url
+
+
+def _build_tiny_model(run_dir: Path) -> str:
+    from learner.model import make_tiny_model
+
+    path = make_tiny_model(run_dir / "model")
+    print(f"[quickstart] tiny model (random Llama, char tokenizer) at {path}")
+    return str(path)
+
+
+def _write_dataset(run_dir: Path) -> Path:
+    from actors.toy import write_target_token_dataset
+
+    path = write_target_token_dataset(run_dir / "dataset.jsonl")
+    print(f"[quickstart] target-token toy dataset at {path}")
+    return path
+
+
+def _start_services(
+    run_dir: Path, model: str, dataset: Path, redis_url: str, run_id: str, stoppable: list[Any]
+) -> tuple[ServiceProcess, ServiceProcess]:
+    learner_yaml = run_dir / "learner.yaml"
+    learner_yaml.write_text(yaml.safe_dump(learner_config(run_dir, model, redis_url, run_id)))
+    actor_yaml = run_dir / "actor.yaml"
+    actor_yaml.write_text(yaml.safe_dump(actor_config(run_dir, model, dataset, redis_url, run_id)))
+    learner = start_service("learner", learner_yaml, run_dir / "learner.log")
+    stoppable.append(learner)
+    actor = start_service("actor", actor_yaml, run_dir / "actor.log")
+    stoppable.append(actor)
+    print(f"[quickstart] learner service {learner.url} (log {learner.log_path.name})")
+    print(f"[quickstart] actor service   {actor.url} (log {actor.log_path.name}); vLLM starts in ~1 min")
+    learner.wait_ready(timeout_s=180)
+    actor.wait_ready(timeout_s=300)
+    print("[quickstart] both services ready; training")
+    return learner, actor
+
+
+def _follow(
+    run_dir: Path, learner: ServiceProcess, actor: ServiceProcess, options: QuickstartOptions
+) -> RewardTracker:
+    """Read the learner's per-step lines as they appear, add the actor's status, print, and decide."""
+    steps_file = run_dir / "learner_steps.jsonl"
+    tracker = RewardTracker()
+    deadline = time.monotonic() + options.timeout_s
+    offset = 0
+    with (run_dir / "metrics.jsonl").open("a") as out:
+        while time.monotonic() < deadline:
+            for child in (learner, actor):
+                if child.proc.poll() is not None:
+                    raise ChildProcessFailed(f"{child.name} exited:\n{child.log_tail()}")
+            new_lines, offset = _read_new_lines(steps_file, offset)
+            actor_status = _get_json(f"{actor.url}/v1/status") if new_lines else {}
+            for line in new_lines:
+                record = {**json.loads(line), "actor": actor_status, "t": time.time()}
+                tracker.add(record)
+                out.write(json.dumps(record) + "\n")
+                print(format_progress(record, tracker))
+            out.flush()
+            if tracker.risen() or tracker.steps >= options.max_steps:
+                return tracker
+            time.sleep(0.5)
+    print(f"[quickstart] timed out after {options.timeout_s:.0f} s")
+    return tracker
+
+
+def _read_new_lines(path: Path, offset: int) -> tuple[list[str], int]:
+    if not path.exists():
+        return [], offset
+    with path.open() as fh:
+        fh.seek(offset)
+        text = fh.read()
+    complete, _, _ = text.rpartition("\n")
+    if not complete:
+        return [], offset
+    return complete.splitlines(), offset + len(complete) + 1
+
+
+def _get_json(url: str) -> dict[str, Any]:
+    try:
+        return httpx.get(url, timeout=2.0).json()
+    except httpx.TransportError:
+        return {}  # the next step's line will carry a fresh status

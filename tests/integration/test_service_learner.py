@@ -1,0 +1,142 @@
+"""The learner service in-process with the real Learner, a tiny model and the embedded Redis."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from buffer.config import BufferConfig
+from buffer.replay_buffer import ReplayBuffer
+from buffer.types import SamplingParams, Trajectory, TrajectoryGroup
+from learner.config import LearnerConfig
+from learner.model import make_tiny_model
+from services.common.settings import LearnerServiceSettings
+from services.learner_api.main import create_app
+
+pytestmark = pytest.mark.redis
+TOKEN = "integration-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def random_group(version: int, seed: int, n: int = 4, tokens: int = 6) -> TrajectoryGroup:
+    """A valid group for the tiny char model (ids 4..99); rewards differ so advantages are non-zero."""
+    rng = np.random.default_rng(seed)
+    return TrajectoryGroup(
+        group_id=uuid.uuid4().hex,
+        prompt_id=f"p{seed}",
+        prompt_ids=rng.integers(4, 100, 5, dtype=np.int32),
+        policy_version=version,
+        actor_id="test",
+        created_at=time.time(),
+        sampling=SamplingParams(temperature=1.0, max_tokens=tokens),
+        trajectories=[
+            Trajectory(
+                response_ids=rng.integers(4, 100, tokens, dtype=np.int32),
+                behavior_logprobs=(-4.6 - 0.1 * rng.random(tokens)).astype(np.float32),
+                reward=float(i) / n,
+                finish_reason="length",
+            )
+            for i in range(n)
+        ],
+    )
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture
+def service(
+    tiny: Path, redis_url: str, run_id: str, tmp_path: Path
+) -> Iterator[tuple[TestClient, ReplayBuffer]]:
+    buffer_cfg = BufferConfig(max_staleness=4, max_times_sampled=1)
+    config = LearnerConfig(
+        model_path=str(tiny),
+        device="cpu",
+        redis_url=redis_url,
+        run_id=run_id,
+        groups_per_step=2,
+        micro_batch_size=8,
+        buffer=buffer_cfg,
+        sample_timeout_s=0.5,
+        publish={"weights_dir": str(tmp_path / "weights")},
+        checkpoint={"checkpoint_dir": str(tmp_path / "ckpt"), "checkpoint_every": None},
+    )
+    producer = ReplayBuffer(redis_url, run_id, buffer_cfg)
+    app = create_app(LearnerServiceSettings(api_token=TOKEN), config=config)
+    with TestClient(app) as client:
+        yield client, producer
+    producer.close()
+
+
+def feed(producer: ReplayBuffer, client: TestClient, groups: int, seed: int) -> None:
+    version = client.get("/v1/status").json()["policy_version"]
+    for i in range(groups):
+        producer.insert(random_group(version, seed * 100 + i))
+
+
+def test_steps_config_patch_history_metrics_checkpoint(service: tuple[TestClient, ReplayBuffer]) -> None:
+    client, producer = service
+    assert client.get("/readyz").status_code == 200
+    feed(producer, client, 4, seed=1)
+    wait_for(lambda: client.get("/v1/status").json()["step"] >= 2)
+    status = client.get("/v1/status").json()
+    assert status["policy_version"] >= 2
+    assert status["buffer"]["sampled_total"] == 4
+    assert "reward_mean" in status["last_step"]
+
+    # pause at a boundary, change the config, nothing applies while paused
+    assert client.post("/v1/pause", headers=AUTH).json()["state"] == "paused"
+    r = client.patch(
+        "/v1/config",
+        json={"rollout_correction": "decoupled_seq_is", "clip_ratio_high": 0.28},
+        headers=AUTH,
+    )
+    assert r.status_code == 202
+    assert r.json()["status"] == "pending"
+    assert set(r.json()["changed_fields"]) >= {"clip_ratio_high", "rollout_correction.rollout_is"}
+    step_before = client.get("/v1/status").json()["step"]
+    assert client.get("/v1/config").json()["config_version"] == 0
+
+    # invalid and unauthenticated PATCHes change nothing
+    bad = client.patch("/v1/config", json={"clip_ratio_low": 1.5}, headers=AUTH)
+    assert bad.status_code == 422
+    assert bad.json()["error"]["detail"][0]["field"] == "body.clip_ratio_low"
+    assert client.patch("/v1/config", json={"clip_ratio_high": 0.1}).status_code == 401
+    frozen = client.patch("/v1/config", json={"model_path": "/elsewhere"}, headers=AUTH)
+    assert frozen.status_code == 409
+    assert frozen.json()["error"]["detail"] == {"fields": ["model_path"]}
+
+    # resume: the change lands at the next step boundary
+    client.post("/v1/resume", headers=AUTH)
+    feed(producer, client, 2, seed=2)
+    wait_for(lambda: client.get("/v1/status").json()["step"] > step_before)
+    running = client.get("/v1/config").json()
+    assert running["config_version"] == 1
+    assert running["config"]["rollout_correction"]["rollout_is"] == "sequence"
+    assert running["applied_at_step"] >= step_before
+    history = client.get("/v1/config/history").json()["entries"]
+    assert [e["config_version"] for e in history] == [0, 1]
+    metrics = client.get("/metrics").text
+    assert "offpolicy_learner_config_version 1.0" in metrics
+    assert "offpolicy_learner_rollout_corr_rollout_is_seq_mean" in metrics
+
+    # on-demand checkpoint
+    ckpt = client.post("/v1/checkpoints", headers=AUTH)
+    assert ckpt.status_code == 201
+    assert Path(ckpt.json()["path"]).exists()
+    assert ckpt.json()["policy_version"] == client.get("/v1/status").json()["policy_version"]
