@@ -59,9 +59,10 @@ class CorrectionResult:
     """(B, T) float32 IS weights, detached, 0 on padding (and outside the IcePop range); None if IS is off."""
     response_mask: Tensor
     """(B, T) the input mask with RS- and veto-rejected tokens set to 0, in the input mask's dtype."""
-    metrics: dict[str, float]
+    metrics: dict[str, float] | dict[str, Tensor]
     """`rollout_corr/<key>` -> value: spec section 6 keys plus `rollout_is_veto_fraction` and
-    `rollout_is_catastrophic_token_fraction`."""
+    `rollout_is_catastrophic_token_fraction`. Floats (one host transfer), or with `host_metrics=False`
+    detached 0-d device tensors (no transfer; what the bypass loss returns per micro-batch)."""
 
 
 def compute_rollout_correction(
@@ -69,6 +70,8 @@ def compute_rollout_correction(
     rollout_log_prob: Tensor,
     response_mask: Tensor,
     config: RolloutCorrectionConfig,
+    *,
+    host_metrics: bool = True,
 ) -> CorrectionResult:
     """IS weights, rejection mask and metrics for log pi_train (B, T) vs log pi_rollout (B, T)."""
     if train_log_prob.shape != rollout_log_prob.shape:
@@ -83,7 +86,8 @@ def compute_rollout_correction(
         )
     if response_mask.numel() == 0:  # B == 0 or T == 0: same keys, computed on one padding token.
         pad = torch.zeros((1, 1), dtype=train_log_prob.dtype, device=train_log_prob.device)
-        one = compute_rollout_correction(pad, pad, torch.zeros((1, 1), dtype=response_mask.dtype), config)
+        pad_mask = torch.zeros((1, 1), dtype=response_mask.dtype)
+        one = compute_rollout_correction(pad, pad, pad_mask, config, host_metrics=host_metrics)
         weights = (
             None
             if one.weights is None
@@ -91,7 +95,9 @@ def compute_rollout_correction(
         )
         return CorrectionResult(weights, response_mask.clone(), one.metrics)
     with torch.no_grad():
-        return _correct(train_log_prob, rollout_log_prob, response_mask, config)
+        weights, new_mask, sink = _correct(train_log_prob, rollout_log_prob, response_mask, config)
+    metrics = sink.to_host(METRIC_PREFIX) if host_metrics else sink.to_tensors(METRIC_PREFIX)
+    return CorrectionResult(weights, new_mask, metrics)
 
 
 def _correct(
@@ -127,7 +133,7 @@ def _correct(
 
     train_row_sum = torch.where(mb, lp_train, 0.0).sum(dim=-1)  # (B,)
     add_offpolicy_metrics(sink, b, train_row_sum, k3_sum, torch.dot(rho_m.view(-1), rho_m.view(-1)))
-    return CorrectionResult(weights, new_mask, sink.to_host(METRIC_PREFIX))
+    return weights, new_mask, sink
 
 
 # --- importance sampling (spec 3, DECISION 5)

@@ -29,6 +29,16 @@ class MetricSink:
         self.names.append(name)
         self.values.append(value)
 
+    def to_tensors(self, prefix: str = "") -> dict[str, Tensor]:
+        """The metrics as detached 0-d float32 tensors on the device, for accumulation without a sync."""
+        device = next((v.device for v in self.values if isinstance(v, Tensor)), None)
+        return {
+            prefix + name: value.reshape(()).float()
+            if isinstance(value, Tensor)
+            else torch.tensor(value, device=device)
+            for name, value in zip(self.names, self.values, strict=True)
+        }
+
     def to_host(self, prefix: str = "") -> dict[str, float]:
         """One device-to-host transfer for every tensor value; keys get `prefix`."""
         tensors = [v.reshape(()).float() for v in self.values if isinstance(v, Tensor)]
