@@ -1,0 +1,76 @@
+"""Policy record: atomic publish (SET + PUBLISH), read, and watch by pub/sub with polling fallback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+
+from buffer.errors import InvalidTrajectory
+from buffer.keys import PolicyKeys
+from buffer.policy import AsyncPolicyStore, PolicyRecord, PolicyStore
+
+pytestmark = pytest.mark.redis
+
+
+def _rec(v: int) -> PolicyRecord:
+    return PolicyRecord(version=v, weights_uri=f"/weights/v{v}", sha256="0" * 64, published_at=1000.0 + v)
+
+
+def test_publish_and_read(redis_url, run_id) -> None:
+    store = PolicyStore(redis_url, run_id)
+    assert store.read() is None
+    assert store.publish(_rec(1)) == 0  # no subscriber yet
+    assert store.read() == _rec(1)
+    store.publish(_rec(2))
+    assert store.read() == _rec(2)
+    store.close()
+
+
+def test_decode_rejects_bad_records() -> None:
+    with pytest.raises(InvalidTrajectory) as e:
+        PolicyRecord.decode(b'{"schema_version": 1, "version": "3"}')
+    assert e.value.field == "policy.version"
+    with pytest.raises(InvalidTrajectory) as e:
+        PolicyRecord.decode(b'{"version": 3}')
+    assert e.value.field == "policy.schema_version"
+
+
+async def test_watch_pubsub(redis_url, run_id) -> None:
+    store = AsyncPolicyStore(redis_url, run_id)
+    await store.publish(_rec(1))
+    seen: list[int] = []
+
+    async def watch() -> None:
+        async for rec in store.watch(poll_interval_s=30.0):  # long poll: only pub/sub can be this fast
+            seen.append(rec.version)
+            if rec.version == 3:
+                return
+
+    task = asyncio.create_task(watch())
+    while not seen:
+        await asyncio.sleep(0.01)
+    assert await store.publish(_rec(2)) == 1  # the watcher is subscribed
+    await store.publish(_rec(3))
+    await asyncio.wait_for(task, 5)
+    assert seen == [1, 2, 3]
+    await store.close()
+
+
+async def test_watch_polling_fallback(redis_url, run_id) -> None:
+    store = AsyncPolicyStore(redis_url, run_id)
+    seen: list[int] = []
+
+    async def watch() -> None:
+        async for rec in store.watch(poll_interval_s=0.05):
+            seen.append(rec.version)
+            return
+
+    task = asyncio.create_task(watch())
+    await asyncio.sleep(0.1)
+    with redis.Redis.from_url(redis_url) as c:  # a record written without an announcement
+        c.set(PolicyKeys.for_run(run_id).record, _rec(7).encode())
+    await asyncio.wait_for(task, 5)
+    assert seen == [7]
+    await store.close()
