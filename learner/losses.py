@@ -104,7 +104,7 @@ def compute_policy_loss(
     response_mask: Tensor,
     *,
     loss_agg_mode: str = "token-mean",
-    clip: ClipConfig = ClipConfig(),  # noqa: B008 (frozen)
+    clip: ClipConfig = ClipConfig(),
     rollout_is_weights: Tensor | None = None,
     rollout_log_prob: Tensor | None = None,
     correction: RolloutCorrectionConfig | None = None,
