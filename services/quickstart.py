@@ -44,32 +44,41 @@ class QuickstartOptions:
     """Give up (and stop everything) after this many seconds."""
 
 
+TOY_BUFFER = {"sampler": "newest", "max_staleness": 2, "max_times_sampled": 1, "max_size": 256}
+"""One replay table for learner and actor: freshest groups first, each trained on once, staleness <= 2."""
+
+
 def learner_config(run_dir: Path, model: str, redis_url: str, run_id: str) -> dict[str, Any]:
     """The learner's config for the toy task: small batches, a high learning rate, staleness bound 2."""
-    return {
-        "model_path": model,
-        "redis_url": redis_url,
-        "run_id": run_id,
-        "groups_per_step": 4,
-        "micro_batch_size": 16,
-        "adv_estimator": "grpo",
-        "optimizer": {"lr": 3e-3},
-        "rollout_correction": "decoupled_token_is",
-        "buffer": {"sampler": "newest", "max_staleness": 2, "max_times_sampled": 1, "max_size": 256},
-        "publish": {"weights_dir": str(run_dir / "weights"), "publish_every": 1, "keep_versions": 3},
-        "checkpoint": {"checkpoint_dir": str(run_dir / "checkpoints"), "checkpoint_every": None},
-        "metrics_jsonl": str(run_dir / "learner_steps.jsonl"),
-    }
+    from learner.config import LearnerConfig
+
+    config = LearnerConfig.model_validate(
+        {
+            "model_path": model,
+            "redis_url": redis_url,
+            "run_id": run_id,
+            "groups_per_step": 4,
+            "micro_batch_size": 16,
+            "adv_estimator": "grpo",
+            "optimizer": {"lr": 3e-3},
+            "rollout_correction": "decoupled_token_is",
+            "buffer": TOY_BUFFER,
+            "sample_timeout_s": 5.0,
+            "publish": {"weights_dir": str(run_dir / "weights"), "publish_every": 1, "keep_versions": 3},
+            "checkpoint": {"checkpoint_dir": str(run_dir / "checkpoints"), "checkpoint_every": None},
+            "metrics_jsonl": str(run_dir / "learner_steps.jsonl"),
+        }
+    )
+    return config.model_dump(mode="json")
 
 
-def actor_config(run_dir: Path, model: str, dataset: Path, redis_url: str, run_id: str) -> dict[str, Any]:
-    """The actor's config for the toy task (tiny model on vLLM CPU: float32, eager, 1 GiB KV cache)."""
-    return {
-        "model_path": model,
-        "dataset_path": str(dataset),
-        "redis_url": redis_url,
-        "run_id": run_id,
-    }
+def actor_config(model: str, dataset: Path, redis_url: str, run_id: str) -> dict[str, Any]:
+    """The actor's config for the toy task: vLLM on CPU (float32, eager, 1 GiB KV cache), 4 completions
+    of up to 32 tokens per prompt at temperature 0.7, reward = share of the target character."""
+    from actors.config import ActorConfig
+
+    config = ActorConfig.cpu_tiny(model, str(dataset), redis_url=redis_url, run_id=run_id, buffer=TOY_BUFFER)
+    return config.model_dump(mode="json")
 
 
 # --- the run
@@ -142,7 +151,7 @@ def _start_services(
     learner_yaml = run_dir / "learner.yaml"
     learner_yaml.write_text(yaml.safe_dump(learner_config(run_dir, model, redis_url, run_id)))
     actor_yaml = run_dir / "actor.yaml"
-    actor_yaml.write_text(yaml.safe_dump(actor_config(run_dir, model, dataset, redis_url, run_id)))
+    actor_yaml.write_text(yaml.safe_dump(actor_config(model, dataset, redis_url, run_id)))
     learner = start_service("learner", learner_yaml, run_dir / "learner.log")
     stoppable.append(learner)
     actor = start_service("actor", actor_yaml, run_dir / "actor.log")
