@@ -1,0 +1,184 @@
+"""The learner loop on a tiny model and the embedded Redis: every preset family, the seed configs, parity,
+learning, published weights loadable by transformers."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from buffer.policy import PolicyStore
+from buffer.replay_buffer import ReplayBuffer
+from buffer.types import SamplingParams, Trajectory, TrajectoryGroup
+from learner.batching import collate, token_logprobs
+from learner.config import LearnerConfig, load_config
+from learner.model import load_model, make_tiny_model, sample_completions
+from learner.train import Learner, aggregate, ppo_clip_matrix
+
+pytestmark = pytest.mark.redis
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+TARGET = 40  # token id whose share in a completion is the reward
+PROMPT = [1, 20, 21, 22]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def make_groups(model, k: int, version: int, n: int = 4, tokens: int = 8, temperature: float = 1.0, seed=0):
+    """`k` groups sampled from `model` with torch; reward = share of TARGET in the completion."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = []
+    for _ in range(k):
+        comps = sample_completions(model, PROMPT, n, tokens, temperature=temperature, generator=gen)
+        groups.append(
+            TrajectoryGroup(
+                group_id=uuid.uuid4().hex,
+                prompt_id="p0",
+                prompt_ids=np.asarray(PROMPT, dtype=np.int32),
+                policy_version=version,
+                actor_id="test",
+                created_at=time.time(),
+                sampling=SamplingParams(temperature=temperature, max_tokens=tokens),
+                trajectories=[
+                    Trajectory(
+                        response_ids=np.asarray(ids, dtype=np.int32),
+                        behavior_logprobs=np.asarray(lps, dtype=np.float32),
+                        reward=float(np.mean(np.asarray(ids) == TARGET)),
+                        finish_reason="length",
+                    )
+                    for ids, lps in comps
+                ],
+            )
+        )
+    return groups
+
+
+def config(tiny_dir, redis_url, tmp_path, **kw) -> LearnerConfig:
+    base = dict(
+        model_path=str(tiny_dir),
+        device="cpu",
+        redis_url=redis_url,
+        run_id=f"learner-{uuid.uuid4().hex[:10]}",
+        groups_per_step=2,
+        micro_batch_size=3,
+        optimizer={"lr": 1e-3},
+        publish={"weights_dir": str(tmp_path / "weights"), "keep_versions": 2},
+        checkpoint={"checkpoint_dir": str(tmp_path / "ckpt"), "checkpoint_every": 2},
+        sample_timeout_s=5.0,
+    )
+    return LearnerConfig.model_validate({**base, **kw})
+
+
+@pytest.mark.parametrize(
+    "preset",
+    [
+        "decoupled_token_is",
+        "decoupled_token_icepop",
+        "decoupled_seq_is_rs",
+        "bypass_ppo_clip",
+        "bypass_pg_is",
+        "disabled",
+    ],
+)
+def test_every_preset_family_trains_and_publishes(preset, tiny_dir, redis_url, tmp_path):
+    cfg = config(tiny_dir, redis_url, tmp_path, rollout_correction=preset)
+    behaviour = load_model(tiny_dir, "cpu").eval()
+    with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:
+        buf.insert_many(make_groups(behaviour, 4, version=0, temperature=0.9))
+    learner = Learner(cfg)
+    try:
+        steps = [learner.step() for _ in range(2)]
+    finally:
+        learner.close()
+    for m in steps:
+        assert np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"])
+        assert "rollout_corr/kl" in m and "actor/ppo_kl" in m
+    assert learner.version == 2
+    record = PolicyStore(redis_url, cfg.run_id).read()
+    assert record is not None and record.version == 2
+    loaded = AutoModelForCausalLM.from_pretrained(record.weights_uri)
+    for (name, p), q in zip(learner.model.named_parameters(), loaded.parameters(), strict=True):
+        assert torch.equal(p.detach(), q), name
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v1", "v2"]  # keep_versions=2
+    assert (tmp_path / "ckpt" / "ckpt-0000000002" / "meta.json").exists()
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("seed_*.yaml")))
+def test_seed_readme_configurations_run(name, tiny_dir, redis_url, tmp_path):
+    file_cfg = load_config(CONFIGS / name)
+    cfg = config(tiny_dir, redis_url, tmp_path, **file_cfg.model_dump(include={
+        "adv_estimator", "ppo_epochs", "gamma", "lam", "rollout_correction"}))  # fmt: skip
+    behaviour = load_model(tiny_dir, "cpu").eval()
+    with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:
+        buf.insert_many(make_groups(behaviour, 2, version=0, temperature=0.9))
+    learner = Learner(cfg)
+    try:
+        m = learner.step()
+    finally:
+        learner.close()
+    assert np.isfinite(m["loss"])
+    assert learner.version == cfg.ppo_epochs  # one optimizer step per epoch (whole batch per mini-batch)
+    if cfg.adv_estimator == "gae":
+        assert np.isfinite(m["critic/vf_loss"])
+
+
+def test_parity_when_all_three_policies_agree(tiny_dir, redis_url, tmp_path):
+    """pi_theta = pi_old = pi_rollout: weights all 1, nothing rejected, loss = on-policy PPO loss."""
+    cfg = config(tiny_dir, redis_url, tmp_path, rollout_correction="decoupled_seq_is_rs", micro_batch_size=16)
+    behaviour = load_model(tiny_dir, "cpu").eval()
+    groups = make_groups(behaviour, 2, version=0, temperature=0.7, seed=3)
+    batch = collate(groups, pad_token_id=0)
+    with torch.no_grad():
+        lp = token_logprobs(behaviour, batch)
+        batch.rollout_log_probs = lp  # exactly pi_theta's
+    trajectories = [t for g in groups for t in g.trajectories]  # collate's row order
+    for row, t in enumerate(trajectories):
+        t.behavior_logprobs = lp[row, : len(t.response_ids)].numpy().astype(np.float32)
+    with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:
+        buf.insert_many(groups)
+    learner = Learner(cfg)
+    try:
+        m = learner.step()
+    finally:
+        learner.close()
+    assert m["rollout_corr/rollout_is_min"] == pytest.approx(1.0, abs=1e-5)
+    assert m["rollout_corr/rollout_is_max"] == pytest.approx(1.0, abs=1e-5)
+    assert m["rollout_corr/rollout_rs_masked_fraction"] == 0.0
+    # the on-policy PPO loss of the same batch: ratio 1, no weights
+    rewards = batch.rewards.view(2, 4)
+    adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)).view(-1)
+    adv = adv[:, None] * batch.response_mask
+    on_policy, *_ = ppo_clip_matrix(lp, lp, adv, cfg)
+    den = {"tokens": batch.response_mask.sum(), "rows": torch.tensor(8), "width": lp.shape[1]}
+    want = aggregate(on_policy, batch.response_mask, cfg.loss_agg_mode, den)
+    assert m["loss"] == pytest.approx(float(want), abs=1e-5)
+
+
+@pytest.mark.slow
+def test_reward_rises_on_the_learners_own_policy(tiny_dir, redis_url, tmp_path):
+    """Reward = share of TARGET; groups sampled with torch from the learner's newest published weights."""
+    cfg = config(
+        tiny_dir, redis_url, tmp_path, groups_per_step=4, micro_batch_size=16, optimizer={"lr": 5e-3},
+        rollout_correction="decoupled_token_is", checkpoint={"checkpoint_dir": None},
+    )  # fmt: skip
+    learner = Learner(cfg)
+    store = PolicyStore(redis_url, cfg.run_id)
+    rewards = []
+    try:
+        with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:
+            for step in range(10):
+                record = store.read()
+                policy = AutoModelForCausalLM.from_pretrained(record.weights_uri).eval()
+                buf.insert_many(make_groups(policy, 4, version=record.version, n=8, tokens=6, seed=step))
+                rewards.append(learner.step()["reward_mean"])
+    finally:
+        learner.close()
+    first, last = np.mean(rewards[:3]), np.mean(rewards[-3:])
+    assert last > first + 0.1, rewards

@@ -1,0 +1,76 @@
+"""kill -9 a learner subprocess mid-run; a new learner resumes from the newest checkpoint, its version
+continues, and no group is trained more often than `max_times_sampled` allows."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from buffer.policy import PolicyStore
+from buffer.replay_buffer import ReplayBuffer
+from learner.checkpoint import checkpoint_versions
+from learner.model import load_model
+from learner.train import Learner
+from tests.integration.test_learner_loop import config, make_groups, tiny_dir  # noqa: F401
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+CHILD = """
+import sys, threading
+from learner.config import LearnerConfig
+from learner.train import Learner
+cfg = LearnerConfig.model_validate_json(open(sys.argv[1]).read())
+Learner(cfg).run(threading.Event())
+"""
+
+
+def test_resume_after_kill_9(tiny_dir, redis_url, tmp_path):  # noqa: F811
+    cfg = config(
+        tiny_dir,
+        redis_url,
+        tmp_path,
+        checkpoint={"checkpoint_dir": str(tmp_path / "ckpt"), "checkpoint_every": 1},
+    )
+    assert cfg.buffer.max_times_sampled == 1
+    behaviour = load_model(tiny_dir, "cpu").eval()
+    buf = ReplayBuffer(redis_url, cfg.run_id, cfg.buffer)
+    buf.insert_many(make_groups(behaviour, 16, version=0, temperature=0.9))
+    (tmp_path / "cfg.json").write_text(cfg.model_dump_json())
+    store = PolicyStore(redis_url, cfg.run_id)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path / "cfg.json")], cwd=ROOT, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while (rec := store.read()) is None or rec.version < 3:
+            assert child.poll() is None, "the learner subprocess died"
+            assert time.monotonic() < deadline, "the learner subprocess made no progress"
+            time.sleep(0.1)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    published = store.read().version
+    before = buf.stats()
+    newest_ckpt = checkpoint_versions(tmp_path / "ckpt")[-1]
+    assert newest_ckpt >= 2
+
+    learner = Learner(cfg)
+    try:
+        assert learner.version == max(newest_ckpt, published)  # continues; never behind what actors saw
+        resumed = learner.version
+        learner.step()
+        assert learner.version == resumed + 1
+        assert store.read().version == resumed + 1
+    finally:
+        learner.close()
+    after = buf.stats()
+    assert after.sampled_total == before.sampled_total + cfg.groups_per_step
+    # max_times_sampled=1: every sample removed its group, so no group was handed out twice
+    assert after.evicted_total.get("max_times_sampled", 0) == after.sampled_total
+    assert after.sampled_total <= after.inserted_total
+    buf.close()
