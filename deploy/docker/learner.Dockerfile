@@ -1,0 +1,58 @@
+# syntax=docker/dockerfile:1.7
+# The learner image: PyTorch + the offpolicy distribution, one process (`offpolicy learner`), non-root.
+# Targets: `gpu` (the default, on the official CUDA PyTorch image) and `cpu` (Python slim + the CPU build
+# of torch, used by docker-compose.cpu.yml). Build from the repository root:
+#   docker build -f deploy/docker/learner.Dockerfile -t offpolicy/learner:0.1.0 .
+#   docker build -f deploy/docker/learner.Dockerfile --target cpu -t offpolicy/learner-cpu:0.1.0 .
+ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
+ARG TORCH_IMAGE=pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime
+
+# --- wheel: build the project's wheel once; no build tooling reaches the runtime images
+FROM ${PYTHON_IMAGE} AS wheel
+ARG PIP_VERSION=25.3
+WORKDIR /src
+RUN pip install --no-cache-dir "pip==${PIP_VERSION}"
+COPY pyproject.toml README.md ./
+COPY buffer ./buffer
+COPY learner ./learner
+COPY actors ./actors
+COPY services ./services
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+# --- cpu: the same learner on the CPU build of torch (docker-compose.cpu.yml, the tiny model)
+FROM ${PYTHON_IMAGE} AS cpu
+ARG TORCH_CPU_VERSION=2.13.0
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    OFFPOLICY_HOST=0.0.0.0 OFFPOLICY_PORT=8000 HF_HOME=/var/lib/offpolicy/hf-cache
+RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu \
+      "torch==${TORCH_CPU_VERSION}+cpu" /wheels/offpolicy-*.whl \
+ && useradd --uid 10001 --user-group --no-create-home --home-dir /var/lib/offpolicy offpolicy \
+ && mkdir -p /var/lib/offpolicy/weights /var/lib/offpolicy/checkpoints /var/lib/offpolicy/hf-cache /var/lib/offpolicy/models \
+ && chown -R 10001:10001 /var/lib/offpolicy
+COPY --chmod=0644 deploy/docker/healthcheck.py /usr/local/lib/offpolicy/healthcheck.py
+USER 10001:10001
+WORKDIR /var/lib/offpolicy
+EXPOSE 8000
+HEALTHCHECK --interval=15s --timeout=5s --start-period=180s --retries=3 \
+  CMD ["python", "/usr/local/lib/offpolicy/healthcheck.py"]
+ENTRYPOINT ["offpolicy"]
+CMD ["learner", "--config", "/etc/offpolicy/learner.yaml"]
+
+# --- gpu (default target): the official CUDA PyTorch image; torch comes from the base, not from pip
+FROM ${TORCH_IMAGE} AS gpu
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    OFFPOLICY_HOST=0.0.0.0 OFFPOLICY_PORT=8000 HF_HOME=/var/lib/offpolicy/hf-cache
+RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    pip install --no-cache-dir /wheels/offpolicy-*.whl \
+ && useradd --uid 10001 --user-group --no-create-home --home-dir /var/lib/offpolicy offpolicy \
+ && mkdir -p /var/lib/offpolicy/weights /var/lib/offpolicy/checkpoints /var/lib/offpolicy/hf-cache /var/lib/offpolicy/models \
+ && chown -R 10001:10001 /var/lib/offpolicy
+COPY --chmod=0644 deploy/docker/healthcheck.py /usr/local/lib/offpolicy/healthcheck.py
+USER 10001:10001
+WORKDIR /var/lib/offpolicy
+EXPOSE 8000
+HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
+  CMD ["python", "/usr/local/lib/offpolicy/healthcheck.py"]
+ENTRYPOINT ["offpolicy"]
+CMD ["learner", "--config", "/etc/offpolicy/learner.yaml"]

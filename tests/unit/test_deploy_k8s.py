@@ -1,0 +1,173 @@
+"""k8s/: each overlay built with kustomize validates (kubernetes-validate, strict; CRDs via their models)."""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import subprocess
+
+import pytest
+import yaml
+from kubernetes_validate import utils as kv
+
+from deploy.checks import ALERTS_FILE, ROOT
+
+OVERLAYS = ("dev", "gpu")
+K8S_VERSION = kv.latest_version()  # the newest Kubernetes the installed kubernetes-validate knows
+
+
+@functools.cache
+def build(overlay: str) -> tuple[dict, ...]:
+    """`kubectl kustomize` (kustomize v5, built into kubectl) of one overlay, as parsed documents."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.fail("kubectl (with its built-in kustomize) is needed: apt-get install kubectl")
+    out = subprocess.run(
+        [kubectl, "kustomize", str(ROOT / "k8s" / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    return tuple(doc for doc in yaml.safe_load_all(out.stdout) if doc)
+
+
+def by_kind(overlay: str, kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in build(overlay) if d["kind"] == kind}
+
+
+def assert_kept(written: object, parsed: object, path: str) -> None:
+    """Every field written survives parsing unchanged (the model adds defaults, drops unknown fields)."""
+    if isinstance(written, dict):
+        assert isinstance(parsed, dict), path
+        for key, value in written.items():
+            assert key in parsed, f"{path}.{key}: not a field of the CRD"
+            assert_kept(value, parsed[key], f"{path}.{key}")
+    elif isinstance(written, list):
+        assert isinstance(parsed, list) and len(parsed) == len(written), path
+        for i, (w, p) in enumerate(zip(written, parsed, strict=True)):
+            assert_kept(w, p, f"{path}[{i}]")
+    else:
+        assert written == parsed, f"{path}: {written!r} read as {parsed!r}"
+
+
+def crd_check(doc: dict) -> None:
+    """Prometheus-operator objects: parse with the models generated from the CRDs (cloudcoil)."""
+    from cloudcoil.models.prometheus_operator import v1
+
+    model = {"ServiceMonitor": v1.ServiceMonitor, "PrometheusRule": v1.PrometheusRule}[doc["kind"]]
+    parsed = model.model_validate(doc).model_dump(by_alias=True, exclude_none=True, mode="json")
+    assert_kept(doc, parsed, doc["kind"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda o: f"{o}-overlay")
+def test_every_manifest_validates(overlay):
+    kinds = set()
+    for doc in build(overlay):
+        kinds.add(doc["kind"])
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            crd_check(doc)
+            continue
+        try:
+            kv.validate(doc, K8S_VERSION, strict=True)
+        except kv.ValidationError as err:
+            path = ".".join(str(p) for p in err.path)
+            pytest.fail(f"{doc['kind']}/{doc['metadata']['name']}: {path}: {err.message}")
+    expected = {
+        "Namespace", "StatefulSet", "Deployment", "Service", "ConfigMap", "PersistentVolumeClaim",
+        "NetworkPolicy", "ServiceMonitor", "PrometheusRule",
+    }  # fmt: skip
+    assert expected <= kinds
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda o: f"{o}-overlay")
+def test_everything_lands_in_the_namespace(overlay):
+    for doc in build(overlay):
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"]["namespace"] == "offpolicy", doc["metadata"]["name"]
+
+
+def pod_specs(overlay: str) -> dict[str, dict]:
+    out = {}
+    for kind in ("Deployment", "StatefulSet"):
+        for name, doc in by_kind(overlay, kind).items():
+            out[name] = doc["spec"]["template"]["spec"]
+    return out
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda o: f"{o}-overlay")
+def test_pods_are_non_root_with_requests_limits_and_probes(overlay):
+    for name, spec in pod_specs(overlay).items():
+        assert spec["securityContext"]["runAsNonRoot"] is True, name
+        assert spec["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault", name
+        for container in spec["containers"] + spec.get("initContainers", []):
+            ctx = container["securityContext"]
+            assert ctx["allowPrivilegeEscalation"] is False and ctx["capabilities"]["drop"] == ["ALL"], name
+            assert container["resources"]["requests"]["memory"], name
+            assert container["resources"]["limits"]["memory"], name
+        main = spec["containers"][0]
+        assert "readinessProbe" in main and "livenessProbe" in main, name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda o: f"{o}-overlay")
+def test_learner_and_actor_probes_and_index_from_ordinal(overlay):
+    learner = by_kind(overlay, "Deployment")["learner"]
+    assert learner["spec"]["replicas"] == 1 and learner["spec"]["strategy"]["type"] == "Recreate"
+    container = learner["spec"]["template"]["spec"]["containers"][0]
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    claims = {v["persistentVolumeClaim"]["claimName"] for v in learner["spec"]["template"]["spec"]["volumes"]
+              if "persistentVolumeClaim" in v}  # fmt: skip
+    assert claims == {"weights", "checkpoints"}
+    actor = by_kind(overlay, "StatefulSet")["actor"]
+    env = {e["name"]: e for e in actor["spec"]["template"]["spec"]["containers"][0]["env"]}
+    ref = env["OFFPOLICY_ACTOR_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert ref == "metadata.labels['apps.kubernetes.io/pod-index']"
+
+
+def test_gpu_overlay_requests_gpus_and_scales_actors():
+    specs = pod_specs("gpu")
+    for name in ("learner", "actor"):
+        resources = specs[name]["containers"][0]["resources"]
+        assert resources["limits"]["nvidia.com/gpu"] == "1", name
+    assert by_kind("gpu", "StatefulSet")["actor"]["spec"]["replicas"] == 4
+    hpa = build("gpu")[[d["kind"] for d in build("gpu")].index("HorizontalPodAutoscaler")]
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "actor"}
+    assert not any(d["kind"] == "Secret" for d in build("gpu")), "gpu secrets are created out of band"
+
+
+def test_dev_overlay_runs_the_tiny_model_on_cpu_with_a_generated_secret():
+    specs = pod_specs("dev")
+    for name in ("learner", "actor"):
+        assert "nvidia.com/gpu" not in specs[name]["containers"][0]["resources"].get("limits", {})
+        assert specs[name]["initContainers"][0]["args"][0] == "make-tiny-model"
+    (secret,) = by_kind("dev", "Secret").values()
+    assert set(secret["data"]) == {"redis-password", "api-token"}
+    refs = {e["valueFrom"]["secretKeyRef"]["name"] for spec in specs.values()
+            for e in spec["containers"][0]["env"] if "secretKeyRef" in e.get("valueFrom", {})}  # fmt: skip
+    assert refs == {secret["metadata"]["name"]}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda o: f"{o}-overlay")
+def test_only_learner_and_actors_reach_redis(overlay):
+    policies = by_kind(overlay, "NetworkPolicy")
+    assert policies["default-deny-ingress"]["spec"] == {"podSelector": {}, "policyTypes": ["Ingress"]}
+    (rule,) = policies["redis-from-learner-and-actors"]["spec"]["ingress"]
+    (peer,) = rule["from"]
+    assert peer["podSelector"]["matchExpressions"] == [
+        {"key": "app.kubernetes.io/name", "operator": "In", "values": ["learner", "actor"]}
+    ]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 6379}]
+
+
+def test_configmaps_hold_the_same_configs_dashboards_and_rules():
+    maps = {name.rsplit("-", 1)[0]: doc for name, doc in by_kind("dev", "ConfigMap").items()}
+    assert maps["learner-config"]["data"]["learner.yaml"] == (ROOT / "configs/learner.yaml").read_text()
+    assert maps["actor-config"]["data"]["actor.yaml"] == (ROOT / "configs/actor.yaml").read_text()
+    assert maps["redis-config"]["data"]["redis.conf"] == (ROOT / "deploy/redis/redis.conf").read_text()
+    dashboards = maps["grafana-dashboards-offpolicy"]
+    assert dashboards["metadata"]["labels"]["grafana_dashboard"] == "1"
+    for file, text in dashboards["data"].items():
+        assert text == (ROOT / "deploy/grafana/dashboards" / file).read_text()
+    (rule,) = by_kind("dev", "PrometheusRule").values()
+    assert rule["spec"] == yaml.safe_load(ALERTS_FILE.read_text())
