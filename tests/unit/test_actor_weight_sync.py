@@ -1,0 +1,117 @@
+"""WeightSync's reload rules on a fake engine (hermetic): checksum, bounded retries, restore, stamping."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from actors.config import ReloadConfig, RetryConfig
+from actors.errors import WeightLoadError
+from actors.metrics import ActorMetrics
+from actors.weight_sync import WeightSync, safetensors_sha256, weights_path
+from buffer.policy import PolicyRecord
+
+
+class FakeEngine:
+    """Records reload calls; fails the next `fail` loads with `reason`."""
+
+    def __init__(self, fail: int = 0, reason: str = "engine"):
+        self.loaded_version, self.loaded_path = 0, "/initial"
+        self.calls: list[tuple[str, int]] = []
+        self.fail, self.reason = fail, reason
+
+    def reload_weights(self, path, version, timeout_s=None):
+        self.calls.append((path, version))
+        if self.fail > 0 and path != self.loaded_path:
+            self.fail -= 1
+            raise WeightLoadError(version, self.reason, "boom")
+        self.loaded_version, self.loaded_path = version, path
+
+
+def _publish(tmp_path, version: int, payload: bytes = b"weights") -> PolicyRecord:
+    folder = tmp_path / f"v{version}"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(payload)
+    return PolicyRecord(version, f"file://{folder}", hashlib.sha256(payload).hexdigest(), 0.0)
+
+
+def _sync(engine, **reload):
+    registry = CollectorRegistry()
+    sync = WeightSync(None, engine, ReloadConfig(**reload), RetryConfig(), ActorMetrics(registry))
+    return sync, registry
+
+
+def _value(registry, name, **labels):
+    return registry.get_sample_value(name, labels or None)
+
+
+def test_sha256_matches_the_learners_definition(tmp_path):
+    from learner.weights import safetensors_sha256 as learner_sha
+
+    (tmp_path / "b.safetensors").write_bytes(b"2" * 3_000_000)
+    (tmp_path / "a.safetensors").write_bytes(b"1")
+    (tmp_path / "config.json").write_text("{}")
+    assert safetensors_sha256(tmp_path) == learner_sha(tmp_path)
+    assert weights_path("file:///x/v1") == weights_path("/x/v1")
+
+
+async def test_reload_moves_version_and_lag(tmp_path):
+    engine = FakeEngine()
+    sync, reg = _sync(engine)
+    assert await sync.maybe_reload() is False  # nothing published yet
+    sync.see(_publish(tmp_path, 3))
+    assert _value(reg, "offpolicy_actor_policy_lag_versions") == 3
+    assert await sync.maybe_reload() is True
+    assert engine.loaded_version == 3 and sync.lag == 0 and sync.reloads == 1
+    assert _value(reg, "offpolicy_actor_policy_version") == 3
+    assert _value(reg, "offpolicy_actor_policy_lag_versions") == 0
+    sync.see(PolicyRecord(2, "/old", "x", 0.0))  # never moves backwards
+    assert sync.latest.version == 3 and await sync.maybe_reload() is False
+
+
+async def test_checksum_mismatch_is_loud_and_bounded(tmp_path):
+    engine = FakeEngine()
+    sync, reg = _sync(engine, max_attempts=2)
+    record = _publish(tmp_path, 1)
+    sync.see(PolicyRecord(1, record.weights_uri, "0" * 64, 0.0))
+    for _ in range(4):
+        assert await sync.maybe_reload() is False
+    assert engine.calls == []  # the engine was never touched
+    assert engine.loaded_version == 0
+    assert _value(reg, "offpolicy_actor_reload_failures_total", reason="checksum") == 2
+
+
+async def test_missing_folder(tmp_path):
+    engine = FakeEngine()
+    sync, reg = _sync(engine)
+    sync.see(PolicyRecord(1, str(tmp_path / "gone"), "0" * 64, 0.0))
+    assert await sync.maybe_reload() is False
+    assert _value(reg, "offpolicy_actor_reload_failures_total", reason="missing") == 1
+
+
+async def test_engine_failure_restores_then_a_retry_succeeds(tmp_path):
+    engine = FakeEngine(fail=1, reason="timeout")
+    sync, reg = _sync(engine, max_attempts=3)
+    record = _publish(tmp_path, 5)
+    sync.see(record)
+    assert await sync.maybe_reload() is False
+    folder = str(weights_path(record.weights_uri))
+    assert engine.calls == [(folder, 5), ("/initial", 0)]  # failed load, then the old weights back
+    assert engine.loaded_version == 0
+    assert _value(reg, "offpolicy_actor_reload_failures_total", reason="timeout") == 1
+    assert await sync.maybe_reload() is True
+    assert engine.loaded_version == 5
+
+
+async def test_failed_restore_stops_loudly(tmp_path):
+    class Broken(FakeEngine):
+        def reload_weights(self, path, version, timeout_s=None):
+            raise WeightLoadError(version, "engine", "dead")
+
+    sync, reg = _sync(Broken())
+    sync.see(_publish(tmp_path, 1))
+    with pytest.raises(WeightLoadError, match="could not restore"):
+        await sync.maybe_reload()
+    assert _value(reg, "offpolicy_actor_reload_failures_total", reason="restore") == 1
