@@ -1,0 +1,84 @@
+"""deploy/docker: hadolint-clean Dockerfiles, pinned bases, non-root, /readyz checks, the actor index."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from deploy.checks import ROOT
+from deploy.docker.entrypoint import replica_index, set_actor_index
+
+DOCKERFILES = sorted((ROOT / "deploy" / "docker").glob("*.Dockerfile"))
+
+
+def stages(path):
+    """(FROM line, the lines of that stage) for every stage."""
+    out = []
+    for line in path.read_text().splitlines():
+        if line.startswith("FROM "):
+            out.append((line, []))
+        elif out:
+            out[-1][1].append(line)
+    return out
+
+
+def test_hadolint_passes():
+    hadolint = shutil.which("hadolint") or str(ROOT / ".venv" / "bin" / "hadolint")
+    out = subprocess.run([hadolint, *map(str, DOCKERFILES)], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_pinned_bases_non_root_health_check_one_process(path):
+    text = path.read_text()
+    for image in re.findall(r"^ARG \w+_IMAGE=(\S+)$", text, flags=re.M):
+        assert re.search(r":v?\d+\.\d+\.\d+", image), f"{image} is not pinned to a version"
+    runtime = [(head, body) for head, body in stages(path) if not head.endswith(" AS wheel")]
+    assert [head.rsplit(" AS ", 1)[1] for head, _ in runtime] == ["cpu", "gpu"]  # gpu last = default
+    for head, body in runtime:
+        lines = "\n".join(body)
+        assert "USER 10001:10001" in lines, head
+        assert re.search(
+            r"HEALTHCHECK .*\n\s+CMD \[\"python3?\", \"/usr/local/lib/offpolicy/healthcheck.py\"\]", lines
+        )
+        (entrypoint,) = re.findall(r"^ENTRYPOINT (\[.*\])$", lines, flags=re.M)
+        assert entrypoint.startswith("["), "exec form: the service is PID 1's only child, no shell"
+        assert "--no-cache-dir" in lines
+    assert "/readyz" in (ROOT / "deploy/docker/healthcheck.py").read_text()
+
+
+def test_dockerignore_lets_through_exactly_what_the_images_copy():
+    allowed = {
+        line[1:].rstrip("/")
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.startswith("!")
+    }
+    copied = set()
+    for path in DOCKERFILES:
+        for sources in re.findall(r"^COPY (?!--from)(?:--\S+ )*(.+) \S+$", path.read_text(), flags=re.M):
+            copied |= {s.rstrip("/") for s in sources.split() if not s.startswith("--")}
+    copied.discard(".")
+    assert copied <= allowed and allowed <= copied | {"README.md", "pyproject.toml"}
+
+
+@pytest.mark.parametrize(
+    ("name", "index"),
+    [("offpolicy-actor-1.offpolicy_backend", 0), ("myproj-actor-12", 11), ("actor-3", 3), ("learner", None),
+     ("offpolicy-learner-1", None), ("3f2a9c0d1e2b", None)],
+)  # fmt: skip
+def test_replica_index_from_compose_and_statefulset_names(name, index):
+    assert replica_index(name) == index
+
+
+def test_set_actor_index():
+    env = {"OFFPOLICY_NUM_ACTORS": "2"}
+    set_actor_index(env, lambda: ["offpolicy-actor-3.offpolicy_backend", "3f2a9c0d1e2b"])
+    assert env == {"OFFPOLICY_NUM_ACTORS": "3", "OFFPOLICY_ACTOR_INDEX": "2", "OFFPOLICY_ACTOR_ID": "actor-2"}
+    given = {"OFFPOLICY_ACTOR_INDEX": "5"}
+    set_actor_index(given, lambda: pytest.fail("not consulted when the index is given"))
+    assert given == {"OFFPOLICY_ACTOR_INDEX": "5"}
+    with pytest.raises(SystemExit, match="no replica name"):
+        set_actor_index({}, lambda: ["3f2a9c0d1e2b"])
