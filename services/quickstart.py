@@ -44,8 +44,15 @@ class QuickstartOptions:
     """Give up (and stop everything) after this many seconds."""
 
 
-TOY_BUFFER = {"sampler": "newest", "max_staleness": 2, "max_times_sampled": 1, "max_size": 256}
-"""One replay table for learner and actor: freshest groups first, each trained on once, staleness <= 2."""
+TOY_BUFFER = {
+    "sampler": "newest",
+    "max_staleness": 2,
+    "max_times_sampled": 1,
+    "max_size": 256,
+    "max_ahead": 8,
+}
+"""One replay table for learner and actor: freshest groups first, each trained on once, staleness <= 2,
+the actor held back while 8 fresh groups wait (so it does not take the learner's CPU on a small machine)."""
 
 
 def learner_config(run_dir: Path, model: str, redis_url: str, run_id: str) -> dict[str, Any]:
@@ -125,7 +132,7 @@ def _start_redis(run_dir: Path, stoppable: list[Any]) -> str:
 
     redis = EmbeddedRedis.start(run_dir / "redis")
     stoppable.append(redis)
-    print(f"[quickstart] embedded redis-server {redis.version} at {redis.url}")
+    print(f"[quickstart] embedded redis-server {redis.version()} at {redis.url}")
     return redis.url
 
 
