@@ -56,7 +56,7 @@ format: install
 	$(PY) -m ruff check --fix .
 
 quickstart: install
-	$(VENV)/bin/offpolicy quickstart
+	$(VENV)/bin/offpolicy quickstart $(QUICKSTART_ARGS)
 
 bench: install
 	$(PY) benchmarks/correction.py
