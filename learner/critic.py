@@ -1,4 +1,4 @@
-"""The value model for GAE: the policy's backbone architecture with a scalar head, its loss, and GAE itself.
+"""The value model for GAE: the policy's backbone architecture with a scalar head, and its loss.
 
 Deliberately simple: the critic is a separate copy of the backbone (as in verl's PPO critic), trained by its
 own AdamW at a constant LR once per policy optimizer step, on the same micro-batches. The reward of a
@@ -47,32 +47,6 @@ def token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.T
     last = (response_mask.cumsum(-1) == response_mask.sum(-1, keepdim=True)) & (response_mask > 0)  # (B, R)
     first_last = last & (last.cumsum(-1) == 1)
     return first_last.float() * rewards[:, None]
-
-
-def gae_advantages(
-    rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float, lam: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE over the response tokens; returns (whitened advantages, returns), both (B, R), 0 on padding.
-
-    delta_t = r_t + gamma * V_{t+1} - V_t with V = 0 past the last token; A_t = delta_t + gamma*lam*A_{t+1};
-    returns = A + V (before whitening); advantages whitened over valid tokens (verl's masked_whiten).
-    """
-    mask = response_mask.float()
-    r = token_rewards(rewards.float(), mask)  # (B, R)
-    v = values.float() * mask
-    R = mask.shape[1]
-    adv = torch.zeros_like(v)
-    last_gae = torch.zeros_like(v[:, 0])
-    for t in reversed(range(R)):
-        next_v = v[:, t + 1] if t + 1 < R else torch.zeros_like(last_gae)
-        delta = r[:, t] + gamma * next_v - v[:, t]
-        last_gae = (delta + gamma * lam * last_gae) * mask[:, t]
-        adv[:, t] = last_gae
-    returns = (adv + v) * mask
-    n = mask.sum().clamp(min=1.0)
-    mean = (adv * mask).sum() / n
-    var = (((adv - mean) * mask) ** 2).sum() / (n - 1).clamp(min=1.0)
-    return (adv - mean) * torch.rsqrt(var + 1e-8) * mask, returns
 
 
 def value_loss(

@@ -30,11 +30,13 @@ from prometheus_client import CollectorRegistry
 from buffer.errors import BufferNotReady, RateLimited
 from buffer.policy import PolicyStore
 from buffer.replay_buffer import ReplayBuffer
+from learner.advantages import compute_advantages, gae, grpo
 from learner.batching import Batch, collate, token_logprobs
 from learner.checkpoint import Trainables, latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.config import FrozenFieldChange, LearnerConfig, OptimizerConfig, frozen_field_changes
 from learner.correction import compute_rollout_correction
-from learner.critic import ValueModel, gae_advantages, value_loss
+from learner.critic import ValueModel, token_rewards, value_loss
+from learner.losses import ClipConfig, compute_policy_loss
 from learner.metrics import LearnerMetrics, StalenessKL
 from learner.model import load_model, load_tokenizer
 from learner.weights import publish_weights
@@ -89,78 +91,36 @@ def mean_metrics(acc: dict[str, list[torch.Tensor]]) -> dict[str, float]:
     return dict(zip(names, values.cpu().tolist(), strict=True))
 
 
-# --- the loss of one micro-batch (ADAPTER: local PPO/REINFORCE math until learner/losses.py lands)
-
-
-def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, den: dict[str, Any]) -> torch.Tensor:
-    """spec §5.4 with the mini-batch's denominators `den`: micro-batch losses add up to the mini-batch's."""
-    if mode == "token-mean":
-        return (loss_mat * mask).sum() / den["tokens"].clamp(min=1)
-    if mode == "token-sum":
-        return (loss_mat * mask).sum()
-    row = (loss_mat * mask).sum(-1)  # (b,)
-    if mode == "seq-mean-token-mean":
-        row = row / (mask.sum(-1) + 1e-8)
-    out = row.sum() / den["rows"].clamp(min=1)
-    return out / den["width"] if mode == "seq-mean-token-sum-norm" else out
-
-
-def ppo_clip_matrix(log_prob, old_log_prob, adv, cfg: LearnerConfig):
-    """Per-token dual-clip PPO loss (spec §5.2) and the masks its metrics need."""
-    neg_approx_kl = (log_prob - old_log_prob).clamp(-20.0, 20.0)
-    ratio = neg_approx_kl.exp()
-    l1 = -adv * ratio
-    l2 = -adv * ratio.clamp(1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high)
-    c1 = torch.maximum(l1, l2)
-    l3 = -adv * cfg.clip_ratio_c
-    loss = torch.where(adv < 0, torch.minimum(l3, c1), c1)
-    return loss, -neg_approx_kl, (l2 > l1).float(), ((c1 > l3) & (adv < 0)).float()
+# --- the loss of one micro-batch
 
 
 def policy_loss_terms(
     log_prob: torch.Tensor, mb: Batch, cfg: LearnerConfig, den: dict[str, Any]
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Loss of one micro-batch (already scaled for accumulation) and its metrics as 0-d tensors."""
-    rc, mask, adv = cfg.rollout_correction, mb.response_mask, mb.advantages
-    metrics: dict[str, torch.Tensor] = {}
-    weights = mb.is_weights
-    if rc.bypass_mode:  # spec §5.3: correction from the current log-probs, per micro-batch
-        corr = compute_rollout_correction(log_prob.detach(), mb.rollout_log_probs, mask, rc)
-        mask = corr.response_mask.float()
-        weights = corr.weights
-        metrics |= {k: torch.tensor(v) for k, v in corr.metrics.items()}
-    n = mask.sum().clamp(min=1)
-    if rc.bypass_mode and rc.loss_type == "reinforce":
-        loss_mat = -adv * log_prob * (weights if weights is not None else 1.0)
-        metrics["actor/ppo_kl"] = ((mb.rollout_log_probs - log_prob.detach()) * mask).sum() / n
-    else:
-        loss_mat, kl, clipped, clipped_lower = ppo_clip_matrix(log_prob, mb.old_log_probs, adv, cfg)
-        if not rc.bypass_mode and weights is not None:
-            loss_mat = loss_mat * weights
-        metrics["actor/ppo_kl"] = (kl.detach() * mask).sum() / n
-        metrics["actor/pg_clipfrac"] = (clipped * mask).sum() / n
-        metrics["actor/pg_clipfrac_lower"] = (clipped_lower * mask).sum() / n
-    return aggregate(loss_mat, mask, cfg.loss_agg_mode, den), metrics
-
-
-def compute_advantages(estimator, rewards, group_index, response_mask, norm_adv_by_std_in_grpo=True):
-    """ADAPTER until learner/advantages.py lands: outcome advantages (B,) broadcast over the mask (B, R)."""
-    g = int(group_index.max()) + 1
-    ones = torch.ones_like(rewards)
-    count = torch.zeros(g, device=rewards.device).index_add(0, group_index, ones)[group_index]  # (B,)
-    total = torch.zeros(g, device=rewards.device).index_add(0, group_index, rewards)[group_index]
-    if estimator == "reinforce":
-        adv = rewards - rewards.mean()
-    elif estimator == "rloo":
-        adv = torch.where(count > 1, (rewards - (total - rewards) / (count - 1).clamp(min=1)), 0.0)
-    else:  # grpo
-        mean = total / count
-        sq = torch.zeros(g, device=rewards.device).index_add(0, group_index, (rewards - mean) ** 2)[
-            group_index
-        ]
-        std = torch.where(count > 1, (sq / (count - 1).clamp(min=1)).sqrt(), 0.0)
-        adv = (rewards - mean) / (std + 1e-6) if norm_adv_by_std_in_grpo else rewards - mean
-    return adv[:, None] * response_mask  # (B, R)
+    """Loss of one micro-batch, scaled by the mini-batch's denominators `den` so that the micro-batch
+    losses add up to the mini-batch's loss (gradient accumulation); metrics as 0-d tensors."""
+    rc = cfg.rollout_correction
+    out = compute_policy_loss(
+        log_prob,
+        mb.old_log_probs,
+        mb.advantages,
+        mb.response_mask,
+        loss_agg_mode=cfg.loss_agg_mode,
+        clip=ClipConfig(
+            clip_ratio_low=cfg.clip_ratio_low,
+            clip_ratio_high=cfg.clip_ratio_high,
+            clip_ratio_c=cfg.clip_ratio_c,
+        ),
+        rollout_is_weights=None if rc.bypass_mode else mb.is_weights,
+        rollout_log_prob=mb.rollout_log_probs,
+        correction=rc,
+        batch_num_tokens=den["tokens"],
+        global_batch_size=den["rows"],
+    )
+    loss = out.loss
+    if cfg.loss_agg_mode == "seq-mean-token-sum-norm":  # divide by the batch's width T, not the micro-batch's
+        loss = loss * mb.response_mask.shape[1] / den["width"]
+    return loss, out.metrics
 
 
 # --- the learner
@@ -340,13 +300,14 @@ class Learner:
 
     def _advantages(self, batch: Batch) -> None:
         cfg = self.config
+        if cfg.adv_estimator == "grpo":
+            batch.advantages = grpo(
+                batch.rewards, batch.group_index, batch.response_mask, norm_by_std=cfg.norm_adv_by_std_in_grpo
+            )
+            return
         if self.critic is None:
             batch.advantages = compute_advantages(
-                cfg.adv_estimator,
-                batch.rewards,
-                batch.group_index,
-                batch.response_mask,
-                norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo,
+                cfg.adv_estimator, batch.rewards, batch.group_index, batch.response_mask
             )
             return
         with torch.no_grad():
@@ -354,9 +315,8 @@ class Learner:
             batch.values = torch.cat(
                 [_pad_cols(self.critic(batch.select(r)), width) for r in self._rows(batch)]
             )
-        batch.advantages, batch.returns = gae_advantages(
-            batch.rewards, batch.values, batch.response_mask, cfg.gamma, cfg.lam
-        )
+        rewards = token_rewards(batch.rewards, batch.response_mask)  # (B, R): reward on the last token
+        batch.advantages, batch.returns = gae(rewards, batch.values, batch.response_mask, cfg.gamma, cfg.lam)
 
     def _optimizer_step(self, batch, mini, acc, phases, kl: StalenessKL | None) -> None:
         """Gradient accumulation over the micro-batches of `mini`, then one AdamW step (version += 1)."""

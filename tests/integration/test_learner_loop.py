@@ -17,8 +17,9 @@ from buffer.replay_buffer import ReplayBuffer
 from buffer.types import SamplingParams, Trajectory, TrajectoryGroup
 from learner.batching import collate, token_logprobs
 from learner.config import LearnerConfig, load_config
+from learner.losses import ClipConfig, compute_policy_loss
 from learner.model import load_model, make_tiny_model, sample_completions
-from learner.train import Learner, aggregate, ppo_clip_matrix
+from learner.train import Learner
 
 pytestmark = pytest.mark.redis
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -155,9 +156,8 @@ def test_parity_when_all_three_policies_agree(tiny_dir, redis_url, tmp_path):
     rewards = batch.rewards.view(2, 4)
     adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)).view(-1)
     adv = adv[:, None] * batch.response_mask
-    on_policy, *_ = ppo_clip_matrix(lp, lp, adv, cfg)
-    den = {"tokens": batch.response_mask.sum(), "rows": torch.tensor(8), "width": lp.shape[1]}
-    want = aggregate(on_policy, batch.response_mask, cfg.loss_agg_mode, den)
+    clip = ClipConfig(clip_ratio_low=0.2, clip_ratio_high=0.2)
+    want = compute_policy_loss(lp, lp, adv, batch.response_mask, clip=clip).loss
     assert m["loss"] == pytest.approx(float(want), abs=1e-5)
 
 
