@@ -105,6 +105,10 @@ class VLLMEngine:
         self.loaded_version = version
         self.loaded_path = path
 
+    def shutdown(self) -> None:
+        """Stop the engine-core process (and its workers) by handle."""
+        self.llm.llm_engine.engine_core.shutdown()
+
 
 def _completion(c) -> Completion:
     ids = np.asarray(c.token_ids, dtype=np.int32)  # (R,)

@@ -68,7 +68,7 @@ def test_missing_file_and_unknown_suffix(tmp_path):
     with pytest.raises(DatasetError, match="does not exist"):
         load_prompts(tmp_path / "nope.jsonl")
     (tmp_path / "d.csv").write_text("prompt\nx\n")
-    with pytest.raises(DatasetError, match="jsonl or .parquet"):
+    with pytest.raises(DatasetError, match=r"jsonl or \.parquet"):
         load_prompts(tmp_path / "d.csv")
 
 

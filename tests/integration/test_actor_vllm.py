@@ -1,0 +1,242 @@
+"""The actor on real vLLM (CPU, tiny float32 model) and real embedded Redis; one engine for the module.
+
+Order matters only for speed: the engine starts once (~45 s) and the tests share it; the reload test
+leaves the engine on the weights it loaded, and later tests read the engine's version instead of
+assuming 0.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from actors.config import ActorConfig, DatasetConfig, EngineConfig, ReloadConfig, RetryConfig, SamplingConfig
+from actors.engine import VLLMEngine
+from actors.prompts import load_prompts
+from actors.rewards import target_token_share
+from actors.toy import write_target_token_dataset
+from actors.worker import Actor
+from buffer.codec import decode_group, encode_group
+from buffer.embedded import EmbeddedRedis
+from buffer.policy import PolicyStore
+from buffer.replay_buffer import ReplayBuffer
+from buffer.types import SamplingParams, Trajectory, TrajectoryGroup
+from learner.batching import collate, token_logprobs
+from learner.model import load_model, make_tiny_model
+from learner.weights import publish_weights
+
+pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow]
+
+TEMPERATURE = 0.7
+NUM_PROMPTS = 12
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> VLLMEngine:
+    eng = VLLMEngine(EngineConfig.cpu_tiny(str(model_dir), max_model_len=256))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_target_token_dataset(tmp_path_factory.mktemp("data") / "toy.jsonl", NUM_PROMPTS)
+
+
+def _config(model_dir, dataset_path, redis_url, run_id, **over) -> ActorConfig:
+    base = {
+        "redis_url": redis_url,
+        "run_id": run_id,
+        "engine": EngineConfig.cpu_tiny(str(model_dir), max_model_len=256),
+        "sampling": SamplingConfig(temperature=TEMPERATURE, max_tokens=16, n=2),
+        "dataset": DatasetConfig(path=str(dataset_path), prompts_per_batch=4),
+        "reward": {"name": "target_token_share"},
+        "reload": ReloadConfig(poll_interval_s=0.2),
+        "retry": RetryConfig(initial_s=0.1, max_s=0.5),
+    }
+    return ActorConfig.model_validate(base | over)
+
+
+def _learner_logprobs(
+    model_path: str | Path, groups: list[TrajectoryGroup], temperature: float | None = None
+):
+    """(learner log-probs, behaviour log-probs, mask) with the learner's own collate + token_logprobs."""
+    batch = collate(groups, pad_token_id=0)
+    if temperature is not None:
+        batch.temperatures = torch.full_like(batch.temperatures, temperature)
+    model = load_model(model_path, device="cpu").eval()
+    with torch.no_grad():
+        lp = token_logprobs(model, batch)  # (B, R)
+    return lp, batch.rollout_log_probs, batch.response_mask
+
+
+def _drain(redis_url: str, run_id: str, consumer_version: int) -> list[TrajectoryGroup]:
+    with ReplayBuffer(redis_url, run_id) as buf:
+        n = buf.stats().size
+        return buf.sample(n, consumer_version=consumer_version, timeout_s=5.0) if n else []
+
+
+def _run_in_thread(actor: Actor) -> tuple[threading.Thread, threading.Event, list[BaseException]]:
+    stop, errors = threading.Event(), []
+
+    def main():
+        try:
+            actor.run(stop)
+        except BaseException as e:  # handed to the test thread, which fails with it
+            errors.append(e)
+
+    thread = threading.Thread(target=main, daemon=True)
+    thread.start()
+    return thread, stop, errors
+
+
+def _wait_until(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.1)
+
+
+# --- the tests
+
+
+def test_behaviour_logprobs_match_the_learner_at_temperature(engine, model_dir):
+    tok = engine.tokenizer
+    prompts = [np.asarray(tok(t)["input_ids"], np.int32) for t in ("hello world", "abc", "Only a: aaa")]
+    sampling = SamplingConfig(temperature=TEMPERATURE, max_tokens=24, n=3)
+    out = engine.generate(prompts, sampling)
+    groups = [
+        TrajectoryGroup(
+            uuid.uuid4().hex,
+            str(i),
+            p,
+            0,
+            "t",
+            0.0,
+            SamplingParams(TEMPERATURE, 1.0, -1, 24),
+            [Trajectory(c.token_ids, c.logprobs, 0.0, c.finish_reason) for c in cs],
+        )
+        for i, (p, cs) in enumerate(zip(prompts, out, strict=True))
+    ]
+    lp, behaviour, mask = _learner_logprobs(model_dir, groups)
+    assert mask.sum() >= 3 * 3 * 10
+    assert float(((lp - behaviour).abs() * mask).max()) < 1e-4
+    # raw (temperature-1) log-probs are a different distribution: this is what the test guards against
+    raw, _, _ = _learner_logprobs(model_dir, groups, temperature=1.0)
+    assert float(((raw - behaviour).abs() * mask).max()) > 0.05
+
+
+async def test_one_epoch_pushes_every_prompt_as_a_valid_group(engine, model_dir, dataset, redis_url, run_id):
+    registry = CollectorRegistry()
+    cfg = _config(
+        model_dir,
+        dataset,
+        redis_url,
+        run_id,
+        dataset=DatasetConfig(path=str(dataset), prompts_per_batch=5, max_epochs=1),
+    )
+    actor = Actor(cfg, registry, engine=engine)
+    await actor.arun(threading.Event())
+    groups = _drain(redis_url, run_id, engine.loaded_version)
+    prompts = {p.prompt_id: p for p in load_prompts(dataset)}
+    assert sorted(g.prompt_id for g in groups) == sorted(prompts)
+    assert (
+        actor.status()["groups_pushed"]
+        == NUM_PROMPTS
+        == registry.get_sample_value("offpolicy_actor_groups_pushed_total")
+    )
+    tokens = 0
+    for g in groups:
+        decode_group(encode_group(g))  # round-trips through the validating codec
+        assert (g.policy_version, g.actor_id, len(g.trajectories)) == (engine.loaded_version, "actor-0", 2)
+        assert g.sampling == SamplingParams(TEMPERATURE, 1.0, -1, 16)
+        assert engine.tokenizer.decode(g.prompt_ids) == prompts[g.prompt_id].text
+        for t in g.trajectories:
+            text = engine.tokenizer.decode(t.response_ids, skip_special_tokens=True)
+            assert t.reward == pytest.approx(target_token_share(text, "a", {}))
+            assert np.all(t.behavior_logprobs <= 0) and np.all(np.isfinite(t.behavior_logprobs))
+            tokens += len(t.response_ids)
+    assert registry.get_sample_value("offpolicy_actor_generated_tokens_total") == tokens
+    assert actor.status()["state"] == "stopped"
+
+
+def test_reload_mid_run_stamps_the_new_version_and_matches_the_learner(
+    engine, model_dir, dataset, redis_url, run_id, tmp_path
+):
+    start_version = engine.loaded_version
+    actor = Actor(_config(model_dir, dataset, redis_url, run_id), CollectorRegistry(), engine=engine)
+    thread, stop, errors = _run_in_thread(actor)
+    try:
+        _wait_until(lambda: actor.groups_pushed >= 4 or errors, 120, "groups from the starting weights")
+        model = load_model(model_dir, device="cpu")
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        new_version = start_version + 3
+        store = PolicyStore(redis_url, run_id)
+        record = publish_weights(model, tmp_path / "weights", new_version, store=store)
+        store.close()
+        _wait_until(lambda: engine.loaded_version == new_version or errors, 120, "the reload")
+        pushed_at_reload = actor.groups_pushed
+        _wait_until(lambda: actor.groups_pushed >= pushed_at_reload + 8 or errors, 120, "groups after it")
+    finally:
+        stop.set()
+        thread.join(60)
+    assert not errors and not thread.is_alive()
+    assert actor.status()["loaded_policy_version"] == new_version
+    assert actor.status()["learner_policy_version"] == new_version and actor.status()["reloads"] == 1
+    groups = _drain(redis_url, run_id, new_version)
+    by_version = {v: [g for g in groups if g.policy_version == v] for v in (start_version, new_version)}
+    assert len(by_version[start_version]) >= 4 and len(by_version[new_version]) >= 4
+    assert len(groups) == len(by_version[start_version]) + len(by_version[new_version])
+    lp, behaviour, mask = _learner_logprobs(record.weights_uri, by_version[new_version])
+    assert float(((lp - behaviour).abs() * mask).max()) < 1e-4
+    old, behaviour, mask = _learner_logprobs(record.weights_uri, by_version[start_version])
+    assert float(((old - behaviour).abs() * mask).max()) > 1e-3  # the old groups came from other weights
+
+
+def test_actor_survives_redis_going_away_and_coming_back(engine, model_dir, dataset, tmp_path):
+    server = EmbeddedRedis.start(tmp_path / "redis", appendfsync="always")
+    registry = CollectorRegistry()
+    cfg = _config(model_dir, dataset, server.url, "outage", buffer={"storage_timeout_s": 0.5})
+    actor = Actor(cfg, registry, engine=engine)
+    thread, stop, errors = _run_in_thread(actor)
+    try:
+        _wait_until(lambda: actor.groups_pushed >= 4 or errors, 120, "groups before the outage")
+        server.stop()
+
+        def failures() -> float:
+            return registry.get_sample_value(
+                "offpolicy_actor_failures_total", {"reason": "redis_unavailable"}
+            )
+
+        _wait_until(lambda: failures() >= 2 or errors, 60, "the actor to notice the outage")
+        assert thread.is_alive() and not errors
+        server.restart()
+        before = actor.groups_pushed
+        _wait_until(lambda: actor.groups_pushed >= before + 8 or errors, 120, "pushes after Redis came back")
+    finally:
+        stop.set()
+        thread.join(60)
+        pushed = actor.groups_pushed
+        groups = _drain(server.url, "outage", engine.loaded_version) if server.pid else []
+        server.stop()
+    assert not errors and not thread.is_alive()
+    waited = registry.get_sample_value(
+        "offpolicy_actor_buffer_wait_seconds_total", {"reason": "redis_unavailable"}
+    )
+    assert waited > 0
+    assert len(groups) == pushed and len({g.group_id for g in groups}) == pushed
