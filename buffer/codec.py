@@ -2,8 +2,11 @@
 
 Wire format (schema_version 1): one msgpack map
 `{"v": 1, "gid", "pid", "p": <int32 LE bytes>, "pv", "aid", "t", "s": [temperature, top_p, top_k,
-max_tokens], "tr": [[<ids int32 LE>, <logprobs float32 LE>, reward, finish_reason, <versions int32 LE>
-| nil], ...], "m": {str: str}, "pr": priority | nil}`. Never pickle.
+max_tokens], "tr": {"n": <int32 LE length of each trajectory>, "ids": <int32 LE, all trajectories
+concatenated>, "lp": <float32 LE, concatenated>, "rw": [reward, ...], "fr": [finish_reason, ...],
+"ver": [<int32 LE versions> | nil, ...]}, "m": {str: str}, "pr": priority | nil}`. The concatenated
+arrays make validation a handful of vectorised checks per group instead of several per trajectory.
+Never pickle.
 """
 
 from __future__ import annotations
@@ -39,36 +42,73 @@ def _check_ids(a: Any, name: str, limit: int, limit_name: str) -> np.ndarray:
     return a
 
 
-def _check_traj(t: Trajectory, i: int, limits: CodecLimits) -> None:
+def _check_traj(t: Trajectory, i: int) -> None:
+    """Types and lengths of one trajectory (values are checked over the whole group at once)."""
     pre = f"trajectories[{i}]"
-    ids = _check_ids(t.response_ids, f"{pre}.response_ids", limits.max_tokens_per_completion,
-                     "max_tokens_per_completion")  # fmt: skip
-    lp = t.behavior_logprobs
+    ids, lp = t.response_ids, t.behavior_logprobs
+    if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise InvalidTrajectory(
+            f"{pre}.response_ids", f"must be a 1-D integer array, got {type(ids).__name__}"
+        )
     if not isinstance(lp, np.ndarray) or lp.ndim != 1 or lp.dtype.kind != "f":
         raise InvalidTrajectory(f"{pre}.behavior_logprobs", "must be a 1-D float array")
     if len(lp) != len(ids):
         raise InvalidTrajectory(
             f"{pre}.behavior_logprobs", f"length {len(lp)} != len(response_ids) {len(ids)}"
         )
-    lp32 = lp.astype(np.float32, copy=False)
-    if not np.isfinite(lp32).all():
-        raise InvalidTrajectory(f"{pre}.behavior_logprobs", "contains a non-finite value")
-    if (lp32 > 0).any():
-        raise InvalidTrajectory(f"{pre}.behavior_logprobs", f"log-probs must be <= 0, max is {lp32.max()}")
-    if t.versions is not None:
-        v = t.versions
+    v = t.versions
+    if v is not None:
         if not isinstance(v, np.ndarray) or v.ndim != 1 or v.dtype.kind not in "iu" or len(v) != len(ids):
             raise InvalidTrajectory(f"{pre}.versions", f"must be a 1-D integer array of length {len(ids)}")
         if len(v) and (v.min() < 0 or v.max() > _I32_MAX):
             raise InvalidTrajectory(f"{pre}.versions", "versions must be in [0, 2^31)")
-    if not isinstance(t.reward, int | float) or not math.isfinite(t.reward):
+    if not isinstance(t.reward, int | float) or isinstance(t.reward, bool) or not math.isfinite(t.reward):
         raise InvalidTrajectory(f"{pre}.reward", f"must be a finite number, got {t.reward!r}")
     if not isinstance(t.finish_reason, str):
         raise InvalidTrajectory(f"{pre}.finish_reason", "must be a string")
 
 
+def _check_values(lens: np.ndarray, ids: np.ndarray, lp: np.ndarray, limits: CodecLimits) -> None:
+    """Value checks over all trajectories' concatenated tokens and log-probs, naming the trajectory."""
+    ends = np.cumsum(lens)
+
+    def where(pos: int) -> str:
+        return f"trajectories[{int(np.searchsorted(ends, pos, side='right'))}]"
+
+    if len(lens) and lens.max() > limits.max_tokens_per_completion:
+        i = int(lens.argmax())
+        raise InvalidTrajectory(
+            f"trajectories[{i}].response_ids",
+            f"{lens[i]} tokens exceeds max_tokens_per_completion={limits.max_tokens_per_completion}",
+        )
+    if len(ids) and (ids.min() < 0 or ids.max() > _I32_MAX):
+        pos = int(np.argmax((ids < 0) | (ids > _I32_MAX)))
+        raise InvalidTrajectory(
+            f"{where(pos)}.response_ids", f"token ids must be in [0, 2^31), got {ids[pos]}"
+        )
+    ok = lp <= 0  # False for nan too
+    if not ok.all() or not np.isfinite(lp).all():
+        pos = int(np.argmax(~(ok & np.isfinite(lp))))
+        what = (
+            "contains a non-finite value"
+            if not np.isfinite(lp[pos])
+            else f"log-probs must be <= 0, got {lp[pos]}"
+        )
+        raise InvalidTrajectory(f"{where(pos)}.behavior_logprobs", what)
+
+
 def validate_group(group: TrajectoryGroup, limits: CodecLimits = _DEFAULT_LIMITS) -> None:
     """Raise `InvalidTrajectory(field, message)` for the first field of `group` that breaks the contract."""
+    _check_header(group, limits)
+    for i, t in enumerate(group.trajectories):
+        _check_traj(t, i)
+    lens, ids, lp = _concat(group.trajectories)
+    _check_values(lens, ids, lp, limits)
+    _check_rest(group)
+
+
+def _check_header(group: TrajectoryGroup, limits: CodecLimits) -> None:
+    """Identity, version, time, prompt and trajectory count."""
     if group.schema_version != SCHEMA_VERSION:
         raise InvalidTrajectory("schema_version", f"unknown schema version {group.schema_version!r}")
     for name in ("group_id", "prompt_id", "actor_id"):
@@ -87,8 +127,17 @@ def validate_group(group: TrajectoryGroup, limits: CodecLimits = _DEFAULT_LIMITS
             "trajectories",
             f"{len(group.trajectories)} exceeds max_completions_per_group={limits.max_completions_per_group}",
         )
-    for i, t in enumerate(group.trajectories):
-        _check_traj(t, i, limits)
+
+
+def _concat(trajs: list[Trajectory]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    lens = np.array([len(t.response_ids) for t in trajs], dtype=np.int64)
+    ids = np.concatenate([t.response_ids for t in trajs]) if trajs else np.zeros(0, np.int64)
+    lp = np.concatenate([t.behavior_logprobs for t in trajs]).astype(np.float32, copy=False)
+    return lens, ids, lp
+
+
+def _check_rest(group: TrajectoryGroup) -> None:
+    """The group-level fields after the trajectories: priority, metadata, sampling."""
     if group.priority is not None and (not math.isfinite(group.priority) or group.priority < 0):
         raise InvalidTrajectory("priority", f"must be finite and >= 0, got {group.priority!r}")
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in group.metadata.items()):
@@ -111,7 +160,9 @@ def _raw(a: np.ndarray, dtype: np.dtype) -> bytes:
 def encode_group(group: TrajectoryGroup, limits: CodecLimits = _DEFAULT_LIMITS) -> bytes:
     """Validate `group` and encode it to msgpack bytes (raises `InvalidTrajectory`)."""
     validate_group(group, limits)
+    lens, ids, lp = _concat(group.trajectories)
     s = group.sampling
+    trs = group.trajectories
     doc = {
         "v": group.schema_version,
         "gid": group.group_id,
@@ -121,16 +172,14 @@ def encode_group(group: TrajectoryGroup, limits: CodecLimits = _DEFAULT_LIMITS) 
         "aid": group.actor_id,
         "t": float(group.created_at),
         "s": [float(s.temperature), float(s.top_p), int(s.top_k), int(s.max_tokens)],
-        "tr": [
-            [
-                _raw(t.response_ids, _I32),
-                _raw(t.behavior_logprobs, _F32),
-                float(t.reward),
-                t.finish_reason,
-                None if t.versions is None else _raw(t.versions, _I32),
-            ]
-            for t in group.trajectories
-        ],
+        "tr": {
+            "n": _raw(lens, _I32),
+            "ids": _raw(ids, _I32),
+            "lp": _raw(lp, _F32),
+            "rw": [float(t.reward) for t in trs],
+            "fr": [t.finish_reason for t in trs],
+            "ver": [None if t.versions is None else _raw(t.versions, _I32) for t in trs],
+        },
         "m": dict(group.metadata),
         "pr": None if group.priority is None else float(group.priority),
     }
@@ -160,20 +209,46 @@ def _array(raw: Any, dtype: np.dtype, field: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype).astype(dtype.newbyteorder("="))
 
 
-def _decode_traj(item: Any, i: int) -> Trajectory:
-    pre = f"trajectories[{i}]"
-    if not isinstance(item, list) or len(item) != 5:
-        raise InvalidTrajectory(pre, "must be a 5-element array")
-    raw_ids, raw_lp, reward, finish, raw_v = item
-    if not isinstance(reward, int | float) or isinstance(reward, bool):
-        raise InvalidTrajectory(f"{pre}.reward", f"wrong type {type(reward).__name__}")
-    return Trajectory(
-        response_ids=_array(raw_ids, _I32, f"{pre}.response_ids"),
-        behavior_logprobs=_array(raw_lp, _F32, f"{pre}.behavior_logprobs"),
-        reward=float(reward),
-        finish_reason=finish,
-        versions=None if raw_v is None else _array(raw_v, _I32, f"{pre}.versions"),
-    )
+def _decode_trajs(tr: Any, limits: CodecLimits) -> list[Trajectory]:
+    """Decode the concatenated trajectory arrays, check their values at once, and split them (views)."""
+    if not isinstance(tr, dict):
+        raise InvalidTrajectory("trajectories", "must be a map of concatenated arrays")
+    lens = _array(tr.get("n"), _I32, "trajectories")
+    n = len(lens)
+    if n == 0:
+        raise InvalidTrajectory("trajectories", "a group needs at least one trajectory")
+    if n > limits.max_completions_per_group:
+        raise InvalidTrajectory(
+            "trajectories", f"{n} exceeds max_completions_per_group={limits.max_completions_per_group}"
+        )
+    if lens.min() < 0:
+        raise InvalidTrajectory("trajectories", "negative trajectory length")
+    ids = _array(tr.get("ids"), _I32, "trajectories.response_ids")
+    lp = _array(tr.get("lp"), _F32, "trajectories.behavior_logprobs")
+    ends = np.cumsum(lens)
+    for name, arr in (("response_ids", ids), ("behavior_logprobs", lp)):
+        if len(arr) != ends[-1]:
+            i = min(int(np.searchsorted(ends, len(arr), side="right")), n - 1)
+            raise InvalidTrajectory(f"trajectories[{i}].{name}", f"{len(arr)} values for {ends[-1]} tokens")
+    _check_values(lens, ids, lp, limits)
+    rw, fr, ver = tr.get("rw"), tr.get("fr"), tr.get("ver")
+    for name, lst in (("reward", rw), ("finish_reason", fr), ("versions", ver)):
+        if not isinstance(lst, list) or len(lst) != n:
+            raise InvalidTrajectory(f"trajectories.{name}", f"must be a list of {n}")
+    for i, r in enumerate(rw):
+        if not isinstance(r, int | float) or isinstance(r, bool):
+            raise InvalidTrajectory(f"trajectories[{i}].reward", f"wrong type {type(r).__name__}")
+    id_parts, lp_parts = np.split(ids, ends[:-1]), np.split(lp, ends[:-1])
+    return [
+        Trajectory(
+            response_ids=id_parts[i],
+            behavior_logprobs=lp_parts[i],
+            reward=float(rw[i]),
+            finish_reason=fr[i],
+            versions=None if ver[i] is None else _array(ver[i], _I32, f"trajectories[{i}].versions"),
+        )
+        for i in range(n)
+    ]
 
 
 def decode_group(data: bytes, limits: CodecLimits = _DEFAULT_LIMITS) -> TrajectoryGroup:
@@ -194,11 +269,6 @@ def decode_group(data: bytes, limits: CodecLimits = _DEFAULT_LIMITS) -> Trajecto
     s = _get(doc, "s", "sampling", list)
     if len(s) != 4:
         raise InvalidTrajectory("sampling", "must be [temperature, top_p, top_k, max_tokens]")
-    trs = _get(doc, "tr", "trajectories", list)
-    if len(trs) > limits.max_completions_per_group:  # before decoding a huge list of arrays
-        raise InvalidTrajectory(
-            "trajectories", f"{len(trs)} exceeds max_completions_per_group={limits.max_completions_per_group}"
-        )
     priority = doc.get("pr")
     group = TrajectoryGroup(
         group_id=_get(doc, "gid", "group_id", str),
@@ -208,10 +278,13 @@ def decode_group(data: bytes, limits: CodecLimits = _DEFAULT_LIMITS) -> Trajecto
         actor_id=_get(doc, "aid", "actor_id", str),
         created_at=float(_get(doc, "t", "created_at", (int, float))),
         sampling=SamplingParams(*s),
-        trajectories=[_decode_traj(item, i) for i, item in enumerate(trs)],
+        trajectories=_decode_trajs(doc.get("tr"), limits),
         metadata=_get(doc, "m", "metadata", dict),
         priority=None if priority is None else float(priority),
         schema_version=version,
     )
-    validate_group(group, limits)
+    _check_header(group, limits)
+    for i, t in enumerate(group.trajectories):
+        _check_traj(t, i)
+    _check_rest(group)
     return group

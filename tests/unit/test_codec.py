@@ -83,8 +83,9 @@ def test_arrays_are_raw_little_endian() -> None:
     g = build_group(n=1, tokens=3)
     doc = msgpack.unpackb(encode_group(g))
     assert doc["v"] == 1
-    assert doc["tr"][0][0] == g.trajectories[0].response_ids.astype("<i4").tobytes()
-    assert doc["tr"][0][1] == g.trajectories[0].behavior_logprobs.astype("<f4").tobytes()
+    assert doc["tr"]["ids"] == g.trajectories[0].response_ids.astype("<i4").tobytes()
+    assert doc["tr"]["lp"] == g.trajectories[0].behavior_logprobs.astype("<f4").tobytes()
+    assert doc["tr"]["n"] == np.array([3], "<i4").tobytes()
 
 
 def test_accepts_other_int_and_float_dtypes() -> None:
@@ -191,22 +192,25 @@ def test_decode_rejects_garbage() -> None:
 
 
 def test_decode_rejects_length_mismatch() -> None:
-    doc = _doc()
-    doc["tr"][1][1] = doc["tr"][1][1][:-4]
+    doc = _doc()  # 2 trajectories of 4 tokens: one log-prob short lands in trajectory 1
+    doc["tr"]["lp"] = doc["tr"]["lp"][:-4]
     assert _decode_field(doc) == "trajectories[1].behavior_logprobs"
+    doc = _doc()
+    doc["tr"]["ids"] = doc["tr"]["ids"][:-20]  # 3 of 8 ids: trajectory 0 is the first one short
+    assert _decode_field(doc) == "trajectories[0].response_ids"
 
 
 def test_decode_rejects_torn_array() -> None:
     doc = _doc()
-    doc["tr"][0][0] = doc["tr"][0][0][:-1]
-    assert _decode_field(doc) == "trajectories[0].response_ids"
+    doc["tr"]["ids"] = doc["tr"]["ids"][:-1]
+    assert _decode_field(doc) == "trajectories.response_ids"
 
 
 def test_decode_rejects_positive_and_nonfinite_logprobs() -> None:
     for bad in (0.25, float("nan"), float("inf")):
         doc = _doc()
-        doc["tr"][0][1] = np.array([-1.0, bad, -0.5, -0.1], "<f4").tobytes()
-        assert _decode_field(doc) == "trajectories[0].behavior_logprobs"
+        doc["tr"]["lp"] = np.array([-1.0, -1.0, -1.0, -1.0, -1.0, bad, -0.5, -0.1], "<f4").tobytes()
+        assert _decode_field(doc) == "trajectories[1].behavior_logprobs"
 
 
 def test_decode_rejects_negative_ids_and_empty_group() -> None:
@@ -214,8 +218,11 @@ def test_decode_rejects_negative_ids_and_empty_group() -> None:
     doc["p"] = np.array([1, -5], "<i4").tobytes()
     assert _decode_field(doc) == "prompt_ids"
     doc = _doc()
-    doc["tr"] = []
+    doc["tr"]["n"] = b""
     assert _decode_field(doc) == "trajectories"
+    doc = _doc()
+    doc["tr"]["ids"] = np.array([1, 2, 3, 4, 5, -6, 7, 8], "<i4").tobytes()
+    assert _decode_field(doc) == "trajectories[1].response_ids"
 
 
 def test_decode_rejects_missing_and_mistyped_fields() -> None:
@@ -226,8 +233,8 @@ def test_decode_rejects_missing_and_mistyped_fields() -> None:
     doc["pv"] = "3"
     assert _decode_field(doc) == "policy_version"
     doc = _doc()
-    doc["tr"][0][2] = "1.0"
-    assert _decode_field(doc) == "trajectories[0].reward"
+    doc["tr"]["rw"][1] = "1.0"
+    assert _decode_field(doc) == "trajectories[1].reward"
 
 
 def test_validate_group_is_the_decode_check() -> None:
