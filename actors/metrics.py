@@ -13,7 +13,9 @@ FAILURE_REASONS = (
 )
 RELOAD_FAILURE_REASONS = ("missing", "checksum", "timeout", "engine", "restore")
 WAIT_REASONS = ("pacing", "rate_limited", "redis_unavailable")
-_REWARD_BUCKETS = (-1.0, -0.5, 0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 2.0)
+# The first bound must be >= 0 or prometheus_client drops `_sum` (dashboards use sum/count): negative
+# rewards (length penalty) all land in the `le="0.0"` bucket.
+_REWARD_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 2.0)
 _RELOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _BATCH_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 

@@ -1,0 +1,41 @@
+"""make_groups (hermetic): stamping, reward per completion, a failing reward drops only its group."""
+
+from __future__ import annotations
+
+import numpy as np
+from prometheus_client import CollectorRegistry
+
+from actors.config import SamplingConfig
+from actors.engine import Completion
+from actors.metrics import ActorMetrics
+from actors.prompts import Prompt
+from actors.rewards import target_token_share
+from actors.rollout import make_groups, stamped_sampling
+from buffer.codec import decode_group, encode_group
+from buffer.types import SamplingParams
+
+
+def _completion(text: str) -> Completion:
+    ids = np.arange(len(text), dtype=np.int32)
+    return Completion(ids, np.full(len(text), -0.5, np.float32), "length", text)
+
+
+def test_groups_are_stamped_scored_and_a_failing_reward_drops_only_its_group():
+    registry = CollectorRegistry()
+    prompts = [Prompt(0, "p0", "x", "a", {"k": "v"}), Prompt(1, "p1", "y", None), Prompt(2, "p2", "z", "b")]
+    ids = [np.array([1, 2], np.int32), np.array([3], np.int32), np.array([4], np.int32)]
+    completions = [[_completion("aab"), _completion("bbbb")], [_completion("a")], [_completion("ab")]]
+    sampling = stamped_sampling(SamplingConfig(temperature=0.7, max_tokens=4, n=2))
+    groups = make_groups(
+        prompts, ids, completions, target_token_share, 7, "actor-3", sampling, ActorMetrics(registry)
+    )
+    assert [g.prompt_id for g in groups] == ["p0", "p2"]  # p1 has no target: reward_error
+    assert registry.get_sample_value("offpolicy_actor_failures_total", {"reason": "reward_error"}) == 1
+    g = groups[0]
+    assert (g.policy_version, g.actor_id, g.metadata) == (7, "actor-3", {"k": "v"})
+    assert g.sampling == SamplingParams(0.7, 1.0, -1, 4)
+    assert [t.reward for t in g.trajectories] == [2 / 3, 0.0]
+    assert len({g.group_id for g in groups}) == 2
+    assert registry.get_sample_value("offpolicy_actor_reward_count") == 3
+    assert registry.get_sample_value("offpolicy_actor_reward_sum") == 2 / 3 + 0.0 + 0.5
+    decode_group(encode_group(g))  # valid for the buffer's codec
