@@ -110,14 +110,23 @@ def compute_policy_loss(
     correction: RolloutCorrectionConfig | None = None,
     batch_num_tokens: Tensor | float | None = None,
     global_batch_size: Tensor | float | None = None,
+    loss_scale_factor: float | None = None,
 ) -> PolicyLoss:
     """Policy-gradient loss for current `log_prob` (B, T, with grad) and `advantages` (B, T).
 
     Decoupled (correction None or not bypass): PPO-clip against `old_log_prob` (pi_old), loss per token
     times `rollout_is_weights` when given. Bypass (`correction.bypass_mode`): needs `rollout_log_prob`;
     `old_log_prob` is ignored (pi_old := pi_rollout).
+
+    `batch_num_tokens`, `global_batch_size` and `loss_scale_factor` go to `aggregate_loss`: a micro-batch
+    passes its mini-batch's valid tokens, non-empty rows and width T, so that the micro-batch losses add
+    up to the mini-batch's loss (`loss_scale_factor` matters only for `seq-mean-token-sum-norm`).
     """
-    agg = {"batch_num_tokens": batch_num_tokens, "global_batch_size": global_batch_size}
+    agg = {
+        "batch_num_tokens": batch_num_tokens,
+        "global_batch_size": global_batch_size,
+        "loss_scale_factor": loss_scale_factor,
+    }
     if correction is None or not correction.bypass_mode:
         if old_log_prob is None:
             raise CorrectionInputError("decoupled mode needs old_log_prob (pi_old).")

@@ -116,11 +116,9 @@ def policy_loss_terms(
         correction=rc,
         batch_num_tokens=den["tokens"],
         global_batch_size=den["rows"],
+        loss_scale_factor=den["width"],  # the mini-batch's T, not the (trimmed) micro-batch's
     )
-    loss = out.loss
-    if cfg.loss_agg_mode == "seq-mean-token-sum-norm":  # divide by the batch's width T, not the micro-batch's
-        loss = loss * mb.response_mask.shape[1] / den["width"]
-    return loss, out.metrics
+    return out.loss, out.metrics
 
 
 # --- the learner

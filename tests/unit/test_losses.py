@@ -153,3 +153,48 @@ def test_all_rejected_micro_batch_gives_zero_loss_and_gradient():
     out.loss.backward()
     assert out.loss.item() == 0.0 and torch.equal(lp.grad, torch.zeros(2, 2))
     assert out.metrics["rollout_corr/rollout_rs_masked_fraction"].item() == pytest.approx(1.0)
+
+
+def test_micro_batch_accumulation_equals_the_mini_batch_loss_in_seq_mean_token_sum_norm():
+    """Rows of 3, 1, 2, 1 valid tokens (T = 3), advantages 1, -2, 0.5, 4, ratio 1 so the per-token loss is
+    -A. Row sums -3, 2, -1, -4: the mini-batch loss is (-6 / 4 rows) / T=3 = -0.5. Micro-batches of rows
+    [0, 1] (width 3) and [2, 3] (trimmed to width 2) give -1/12 and -5/12 only when both divide by the
+    mini-batch's T (`loss_scale_factor=3`); each gradient is -A * m / (4 * 3)."""
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 0, 0]], dtype=torch.float64)
+    adv = torch.tensor([1.0, -2.0, 0.5, 4.0], dtype=torch.float64)[:, None] * mask  # (4, 3)
+    base = torch.log(torch.tensor([[0.5, 0.25, 0.2], [0.1, 0.3, 0.3], [0.9, 0.6, 0.3], [0.7, 0.2, 0.1]]))
+    mode = "seq-mean-token-sum-norm"
+
+    full_lp = base.double().clone().requires_grad_(True)
+    full = compute_policy_loss(full_lp, full_lp.detach(), adv, mask, loss_agg_mode=mode).loss
+    full.backward()
+
+    acc_lp = base.double().clone().requires_grad_(True)
+    den = {"batch_num_tokens": mask.sum(), "global_batch_size": 4.0, "loss_scale_factor": 3.0}
+    parts = []
+    for rows, width in (([0, 1], 3), ([2, 3], 2)):  # the second micro-batch trims its padding column
+        lp = acc_lp[rows, :width]
+        out = compute_policy_loss(
+            lp, lp.detach(), adv[rows, :width], mask[rows, :width], loss_agg_mode=mode, **den
+        )
+        out.loss.backward()
+        parts.append(out.loss.detach())
+
+    assert float(full.detach()) == pytest.approx(-0.5, abs=1e-15)
+    assert [float(p) for p in parts] == pytest.approx([-1 / 12, -5 / 12], abs=1e-15)
+    assert float(parts[0] + parts[1]) == pytest.approx(float(full.detach()), abs=1e-15)
+    want_grad = -adv / 12.0  # (4, 3); zero at padding
+    torch.testing.assert_close(full_lp.grad, want_grad, rtol=0, atol=1e-15)
+    torch.testing.assert_close(acc_lp.grad, want_grad, rtol=0, atol=1e-15)
+    # without the mini-batch's T the trimmed micro-batch divides by 2: -5/8, and the sum is wrong
+    lp = acc_lp.detach()[[2, 3], :2]
+    wrong = compute_policy_loss(
+        lp,
+        lp,
+        adv[[2, 3], :2],
+        mask[[2, 3], :2],
+        loss_agg_mode=mode,
+        batch_num_tokens=7.0,
+        global_batch_size=4.0,
+    ).loss
+    assert float(wrong) == pytest.approx(-5 / 8, abs=1e-15)
