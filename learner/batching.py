@@ -19,14 +19,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from learner.errors import BatchError
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from buffer.types import TrajectoryGroup
-
-
-class BatchError(ValueError):
-    """Groups that cannot be collated (empty, mismatched lengths, greedy sampling); the message says why."""
 
 
 @dataclass(slots=True)

@@ -16,7 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from buffer.config import BufferConfig
 from learner.correction_config import RolloutCorrectionConfig
-from learner.errors import LearnerError
 
 ENV_PREFIX = "OFFPOLICY_"
 ENV_NESTING = "__"
@@ -26,14 +25,6 @@ AdvEstimator = Literal["grpo", "rloo", "reinforce", "gae"]
 LossAggMode = Literal[
     "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"
 ]
-
-
-class FrozenFieldChange(LearnerError, ValueError):
-    """A new config changes fields that cannot change while the learner runs; `fields` names them."""
-
-    def __init__(self, fields: list[str]) -> None:
-        super().__init__(f"cannot change while running: {', '.join(fields)}")
-        self.fields = fields
 
 
 class OptimizerConfig(BaseModel):

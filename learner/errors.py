@@ -1,4 +1,4 @@
-"""Typed errors of the learner package; services/ maps them to HTTP statuses in one table."""
+"""Typed errors of the learner package; services/ maps each to an HTTP status in one table."""
 
 from __future__ import annotations
 
@@ -15,5 +15,25 @@ class CorrectionInputError(LearnerError, ValueError):
     """
 
 
-class UnknownPreset(LearnerError, KeyError):
-    """A rollout-correction preset name that is neither canonical nor a seed-era alias."""
+class UnknownPreset(LearnerError, ValueError):
+    """A rollout-correction preset name that is neither canonical nor a seed-era alias.
+
+    A ValueError, so that a preset name given in place of `rollout_correction` fails validation like any
+    other bad value: pydantic wraps it into a ValidationError with the field path.
+    """
+
+
+class BatchError(LearnerError, ValueError):
+    """Groups that cannot be collated (empty, mismatched lengths, greedy sampling); the message says why."""
+
+
+class FrozenFieldChange(LearnerError, ValueError):
+    """A new config changes fields that cannot change while the learner runs; `fields` names them."""
+
+    def __init__(self, fields: list[str]) -> None:
+        super().__init__(f"cannot change while running: {', '.join(fields)}")
+        self.fields = fields
+
+
+class CheckpointsDisabled(LearnerError):
+    """An on-demand checkpoint was asked for, but the running config has `checkpoint.checkpoint_dir: null`."""

@@ -33,9 +33,10 @@ from buffer.replay_buffer import ReplayBuffer
 from learner.advantages import compute_advantages, gae, grpo
 from learner.batching import Batch, collate, token_logprobs
 from learner.checkpoint import Trainables, latest_checkpoint, load_checkpoint, save_checkpoint
-from learner.config import FrozenFieldChange, LearnerConfig, OptimizerConfig, frozen_field_changes
+from learner.config import LearnerConfig, OptimizerConfig, frozen_field_changes
 from learner.correction import compute_rollout_correction
 from learner.critic import ValueModel, token_rewards, value_loss
+from learner.errors import CheckpointsDisabled, FrozenFieldChange
 from learner.losses import ClipConfig, compute_policy_loss
 from learner.metrics import LearnerMetrics, StalenessKL
 from learner.model import load_model, load_tokenizer
@@ -411,7 +412,7 @@ class Learner:
     def _checkpoint(self) -> Path:
         cc = self.config.checkpoint
         if cc.checkpoint_dir is None:
-            raise ValueError("checkpoint.checkpoint_dir is None: checkpoints are disabled in this config")
+            raise CheckpointsDisabled("checkpoints are disabled: checkpoint.checkpoint_dir is null")
         stats = self.buffer.stats()
         path = save_checkpoint(
             cc.checkpoint_dir,

@@ -9,6 +9,7 @@ subclass inherits its parent's row.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -17,9 +18,16 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from buffer.errors import BufferNotReady, InvalidTrajectory, RateLimited, StorageUnavailable
-from learner.config import FrozenFieldChange
-from learner.errors import UnknownPreset
+from actors.errors import ActorError, DatasetError, EngineError, RewardError, WeightLoadError
+from buffer.errors import BufferError, BufferNotReady, InvalidTrajectory, RateLimited, StorageUnavailable
+from learner.errors import (
+    BatchError,
+    CheckpointsDisabled,
+    CorrectionInputError,
+    FrozenFieldChange,
+    LearnerError,
+    UnknownPreset,
+)
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +120,7 @@ class ChildProcessFailed(ServiceError):
 # --- the table
 
 ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
+    # the services' own
     Unauthorized: (401, "unauthorized"),
     NotFound: (404, "not_found"),
     FieldFrozen: (409, "field_frozen"),
@@ -120,13 +129,36 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
     RequestValidationError: (422, "validation_error"),
     ValidationError: (422, "validation_error"),
     NotReady: (503, "not_ready"),
+    ChildProcessFailed: (503, "child_process_failed"),
+    # buffer/errors.py
+    BufferError: (500, "buffer_error"),
     InvalidTrajectory: (422, "invalid_trajectory"),
     RateLimited: (429, "rate_limited"),
     BufferNotReady: (503, "buffer_not_ready"),
     StorageUnavailable: (503, "storage_unavailable"),
-    FrozenFieldChange: (409, "field_frozen"),
+    # learner/errors.py
+    LearnerError: (500, "learner_error"),
+    CorrectionInputError: (422, "invalid_correction_input"),
     UnknownPreset: (404, "not_found"),
+    BatchError: (422, "invalid_batch"),
+    FrozenFieldChange: (409, "field_frozen"),
+    CheckpointsDisabled: (409, "checkpoints_disabled"),
+    # actors/errors.py
+    ActorError: (500, "actor_error"),
+    DatasetError: (500, "dataset_error"),
+    RewardError: (500, "reward_error"),
+    WeightLoadError: (503, "weight_load_failed"),
+    EngineError: (500, "engine_error"),
 }
+"""(status, code) per error class; a subclass without a row inherits its nearest parent's (MRO order)."""
+
+ERROR_DETAIL: dict[type[BaseException], Callable[[Any], Any]] = {
+    ServiceError: lambda exc: exc.detail,
+    FrozenFieldChange: lambda exc: {"fields": list(exc.fields)},
+    InvalidTrajectory: lambda exc: {"field": exc.field},
+    WeightLoadError: lambda exc: {"version": exc.version, "reason": exc.reason},
+}
+"""The envelope's `detail` for the error classes that carry structured fields (MRO order, like the table)."""
 
 
 def status_for(exc: BaseException) -> tuple[int, str]:
@@ -135,6 +167,14 @@ def status_for(exc: BaseException) -> tuple[int, str]:
         if cls in ERROR_TABLE:
             return ERROR_TABLE[cls]
     return 500, "internal_error"
+
+
+def detail_for(exc: BaseException) -> Any:
+    """The envelope's `detail` of a domain error (ERROR_DETAIL by MRO); None when it carries none."""
+    for cls in type(exc).__mro__:
+        if cls in ERROR_DETAIL:
+            return ERROR_DETAIL[cls](exc)
+    return None
 
 
 def field_errors(errors: list[Any], prefix: tuple[str | int, ...] = ()) -> list[dict[str, str]]:
@@ -162,7 +202,7 @@ async def _domain_error(request: Request, exc: Exception) -> JSONResponse:
     if status >= 500 and code == "internal_error":
         log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
         return _envelope(status, code, "internal error; see the service log")
-    detail = getattr(exc, "detail", None) if isinstance(exc, ServiceError) else None
+    detail = detail_for(exc)
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     if isinstance(exc, ValidationError):
         detail = field_errors(exc.errors(include_url=False))

@@ -1,9 +1,9 @@
 """Config changes of the running learner: validation, the frozen-field rule, config versions and history.
 
 The service accepts a new config (PUT = replace, PATCH = merge), validates it as a `LearnerConfig`,
-refuses changes to fields marked `frozen_while_running` (409), gives it the next `config_version` and
-hands it to the learner, which switches at its next step boundary and reports back through
-`mark_applied`. Every accepted config stays in the history with when it was submitted and applied.
+refuses changes to fields marked `frozen_while_running` (`FrozenFieldChange`, 409), gives it the next
+`config_version` and hands it to the learner, which switches at its next step boundary and reports back
+through `mark_applied`. Every accepted config stays in the history with when it was submitted and applied.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from learner.config import LearnerConfig, frozen_field_changes, merge
-from learner.errors import UnknownPreset
-from services.common.errors import FieldFrozen, InvalidConfig, field_errors
+from learner.errors import FrozenFieldChange
+from services.common.errors import InvalidConfig, field_errors
 from services.learner_api.schemas import ConfigEntry, ConfigSource
 
 
@@ -34,7 +34,8 @@ def changed_fields(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str =
 
 
 def validate_body(body: Mapping[str, Any]) -> LearnerConfig:
-    """`body` as a `LearnerConfig`; `InvalidConfig` with `body.`-prefixed field paths when it is not one."""
+    """`body` as a `LearnerConfig`; `InvalidConfig` with `body.`-prefixed field paths when it is not one
+    (an unknown preset name in place of `rollout_correction` is one such field error)."""
     try:
         return LearnerConfig.model_validate(dict(body))
     except ValidationError as exc:
@@ -42,9 +43,6 @@ def validate_body(body: Mapping[str, Any]) -> LearnerConfig:
             f"{exc.error_count()} invalid field(s) in the config",
             field_errors(exc.errors(include_url=False), prefix=("body",)),
         ) from exc
-    except UnknownPreset as exc:  # a preset name in place of `rollout_correction`
-        detail = [{"field": "body.rollout_correction", "message": str(exc.args[0]), "type": "unknown_preset"}]
-        raise InvalidConfig("unknown rollout-correction preset", detail) from exc
 
 
 class ConfigControl:
@@ -98,14 +96,12 @@ class ConfigControl:
 
     def resolve(self, body: Mapping[str, Any], mode: str) -> tuple[LearnerConfig, list[str]]:
         """The config a `replace` or `merge` body produces and the fields it changes; raises InvalidConfig
-        (422) or FieldFrozen (409) exactly as a real change would."""
+        (422) or FrozenFieldChange (409) exactly as a real change would."""
         base = self.newest().config.model_dump(mode="json")
         new = validate_body(merge(base, body) if mode == "merge" else body)
         frozen = frozen_field_changes(self.running().config, new)
         if frozen:
-            raise FieldFrozen(
-                f"cannot change while the learner runs: {', '.join(frozen)}", detail={"fields": frozen}
-            )
+            raise FrozenFieldChange(frozen)
         return new, changed_fields(base, new.model_dump(mode="json"))
 
     # --- changing

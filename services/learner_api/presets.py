@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from learner.correction_config import RolloutCorrectionConfig
 from learner.correction_presets import ALIASES, canonical_preset_name
-from learner.errors import UnknownPreset
-from services.common.errors import NotFound
 from services.learner_api.schemas import Preset
 
 
@@ -18,11 +16,9 @@ def list_presets() -> list[Preset]:
 
 
 def get_preset(name: str) -> Preset:
-    """One preset by canonical name or alias (an alias shows its own fields, e.g. the seed veto)."""
-    try:
-        canonical = canonical_preset_name(name)
-    except UnknownPreset as exc:
-        raise NotFound(str(exc.args[0]), detail={"name": name}) from exc
+    """One preset by canonical name or alias (an alias shows its own fields, e.g. the seed veto);
+    `UnknownPreset` (404 in the error table) for any other name."""
+    canonical = canonical_preset_name(name)
     return Preset(
         name=canonical, aliases=_aliases_of(canonical), fields=RolloutCorrectionConfig.from_preset(name)
     )

@@ -13,7 +13,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from learner.config import LearnerConfig
-from services.common.errors import NotReady, Precondition
+from services.common.errors import NotReady
 from services.common.loop import BackgroundLoop
 from services.learner_api.control import ConfigControl
 from services.learner_api.presets import get_preset, list_presets
@@ -159,8 +159,5 @@ class LearnerRuntime:
         return self.status()
 
     def checkpoint(self) -> CheckpointResult:
-        learner = self.require()
-        if self.control.running().config.checkpoint.checkpoint_dir is None:
-            raise Precondition("checkpoints are disabled: checkpoint.checkpoint_dir is null in the config")
-        path, version = learner.checkpoint()
+        path, version = self.require().checkpoint()  # CheckpointsDisabled (409) without a checkpoint_dir
         return CheckpointResult(path=str(path), policy_version=version)

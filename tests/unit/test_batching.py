@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from buffer.types import SamplingParams, Trajectory, TrajectoryGroup
-from learner.batching import BatchError, collate, token_logprobs
+from learner.batching import collate, token_logprobs
+from learner.errors import BatchError
 from learner.model import load_model, make_tiny_model
 
 PAD = 0
