@@ -152,6 +152,17 @@ class LearnerMetrics:
         self.publishes = Counter(PREFIX + "publishes", "Weight versions published.", registry=registry)
         self.checkpoints = Counter(PREFIX + "checkpoints", "Checkpoints written.", registry=registry)
         self.paused = Gauge(PREFIX + "paused", "1 while the learner is paused, else 0.", registry=registry)
+        self.config_version = Gauge(
+            PREFIX + "config_version",
+            "config_version (GET /v1/config/history) of the config the loop runs; moves at a step boundary.",
+            registry=registry,
+        )
+        self.max_staleness = Gauge(
+            PREFIX + "max_staleness_steps",
+            "The running config's buffer.max_staleness: groups more than this many policy versions behind "
+            "the learner are never sampled; +Inf when unbounded.",
+            registry=registry,
+        )
         self.phase_seconds = Histogram(
             PREFIX + "step_phase_seconds", "Time per learner step phase.", ["phase"],
             buckets=PHASE_BUCKETS, registry=registry,
@@ -182,6 +193,11 @@ class LearnerMetrics:
                 suffix, doc = SCALARS.get(key, (sanitize(key), f"Last learner step's `{key}`."))
                 self._gauges[key] = Gauge(PREFIX + suffix, doc, registry=self.registry)
             return self._gauges[key]
+
+    def record_config(self, config_version: int, max_staleness: int | None) -> None:
+        """Set the config gauges when a config takes effect (at start and at a step boundary)."""
+        self.config_version.set(config_version)
+        self.max_staleness.set(float("inf") if max_staleness is None else max_staleness)
 
     def record_step(self, step_metrics: Mapping[str, float], phases: Mapping[str, float]) -> None:
         """Set the gauges from one step's metrics dict and observe its phase times; keep the dict."""

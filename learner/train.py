@@ -125,13 +125,26 @@ def policy_loss_terms(
 # --- the learner
 
 
+ConfigApplied = Callable[[int, int], None]
+"""`on_config_applied(config_version, step)`: called from the loop's thread at the step boundary where a
+config took effect; `step` = learner steps completed before it (step + 1 is the first to run with it)."""
+
+
 class Learner:
     """One training process: holds model, optimizer, buffer and policy store; `run` loops `step`."""
 
-    def __init__(self, config: LearnerConfig, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        config: LearnerConfig,
+        registry: CollectorRegistry | None = None,
+        on_config_applied: ConfigApplied | None = None,
+    ) -> None:
         self.config = config
         self.config_version = 0
+        self.config_applied_at_step = 0
+        self._on_config_applied = on_config_applied
         self.metrics = LearnerMetrics(registry if registry is not None else CollectorRegistry())
+        self.metrics.record_config(0, config.buffer.max_staleness)
         random.seed(config.seed)
         torch.manual_seed(config.seed)
         # --- model, tokenizer, optimizer, schedule
@@ -173,7 +186,10 @@ class Learner:
     # --- control (called from other threads)
 
     def apply_config(self, new_config: LearnerConfig, config_version: int | None = None) -> None:
-        """Queue `new_config`; it takes effect at the next step boundary. Frozen fields raise at once."""
+        """Queue `new_config`; it takes effect at the next step boundary. Frozen fields raise at once.
+
+        When it takes effect, `status()` shows `config_version` and `config_applied_at_step`, the gauge
+        `offpolicy_learner_config_version` moves, and `on_config_applied(version, step)` is called."""
         changed = frozen_field_changes(self.config, new_config)
         if changed:
             raise FrozenFieldChange(changed)
@@ -205,6 +221,7 @@ class Learner:
             "policy_version": self.version,
             "step": self.step_count,
             "config_version": self.config_version,
+            "config_applied_at_step": self.config_applied_at_step,
             "tokens_per_s": self._tokens_per_s,
             "buffer": self.buffer.stats(),
             "last_step": dict(self.metrics.last),
@@ -246,7 +263,11 @@ class Learner:
                 self._checkpoint()
         total = sum(phases.values())
         self._tokens_per_s = metrics["tokens"] / total if total > 0 else None
-        metrics |= {"tokens_per_s": self._tokens_per_s or 0.0, "step": float(self.step_count)}
+        metrics |= {
+            "tokens_per_s": self._tokens_per_s or 0.0,
+            "step": float(self.step_count),
+            "config_version": float(self.config_version),
+        }
         metrics |= {f"time/{k}": v for k, v in phases.items()}
         self.metrics.record_step(metrics, phases)
         self._write_jsonl(metrics)
@@ -391,8 +412,11 @@ class Learner:
         if new.buffer != self.config.buffer:
             self.buffer.close()  # rebuilt on a private registry (the first one keeps its metrics)
             self.buffer = ReplayBuffer(new.redis_url, new.run_id, new.buffer)
-        self.config, self.config_version = new, version
-        log.info("applied config version %d", version)
+        self.config, self.config_version, self.config_applied_at_step = new, version, self.step_count
+        self.metrics.record_config(version, new.buffer.max_staleness)
+        log.info("applied config version %d at step %d", version, self.step_count)
+        if self._on_config_applied is not None:
+            self._on_config_applied(version, self.step_count)
 
     def _publish(self) -> None:
         pc = self.config.publish

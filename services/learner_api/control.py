@@ -119,13 +119,14 @@ class ConfigControl:
                 changed_fields=changed,
                 config=new,
             )
-            with self._lock:
+            with self._lock:  # handed over first: a refusal (NotReady, 409) leaves no entry behind
+                self._apply(new, entry.config_version)
                 self._entries.append(entry)
-            self._apply(new, entry.config_version)
         return entry
 
     def mark_applied(self, config_version: int, step: int) -> None:
-        """Called from the learner's loop at the step boundary where `config_version` took effect.
+        """The learner's `on_config_applied`: called from its loop at the step boundary where
+        `config_version` took effect, `step` = learner steps completed before it.
 
         Earlier pending versions that were superseded before a boundary are marked applied at the same
         boundary (they never ran a step, but their changes are contained in the newer one)."""

@@ -15,10 +15,8 @@ def get_runtime(request: Request) -> LearnerRuntime:
 
 
 def get_control(request: Request) -> ConfigControl:
-    """The config history, first brought up to date with the loop's step boundaries."""
-    runtime: LearnerRuntime = request.app.state.runtime
-    runtime.sync()
-    return runtime.control
+    """The config history (the learner marks versions applied at its step boundaries)."""
+    return request.app.state.runtime.control
 
 
 Runtime = Annotated[LearnerRuntime, Depends(get_runtime)]

@@ -17,7 +17,7 @@ from services.common.logging import configure_logging
 from services.common.metrics import make_registry
 from services.common.settings import LearnerServiceSettings
 from services.learner_api import routes
-from services.learner_api.runtime import LearnerFactory, LearnerRuntime
+from services.learner_api.runtime import ConfigApplied, LearnerFactory, LearnerRuntime
 
 DESCRIPTION = """Control plane of the offpolicy learner.
 
@@ -28,10 +28,10 @@ service runs with `OFFPOLICY_API_TOKEN`. Errors are `{"error": {"code", "message
 """
 
 
-def _default_factory(config: LearnerConfig, registry: Any):
+def _default_factory(config: LearnerConfig, registry: Any, on_config_applied: ConfigApplied):
     from learner.train import Learner
 
-    return Learner(config, registry)
+    return Learner(config, registry, on_config_applied)
 
 
 def create_app(

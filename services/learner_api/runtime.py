@@ -5,12 +5,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
 
 from learner.config import LearnerConfig
 from services.common.errors import NotReady
@@ -20,14 +18,13 @@ from services.learner_api.presets import get_preset, list_presets
 from services.learner_api.schemas import CheckpointResult, LearnerStatus, Preset
 
 log = logging.getLogger(__name__)
-WATCH_INTERVAL_S = 0.05
+
+ConfigApplied = Callable[[int, int], None]
+"""`(config_version, step)`: the learner calls it at the step boundary where a config took effect."""
 
 
 class LearnerLike(Protocol):
     """What the service uses of `learner.train.Learner` (docs/architecture.md)."""
-
-    config_version: int
-    step_count: int
 
     def run(self, stop_event: threading.Event) -> None: ...
     def apply_config(self, new_config: LearnerConfig, config_version: int | None = None) -> None: ...
@@ -37,22 +34,9 @@ class LearnerLike(Protocol):
     def status(self) -> dict[str, Any]: ...
 
 
-LearnerFactory = Callable[[LearnerConfig, CollectorRegistry], LearnerLike]
-
-
-class ConfigVersionCollector(Collector):
-    """`offpolicy_learner_config_version`: the config version the loop runs, read at scrape time."""
-
-    def __init__(self, runtime: LearnerRuntime) -> None:
-        self._runtime = runtime
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = GaugeMetricFamily(
-            "offpolicy_learner_config_version",
-            "config_version (GET /v1/config/history) of the config the learner loop is running.",
-        )
-        family.add_metric([], float(self._runtime.running_config_version()))
-        yield family
+LearnerFactory = Callable[[LearnerConfig, CollectorRegistry, ConfigApplied], LearnerLike]
+"""Builds the learner on the service's registry; it exports `offpolicy_learner_config_version` there and
+reports each applied config through the callback (`learner.train.Learner(config, registry, callback)`)."""
 
 
 class LearnerRuntime:
@@ -64,47 +48,30 @@ class LearnerRuntime:
         self._factory = factory
         self.learner: LearnerLike | None = None
         self.loop: BackgroundLoop | None = None
-        self.watcher: BackgroundLoop | None = None
         self.control = ConfigControl(config, self._hand_over)
-        registry.register(ConfigVersionCollector(self))
 
     def start(self) -> None:
         """Build the learner (loads the model, resumes, publishes v0) and start `run(stop_event)`."""
-        self.learner = self._factory(self.config, self.registry)
+        self.learner = self._factory(self.config, self.registry, self.control.mark_applied)
         self.loop = BackgroundLoop(self.learner.run, "learner")
-        self.watcher = BackgroundLoop(self._watch, "config-watcher")
         self.loop.start()
-        self.watcher.start()
         log.info("learner loop started", extra={"model_path": self.config.model_path})
 
     def stop(self, timeout_s: float = 60.0) -> None:
-        """Stop the loop at its next step boundary (waits for a running step), then the watcher."""
-        for loop in (self.loop, self.watcher):
-            if loop is not None and not loop.stop(timeout_s):
-                log.error("%s did not stop within %.0f s", loop, timeout_s)
+        """Stop the loop at its next step boundary (waits for a running step)."""
+        if self.loop is not None and not self.loop.stop(timeout_s):
+            log.error("the learner loop did not stop within %.0f s", timeout_s)
 
     def require(self) -> LearnerLike:
         if self.learner is None:
             raise NotReady("the learner is still starting (loading the model)")
         return self.learner
 
-    # --- config versions: the service numbers them, the learner switches at a step boundary
+    # --- config versions: the service numbers them, the learner switches at a step boundary and
+    # reports back through `control.mark_applied(version, step)`
 
     def _hand_over(self, config: LearnerConfig, config_version: int) -> None:
         self.require().apply_config(config, config_version)
-
-    def sync(self) -> None:
-        """Record in the history any config version the loop has switched to since the last look."""
-        if self.learner is not None:
-            self.control.mark_applied(self.learner.config_version, self.learner.step_count)
-
-    def _watch(self, stop_event: threading.Event) -> None:
-        while not stop_event.wait(WATCH_INTERVAL_S):
-            self.sync()
-
-    def running_config_version(self) -> int:
-        self.sync()
-        return self.control.running().config_version
 
     # --- what the routes call
 
@@ -120,7 +87,6 @@ class LearnerRuntime:
         return get_preset(name)
 
     def status(self) -> LearnerStatus:
-        self.sync()
         running, pending = self.control.running().config_version, self.control.pending_version()
         if self.learner is None:
             return LearnerStatus(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -75,6 +76,7 @@ def service(
         sample_timeout_s=0.5,
         publish={"weights_dir": str(tmp_path / "weights")},
         checkpoint={"checkpoint_dir": str(tmp_path / "ckpt"), "checkpoint_every": None},
+        metrics_jsonl=str(tmp_path / "steps.jsonl"),
     )
     producer = ReplayBuffer(redis_url, run_id, buffer_cfg)
     app = create_app(LearnerServiceSettings(api_token=TOKEN), config=config)
@@ -89,8 +91,11 @@ def feed(producer: ReplayBuffer, client: TestClient, groups: int, seed: int) -> 
         producer.insert(random_group(version, seed * 100 + i))
 
 
-def test_steps_config_patch_history_metrics_checkpoint(service: tuple[TestClient, ReplayBuffer]) -> None:
+def test_steps_config_patch_history_metrics_checkpoint(
+    service: tuple[TestClient, ReplayBuffer], tmp_path: Path
+) -> None:
     client, producer = service
+    steps_jsonl = tmp_path / "steps.jsonl"
     assert client.get("/readyz").status_code == 200
     feed(producer, client, 4, seed=1)
     wait_for(lambda: client.get("/v1/status").json()["step"] >= 2)
@@ -121,18 +126,28 @@ def test_steps_config_patch_history_metrics_checkpoint(service: tuple[TestClient
     assert frozen.status_code == 409
     assert frozen.json()["error"]["detail"] == {"fields": ["model_path"]}
 
-    # resume: the change lands at the next step boundary
+    # resume: the change lands at the next step boundary (a step already waiting in `sample` when the
+    # pause came may still finish with the old config: the learner reports the exact boundary)
     client.post("/v1/resume", headers=AUTH)
     feed(producer, client, 2, seed=2)
-    wait_for(lambda: client.get("/v1/status").json()["step"] > step_before)
+    wait_for(lambda: client.get("/v1/config").json()["config_version"] == 1)
     running = client.get("/v1/config").json()
-    assert running["config_version"] == 1
     assert running["config"]["rollout_correction"]["rollout_is"] == "sequence"
-    assert running["applied_at_step"] >= step_before
+    boundary = running["applied_at_step"]
+    assert boundary in (step_before, step_before + 1)
+    feed(producer, client, 2, seed=3)
+    wait_for(lambda: client.get("/v1/status").json()["step"] > boundary)
+    wait_for(lambda: client.get("/v1/status").json()["last_step"].get("config_version") == 1.0)
+    lines = [json.loads(line) for line in steps_jsonl.read_text().splitlines()]
+    assert [(int(r["step"]), r["config_version"]) for r in lines if r["step"] <= boundary + 1] == [
+        *((i, 0.0) for i in range(1, boundary + 1)),
+        (boundary + 1, 1.0),
+    ]
     history = client.get("/v1/config/history").json()["entries"]
     assert [e["config_version"] for e in history] == [0, 1]
     metrics = client.get("/metrics").text
     assert "offpolicy_learner_config_version 1.0" in metrics
+    assert "offpolicy_learner_max_staleness_steps 4.0" in metrics
     assert "offpolicy_learner_rollout_corr_rollout_is_seq_mean" in metrics
 
     # on-demand checkpoint

@@ -12,6 +12,8 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
 from learner.config import LearnerConfig
+from learner.errors import FrozenFieldChange
+from learner.metrics import LearnerMetrics
 from services.common.settings import LearnerServiceSettings
 from services.learner_api.main import create_app
 
@@ -20,21 +22,29 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 class FakeLearner:
-    """Applies handed-over configs when the test calls `boundary()`, as the real loop does between steps."""
+    """Applies handed-over configs when the test calls `boundary()`, as the real loop does between steps:
+    the config gauges move and `on_config_applied(version, steps completed)` is called (the contract of
+    `learner.train.Learner`)."""
 
-    def __init__(self, config: LearnerConfig, registry: CollectorRegistry) -> None:
+    def __init__(self, config: LearnerConfig, registry: CollectorRegistry, on_config_applied) -> None:
         self.config = config
+        self.metrics = LearnerMetrics(registry)
+        self.metrics.record_config(0, config.buffer.max_staleness)
+        self.on_config_applied = on_config_applied
         self.pending: tuple[LearnerConfig, int] | None = None
         self.config_version = 0
         self.step_count = 0
         self.paused = False
         self.checkpoints: list[int] = []
+        self.refuse: list[str] = []  # fields the next apply_config refuses (as a frozen change)
 
     def run(self, stop_event: threading.Event) -> None:
         stop_event.wait()
 
     def apply_config(self, config: LearnerConfig, config_version: int | None = None) -> None:
         assert config_version is not None
+        if self.refuse:
+            raise FrozenFieldChange(self.refuse)
         self.pending = (config, config_version)
 
     def boundary(self) -> None:
@@ -42,6 +52,8 @@ class FakeLearner:
         if self.pending is not None:
             self.config, self.config_version = self.pending
             self.pending = None
+            self.metrics.record_config(self.config_version, self.config.buffer.max_staleness)
+            self.on_config_applied(self.config_version, self.step_count)
         self.step_count += 1
 
     def pause(self) -> None:
@@ -96,7 +108,7 @@ def test_patch_is_pending_until_a_step_boundary(client: TestClient) -> None:
     running = client.get("/v1/config").json()
     assert running["config_version"] == 1
     assert running["config"]["clip_ratio_high"] == 0.28
-    assert running["applied_at_step"] == 1  # observed after the step that ran with it
+    assert running["applied_at_step"] == 0  # steps completed at the boundary: step 1 ran with it
     assert "offpolicy_learner_config_version 1.0" in client.get("/metrics").text
     status = client.get("/v1/status").json()
     assert (status["config_version"], status["pending_config_version"]) == (1, None)
@@ -119,8 +131,35 @@ def test_history_lists_every_version(client: TestClient) -> None:
     entries = client.get("/v1/config/history").json()["entries"]
     assert [e["config_version"] for e in entries] == [0, 1, 2]
     assert [e["source"] for e in entries] == ["initial", "patch", "patch"]
-    assert [e["applied_at_step"] for e in entries] == [0, 1, None]
+    assert [e["applied_at_step"] for e in entries] == [0, 0, None]
     assert [e["config"]["groups_per_step"] for e in entries] == [8, 4, 2]
+
+
+def test_history_records_the_exact_boundary_step(client: TestClient) -> None:
+    for _ in range(3):
+        _fake(client).boundary()
+    client.patch("/v1/config", json={"groups_per_step": 4}, headers=AUTH)
+    client.patch("/v1/config", json={"groups_per_step": 2}, headers=AUTH)  # both land at one boundary
+    _fake(client).boundary()
+    entries = client.get("/v1/config/history").json()["entries"]
+    assert [(e["config_version"], e["applied_at_step"]) for e in entries] == [(0, 0), (1, 3), (2, 3)]
+    assert client.get("/v1/config").json()["config"]["groups_per_step"] == 2
+
+
+def test_max_staleness_gauge_follows_the_running_config(client: TestClient) -> None:
+    assert "offpolicy_learner_max_staleness_steps +Inf" in client.get("/metrics").text  # default: unbounded
+    client.patch("/v1/config", json={"buffer": {"max_staleness": 3}}, headers=AUTH)
+    assert "offpolicy_learner_max_staleness_steps +Inf" in client.get("/metrics").text  # still pending
+    _fake(client).boundary()
+    assert "offpolicy_learner_max_staleness_steps 3.0" in client.get("/metrics").text
+
+
+def test_a_change_the_learner_refuses_leaves_no_history_entry(client: TestClient) -> None:
+    _fake(client).refuse = ["seed"]
+    r = client.patch("/v1/config", json={"ppo_epochs": 2}, headers=AUTH)
+    assert r.status_code == 409
+    assert r.json()["error"]["detail"] == {"fields": ["seed"]}
+    assert len(client.get("/v1/config/history").json()["entries"]) == 1
 
 
 def test_invalid_patch_is_422_with_paths_and_changes_nothing(client: TestClient) -> None:
