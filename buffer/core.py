@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry
 
-from buffer.codec import decode_group, encode_group
+from buffer.codec_batch import decode_groups, encode_groups
 from buffer.config import BufferConfig
 from buffer.errors import InvalidTrajectory, RateLimited
 from buffer.keys import BufferKeys
@@ -36,22 +36,22 @@ class Core:
     def prepare(
         self, groups: Sequence[TrajectoryGroup]
     ) -> tuple[list[list[Entry]], dict[str, InvalidTrajectory]]:
-        """Validate and encode; return insert chunks and the rejections by group_id (or "#<index>")."""
+        """Validate and encode (once); return insert chunks and the rejections by group_id (or "#<index>")."""
         chunks: list[list[Entry]] = [[]]
         size = 0
         rejected: dict[str, InvalidTrajectory] = {}
-        for i, g in enumerate(groups):
-            try:
-                payload = encode_group(g, self.cfg.limits)
-            except InvalidTrajectory as e:
+        prioritized = self.cfg.sampler == "prioritized"  # the script ignores priorities otherwise
+        for i, (g, payload) in enumerate(zip(groups, encode_groups(groups, self.cfg.limits), strict=True)):
+            if isinstance(payload, InvalidTrajectory):
                 key = g.group_id if isinstance(g.group_id, str) and g.group_id else f"#{i}"
-                rejected[key] = e
-                self.metrics.rejected.labels(_INDEX.sub("", e.field)).inc()
+                rejected[key] = payload
+                self.metrics.rejected.labels(_INDEX.sub("", payload.field)).inc()
                 continue
             if chunks[-1] and size + len(payload) > _CHUNK_BYTES:
                 chunks.append([])
                 size = 0
-            chunks[-1].append((g.group_id, g.policy_version, group_priority(g), payload))
+            priority = group_priority(g) if prioritized else 0.0
+            chunks[-1].append((g.group_id, g.policy_version, priority, payload))
             size += len(payload)
         return [c for c in chunks if c], rejected
 
@@ -82,10 +82,11 @@ class Core:
         self.metrics.fill_ratio.set(size / self.cfg.max_size)
 
     def decode(self, reply: SampleReply, consumer_version: int) -> list[TrajectoryGroup]:
-        groups = [decode_group(payload, self.cfg.limits) for _, _, payload in reply.chosen]
+        groups = decode_groups([payload for _, _, payload in reply.chosen], self.cfg.limits)
         self.metrics.samples.inc(len(groups))
+        observe = self.metrics.sampled_staleness.observe
         for g in groups:
-            self.metrics.sampled_staleness.observe(max(consumer_version - g.policy_version, 0))
+            observe(max(consumer_version - g.policy_version, 0))
         return groups
 
     def check_sample(self, num_groups: int) -> None:
