@@ -251,3 +251,51 @@ def grafana_to_promql(expr: str, rate_window: str = "1m") -> str:
     """A dashboard expression as Prometheus can run it: `$__rate_interval` and `$var` (All = `.*`) filled."""
     expr = expr.replace("$__rate_interval", rate_window).replace("${__rate_interval}", rate_window)
     return re.sub(r"\$\{?(\w+)\}?", ".*", expr)
+
+
+# --- the environment a deployment hands to a service
+
+SERVICE_CONFIGS = {"learner": ROOT / "configs" / "learner.yaml", "actor": ROOT / "configs" / "actor.yaml"}
+"""The config file each service reads (`--config`); the deployments mount these files."""
+
+
+def kustomize(overlay: str) -> list[dict[str, Any]]:
+    """`kubectl kustomize k8s/overlays/<overlay>` (kustomize v5, built into kubectl), parsed."""
+    import shutil
+    import subprocess
+
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        raise FileNotFoundError("kubectl (with its built-in kustomize) is needed: apt-get install kubectl")
+    out = subprocess.run(
+        [kubectl, "kustomize", str(ROOT / "k8s" / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"kustomize {overlay}: {out.stderr}")
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+_K8S_REF = re.compile(r"\$\((\w+)\)")
+
+
+def pod_environment(container: Mapping[str, Any], pod_name: str, pod_index: int) -> dict[str, str]:
+    """A container's `env` as the kubelet resolves it for one pod: the `fieldRef`s this project uses,
+    each `secretKeyRef` as `secret-<key>`, and `$(VAR)` references to earlier variables."""
+    fields = {
+        "metadata.name": pod_name,
+        "metadata.labels['apps.kubernetes.io/pod-index']": str(pod_index),
+    }
+    env: dict[str, str] = {}
+    for var in container.get("env", []):
+        source = var.get("valueFrom", {})
+        if "fieldRef" in source:
+            value = fields[source["fieldRef"]["fieldPath"]]
+        elif "secretKeyRef" in source:
+            value = f"secret-{source['secretKeyRef']['key']}"
+        else:
+            value = _K8S_REF.sub(lambda m: env.get(m[1], m[0]), str(var.get("value", "")))
+        env[var["name"]] = value
+    return env

@@ -1,0 +1,128 @@
+"""configs/learner.yaml and configs/actor.yaml load with the real loaders, alone and with the environment
+that each deployment (compose, compose + CPU override, k8s dev, k8s gpu) hands to each service."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import BaseModel
+
+from actors.config import ActorConfig
+from actors.config import load_config as load_actor_config
+from deploy.checks import (
+    ROOT,
+    SERVICE_CONFIGS,
+    interpolate,
+    kustomize,
+    load_compose,
+    merge_compose,
+    pod_environment,
+    read_env_file,
+)
+from deploy.docker.entrypoint import set_actor_index
+from learner.config import LearnerConfig
+from learner.config import load_config as load_learner_config
+
+LOADERS = {"learner": load_learner_config, "actor": load_actor_config}
+SECRETS = ("OFFPOLICY_API_TOKEN", "REDIS_PASSWORD", "GRAFANA_ADMIN_PASSWORD")
+
+
+def test_the_config_files_load_with_the_real_loaders():
+    learner = load_learner_config(SERVICE_CONFIGS["learner"])
+    actor = load_actor_config(SERVICE_CONFIGS["actor"])
+    assert isinstance(learner, LearnerConfig) and isinstance(actor, ActorConfig)
+    assert actor.run_id == learner.run_id and actor.redis_url == learner.redis_url
+    assert actor.engine.model == learner.model_path
+
+
+def test_the_actor_file_names_every_field_so_it_documents_them():
+    written = yaml.safe_load(SERVICE_CONFIGS["actor"].read_text())
+
+    def missing(model: type, data: dict, where: str) -> list[str]:
+        out = []
+        for name, field in model.model_fields.items():
+            if name not in data:
+                out.append(f"{where}{name}")
+            elif (
+                name != "buffer"
+                and isinstance(field.annotation, type)
+                and issubclass(field.annotation, BaseModel)
+            ):
+                out += missing(field.annotation, data[name], f"{where}{name}.")  # buffer: the learner's keys
+        return out
+
+    assert missing(ActorConfig, written, "") == []
+
+
+def test_the_actor_buffer_is_the_learners_plus_producer_pacing():
+    learner = load_learner_config(SERVICE_CONFIGS["learner"]).buffer
+    actor = load_actor_config(SERVICE_CONFIGS["actor"]).buffer
+    assert actor.max_ahead is not None
+    assert actor.model_copy(update={"max_ahead": learner.max_ahead}) == learner
+
+
+# --- the environment of each deployment
+
+
+def compose_services(cpu: bool, replicas: int = 1) -> dict[str, dict]:
+    values = read_env_file(ROOT / ".env.example") | {name: f"test-{name.lower()}" for name in SECRETS}
+    doc = load_compose(ROOT / "docker-compose.yml")
+    if cpu:
+        doc = merge_compose(doc, load_compose(ROOT / "docker-compose.cpu.yml"))
+    return interpolate(doc, values | {"ACTOR_REPLICAS": str(replicas)})["services"]
+
+
+def compose_env(service: dict) -> dict[str, str]:
+    return {k: "" if v is None else str(v) for k, v in service["environment"].items()}
+
+
+def compose_mounts(service: dict) -> list[str]:
+    return [v.split(":")[1] for v in service.get("volumes", [])]
+
+
+def k8s_pods(overlay: str) -> dict[str, tuple[dict, list[str]]]:
+    """name -> (its first container, the container's mount paths) for the learner and the actor."""
+    out = {}
+    for doc in kustomize(overlay):
+        if doc["kind"] in ("Deployment", "StatefulSet") and doc["metadata"]["name"] in LOADERS:
+            container = doc["spec"]["template"]["spec"]["containers"][0]
+            out[doc["metadata"]["name"]] = (container, [m["mountPath"] for m in container["volumeMounts"]])
+    return out
+
+
+def check_loaded(env: dict[str, dict[str, str]], mounts: dict[str, list[str]]) -> dict[str, object]:
+    """Both services' configs under their deployment environment; the files they name are mounted."""
+    configs = {name: LOADERS[name](SERVICE_CONFIGS[name], env[name]) for name in LOADERS}
+    learner, actor = configs["learner"], configs["actor"]
+    assert actor.engine.model == learner.model_path
+    assert actor.run_id == learner.run_id and actor.redis_url == learner.redis_url
+    assert actor.buffer.model_copy(update={"max_ahead": None}) == learner.buffer
+    assert actor.redis_url.endswith("@redis:6379/0"), "the password travels in the URL"
+    for path, name in ((Path(actor.dataset.path).parent, "actor"), (learner.publish.weights_dir, "learner")):
+        assert str(path) in mounts[name], f"{name}: nothing is mounted at {path}"
+    return configs
+
+
+@pytest.mark.parametrize("cpu", [False, True], ids=["compose", "compose-cpu"])
+def test_compose_environment_gives_valid_configs(cpu):
+    services = compose_services(cpu)
+    env = {name: compose_env(services[name]) for name in LOADERS}
+    set_actor_index(env["actor"], lambda: ["offpolicy-actor-1.offpolicy_backend"])
+    mounts = {name: compose_mounts(services[name]) for name in LOADERS}
+    configs = check_loaded(env, mounts)
+    assert configs["actor"].actor_index == 0
+    if cpu:
+        assert configs["actor"].engine.dtype == "float32" and configs["actor"].engine.enforce_eager
+
+
+@pytest.mark.parametrize("overlay", ["dev", "gpu"], ids=["k8s-dev", "k8s-gpu-overlay"])
+def test_k8s_environment_gives_valid_configs(overlay):
+    pods = k8s_pods(overlay)
+    env = {
+        "learner": pod_environment(pods["learner"][0], "learner-5d9f7-abcde", 0),
+        "actor": pod_environment(pods["actor"][0], "actor-0", 0),
+    }
+    configs = check_loaded(env, {name: pods[name][1] for name in LOADERS})
+    assert configs["actor"].actor_id == "actor-0"
