@@ -66,15 +66,20 @@ class Core:
     def on_insert(self, reply: InsertReply) -> None:
         m = self.metrics
         m.inserts.inc(reply.statuses.count(1))
-        m.duplicates.inc(reply.statuses.count(0))
-        m.evictions.labels("max_size").inc(reply.evicted)
-        m.drops.labels("evicted_unsampled").inc(reply.evicted_unsampled)
+        if 0 in reply.statuses:
+            m.duplicates.inc(reply.statuses.count(0))
+        if reply.evicted:
+            m.evicted_max_size.inc(reply.evicted)
+        if reply.evicted_unsampled:
+            m.dropped_evicted_unsampled.inc(reply.evicted_unsampled)
         self._size(reply.size)
 
     def on_sample(self, reply: SampleReply) -> None:
         m = self.metrics
-        m.drops.labels("stale").inc(reply.stale)
-        m.evictions.labels("max_times_sampled").inc(reply.consumed)
+        if reply.stale:
+            m.dropped_stale.inc(reply.stale)
+        if reply.consumed:
+            m.evicted_max_times_sampled.inc(reply.consumed)
         self._size(reply.size)
 
     def _size(self, size: int) -> None:

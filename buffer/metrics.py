@@ -6,10 +6,25 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 _STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+# Every field InvalidTrajectory names, indices stripped (buffer/codec.py): the bounded `field` label set.
+REJECTED_FIELDS = (
+    "payload", "schema_version", "group_id", "prompt_id", "actor_id", "policy_version", "created_at",
+    "prompt_ids", "trajectories", "trajectories.response_ids", "trajectories.behavior_logprobs",
+    "trajectories.versions", "trajectories.reward", "trajectories.finish_reason", "priority", "metadata",
+    "sampling",
+)  # fmt: skip
+EVICTION_REASONS = ("max_size", "max_times_sampled")
+DROP_REASONS = ("stale", "evicted_unsampled")
+WAIT_OPS = ("insert", "sample", "pace")
 
 
 class BufferMetrics:
-    """All buffer metrics of one process; build one per registry (learner and actor each have their own)."""
+    """All buffer metrics of one process; build one per registry (learner and actor each have their own).
+
+    Every known label child is created here, so each series is exported (at 0) before its first event,
+    and the hot path uses the cached children (`evicted_max_size`, `dropped_stale`, `waits["insert"]`...)
+    instead of a label lookup per call.
+    """
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.size = Gauge(
@@ -67,3 +82,10 @@ class BufferMetrics:
             "offpolicy_buffer_sample_latency_seconds", "sample call time, waits included",
             buckets=_LATENCY_BUCKETS, registry=registry,
         )  # fmt: skip
+        for f in REJECTED_FIELDS:
+            self.rejected.labels(f)
+        self.evicted_max_size = self.evictions.labels("max_size")
+        self.evicted_max_times_sampled = self.evictions.labels("max_times_sampled")
+        self.dropped_stale = self.drops.labels("stale")
+        self.dropped_evicted_unsampled = self.drops.labels("evicted_unsampled")
+        self.waits = {op: self.rate_limited_waits.labels(op) for op in WAIT_OPS}

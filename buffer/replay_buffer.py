@@ -46,6 +46,14 @@ class ReplayBuffer:
         self._insert = self._client.register_script(script_source("insert"))
         self._sample = self._client.register_script(script_source("sample"))
 
+    def reconfigure(self, config: BufferConfig) -> None:
+        """Apply `config` from the next call on, keeping this object, its connection pool and its metrics
+        (same registry); the learner calls it at step boundaries. A new `socket_timeout_s` applies to
+        connections opened from then on."""
+        self._core.cfg = self.config = config
+        kwargs = self._client.connection_pool.connection_kwargs
+        kwargs["socket_timeout"] = kwargs["socket_connect_timeout"] = config.socket_timeout_s
+
     def _call(self, fn, what: str):
         return call_sync(fn, self.config.storage_timeout_s, what, self._core.metrics.storage_retries.inc)
 
@@ -84,7 +92,7 @@ class ReplayBuffer:
                     delay = backoff.delay()
                     if delay is None:
                         raise insert_limited(self.config, len(inserted))
-                    core.metrics.rate_limited_waits.labels("insert").inc()
+                    core.metrics.waits["insert"].inc()
                     time.sleep(delay)
         core.metrics.insert_latency.observe(time.perf_counter() - t0)
         return inserted, dups, rejected
@@ -114,7 +122,7 @@ class ReplayBuffer:
             delay = backoff.delay()
             if delay is None:
                 raise sample_refused(reply.status, num_groups, reply.size, timeout_s)
-            core.metrics.rate_limited_waits.labels("sample").inc()
+            core.metrics.waits["sample"].inc()
             time.sleep(delay)
         groups = core.decode(reply, consumer_version)
         core.metrics.sample_latency.observe(time.perf_counter() - t0)
@@ -135,7 +143,7 @@ class ReplayBuffer:
                 raise RateLimited(
                     f"{fresh} fresh groups >= max_ahead={self.config.max_ahead} for {timeout_s} s"
                 )
-            self._core.metrics.rate_limited_waits.labels("pace").inc()
+            self._core.metrics.waits["pace"].inc()
             time.sleep(delay)
 
     def stats(self) -> BufferStats:
@@ -181,6 +189,14 @@ class AsyncReplayBuffer:
         self._insert = self._client.register_script(script_source("insert"))
         self._sample = self._client.register_script(script_source("sample"))
 
+    def reconfigure(self, config: BufferConfig) -> None:
+        """Apply `config` from the next call on, keeping this object, its connection pool and its metrics
+        (same registry); the learner calls it at step boundaries. A new `socket_timeout_s` applies to
+        connections opened from then on."""
+        self._core.cfg = self.config = config
+        kwargs = self._client.connection_pool.connection_kwargs
+        kwargs["socket_timeout"] = kwargs["socket_connect_timeout"] = config.socket_timeout_s
+
     async def _call(self, fn, what: str):
         return await call_async(
             fn, self.config.storage_timeout_s, what, self._core.metrics.storage_retries.inc
@@ -219,7 +235,7 @@ class AsyncReplayBuffer:
                     delay = backoff.delay()
                     if delay is None:
                         raise insert_limited(self.config, len(inserted))
-                    core.metrics.rate_limited_waits.labels("insert").inc()
+                    core.metrics.waits["insert"].inc()
                     await asyncio.sleep(delay)
         core.metrics.insert_latency.observe(time.perf_counter() - t0)
         return inserted, dups, rejected
@@ -248,7 +264,7 @@ class AsyncReplayBuffer:
             delay = backoff.delay()
             if delay is None:
                 raise sample_refused(reply.status, num_groups, reply.size, timeout_s)
-            core.metrics.rate_limited_waits.labels("sample").inc()
+            core.metrics.waits["sample"].inc()
             await asyncio.sleep(delay)
         groups = core.decode(reply, consumer_version)
         core.metrics.sample_latency.observe(time.perf_counter() - t0)
@@ -268,7 +284,7 @@ class AsyncReplayBuffer:
                 raise RateLimited(
                     f"{fresh} fresh groups >= max_ahead={self.config.max_ahead} for {timeout_s} s"
                 )
-            self._core.metrics.rate_limited_waits.labels("pace").inc()
+            self._core.metrics.waits["pace"].inc()
             await asyncio.sleep(delay)
 
     async def stats(self) -> BufferStats:
