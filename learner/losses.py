@@ -116,11 +116,8 @@ def compute_policy_loss(
 
     Decoupled (correction None or not bypass): PPO-clip against `old_log_prob` (pi_old), loss per token
     times `rollout_is_weights` when given. Bypass (`correction.bypass_mode`): needs `rollout_log_prob`;
-    `old_log_prob` is ignored (pi_old := pi_rollout).
-
-    `batch_num_tokens`, `global_batch_size` and `loss_scale_factor` go to `aggregate_loss`: a micro-batch
-    passes its mini-batch's valid tokens, non-empty rows and width T, so that the micro-batch losses add
-    up to the mini-batch's loss (`loss_scale_factor` matters only for `seq-mean-token-sum-norm`).
+    `old_log_prob` is ignored (pi_old := pi_rollout). The last three go to `aggregate_loss`: a micro-batch
+    passes its mini-batch's valid tokens, rows and width T, so micro-batch losses add up to its loss.
     """
     agg = {
         "batch_num_tokens": batch_num_tokens,

@@ -153,16 +153,14 @@ class LearnerMetrics:
         self.checkpoints = Counter(PREFIX + "checkpoints", "Checkpoints written.", registry=registry)
         self.paused = Gauge(PREFIX + "paused", "1 while the learner is paused, else 0.", registry=registry)
         self.config_version = Gauge(
-            PREFIX + "config_version",
-            "config_version (GET /v1/config/history) of the config the loop runs; moves at a step boundary.",
+            PREFIX + "config_version", "config_version (GET /v1/config/history) of the config the loop runs.",
             registry=registry,
-        )
+        )  # fmt: skip
         self.max_staleness = Gauge(
-            PREFIX + "max_staleness_steps",
-            "The running config's buffer.max_staleness: groups more than this many policy versions behind "
-            "the learner are never sampled; +Inf when unbounded.",
+            PREFIX + "max_staleness_steps", "The running config's buffer.max_staleness (+Inf = unbounded): "
+            "groups more than this many policy versions behind the learner are never sampled.",
             registry=registry,
-        )
+        )  # fmt: skip
         self.phase_seconds = Histogram(
             PREFIX + "step_phase_seconds", "Time per learner step phase.", ["phase"],
             buckets=PHASE_BUCKETS, registry=registry,

@@ -1,7 +1,8 @@
 """The learner loop: sample groups, correct, compute advantages, take PPO steps, publish weights.
 
-Reads top to bottom like a CleanRL file: helpers, then `Learner.__init__` (model, optimizer, buffer,
-resume), then `step()` in the order of spec §5.1:
+Reads top to bottom like a CleanRL file: `Learner.__init__` (model, optimizer, buffer, resume), the
+control API other threads call, then `step()` in the order of spec §5.1 (the update phase itself, one
+optimizer step over a mini-batch's micro-batches, is `learner/update.py`):
 
     sample k groups (consumer_version = version) → collate → [decoupled] pi_old once, correction, the
     RS mask replaces the response mask → advantages → ppo_epochs × mini-batches (groups) × micro-batches
@@ -15,12 +16,10 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,96 +30,28 @@ from buffer.errors import BufferNotReady, RateLimited
 from buffer.policy import PolicyStore
 from buffer.replay_buffer import ReplayBuffer
 from learner.advantages import compute_advantages, gae, grpo
-from learner.batching import Batch, collate, token_logprobs
+from learner.batching import Batch, collate
 from learner.checkpoint import Trainables, latest_checkpoint, load_checkpoint, save_checkpoint
-from learner.config import LearnerConfig, OptimizerConfig, frozen_field_changes
+from learner.config import LearnerConfig, frozen_field_changes
 from learner.correction import compute_rollout_correction
-from learner.critic import ValueModel, token_rewards, value_loss
+from learner.critic import ValueModel, token_rewards
 from learner.errors import CheckpointsDisabled, FrozenFieldChange
-from learner.losses import ClipConfig, compute_policy_loss
 from learner.metrics import LearnerMetrics, StalenessKL
 from learner.model import load_model, load_tokenizer
+from learner.update import (
+    lr_lambda,
+    mean_metrics,
+    micro_batches,
+    mini_batches,
+    no_grad_logprobs,
+    optimizer_step,
+    pad_cols,
+    set_optimizer_hparams,
+    timed,
+)
 from learner.weights import publish_weights
 
 log = logging.getLogger(__name__)
-
-# --- helpers
-
-
-def lr_lambda(cfg: OptimizerConfig) -> Callable[[int], float]:
-    """LR multiplier at optimizer step s: linear warm-up, then constant / linear / cosine decay."""
-
-    def factor(s: int) -> float:
-        if s < cfg.warmup_steps:
-            return (s + 1) / cfg.warmup_steps
-        if cfg.decay == "constant" or cfg.decay_steps is None:
-            return 1.0
-        frac = min(1.0, (s - cfg.warmup_steps) / (cfg.decay_steps - cfg.warmup_steps))
-        shape = 1.0 - frac if cfg.decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
-        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
-
-    return factor
-
-
-def set_optimizer_hparams(opt: torch.optim.Optimizer, cfg: OptimizerConfig, base_lr: float) -> None:
-    """Apply a new optimizer config in place (moments kept); the scheduler rescales `initial_lr`."""
-    for g in opt.param_groups:
-        g.update(betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, initial_lr=base_lr)
-
-
-@contextmanager
-def timed(phases: dict[str, float], name: str) -> Iterator[None]:
-    """Add the wall time of the block to `phases[name]` (seconds); syncs CUDA so GPU time is counted."""
-    t0 = time.perf_counter()
-    yield
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
-
-
-def micro_batches(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
-    """Split a (n,) row index into chunks of at most `size`."""
-    return list(torch.split(rows, size))
-
-
-def mean_metrics(acc: dict[str, list[torch.Tensor]]) -> dict[str, float]:
-    """Mean of each metric's 0-d tensors, moved to the host in one transfer."""
-    if not acc:
-        return {}
-    names = list(acc)
-    values = torch.stack([torch.stack([v.float().reshape(()) for v in acc[n]]).mean() for n in names])
-    return dict(zip(names, values.cpu().tolist(), strict=True))
-
-
-# --- the loss of one micro-batch
-
-
-def policy_loss_terms(
-    log_prob: torch.Tensor, mb: Batch, cfg: LearnerConfig, den: dict[str, Any]
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Loss of one micro-batch, scaled by the mini-batch's denominators `den` so that the micro-batch
-    losses add up to the mini-batch's loss (gradient accumulation); metrics as 0-d tensors."""
-    rc = cfg.rollout_correction
-    out = compute_policy_loss(
-        log_prob,
-        mb.old_log_probs,
-        mb.advantages,
-        mb.response_mask,
-        loss_agg_mode=cfg.loss_agg_mode,
-        clip=ClipConfig(
-            clip_ratio_low=cfg.clip_ratio_low,
-            clip_ratio_high=cfg.clip_ratio_high,
-            clip_ratio_c=cfg.clip_ratio_c,
-        ),
-        rollout_is_weights=None if rc.bypass_mode else mb.is_weights,
-        rollout_log_prob=mb.rollout_log_probs,
-        correction=rc,
-        batch_num_tokens=den["tokens"],
-        global_batch_size=den["rows"],
-        loss_scale_factor=den["width"],  # the mini-batch's T, not the (trimmed) micro-batch's
-    )
-    return out.loss, out.metrics
-
 
 # --- the learner
 
@@ -287,7 +218,7 @@ class Learner:
             if rc.bypass_mode:
                 batch.old_log_probs = batch.rollout_log_probs
             else:
-                batch.old_log_probs = self._no_grad_logprobs(batch)  # (B, R)
+                batch.old_log_probs = no_grad_logprobs(self.model, batch, cfg.micro_batch_size)  # (B, R)
                 kl.add(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, staleness)
                 corr = compute_rollout_correction(
                     batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, rc
@@ -298,8 +229,10 @@ class Learner:
         # --- PPO epochs × mini-batches × micro-batches
         acc: dict[str, list[torch.Tensor]] = {}
         for epoch in range(cfg.ppo_epochs):
-            for mini in self._mini_batches(batch):
-                self._optimizer_step(batch, mini, acc, phases, kl if epoch == 0 and rc.bypass_mode else None)
+            for mini in mini_batches(batch, cfg.mini_batch_groups):
+                bypass_kl = (kl, self.version) if epoch == 0 and rc.bypass_mode else None
+                optimizer_step(self._trainables(), batch, mini, cfg, acc, phases, bypass_kl)
+                self.version += 1  # the policy version counts optimizer steps
         if batch.is_weights is not None:
             self.metrics.is_weight_hist.observe_many(batch.is_weights[batch.response_mask > 0].cpu().numpy())
         self.metrics.staleness_hist.observe_many(staleness.cpu().numpy())
@@ -332,73 +265,12 @@ class Learner:
             return
         with torch.no_grad():
             width = batch.response_mask.shape[1]
-            batch.values = torch.cat(
-                [_pad_cols(self.critic(batch.select(r)), width) for r in self._rows(batch)]
-            )
+            rows = micro_batches(torch.arange(batch.num_rows, device=self.device), cfg.micro_batch_size)
+            batch.values = torch.cat([pad_cols(self.critic(batch.select(r)), width) for r in rows])
         rewards = token_rewards(batch.rewards, batch.response_mask)  # (B, R): reward on the last token
         batch.advantages, batch.returns = gae(rewards, batch.values, batch.response_mask, cfg.gamma, cfg.lam)
 
-    def _optimizer_step(self, batch, mini, acc, phases, kl: StalenessKL | None) -> None:
-        """Gradient accumulation over the micro-batches of `mini`, then one AdamW step (version += 1)."""
-        cfg = self.config
-        mask = batch.response_mask[mini]  # (b, R)
-        denominators = {"tokens": mask.sum(), "rows": (mask.sum(-1) > 0).sum(), "width": mask.shape[1]}
-        step_loss = torch.zeros((), device=self.device)
-        with timed(phases, "forward_backward"):
-            for rows in micro_batches(mini, cfg.micro_batch_size):
-                mb = batch.select(rows)
-                log_prob = token_logprobs(self.model, mb)  # (b, r)
-                loss, m = policy_loss_terms(log_prob, mb, cfg, denominators)
-                loss.backward()
-                step_loss += loss.detach()
-                if kl is not None:
-                    kl.add(
-                        log_prob, mb.rollout_log_probs, mb.response_mask, self.version - mb.policy_versions
-                    )
-                if self.critic is not None:
-                    v_loss, vm = value_loss(
-                        self.critic(mb), mb.values, mb.returns, mb.response_mask, cfg.critic.cliprange_value
-                    )
-                    (v_loss * cfg.critic.loss_coef * len(rows) / len(mini)).backward()
-                    m |= vm
-                for k, v in m.items():
-                    acc.setdefault(k, []).append(v)
-        with timed(phases, "optimizer"):
-            limit = cfg.grad_clip if cfg.grad_clip is not None else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit)
-            acc.setdefault("grad_norm", []).append(grad_norm)
-            acc.setdefault("loss", []).append(step_loss)
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.critic is not None and self.critic_optimizer is not None:
-                torch.nn.utils.clip_grad_norm_(self.critic.parameters(), limit)
-                self.critic_optimizer.step()
-                self.critic_optimizer.zero_grad(set_to_none=True)
-            self.version += 1
-
     # --- plumbing
-
-    def _rows(self, batch: Batch) -> list[torch.Tensor]:
-        return micro_batches(torch.arange(batch.num_rows, device=self.device), self.config.micro_batch_size)
-
-    @torch.no_grad()
-    def _no_grad_logprobs(self, batch: Batch) -> torch.Tensor:
-        """pi_old: log-probs of the whole batch under the current weights, micro-batched, (B, R)."""
-        width = batch.response_ids.shape[1]
-        return torch.cat(
-            [_pad_cols(token_logprobs(self.model, batch.select(r)), width) for r in self._rows(batch)]
-        )
-
-    def _mini_batches(self, batch: Batch) -> list[torch.Tensor]:
-        """Row indices of each mini-batch: groups shuffled, `mini_batch_groups` at a time."""
-        n_groups = int(batch.group_index.max()) + 1
-        per = self.config.mini_batch_groups or n_groups
-        order = torch.randperm(n_groups).to(self.device)
-        return [
-            torch.isin(batch.group_index, order[i : i + per]).nonzero().squeeze(-1)
-            for i in range(0, n_groups, per)
-        ]
 
     def _apply_pending(self) -> None:
         with self._lock:
@@ -477,8 +349,3 @@ class Learner:
         """Close the Redis connections."""
         self.buffer.close()
         self.store.close()
-
-
-def _pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
-    """Right-pad a (b, r) tensor with zeros to (b, width) (micro-batches trim their padding columns)."""
-    return torch.nn.functional.pad(x, (0, width - x.shape[1]))
