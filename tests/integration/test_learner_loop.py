@@ -3,6 +3,7 @@ learning, published weights loadable by transformers."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from pathlib import Path
@@ -27,12 +28,32 @@ TARGET = 40  # token id whose share in a completion is the reward
 PROMPT = [1, 20, 21, 22]
 
 
+TINY = {"hidden_size": 64, "num_heads": 1, "num_layers": 1, "intermediate_size": 128}  # head_dim 64
+TOKENS = 6  # response tokens per completion
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+    """The smallest tiny Llama (one layer, one head of 64): the loop's logic, not the model, is tested."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", **TINY)
 
 
-def make_groups(model, k: int, version: int, n: int = 4, tokens: int = 8, temperature: float = 1.0, seed=0):
+@pytest.fixture(scope="module")
+def behaviour(tiny_dir):
+    """The initial policy, in eval mode: what the test producer samples from (version 0)."""
+    return load_model(tiny_dir, "cpu").eval()
+
+
+@pytest.fixture(scope="module")
+def groups_v0(behaviour) -> list[TrajectoryGroup]:
+    """Four groups sampled once from the initial policy at temperature 0.9, shared by the tests that only
+    need valid version-0 data (each inserts them into its own run's buffer)."""
+    return make_groups(behaviour, 4, version=0, temperature=0.9)
+
+
+def make_groups(
+    model, k: int, version: int, n: int = 4, tokens: int = TOKENS, temperature: float = 1.0, seed=0
+):
     """`k` groups sampled from `model` with torch; reward = share of TARGET in the completion."""
     gen = torch.Generator().manual_seed(seed)
     groups = []
@@ -88,11 +109,12 @@ def config(tiny_dir, redis_url, tmp_path, **kw) -> LearnerConfig:
         "disabled",
     ],
 )
-def test_every_preset_family_trains_and_publishes(preset, tiny_dir, redis_url, tmp_path):
-    cfg = config(tiny_dir, redis_url, tmp_path, rollout_correction=preset)
-    behaviour = load_model(tiny_dir, "cpu").eval()
+def test_every_preset_family_trains_and_publishes(preset, tiny_dir, groups_v0, redis_url, tmp_path):
+    cfg = config(
+        tiny_dir, redis_url, tmp_path, rollout_correction=preset, metrics_jsonl=str(tmp_path / "m.jsonl")
+    )
     with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:
-        buf.insert_many(make_groups(behaviour, 4, version=0, temperature=0.9))
+        buf.insert_many(groups_v0)
     learner = Learner(cfg)
     try:
         steps = [learner.step() for _ in range(2)]
@@ -109,16 +131,20 @@ def test_every_preset_family_trains_and_publishes(preset, tiny_dir, redis_url, t
         assert torch.equal(p.detach(), q), name
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v1", "v2"]  # keep_versions=2
     assert (tmp_path / "ckpt" / "ckpt-0000000002" / "meta.json").exists()
+    lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["version"], r["config_version"]) for r in lines] == [
+        (1.0, 1.0, 0.0),
+        (2.0, 2.0, 0.0),
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("seed_*.yaml")))
-def test_seed_readme_configurations_run(name, tiny_dir, redis_url, tmp_path):
+def test_seed_readme_configurations_run(name, tiny_dir, groups_v0, redis_url, tmp_path):
     file_cfg = load_config(CONFIGS / name)
     cfg = config(tiny_dir, redis_url, tmp_path, **file_cfg.model_dump(include={
         "adv_estimator", "ppo_epochs", "gamma", "lam", "rollout_correction"}))  # fmt: skip
-    behaviour = load_model(tiny_dir, "cpu").eval()
     with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:
-        buf.insert_many(make_groups(behaviour, 2, version=0, temperature=0.9))
+        buf.insert_many(groups_v0[:2])
     learner = Learner(cfg)
     try:
         m = learner.step()
@@ -130,10 +156,9 @@ def test_seed_readme_configurations_run(name, tiny_dir, redis_url, tmp_path):
         assert np.isfinite(m["critic/vf_loss"])
 
 
-def test_parity_when_all_three_policies_agree(tiny_dir, redis_url, tmp_path):
+def test_parity_when_all_three_policies_agree(tiny_dir, behaviour, redis_url, tmp_path):
     """pi_theta = pi_old = pi_rollout: weights all 1, nothing rejected, loss = on-policy PPO loss."""
     cfg = config(tiny_dir, redis_url, tmp_path, rollout_correction="decoupled_seq_is_rs", micro_batch_size=16)
-    behaviour = load_model(tiny_dir, "cpu").eval()
     groups = make_groups(behaviour, 2, version=0, temperature=0.7, seed=3)
     batch = collate(groups, pad_token_id=0)
     with torch.no_grad():
