@@ -282,8 +282,7 @@ class Learner:
             set_optimizer_hparams(self.optimizer, new.optimizer, new.optimizer.lr)
             self.scheduler.lr_lambdas = [lr_lambda(new.optimizer)]
         if new.buffer != self.config.buffer:
-            self.buffer.close()  # rebuilt on a private registry (the first one keeps its metrics)
-            self.buffer = ReplayBuffer(new.redis_url, new.run_id, new.buffer)
+            self.buffer.reconfigure(new.buffer)  # same buffer object, connections and metrics registry
         self.config, self.config_version, self.config_applied_at_step = new, version, self.step_count
         self.metrics.record_config(version, new.buffer.max_staleness)
         log.info("applied config version %d at step %d", version, self.step_count)

@@ -11,8 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 from transformers import AutoModelForCausalLM
 
+from buffer.errors import BufferNotReady
 from buffer.policy import PolicyStore
 from buffer.replay_buffer import ReplayBuffer
 from buffer.types import SamplingParams, Trajectory, TrajectoryGroup
@@ -207,3 +209,34 @@ def test_reward_rises_on_the_learners_own_policy(tiny_dir, redis_url, tmp_path):
         learner.close()
     first, last = np.mean(rewards[:3]), np.mean(rewards[-3:])
     assert last > first + 0.1, rewards
+
+
+def test_buffer_change_reconfigures_the_same_buffer_at_the_boundary(tiny_dir, groups_v0, redis_url, tmp_path):
+    """A new `buffer` section reaches `ReplayBuffer.reconfigure` at the next step boundary: the same buffer
+    object, its metrics still on the injected registry; the new staleness gate drops the version-0 groups
+    once the learner is at version 1. The boundary is reported with the step count before it."""
+    registry = CollectorRegistry()
+    applied: list[tuple[int, int]] = []
+    cfg = config(tiny_dir, redis_url, tmp_path, checkpoint={"checkpoint_dir": None}, sample_timeout_s=0.3)
+    with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:
+        buf.insert_many(groups_v0)
+    learner = Learner(cfg, registry, on_config_applied=lambda v, s: applied.append((v, s)))
+    try:
+        assert registry.get_sample_value("offpolicy_learner_max_staleness_steps") == float("inf")
+        learner.step()  # version 0 -> 1, two of the four groups consumed
+        buffer = learner.buffer
+        new = cfg.model_copy(update={"buffer": cfg.buffer.model_copy(update={"max_staleness": 0})})
+        learner.apply_config(new, config_version=7)
+        assert applied == [] and learner.status()["config_version"] == 0  # only at the boundary
+        with pytest.raises(BufferNotReady):
+            learner.step()  # the two left are one version behind: dropped as stale
+        assert learner.buffer is buffer and buffer.config.max_staleness == 0
+        assert applied == [(7, 1)]
+        status = learner.status()
+        assert (status["config_version"], status["config_applied_at_step"], status["step"]) == (7, 1, 1)
+        assert registry.get_sample_value("offpolicy_learner_config_version") == 7.0
+        assert registry.get_sample_value("offpolicy_learner_max_staleness_steps") == 0.0
+        assert registry.get_sample_value("offpolicy_buffer_samples_total") == 2.0
+        assert registry.get_sample_value("offpolicy_buffer_drops_total", {"reason": "stale"}) == 2.0
+    finally:
+        learner.close()
