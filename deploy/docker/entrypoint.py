@@ -1,11 +1,13 @@
-"""Container entry point: derive an actor's index from its replica name, then exec `offpolicy` (one process).
+"""Container entry point: give each actor replica its own seeds from its replica name, then exec `offpolicy`.
 
-`docker compose up --scale actor=N` starts replicas named `<project>-actor-1 … -N` but cannot hand each one
-a different environment. Docker's DNS answers a reverse lookup of a container's own address with that
-name (`offpolicy-actor-3.offpolicy_backend`), so replica k gets `OFFPOLICY_ACTOR_INDEX=k-1`. On
-Kubernetes the StatefulSet sets `OFFPOLICY_ACTOR_INDEX` from the pod ordinal and this does nothing;
-a hostname such as `actor-2` (a StatefulSet pod without the variable) gives index 2.
-`OFFPOLICY_NUM_ACTORS` is raised to index + 1 when it is smaller, so a scaled-up replica starts.
+Every actor reads the whole dataset as one shard (`num_actors: 1`, `actor_index: 0`, set by compose and
+k8s) in its own per-epoch order: `dataset.seed` and `engine.seed` are the replica's index, so any number
+of replicas (`docker compose up --scale actor=N`, an HPA) covers every prompt without repeating each
+other's order or samples (docs/deploy.md "Scaling actors"). Compose cannot hand each replica a
+different environment, but Docker's DNS answers a reverse lookup of a container's own address with its
+name (`offpolicy-actor-3.offpolicy_backend`): replica k gets index k-1. On Kubernetes the StatefulSet sets
+the seeds from the pod ordinal and this does nothing; a hostname `actor-2` (a StatefulSet pod without
+them) gives index 2.
 """
 
 from __future__ import annotations
@@ -42,25 +44,26 @@ def own_names() -> list[str]:
     return names
 
 
-def set_actor_index(env: MutableMapping[str, str], names: Callable[[], list[str]] = own_names) -> None:
-    """Fill OFFPOLICY_ACTOR_INDEX (and raise OFFPOLICY_NUM_ACTORS) when unset; raise if no name tells."""
-    if env.get("OFFPOLICY_ACTOR_INDEX"):
+def set_replica_seeds(env: MutableMapping[str, str], names: Callable[[], list[str]] = own_names) -> None:
+    """Set OFFPOLICY_DATASET__SEED, OFFPOLICY_ENGINE__SEED (and OFFPOLICY_ACTOR_ID when unset) to the
+    replica's index unless the dataset seed is given; raise SystemExit if no name tells the index."""
+    if env.get("OFFPOLICY_DATASET__SEED"):
         return
     tried = names()
     index = next((i for i in map(replica_index, tried) if i is not None), None)
     if index is None:
         raise SystemExit(
-            f"entrypoint: OFFPOLICY_ACTOR_INDEX is unset and no replica name in {tried} gives one"
+            f"entrypoint: OFFPOLICY_DATASET__SEED is unset and no replica name in {tried} gives an index"
         )
-    env["OFFPOLICY_ACTOR_INDEX"] = str(index)
-    env["OFFPOLICY_NUM_ACTORS"] = str(max(int(env.get("OFFPOLICY_NUM_ACTORS") or 1), index + 1))
+    env["OFFPOLICY_DATASET__SEED"] = str(index)
+    env["OFFPOLICY_ENGINE__SEED"] = str(index)
     env.setdefault("OFFPOLICY_ACTOR_ID", f"actor-{index}")
 
 
 def main(argv: list[str]) -> None:
     if argv[:1] == ["actor"]:
-        set_actor_index(os.environ)
-        print(f"entrypoint: actor index {os.environ['OFFPOLICY_ACTOR_INDEX']}", file=sys.stderr)
+        set_replica_seeds(os.environ)
+        print(f"entrypoint: actor seeds {os.environ['OFFPOLICY_DATASET__SEED']}", file=sys.stderr)
     os.execvp("offpolicy", ["offpolicy", *argv])
 
 

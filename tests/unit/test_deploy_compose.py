@@ -113,11 +113,14 @@ def test_learner_and_actor_reserve_a_gpu_and_the_cpu_override_drops_it():
     assert cpu["actor"]["environment"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
 
 
-def test_actor_scales_no_fixed_name_no_host_port_and_no_fixed_index():
+def test_actor_scales_no_fixed_name_no_host_port_one_shard_no_fixed_seed():
     actor = base()["services"]["actor"]
     assert "container_name" not in actor and "ports" not in actor and "hostname" not in actor
     assert actor["deploy"]["replicas"] == "1"  # ${ACTOR_REPLICAS:-1}; `--scale actor=N` overrides it
-    assert "OFFPOLICY_ACTOR_INDEX" not in actor["environment"]
+    # one shard for every replica; the entrypoint gives each its own seeds (test_deploy_images.py)
+    assert actor["environment"]["OFFPOLICY_ACTOR_INDEX"] == "0"
+    assert actor["environment"]["OFFPOLICY_NUM_ACTORS"] == "1"
+    assert "OFFPOLICY_DATASET__SEED" not in actor["environment"]
 
 
 def test_health_checks_and_ordered_start():

@@ -21,7 +21,7 @@ from deploy.checks import (
     pod_environment,
     read_env_file,
 )
-from deploy.docker.entrypoint import set_actor_index
+from deploy.docker.entrypoint import set_replica_seeds
 from learner.config import LearnerConfig
 from learner.config import load_config as load_learner_config
 
@@ -109,7 +109,7 @@ def check_loaded(env: dict[str, dict[str, str]], mounts: dict[str, list[str]]) -
 def test_compose_environment_gives_valid_configs(cpu):
     services = compose_services(cpu)
     env = {name: compose_env(services[name]) for name in LOADERS}
-    set_actor_index(env["actor"], lambda: ["offpolicy-actor-1.offpolicy_backend"])
+    set_replica_seeds(env["actor"], lambda: ["offpolicy-actor-1.offpolicy_backend"])
     mounts = {name: compose_mounts(services[name]) for name in LOADERS}
     configs = check_loaded(env, mounts)
     assert configs["actor"].actor_index == 0
@@ -126,3 +126,18 @@ def test_k8s_environment_gives_valid_configs(overlay):
     }
     configs = check_loaded(env, {name: pods[name][1] for name in LOADERS})
     assert configs["actor"].actor_id == "actor-0"
+
+
+def test_scaled_actors_share_one_shard_with_their_own_seeds():
+    """compose `--scale actor=3` and a 3-pod StatefulSet: three actors, each the whole dataset, seeds 0-2."""
+    base = compose_env(compose_services(cpu=False)["actor"])
+    statefulset = k8s_pods("gpu")["actor"][0]
+    for k in range(3):
+        compose = dict(base)
+        set_replica_seeds(compose, lambda k=k: [f"offpolicy-actor-{k + 1}.offpolicy_backend"])
+        pod = pod_environment(statefulset, f"actor-{k}", k)
+        for env in (compose, pod):
+            actor = load_actor_config(SERVICE_CONFIGS["actor"], env)
+            assert (actor.actor_index, actor.num_actors) == (0, 1)
+            assert (actor.dataset.seed, actor.engine.seed, actor.actor_id) == (k, k, f"actor-{k}")
+            assert actor.dataset.shuffle, "one shard read in the same order by every actor would repeat it"

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from deploy.checks import ROOT
-from deploy.docker.entrypoint import replica_index, set_actor_index
+from deploy.docker.entrypoint import replica_index, set_replica_seeds
 
 DOCKERFILES = sorted((ROOT / "deploy" / "docker").glob("*.Dockerfile"))
 
@@ -73,12 +73,15 @@ def test_replica_index_from_compose_and_statefulset_names(name, index):
     assert replica_index(name) == index
 
 
-def test_set_actor_index():
-    env = {"OFFPOLICY_NUM_ACTORS": "2"}
-    set_actor_index(env, lambda: ["offpolicy-actor-3.offpolicy_backend", "3f2a9c0d1e2b"])
-    assert env == {"OFFPOLICY_NUM_ACTORS": "3", "OFFPOLICY_ACTOR_INDEX": "2", "OFFPOLICY_ACTOR_ID": "actor-2"}
-    given = {"OFFPOLICY_ACTOR_INDEX": "5"}
-    set_actor_index(given, lambda: pytest.fail("not consulted when the index is given"))
-    assert given == {"OFFPOLICY_ACTOR_INDEX": "5"}
+def test_set_replica_seeds():
+    env = {"OFFPOLICY_ACTOR_INDEX": "0", "OFFPOLICY_NUM_ACTORS": "1"}
+    set_replica_seeds(env, lambda: ["offpolicy-actor-3.offpolicy_backend", "3f2a9c0d1e2b"])
+    assert env == {
+        "OFFPOLICY_ACTOR_INDEX": "0", "OFFPOLICY_NUM_ACTORS": "1", "OFFPOLICY_DATASET__SEED": "2",
+        "OFFPOLICY_ENGINE__SEED": "2", "OFFPOLICY_ACTOR_ID": "actor-2",
+    }  # fmt: skip
+    given = {"OFFPOLICY_DATASET__SEED": "5"}
+    set_replica_seeds(given, lambda: pytest.fail("not consulted when the seed is given"))
+    assert given == {"OFFPOLICY_DATASET__SEED": "5"}
     with pytest.raises(SystemExit, match="no replica name"):
-        set_actor_index({}, lambda: ["3f2a9c0d1e2b"])
+        set_replica_seeds({}, lambda: ["3f2a9c0d1e2b"])

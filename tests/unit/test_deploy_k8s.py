@@ -110,7 +110,7 @@ def test_pods_are_non_root_with_requests_limits_and_probes(overlay):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda o: f"{o}-overlay")
-def test_learner_and_actor_probes_and_index_from_ordinal(overlay):
+def test_learner_and_actor_probes_and_seeds_from_ordinal(overlay):
     learner = by_kind(overlay, "Deployment")["learner"]
     assert learner["spec"]["replicas"] == 1 and learner["spec"]["strategy"]["type"] == "Recreate"
     container = learner["spec"]["template"]["spec"]["containers"][0]
@@ -121,8 +121,10 @@ def test_learner_and_actor_probes_and_index_from_ordinal(overlay):
     assert claims == {"weights", "checkpoints"}
     actor = by_kind(overlay, "StatefulSet")["actor"]
     env = {e["name"]: e for e in actor["spec"]["template"]["spec"]["containers"][0]["env"]}
-    ref = env["OFFPOLICY_ACTOR_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
-    assert ref == "metadata.labels['apps.kubernetes.io/pod-index']"
+    assert env["OFFPOLICY_ACTOR_INDEX"]["value"] == "0" and env["OFFPOLICY_NUM_ACTORS"]["value"] == "1"
+    for seed in ("OFFPOLICY_DATASET__SEED", "OFFPOLICY_ENGINE__SEED"):
+        ref = env[seed]["valueFrom"]["fieldRef"]["fieldPath"]
+        assert ref == "metadata.labels['apps.kubernetes.io/pod-index']"
 
 
 def test_gpu_overlay_requests_gpus_and_scales_actors():
