@@ -86,8 +86,16 @@ class Core:
         self.metrics.size.set(size)
         self.metrics.fill_ratio.set(size / self.cfg.max_size)
 
-    def decode(self, reply: SampleReply, consumer_version: int) -> list[TrajectoryGroup]:
-        groups = decode_groups([payload for _, _, payload in reply.chosen], self.cfg.limits)
+    def expired(self, payloads: list[bytes | None]) -> int:
+        """How many fetched payloads were gone (expired after their grace before this MGET); counted."""
+        missing = payloads.count(None)
+        if missing:
+            self.metrics.dropped_expired_before_fetch.inc(missing)
+        return missing
+
+    def decode(self, payloads: list[bytes | None], consumer_version: int) -> list[TrajectoryGroup]:
+        """The fetched groups (missing payloads skipped: `expired` counted them), decoded and validated."""
+        groups = decode_groups([p for p in payloads if p is not None], self.cfg.limits)
         self.metrics.samples.inc(len(groups))
         observe = self.metrics.sampled_staleness.observe
         for g in groups:

@@ -16,33 +16,48 @@ def _prefix(run_id: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class BufferKeys:
-    """The keys of one buffer, in the order the Lua scripts declare them in KEYS."""
+    """The keys of one buffer: the indexes (the scripts' KEYS, in declaration order) and the per-group
+    payload and staging keys, `<prefix><group_id>` (the scripts get the prefixes in ARGV)."""
 
-    data: str  # hash group_id -> encoded group
     order: str  # zset group_id -> insert sequence number (fifo / newest / eviction order)
     by_version: str  # zset group_id -> policy_version (staleness gate and weights)
     uses: str  # hash group_id -> times sampled (absent = 0)
     priority: str  # zset group_id -> priority (prioritized sampler only)
     seen: str  # set of every group_id ever inserted (dedupe survives removal)
     counters: str  # hash of lifetime counters (inserted, sampled, evicted:*, dropped:*, rejected:*)
+    payload_prefix: str  # string per stored group: the encoded group (a grace TTL once removed)
+    staging_prefix: str  # string per group in an insert transaction, renamed or deleted by the script
 
     @classmethod
     def for_run(cls, run_id: str) -> BufferKeys:
         """The keys of `run_id`'s buffer."""
         p = _prefix(run_id)
         return cls(
-            data=f"{p}:buf:data",
             order=f"{p}:buf:order",
             by_version=f"{p}:buf:version",
             uses=f"{p}:buf:uses",
             priority=f"{p}:buf:priority",
             seen=f"{p}:buf:seen",
             counters=f"{p}:buf:counters",
+            payload_prefix=f"{p}:buf:g:",
+            staging_prefix=f"{p}:buf:stage:",
         )
 
-    def all(self) -> list[str]:
+    def indexes(self) -> list[str]:
         """KEYS for the scripts, in declaration order."""
-        return [self.data, self.order, self.by_version, self.uses, self.priority, self.seen, self.counters]
+        return [self.order, self.by_version, self.uses, self.priority, self.seen, self.counters]
+
+    def payload(self, group_id: str) -> str:
+        """The key holding `group_id`'s encoded group."""
+        return self.payload_prefix + group_id
+
+    def staging(self, group_id: str) -> str:
+        """The key `group_id`'s payload is SET to inside its insert transaction."""
+        return self.staging_prefix + group_id
+
+    def per_group_patterns(self) -> list[str]:
+        """SCAN MATCH patterns of every payload and staging key (run ids hold no glob characters)."""
+        return [self.payload_prefix + "*", self.staging_prefix + "*"]
 
 
 @dataclass(frozen=True, slots=True)

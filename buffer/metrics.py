@@ -14,7 +14,7 @@ REJECTED_FIELDS = (
     "sampling",
 )  # fmt: skip
 EVICTION_REASONS = ("max_size", "max_times_sampled")
-DROP_REASONS = ("stale", "evicted_unsampled")
+DROP_REASONS = ("stale", "evicted_unsampled", "expired_before_fetch")
 WAIT_OPS = ("insert", "sample", "pace")
 
 
@@ -54,7 +54,8 @@ class BufferMetrics:
         )
         self.drops = Counter(
             "offpolicy_buffer_drops_total",
-            "Groups lost before use or too stale to use, by reason (stale, evicted_unsampled)",
+            "Groups lost before use or too stale to use, by reason "
+            "(stale, evicted_unsampled, expired_before_fetch)",
             ["reason"],
             registry=registry,
         )
@@ -88,4 +89,5 @@ class BufferMetrics:
         self.evicted_max_times_sampled = self.evictions.labels("max_times_sampled")
         self.dropped_stale = self.drops.labels("stale")
         self.dropped_evicted_unsampled = self.drops.labels("evicted_unsampled")
+        self.dropped_expired_before_fetch = self.drops.labels("expired_before_fetch")
         self.waits = {op: self.rate_limited_waits.labels(op) for op in WAIT_OPS}

@@ -2,6 +2,8 @@
 
 Both drive the same Lua scripts (scripts/insert.lua, scripts/sample.lua) and the same codec; `Core`
 (buffer/core.py) holds what they share, so the two classes only differ in how they wait and call Redis.
+Payload bytes never pass through Lua: an insert is one MULTI/EXEC of SETs to staging keys plus the
+insert script (which renames or deletes them); a sample is the sample script (ids only) plus one MGET.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ from buffer.storage import (
     async_client,
     call_async,
     call_sync,
-    insert_args,
+    fetch,
+    fetch_async,
+    insert_transaction,
+    insert_transaction_async,
     sample_args,
     script_source,
     sync_client,
@@ -74,7 +79,7 @@ class ReplayBuffer:
 
     def _insert_many(self, groups: Sequence[TrajectoryGroup]):
         t0 = time.perf_counter()
-        core, keys = self._core, self._core.keys.all()
+        core = self._core
         chunks, rejected = core.prepare(groups)
         if rejected:
             self._call(lambda: self._count(core.rejected_counts(rejected)), "count rejected")
@@ -83,7 +88,12 @@ class ReplayBuffer:
         backoff = None
         for pending in chunks:
             while pending:
-                raw = self._call(lambda p=pending: self._insert(keys, insert_args(self.config, p)), "insert")
+                raw = self._call(
+                    lambda p=pending: insert_transaction(
+                        self._client, self._insert, self.config, core.keys, p
+                    ),
+                    "insert",
+                )
                 reply = InsertReply.parse(raw)
                 core.on_insert(reply)
                 pending = file_statuses(pending, reply, inserted, dups)
@@ -114,8 +124,10 @@ class ReplayBuffer:
         core.check_sample(num_groups)
         backoff = core.backoff(timeout_s)
         while True:
-            args = sample_args(self.config, num_groups, consumer_version)
-            reply = SampleReply.parse(self._call(lambda a=args: self._sample(core.keys.all(), a), "sample"))
+            args = sample_args(self.config, core.keys, num_groups, consumer_version)
+            reply = SampleReply.parse(
+                self._call(lambda a=args: self._sample(core.keys.indexes(), a), "sample")
+            )
             core.on_sample(reply)
             if reply.status is SampleStatus.OK:
                 break
@@ -124,7 +136,10 @@ class ReplayBuffer:
                 raise sample_refused(reply.status, num_groups, reply.size, timeout_s)
             core.metrics.waits["sample"].inc()
             time.sleep(delay)
-        groups = core.decode(reply, consumer_version)
+        payloads = self._call(lambda: fetch(self._client, core.keys, reply), "fetch")
+        if missing := core.expired(payloads):
+            self._call(lambda: self._count({"dropped:expired_before_fetch": missing}), "count expired")
+        groups = core.decode(payloads, consumer_version)
         core.metrics.sample_latency.observe(time.perf_counter() - t0)
         return groups
 
@@ -159,8 +174,18 @@ class ReplayBuffer:
         return self._core.stats(*self._call(read, "stats"))
 
     def clear(self) -> None:
-        """Delete every key of this buffer (stored groups, dedupe set and counters)."""
-        self._call(lambda: self._client.delete(*self._core.keys.all()), "clear")
+        """Delete every key of this buffer: indexes, dedupe set, counters, then (SCAN) every payload and
+        staging key, removed groups' payloads in their grace included."""
+        k = self._core.keys
+
+        def clear() -> None:
+            self._client.delete(*k.indexes())
+            for pattern in k.per_group_patterns():
+                names = list(self._client.scan_iter(match=pattern, count=1000))
+                for i in range(0, len(names), 1000):
+                    self._client.unlink(*names[i : i + 1000])
+
+        self._call(clear, "clear")
 
     def close(self) -> None:
         """Close the connection pool."""
@@ -215,7 +240,7 @@ class AsyncReplayBuffer:
 
     async def _insert_many(self, groups: Sequence[TrajectoryGroup]):
         t0 = time.perf_counter()
-        core, keys = self._core, self._core.keys.all()
+        core = self._core
         chunks, rejected = core.prepare(groups)
         if rejected:
             await self._call(lambda: self._count(core.rejected_counts(rejected)), "count rejected")
@@ -225,7 +250,10 @@ class AsyncReplayBuffer:
         for pending in chunks:
             while pending:
                 raw = await self._call(
-                    lambda p=pending: self._insert(keys, insert_args(self.config, p)), "insert"
+                    lambda p=pending: insert_transaction_async(
+                        self._client, self._insert, self.config, core.keys, p
+                    ),
+                    "insert",
                 )
                 reply = InsertReply.parse(raw)
                 core.on_insert(reply)
@@ -255,8 +283,8 @@ class AsyncReplayBuffer:
         core.check_sample(num_groups)
         backoff = core.backoff(timeout_s)
         while True:
-            args = sample_args(self.config, num_groups, consumer_version)
-            raw = await self._call(lambda a=args: self._sample(core.keys.all(), a), "sample")
+            args = sample_args(self.config, core.keys, num_groups, consumer_version)
+            raw = await self._call(lambda a=args: self._sample(core.keys.indexes(), a), "sample")
             reply = SampleReply.parse(raw)
             core.on_sample(reply)
             if reply.status is SampleStatus.OK:
@@ -266,7 +294,10 @@ class AsyncReplayBuffer:
                 raise sample_refused(reply.status, num_groups, reply.size, timeout_s)
             core.metrics.waits["sample"].inc()
             await asyncio.sleep(delay)
-        groups = core.decode(reply, consumer_version)
+        payloads = await self._call(lambda: fetch_async(self._client, core.keys, reply), "fetch")
+        if missing := core.expired(payloads):
+            await self._call(lambda: self._count({"dropped:expired_before_fetch": missing}), "count expired")
+        groups = core.decode(payloads, consumer_version)
         core.metrics.sample_latency.observe(time.perf_counter() - t0)
         return groups
 
@@ -301,7 +332,16 @@ class AsyncReplayBuffer:
 
     async def clear(self) -> None:
         """See `ReplayBuffer.clear`."""
-        await self._call(lambda: self._client.delete(*self._core.keys.all()), "clear")
+        k = self._core.keys
+
+        async def clear() -> None:
+            await self._client.delete(*k.indexes())
+            for pattern in k.per_group_patterns():
+                names = [n async for n in self._client.scan_iter(match=pattern, count=1000)]
+                for i in range(0, len(names), 1000):
+                    await self._client.unlink(*names[i : i + 1000])
+
+        await self._call(clear, "clear")
 
     async def close(self) -> None:
         """Close the connection pool."""

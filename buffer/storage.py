@@ -18,11 +18,14 @@ from typing import TypeVar
 import redis
 import redis.asyncio as aioredis
 from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript, Script
 from redis.connection import Encoder, PythonRespSerializer
+from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
 from buffer.config import BufferConfig
 from buffer.errors import StorageUnavailable
+from buffer.keys import BufferKeys
 from buffer.rate_limiter import Backoff, SampleStatus
 
 T = TypeVar("T")
@@ -111,8 +114,9 @@ def _num(x: float) -> str:
     return repr(float(x))
 
 
-def insert_args(cfg: BufferConfig, entries: list[tuple[str, int, float, bytes]]) -> list:
-    """ARGV of insert.lua for (group_id, policy_version, priority, payload) entries."""
+def insert_args(cfg: BufferConfig, keys: BufferKeys, entries: list[tuple[str, int, float, bytes]]) -> list:
+    """ARGV of insert.lua for (group_id, policy_version, priority, payload) entries: metadata only (the
+    payloads go to staging keys, see `insert_transaction`)."""
     _, max_diff = cfg.limiter_bounds()
     ratio = cfg.samples_per_insert is not None
     args: list = [
@@ -122,10 +126,58 @@ def insert_args(cfg: BufferConfig, entries: list[tuple[str, int, float, bytes]])
         _num(max_diff if ratio else 0.0),
         cfg.min_size_to_sample,
         "1" if cfg.sampler == "prioritized" else "0",
+        keys.payload_prefix,
+        keys.staging_prefix,
+        cfg.grace_ms(),
     ]
-    for gid, version, priority, payload in entries:
-        args += [gid, version, _num(priority), payload]
+    for gid, version, priority, _ in entries:
+        args += [gid, version, _num(priority)]
     return args
+
+
+def _queue_insert(pipe, script: Script, cfg: BufferConfig, keys: BufferKeys, entries: list) -> None:
+    """Queue the insert transaction on `pipe` (MULTI): each payload SET to its staging key (with the
+    grace as a safety TTL, which the script removes), then insert.lua with the metadata."""
+    grace_ms = cfg.grace_ms()
+    for gid, _, _, payload in entries:
+        pipe.set(keys.staging(gid), payload, px=grace_ms)
+    index_keys = keys.indexes()
+    pipe.evalsha(script.sha, len(index_keys), *index_keys, *insert_args(cfg, keys, entries))
+
+
+def insert_transaction(
+    client: redis.Redis, script: Script, cfg: BufferConfig, keys: BufferKeys, entries: list
+) -> list:
+    """Run one insert as MULTI / SET staging... / EVALSHA insert / EXEC (one round trip, one AOF entry,
+    atomic: no other command runs in between); return the script's raw reply. After a restart flushed
+    the script cache (NOSCRIPT), load the script and run the whole transaction again: the SETs rewrite
+    the same staging keys and this time the script renames or deletes them."""
+    for attempt in (0, 1):
+        pipe = client.pipeline(transaction=True)
+        _queue_insert(pipe, script, cfg, keys, entries)
+        try:
+            return pipe.execute()[-1]
+        except NoScriptError:
+            if attempt:
+                raise
+            client.script_load(script.script)
+    raise AssertionError("unreachable")
+
+
+async def insert_transaction_async(
+    client: aioredis.Redis, script: AsyncScript, cfg: BufferConfig, keys: BufferKeys, entries: list
+) -> list:
+    """The asyncio twin of `insert_transaction`."""
+    for attempt in (0, 1):
+        pipe = client.pipeline(transaction=True)
+        _queue_insert(pipe, script, cfg, keys, entries)
+        try:
+            return (await pipe.execute())[-1]
+        except NoScriptError:
+            if attempt:
+                raise
+            await client.script_load(script.script)
+    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +194,7 @@ class InsertReply:
         return cls([int(s) for s in raw[0]], int(raw[1]), int(raw[2]), int(raw[3]))
 
 
-def sample_args(cfg: BufferConfig, k: int, consumer_version: int) -> list:
+def sample_args(cfg: BufferConfig, keys: BufferKeys, k: int, consumer_version: int) -> list:
     """ARGV of sample.lua, with a fresh random seed."""
     min_diff, _ = cfg.limiter_bounds()
     ratio = cfg.samples_per_insert is not None
@@ -158,21 +210,47 @@ def sample_args(cfg: BufferConfig, k: int, consumer_version: int) -> list:
         _num(cfg.samples_per_insert or 0.0),
         _num(min_diff if ratio else 0.0),
         _num(cfg.priority_epsilon),
+        keys.payload_prefix,
+        cfg.grace_ms(),
     ]
 
 
 @dataclass(frozen=True, slots=True)
 class SampleReply:
-    """sample.lua's reply: verdict, size after, removals, and the chosen (group_id, version, payload)."""
+    """sample.lua's reply: verdict, size after, removals, the chosen group ids (payloads: `fetch`) and
+    those of them this caller owns (removed at their first use: nobody else chose them)."""
 
     status: SampleStatus
     size: int
     stale: int
     consumed: int
-    chosen: list[tuple[str, int, bytes]]
+    chosen: list[str]
+    owned: list[str]
 
     @classmethod
     def parse(cls, raw: list) -> SampleReply:
         rest = raw[4:]
-        chosen = [(rest[i].decode(), int(float(rest[i + 1])), rest[i + 2]) for i in range(0, len(rest), 3)]
-        return cls(SampleStatus(int(raw[0])), int(raw[1]), int(raw[2]), int(raw[3]), chosen)
+        chosen = [gid.decode() for gid in rest[0::2]]
+        owned = [gid for gid, own in zip(chosen, rest[1::2], strict=True) if int(own)]
+        return cls(SampleStatus(int(raw[0])), int(raw[1]), int(raw[2]), int(raw[3]), chosen, owned)
+
+
+def _queue_fetch(pipe, keys: BufferKeys, reply: SampleReply) -> None:
+    pipe.mget([keys.payload(gid) for gid in reply.chosen])
+    if reply.owned:
+        pipe.unlink(*(keys.payload(gid) for gid in reply.owned))
+
+
+def fetch(client: redis.Redis, keys: BufferKeys, reply: SampleReply) -> list[bytes | None]:
+    """The chosen groups' payloads (None: expired after its grace before this read), in one round trip
+    with the UNLINK of the owned ones (no other consumer can want them; the rest expire after the grace)."""
+    pipe = client.pipeline(transaction=False)
+    _queue_fetch(pipe, keys, reply)
+    return pipe.execute()[0]
+
+
+async def fetch_async(client: aioredis.Redis, keys: BufferKeys, reply: SampleReply) -> list[bytes | None]:
+    """The asyncio twin of `fetch`."""
+    pipe = client.pipeline(transaction=False)
+    _queue_fetch(pipe, keys, reply)
+    return (await pipe.execute())[0]

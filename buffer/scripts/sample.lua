@@ -1,11 +1,15 @@
 -- Sample k groups atomically: drop (and count) stale groups, apply the rate limiter, choose by the
--- sampler, count each use, remove groups sampled max_times_sampled times.
--- KEYS: data order by_version uses priority seen counters  (all under one {run_id} hash tag)
+-- sampler, count each use, remove groups sampled max_times_sampled times. Returns the chosen group ids
+-- only: the client fetches their payloads with one MGET right after. A removed group leaves every index
+-- at once (it can never be chosen again) but its payload key only expires after grace_ms, so a consumer
+-- that chose it can still fetch it.
+-- KEYS: order by_version uses priority seen counters  (all under one {run_id} hash tag)
 -- ARGV: k, consumer_version, max_staleness (-1 = none), max_times_sampled (0 = none), sampler, seed,
---       min_size_to_sample, use_ratio (0|1), samples_per_insert, min_diff, priority_epsilon
--- Returns: {status, size, n_stale, n_consumed, then 3 per chosen group: group_id, policy_version, payload}
+--       min_size_to_sample, use_ratio (0|1), samples_per_insert, min_diff, priority_epsilon,
+--       payload_prefix, grace_ms
+-- Returns: {status, size, n_stale, n_consumed, then 2 per chosen group: group_id, owned (0|1)}
 --   status: 1 ok, 2 rate limited (ratio), 3 below min_size_to_sample, 4 fewer than k eligible groups
-local data, order, byver, uses, prio, counters = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[7]
+local order, byver, uses, prio, counters = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[6]
 local k = tonumber(ARGV[1])
 local consumer_version = tonumber(ARGV[2])
 local max_staleness = tonumber(ARGV[3])
@@ -18,9 +22,10 @@ local use_ratio = ARGV[8] == '1'
 local spi = tonumber(ARGV[9])
 local min_diff = tonumber(ARGV[10])
 local eps = tonumber(ARGV[11])
+local payload_prefix, grace_ms = ARGV[12], ARGV[13]
 
 local function remove(gid)
-  redis.call('HDEL', data, gid)
+  redis.call('PEXPIRE', payload_prefix .. gid, grace_ms)
   redis.call('ZREM', order, gid)
   redis.call('ZREM', byver, gid)
   redis.call('ZREM', prio, gid)
@@ -85,18 +90,20 @@ else
   for i = 1, k do chosen[i] = keyed[i][2] end
 end
 
--- 4. Count uses, collect payloads, remove groups that reached max_times_sampled.
+-- 4. Count uses, remove groups that reached max_times_sampled. A group removed at its first use was
+-- never chosen by anyone else: the caller owns its payload and deletes it once fetched (owned = 1).
 local out = {1, 0, n_stale, 0}
 local n_consumed = 0
 for _, gid in ipairs(chosen) do
   local n_uses = redis.call('HINCRBY', uses, gid, 1)
-  out[#out + 1] = gid
-  out[#out + 1] = redis.call('ZSCORE', byver, gid)
-  out[#out + 1] = redis.call('HGET', data, gid)
+  local owned = 0
   if max_times > 0 and n_uses >= max_times then
     remove(gid)
     n_consumed = n_consumed + 1
+    if n_uses == 1 then owned = 1 end
   end
+  out[#out + 1] = gid
+  out[#out + 1] = owned
 end
 redis.call('HINCRBY', counters, 'sampled', k)
 if n_consumed > 0 then redis.call('HINCRBY', counters, 'evicted:max_times_sampled', n_consumed) end

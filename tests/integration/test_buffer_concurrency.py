@@ -78,7 +78,7 @@ def test_8_producers_2_consumers(redis_url, run_id) -> None:
 
     with ReplayBuffer(redis_url, run_id, CONFIG) as b:
         stats = b.stats()
-        remaining = {k.decode() for k in b._client.hkeys(BufferKeys.for_run(run_id).data)}
+        remaining = {k.decode() for k in b._client.zrange(BufferKeys.for_run(run_id).order, 0, -1)}
         b.clear()
     uses = Counter(gid for gid, _, _ in samples)
     assert len(acked) == len(set(acked)) == PRODUCERS * PER_PRODUCER == stats.inserted_total
@@ -126,12 +126,17 @@ def test_kill_9_mid_insert_keeps_every_acknowledged_insert(tmp_path: Path, run_i
         acked = [line for x in logs for line in Path(x).read_text().split()]
         keys = BufferKeys.for_run(run_id)
         with redis.Redis.from_url(server.url) as c:
-            stored = [k.decode() for k in c.hkeys(keys.data)]
+            stored = [k.decode() for k in c.zrange(keys.order, 0, -1)]
             inserted = int(c.hget(keys.counters, "inserted"))
-            order = c.zcard(keys.order)
             seen = c.scard(keys.seen)
+            payloads = [k.decode() for k in c.scan_iter(match=keys.payload_prefix + "*", count=1000)]
+            staging = list(c.scan_iter(match=keys.staging_prefix + "*", count=1000))
+            ttls = {c.pttl(keys.payload(gid)) for gid in stored}
         assert len(acked) >= 200
-        assert len(stored) == len(set(stored)) == inserted == order == seen  # consistent: scripts are atomic
+        # consistent: each insert (staging SETs + script) is one MULTI/EXEC, replayed all or nothing
+        assert len(stored) == len(set(stored)) == inserted == seen
+        assert sorted(payloads) == sorted(keys.payload(gid) for gid in stored) and ttls == {-1}
+        assert staging == []  # no staging key outlived its transaction
         assert set(acked) <= set(stored)  # every insert that returned survived kill -9
         assert len(stored) - len(acked) <= PRODUCERS  # at most the one in flight per producer
         with ReplayBuffer(server.url, run_id) as b:
