@@ -1,6 +1,6 @@
 """Render the generated deploy artefacts: the Grafana dashboards and k8s/base/files + the PrometheusRule.
 
-Dashboards are code: `deploy/dashboards.py` describes each panel (title, PromQL, unit); this script turns
+Dashboards are code: `deploy/dashboards/` describes each panel (title, PromQL, unit); this script turns
 them into Grafana JSON under deploy/grafana/dashboards/. Kustomize reads no file outside its folder, so
 the same script copies the service configs, redis.conf and the dashboards under k8s/base/files/, and
 wraps deploy/prometheus/alerts.yml in a PrometheusRule. `--check` writes nothing and exits 1 when a
