@@ -24,7 +24,8 @@ class ConfigEntry(BaseModel):
     applied_at: float | None
     """Unix seconds of the step boundary where the loop switched to it; null while still pending."""
     applied_at_step: int | None
-    """Learner step count at that boundary; null while pending."""
+    """Learner steps completed at that boundary, as the learner reports it (`on_config_applied`): step
+    `applied_at_step + 1` is the first that runs with this config; null while pending."""
     changed_fields: list[str]
     """Dotted paths of the fields that differ from the previous config version."""
     config: LearnerConfig
