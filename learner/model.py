@@ -23,7 +23,7 @@ from transformers import (
 )
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
-# Printable ASCII without the vertical whitespace, plus newline: 96 characters.
+# Printable ASCII without \r, \v and \f (newline and tab kept): 97 characters.
 CHARACTERS = tuple(dict.fromkeys(string.printable.replace("\r", "").replace("\x0b", "").replace("\x0c", "")))
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
