@@ -66,7 +66,7 @@ class BufferConfig(BaseModel):
     The group leaves every index at once and is never sampled again; its payload key only expires after
     this grace, so a consumer that chose it just before can still fetch it (a consumer slower than this
     gets fewer groups, counted as dropped `expired_before_fetch`). Removed payloads use memory for up to
-    this long. Also the TTL of insert staging keys (only ever left behind by a failed insert script)."""
+    this long."""
     limits: CodecLimits = CodecLimits()
     """Validation limits for every group inserted and sampled."""
 

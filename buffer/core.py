@@ -21,7 +21,8 @@ from buffer.storage import (
 from buffer.types import BufferStats, InsertResult, TrajectoryGroup
 
 _INDEX = re.compile(r"\[\d+\]")
-_CHUNK_BYTES = 4 * 1024 * 1024  # one insert script call carries at most this much payload (or one group)
+_CHUNK_BYTES = 4 * 1024 * 1024  # one insert transaction carries at most this much payload (or one group)
+_CHUNK_GROUPS = 1000  # and at most this many groups (insert.lua unpacks 2 values per group in one call)
 Entry = tuple[str, int, float, bytes]
 
 
@@ -47,7 +48,7 @@ class Core:
                 rejected[key] = payload
                 self.metrics.rejected.labels(_INDEX.sub("", payload.field)).inc()
                 continue
-            if chunks[-1] and size + len(payload) > _CHUNK_BYTES:
+            if chunks[-1] and (size + len(payload) > _CHUNK_BYTES or len(chunks[-1]) == _CHUNK_GROUPS):
                 chunks.append([])
                 size = 0
             priority = group_priority(g) if prioritized else 0.0

@@ -136,11 +136,10 @@ def insert_args(cfg: BufferConfig, keys: BufferKeys, entries: list[tuple[str, in
 
 
 def _queue_insert(pipe, script: Script, cfg: BufferConfig, keys: BufferKeys, entries: list) -> None:
-    """Queue the insert transaction on `pipe` (MULTI): each payload SET to its staging key (with the
-    grace as a safety TTL, which the script removes), then insert.lua with the metadata."""
-    grace_ms = cfg.grace_ms()
+    """Queue the insert transaction on `pipe` (MULTI): each payload SET to its staging key, then
+    insert.lua with the metadata."""
     for gid, _, _, payload in entries:
-        pipe.set(keys.staging(gid), payload, px=grace_ms)
+        pipe.set(keys.staging(gid), payload)
     index_keys = keys.indexes()
     pipe.evalsha(script.sha, len(index_keys), *index_keys, *insert_args(cfg, keys, entries))
 

@@ -8,6 +8,8 @@
 --       payload_prefix, staging_prefix, grace_ms, then 3 per group: group_id, policy_version, priority
 --       (per-group keys are prefix .. group_id: same hash tag, same Cluster slot)
 -- Returns: {statuses (1 inserted, 0 duplicate, 2 rate limited), size, evicted_max_size, evicted_unsampled}
+-- Every redis.call costs a few microseconds of its own, so the indexes are written with one variadic
+-- call each (the batch is at most a few hundred groups: the client splits larger ones).
 local order, byver, uses, prio, seen, counters = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local max_size = tonumber(ARGV[1])
 local use_ratio = ARGV[2] == '1'
@@ -17,58 +19,72 @@ local min_size = tonumber(ARGV[5])
 local use_priority = ARGV[6] == '1'
 local payload_prefix, staging_prefix, grace_ms = ARGV[7], ARGV[8], ARGV[9]
 
-local inserted = tonumber(redis.call('HGET', counters, 'inserted') or '0')
-local sampled = tonumber(redis.call('HGET', counters, 'sampled') or '0')
+local gids = {}
+for i = 10, #ARGV, 3 do gids[#gids + 1] = ARGV[i] end
+local was_seen = redis.call('SMISMEMBER', seen, unpack(gids))
+local c = redis.call('HMGET', counters, 'inserted', 'sampled')
+local inserted, sampled = tonumber(c[1] or '0'), tonumber(c[2] or '0')
 local size = redis.call('ZCARD', order)
-local statuses = {}
-local n_new, n_dup, n_evicted, n_unsampled = 0, 0, 0, 0
-local limited = false
 
-for i = 10, #ARGV, 3 do
-  local gid = ARGV[i]
+-- 1. Decide each group in batch order: duplicate, refused by the ratio limiter (and all after it), new.
+local statuses, new, dropped, taken = {}, {}, {}, {}
+local by_order, by_version, by_priority = {}, {}, {}
+local n_dup, limited = 0, false
+for j, gid in ipairs(gids) do
   local status = 1
   if limited then
     status = 2
-  elseif redis.call('SISMEMBER', seen, gid) == 1 then
+  elseif was_seen[j] == 1 or taken[gid] then
     status = 0
     n_dup = n_dup + 1
-  elseif use_ratio and size + 1 > min_size and (inserted + 1) * spi - sampled > max_diff then
+  elseif use_ratio and math.min(size, max_size) + 1 > min_size and (inserted + 1) * spi - sampled > max_diff then
     -- Reverb's SampleToInsertRatio: inserts may run ahead of samples by at most max_diff.
     limited = true
     status = 2
   end
-  statuses[#statuses + 1] = status
-  if status ~= 1 then
-    redis.call('DEL', staging_prefix .. gid)
-  else
+  statuses[j] = status
+  if status == 1 then
+    taken[gid] = true
     inserted = inserted + 1
-    redis.call('SADD', seen, gid)
-    local key = payload_prefix .. gid
-    redis.call('RENAME', staging_prefix .. gid, key)
-    redis.call('PERSIST', key)  -- the staging key's safety TTL
-    redis.call('ZADD', order, inserted, gid)
-    redis.call('ZADD', byver, ARGV[i + 1], gid)
-    if use_priority then
-      redis.call('ZADD', prio, ARGV[i + 2], gid)
-    end
     size = size + 1
-    n_new = n_new + 1
-    while size > max_size do
-      local old = redis.call('ZPOPMIN', order)[1]
-      redis.call('ZREM', byver, old)
-      redis.call('ZREM', prio, old)
-      redis.call('PEXPIRE', payload_prefix .. old, grace_ms)
-      if redis.call('HDEL', uses, old) == 0 then
-        n_unsampled = n_unsampled + 1
-      end
-      size = size - 1
-      n_evicted = n_evicted + 1
-    end
+    new[#new + 1] = gid
+    local a = 10 + 3 * (j - 1)
+    by_order[#by_order + 1] = inserted
+    by_order[#by_order + 1] = gid
+    by_version[#by_version + 1] = ARGV[a + 1]
+    by_version[#by_version + 1] = gid
+    by_priority[#by_priority + 1] = ARGV[a + 2]
+    by_priority[#by_priority + 1] = gid
+  elseif not taken[gid] then
+    dropped[#dropped + 1] = staging_prefix .. gid
   end
 end
 
-if n_new > 0 then redis.call('HSET', counters, 'inserted', inserted) end
+-- 2. Store and index the new groups; delete the other staging keys.
+if #new > 0 then
+  for _, gid in ipairs(new) do redis.call('RENAME', staging_prefix .. gid, payload_prefix .. gid) end
+  redis.call('SADD', seen, unpack(new))
+  redis.call('ZADD', order, unpack(by_order))
+  redis.call('ZADD', byver, unpack(by_version))
+  if use_priority then redis.call('ZADD', prio, unpack(by_priority)) end
+  redis.call('HSET', counters, 'inserted', inserted)
+end
+if #dropped > 0 then redis.call('DEL', unpack(dropped)) end
 if n_dup > 0 then redis.call('HINCRBY', counters, 'duplicates', n_dup) end
-if n_evicted > 0 then redis.call('HINCRBY', counters, 'evicted:max_size', n_evicted) end
-if n_unsampled > 0 then redis.call('HINCRBY', counters, 'dropped:evicted_unsampled', n_unsampled) end
+
+-- 3. Evict past max_size, oldest (lowest insert sequence) first.
+local n_evicted, n_unsampled = 0, 0
+if size > max_size then
+  local popped = redis.call('ZPOPMIN', order, size - max_size)
+  local old = {}
+  for i = 1, #popped, 2 do old[#old + 1] = popped[i] end
+  for _, gid in ipairs(old) do redis.call('PEXPIRE', payload_prefix .. gid, grace_ms) end
+  redis.call('ZREM', byver, unpack(old))
+  redis.call('ZREM', prio, unpack(old))
+  n_evicted = #old
+  n_unsampled = n_evicted - redis.call('HDEL', uses, unpack(old))
+  size = max_size
+  redis.call('HINCRBY', counters, 'evicted:max_size', n_evicted)
+  if n_unsampled > 0 then redis.call('HINCRBY', counters, 'dropped:evicted_unsampled', n_unsampled) end
+end
 return {statuses, size, n_evicted, n_unsampled}

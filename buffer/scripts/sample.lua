@@ -24,19 +24,27 @@ local min_diff = tonumber(ARGV[10])
 local eps = tonumber(ARGV[11])
 local payload_prefix, grace_ms = ARGV[12], ARGV[13]
 
-local function remove(gid)
-  redis.call('PEXPIRE', payload_prefix .. gid, grace_ms)
-  redis.call('ZREM', order, gid)
-  redis.call('ZREM', byver, gid)
-  redis.call('ZREM', prio, gid)
-  redis.call('HDEL', uses, gid)
+-- Every redis.call costs a few microseconds of its own: variadic commands, 1000 members per call.
+local function variadic(cmd, key, members)
+  for i = 1, #members, 1000 do
+    redis.call(cmd, key, unpack(members, i, math.min(i + 999, #members)))
+  end
+end
+
+local function remove(gids)
+  if #gids == 0 then return end
+  for _, gid in ipairs(gids) do redis.call('PEXPIRE', payload_prefix .. gid, grace_ms) end
+  variadic('ZREM', order, gids)
+  variadic('ZREM', byver, gids)
+  variadic('ZREM', prio, gids)
+  variadic('HDEL', uses, gids)
 end
 
 -- 1. Drop groups a consumer at consumer_version may no longer use.
 local n_stale = 0
 if max_staleness >= 0 then
   local stale = redis.call('ZRANGEBYSCORE', byver, '-inf', '(' .. (consumer_version - max_staleness))
-  for _, gid in ipairs(stale) do remove(gid) end
+  remove(stale)
   n_stale = #stale
   if n_stale > 0 then redis.call('HINCRBY', counters, 'dropped:stale', n_stale) end
 end
@@ -93,20 +101,25 @@ end
 -- 4. Count uses, remove groups that reached max_times_sampled. A group removed at its first use was
 -- never chosen by anyone else: the caller owns its payload and deletes it once fetched (owned = 1).
 local out = {1, 0, n_stale, 0}
-local n_consumed = 0
-for _, gid in ipairs(chosen) do
-  local n_uses = redis.call('HINCRBY', uses, gid, 1)
+local counts = redis.call('HMGET', uses, unpack(chosen))
+local retired, kept = {}, {}
+for i, gid in ipairs(chosen) do
+  local n_uses = tonumber(counts[i] or '0') + 1
   local owned = 0
   if max_times > 0 and n_uses >= max_times then
-    remove(gid)
-    n_consumed = n_consumed + 1
+    retired[#retired + 1] = gid
     if n_uses == 1 then owned = 1 end
+  else
+    kept[#kept + 1] = gid
+    kept[#kept + 1] = n_uses
   end
   out[#out + 1] = gid
   out[#out + 1] = owned
 end
+if #kept > 0 then redis.call('HSET', uses, unpack(kept)) end
+remove(retired)
 redis.call('HINCRBY', counters, 'sampled', k)
-if n_consumed > 0 then redis.call('HINCRBY', counters, 'evicted:max_times_sampled', n_consumed) end
-out[2] = size - n_consumed
-out[4] = n_consumed
+if #retired > 0 then redis.call('HINCRBY', counters, 'evicted:max_times_sampled', #retired) end
+out[2] = size - #retired
+out[4] = #retired
 return out

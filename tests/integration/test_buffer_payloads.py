@@ -54,7 +54,7 @@ def test_staging_keys_never_left_behind(env) -> None:
         b.insert(build_group(seed=5))
     assert _names(raw, keys.staging_prefix) == set()
     assert _names(raw, keys.payload_prefix) == {g.group_id for g in good}
-    assert {raw.pttl(keys.payload(g.group_id)) for g in good} == {-1}  # the staging TTL was removed
+    assert {raw.pttl(keys.payload(g.group_id)) for g in good} == {-1}  # no TTL on stored payloads
 
 
 def test_insert_after_script_cache_flush(env) -> None:
@@ -127,3 +127,16 @@ async def test_async_payload_protocol(any_redis, run_id) -> None:
             assert raw.pttl(keys.payload(groups[1].group_id)) == -1
             await b.clear()
             assert _names(raw, keys.payload_prefix) == set()
+
+
+def test_batch_larger_than_max_size_evicts_its_own_oldest(env) -> None:
+    make, raw, keys = env
+    b = make(sampler="fifo", max_size=2, max_times_sampled=None)
+    groups = [build_group(v, seed=v) for v in range(5)]
+    r = b.insert_many([*groups, groups[4]])
+    assert len(r.inserted) == 5 and r.duplicates == (groups[4].group_id,)
+    s = b.stats()
+    assert (s.size, s.evicted_total, s.dropped_total) == (2, {"max_size": 3}, {"evicted_unsampled": 3})
+    assert [g.policy_version for g in b.sample(2, 4, timeout_s=0)] == [3, 4]
+    assert {raw.pttl(keys.payload(g.group_id)) > 0 for g in groups[:3]} == {True}  # in their grace
+    assert _names(raw, keys.staging_prefix) == set()
