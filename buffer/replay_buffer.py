@@ -118,7 +118,9 @@ class ReplayBuffer:
     ) -> list[TrajectoryGroup]:
         """Sample `num_groups` distinct groups no staler than `max_staleness` for a learner at
         `consumer_version`; waits (bounded by `timeout_s`) while a limiter refuses, then raises
-        `RateLimited` (samples_per_insert) or `BufferNotReady` (min size, too few fresh groups)."""
+        `RateLimited` (samples_per_insert) or `BufferNotReady` (min size, too few fresh groups).
+        Fewer than `num_groups` only when chosen payloads expired before the fetch (counted as dropped
+        `expired_before_fetch`); when all of them did, it waits and samples again, as when refused."""
         t0 = time.perf_counter()
         core = self._core
         core.check_sample(num_groups)
@@ -130,15 +132,17 @@ class ReplayBuffer:
             )
             core.on_sample(reply)
             if reply.status is SampleStatus.OK:
-                break
+                payloads = self._call(lambda r=reply: fetch(self._client, core.keys, r), "fetch")
+                if missing := core.expired(payloads):
+                    self._call(lambda n=missing: self._count({"dropped:expired_before_fetch": n}), "count")
+                if missing < len(payloads):
+                    break
+                # every chosen payload had expired (a consumer stalled past the grace): wait, choose again
             delay = backoff.delay()
             if delay is None:
                 raise sample_refused(reply.status, num_groups, reply.size, timeout_s)
             core.metrics.waits["sample"].inc()
             time.sleep(delay)
-        payloads = self._call(lambda: fetch(self._client, core.keys, reply), "fetch")
-        if missing := core.expired(payloads):
-            self._call(lambda: self._count({"dropped:expired_before_fetch": missing}), "count expired")
         groups = core.decode(payloads, consumer_version)
         core.metrics.sample_latency.observe(time.perf_counter() - t0)
         return groups
@@ -288,15 +292,19 @@ class AsyncReplayBuffer:
             reply = SampleReply.parse(raw)
             core.on_sample(reply)
             if reply.status is SampleStatus.OK:
-                break
+                payloads = await self._call(lambda r=reply: fetch_async(self._client, core.keys, r), "fetch")
+                if missing := core.expired(payloads):
+                    await self._call(
+                        lambda n=missing: self._count({"dropped:expired_before_fetch": n}), "count"
+                    )
+                if missing < len(payloads):
+                    break
+                # every chosen payload had expired (a consumer stalled past the grace): wait, choose again
             delay = backoff.delay()
             if delay is None:
                 raise sample_refused(reply.status, num_groups, reply.size, timeout_s)
             core.metrics.waits["sample"].inc()
             await asyncio.sleep(delay)
-        payloads = await self._call(lambda: fetch_async(self._client, core.keys, reply), "fetch")
-        if missing := core.expired(payloads):
-            await self._call(lambda: self._count({"dropped:expired_before_fetch": missing}), "count expired")
         groups = core.decode(payloads, consumer_version)
         core.metrics.sample_latency.observe(time.perf_counter() - t0)
         return groups

@@ -140,3 +140,16 @@ def test_batch_larger_than_max_size_evicts_its_own_oldest(env) -> None:
     assert [g.policy_version for g in b.sample(2, 4, timeout_s=0)] == [3, 4]
     assert {raw.pttl(keys.payload(g.group_id)) > 0 for g in groups[:3]} == {True}  # in their grace
     assert _names(raw, keys.staging_prefix) == set()
+
+
+def test_when_every_chosen_payload_expired_sample_chooses_again(env) -> None:
+    make, raw, keys = env
+    reg = CollectorRegistry()
+    b = make(reg, sampler="fifo", max_times_sampled=1)
+    groups = [build_group(v, seed=v) for v in range(2)]
+    b.insert_many(groups)
+    raw.pexpire(keys.payload(groups[0].group_id), 1)  # as if the grace had run out before the fetch
+    time.sleep(0.01)
+    assert [g.group_id for g in b.sample(1, 1, timeout_s=1)] == [groups[1].group_id]
+    assert b.stats().dropped_total == {"expired_before_fetch": 1}
+    assert reg.get_sample_value("offpolicy_buffer_rate_limited_waits_total", {"op": "sample"}) == 1
