@@ -1,18 +1,36 @@
-"""Encode/decode `TrajectoryGroup` as versioned msgpack (arrays as raw little-endian bytes), validating.
+"""Encode/decode `TrajectoryGroup` as a versioned zero-copy frame: msgpack header + raw little-endian arrays.
 
-Wire format (schema_version 1): one msgpack map
-`{"v": 1, "gid", "pid", "p": <int32 LE bytes>, "pv", "aid", "t", "s": [temperature, top_p, top_k,
-max_tokens], "tr": {"n": <int32 LE length of each trajectory>, "ids": <int32 LE, all trajectories
-concatenated>, "lp": <float32 LE, concatenated>, "rw": [reward, ...], "fr": [finish_reason, ...],
-"ver": [<int32 LE versions> | nil, ...]}, "m": {str: str}, "pr": priority | nil}`. The concatenated
-arrays make validation a handful of vectorised checks per group instead of several per trajectory.
+Wire format (schema_version 2), every number little-endian:
+
+    bytes 0-3    magic b"OPTG"
+    bytes 4-5    schema_version, uint16
+    bytes 6-9    H, the header's length in bytes, uint32
+    bytes 10..   the header: a msgpack map of H bytes (below)
+    zero padding to the next multiple of 8 bytes: the array section starts there
+    arrays       int32 lens[n] | int32 prompt_ids[P] | int32 response_ids[T] | int32 versions[V]
+                 | float32 behavior_logprobs[T]
+
+The header: `{"gid", "pid", "pv", "aid", "t", "s": [temperature, top_p, top_k, max_tokens],
+"m": {str: str}, "pr": priority | nil, "rw": [reward] * n, "fr": [finish_reason] * n,
+"hv": [has versions] * n, "a": [5 byte offsets]}`; `a` gives where each array ends, counted from the
+start of the array section (each starts where the previous ends, the first at 0; the last end is the
+section's length). `response_ids` and `behavior_logprobs` hold every trajectory's tokens in order
+(`lens[i]` each); `versions` those of the trajectories whose `hv` is true.
+
+Decoding parses the prefix and the header and takes numpy views of the arrays without copying (read-only
+when the payload is `bytes`; they keep the payload alive), checks their values with three reductions
+over the whole group, and hands each trajectory slices of them. Encoding packs the header and joins it
+with the arrays' own buffers (the one copy), then runs the same value checks on the frame.
 Never pickle.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+import struct
+from collections.abc import Sequence
+from itertools import accumulate, compress, repeat
+from operator import attrgetter
 
 import msgpack
 import numpy as np
@@ -20,271 +38,297 @@ import numpy as np
 from buffer.config import CodecLimits
 from buffer.errors import InvalidTrajectory
 from buffer.types import SCHEMA_VERSION, SamplingParams, Trajectory, TrajectoryGroup
+from buffer.validation import (
+    DEFAULT_LIMITS,
+    check_counts,
+    check_header,
+    check_lengths,
+    check_offsets,
+    check_values,
+    header_ok,
+    raise_bad_values,
+    validate_group,
+)
 
-__all__ = ["CodecLimits", "decode_group", "encode_group", "validate_group"]
+__all__ = [
+    "MAGIC",
+    "CodecLimits",
+    "build",
+    "decode_group",
+    "encode_group",
+    "frame",
+    "parse",
+    "plain",
+    "raise_frame_values",
+    "validate_group",
+]
 
+MAGIC = b"OPTG"
+PREFIX = struct.Struct("<4sHI")  # magic, schema_version, header length
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
-_I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
-_DEFAULT_LIMITS = CodecLimits()
+_PAD = bytes(8)
+_NUM = frozenset((float, int))
+_STR = frozenset((str,))
+_ARRAY = frozenset((np.ndarray,))
+_PACKED = frozenset(((4,),))  # the strides of a 1-D C-contiguous array of 4-byte items
+_dtype, _strides = attrgetter("dtype"), attrgetter("strides")
+_ids, _lps, _versions = attrgetter("response_ids"), attrgetter("behavior_logprobs"), attrgetter("versions")
+_reward, _reason, _prompt = attrgetter("reward"), attrgetter("finish_reason"), attrgetter("prompt_ids")
 
 
-# --- validation (shared by encode and decode)
-
-
-def _check_ids(a: Any, name: str, limit: int, limit_name: str) -> np.ndarray:
-    if not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype.kind not in "iu":
-        raise InvalidTrajectory(name, f"must be a 1-D integer array, got {type(a).__name__}")
-    if len(a) > limit:
-        raise InvalidTrajectory(name, f"{len(a)} tokens exceeds {limit_name}={limit}")
-    if len(a) and (a.min() < 0 or a.max() > _I32_MAX):
-        raise InvalidTrajectory(name, f"token ids must be in [0, 2^31), got min {a.min()}, max {a.max()}")
-    return a
-
-
-def _check_traj(t: Trajectory, i: int) -> None:
-    """Types and lengths of one trajectory (values are checked over the whole group at once)."""
-    pre = f"trajectories[{i}]"
-    ids, lp = t.response_ids, t.behavior_logprobs
-    if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu":
-        raise InvalidTrajectory(
-            f"{pre}.response_ids", f"must be a 1-D integer array, got {type(ids).__name__}"
-        )
-    if not isinstance(lp, np.ndarray) or lp.ndim != 1 or lp.dtype.kind != "f":
-        raise InvalidTrajectory(f"{pre}.behavior_logprobs", "must be a 1-D float array")
-    if len(lp) != len(ids):
-        raise InvalidTrajectory(
-            f"{pre}.behavior_logprobs", f"length {len(lp)} != len(response_ids) {len(ids)}"
-        )
-    v = t.versions
-    if v is not None:
-        if not isinstance(v, np.ndarray) or v.ndim != 1 or v.dtype.kind not in "iu" or len(v) != len(ids):
-            raise InvalidTrajectory(f"{pre}.versions", f"must be a 1-D integer array of length {len(ids)}")
-        if len(v) and (v.min() < 0 or v.max() > _I32_MAX):
-            raise InvalidTrajectory(f"{pre}.versions", "versions must be in [0, 2^31)")
-    if not isinstance(t.reward, int | float) or isinstance(t.reward, bool) or not math.isfinite(t.reward):
-        raise InvalidTrajectory(f"{pre}.reward", f"must be a finite number, got {t.reward!r}")
-    if not isinstance(t.finish_reason, str):
-        raise InvalidTrajectory(f"{pre}.finish_reason", "must be a string")
-
-
-def _check_values(lens: np.ndarray, ids: np.ndarray, lp: np.ndarray, limits: CodecLimits) -> None:
-    """Value checks over all trajectories' concatenated tokens and log-probs, naming the trajectory."""
-    ends = np.cumsum(lens)
-
-    def where(pos: int) -> str:
-        return f"trajectories[{int(np.searchsorted(ends, pos, side='right'))}]"
-
-    if len(lens) and lens.max() > limits.max_tokens_per_completion:
-        i = int(lens.argmax())
-        raise InvalidTrajectory(
-            f"trajectories[{i}].response_ids",
-            f"{lens[i]} tokens exceeds max_tokens_per_completion={limits.max_tokens_per_completion}",
-        )
-    if len(ids) and (ids.min() < 0 or ids.max() > _I32_MAX):
-        pos = int(np.argmax((ids < 0) | (ids > _I32_MAX)))
-        raise InvalidTrajectory(
-            f"{where(pos)}.response_ids", f"token ids must be in [0, 2^31), got {ids[pos]}"
-        )
-    ok = lp <= 0  # False for nan too
-    if not ok.all() or not np.isfinite(lp).all():
-        pos = int(np.argmax(~(ok & np.isfinite(lp))))
-        what = (
-            "contains a non-finite value"
-            if not np.isfinite(lp[pos])
-            else f"log-probs must be <= 0, got {lp[pos]}"
-        )
-        raise InvalidTrajectory(f"{where(pos)}.behavior_logprobs", what)
-
-
-def validate_group(group: TrajectoryGroup, limits: CodecLimits = _DEFAULT_LIMITS) -> None:
-    """Raise `InvalidTrajectory(field, message)` for the first field of `group` that breaks the contract."""
-    _check_header(group, limits)
-    for i, t in enumerate(group.trajectories):
-        _check_traj(t, i)
-    lens, ids, lp = _concat(group.trajectories)
-    _check_values(lens, ids, lp, limits)
-    _check_rest(group)
-
-
-def _check_header(group: TrajectoryGroup, limits: CodecLimits) -> None:
-    """Identity, version, time, prompt and trajectory count."""
-    if group.schema_version != SCHEMA_VERSION:
-        raise InvalidTrajectory("schema_version", f"unknown schema version {group.schema_version!r}")
-    for name in ("group_id", "prompt_id", "actor_id"):
-        value = getattr(group, name)
-        if not isinstance(value, str) or not value:
-            raise InvalidTrajectory(name, f"must be a non-empty string, got {value!r}")
-    if not isinstance(group.policy_version, int) or group.policy_version < 0:
-        raise InvalidTrajectory("policy_version", f"must be an int >= 0, got {group.policy_version!r}")
-    if not isinstance(group.created_at, int | float) or not math.isfinite(group.created_at):
-        raise InvalidTrajectory("created_at", f"must be finite unix seconds, got {group.created_at!r}")
-    _check_ids(group.prompt_ids, "prompt_ids", limits.max_prompt_tokens, "max_prompt_tokens")
-    if not group.trajectories:
-        raise InvalidTrajectory("trajectories", "a group needs at least one trajectory")
-    if len(group.trajectories) > limits.max_completions_per_group:
-        raise InvalidTrajectory(
-            "trajectories",
-            f"{len(group.trajectories)} exceeds max_completions_per_group={limits.max_completions_per_group}",
-        )
-
-
-def _concat(trajs: list[Trajectory]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    lens = np.array([len(t.response_ids) for t in trajs], dtype=np.int64)
-    ids = np.concatenate([t.response_ids for t in trajs]) if trajs else np.zeros(0, np.int64)
-    lp = np.concatenate([t.behavior_logprobs for t in trajs]).astype(np.float32, copy=False)
-    return lens, ids, lp
-
-
-def _check_rest(group: TrajectoryGroup) -> None:
-    """The group-level fields after the trajectories: priority, metadata, sampling."""
-    if group.priority is not None and (not math.isfinite(group.priority) or group.priority < 0):
-        raise InvalidTrajectory("priority", f"must be finite and >= 0, got {group.priority!r}")
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in group.metadata.items()):
-        raise InvalidTrajectory("metadata", "must map str to str")
-    s = group.sampling
-    nums = (s.temperature, s.top_p, s.top_k, s.max_tokens)
-    if not all(isinstance(x, int | float) and not isinstance(x, bool) for x in nums):
-        raise InvalidTrajectory("sampling", f"must be numbers, got {s}")
-    if not (math.isfinite(s.temperature) and s.temperature > 0 and 0 < s.top_p <= 1 and s.max_tokens >= 1):
-        raise InvalidTrajectory("sampling", f"invalid sampling parameters {s}")
+def _array_section(header_bytes: int) -> int:
+    """Offset of the array section: after the prefix and the header, rounded up to 8 bytes."""
+    return (PREFIX.size + header_bytes + 7) & ~7
 
 
 # --- encode
 
 
-def _raw(a: np.ndarray, dtype: np.dtype) -> bytes:
-    return np.ascontiguousarray(a, dtype=dtype).tobytes()
+def _plain_header(g: TrajectoryGroup, limits: CodecLimits) -> bool:
+    s, trs = g.sampling, g.trajectories
+    return (
+        g.schema_version == SCHEMA_VERSION
+        and type(g.group_id) is str
+        and type(g.prompt_id) is str
+        and type(g.actor_id) is str
+        and g.group_id != ""
+        and g.prompt_id != ""
+        and g.actor_id != ""
+        and type(g.policy_version) is int
+        and g.policy_version >= 0
+        and type(g.created_at) in _NUM
+        and math.isfinite(g.created_at)
+        and type(trs) is list
+        and 0 < len(trs) <= limits.max_completions_per_group
+        and (
+            g.priority is None or (type(g.priority) in _NUM and math.isfinite(g.priority) and g.priority >= 0)
+        )
+        and type(s) is SamplingParams
+        and set(map(type, (s.temperature, s.top_p, s.top_k, s.max_tokens))) <= _NUM
+        and math.isfinite(s.temperature)
+        and s.temperature > 0
+        and 0 < s.top_p <= 1
+        and s.max_tokens >= 1
+        and type(g.metadata) is dict
+        and set(map(type, g.metadata)) <= _STR
+        and set(map(type, g.metadata.values())) <= _STR
+        and len(g.prompt_ids) <= limits.max_prompt_tokens
+    )
 
 
-def encode_group(group: TrajectoryGroup, limits: CodecLimits = _DEFAULT_LIMITS) -> bytes:
-    """Validate `group` and encode it to msgpack bytes (raises `InvalidTrajectory`)."""
+def plain(groups: Sequence[TrajectoryGroup], limits: CodecLimits) -> bool:
+    """True when every group can be framed as it is: every type exact (int32 / float32 C-contiguous 1-D
+    arrays, plain str / int / float fields) and every check but the array values passed. Checked over a
+    whole batch at once; anything else goes through `validate_group`, which names the field or accepts
+    what only looked unusual (and converts it)."""
+    if not all(_plain_header(g, limits) for g in groups):
+        return False
+    trs = [t for g in groups for t in g.trajectories]
+    ids, lps, rewards = list(map(_ids, trs)), list(map(_lps, trs)), list(map(_reward, trs))
+    versioned = [t for t in trs if t.versions is not None]
+    ints = [*map(_prompt, groups), *ids, *map(_versions, versioned)]
+    lens = list(map(len, ids))
+    return (
+        set(map(type, ints)) | set(map(type, lps)) <= _ARRAY
+        and set(map(_dtype, ints)) <= {_I32}
+        and set(map(_dtype, lps)) <= {_F32}
+        and set(map(_strides, ints)) | set(map(_strides, lps)) <= _PACKED  # 1-D and contiguous
+        and lens == list(map(len, lps))
+        and max(lens) <= limits.max_tokens_per_completion
+        and all(len(t.versions) == len(t.response_ids) for t in versioned)
+        and set(map(type, rewards)) <= _NUM
+        and all(map(math.isfinite, rewards))
+        and set(map(type, map(_reason, trs))) <= _STR
+    )
+
+
+def _converted(g: TrajectoryGroup) -> tuple[np.ndarray, list, list, list]:
+    """The group's arrays as the frame holds them (copies only where the dtype or layout differs)."""
+    trs = g.trajectories
+    return (
+        np.ascontiguousarray(g.prompt_ids, _I32),
+        [np.ascontiguousarray(t.response_ids, _I32) for t in trs],
+        [np.ascontiguousarray(t.versions, _I32) for t in trs if t.versions is not None],
+        [np.ascontiguousarray(t.behavior_logprobs, _F32) for t in trs],
+    )
+
+
+def encode_group(group: TrajectoryGroup, limits: CodecLimits = DEFAULT_LIMITS) -> bytes:
+    """Validate `group` and encode it to one frame (raises `InvalidTrajectory` naming the field)."""
+    if plain([group], limits):
+        return frame(group, limits)
     validate_group(group, limits)
-    lens, ids, lp = _concat(group.trajectories)
-    s = group.sampling
-    trs = group.trajectories
-    doc = {
-        "v": group.schema_version,
-        "gid": group.group_id,
-        "pid": group.prompt_id,
-        "p": _raw(group.prompt_ids, _I32),
-        "pv": group.policy_version,
-        "aid": group.actor_id,
-        "t": float(group.created_at),
-        "s": [float(s.temperature), float(s.top_p), int(s.top_k), int(s.max_tokens)],
-        "tr": {
-            "n": _raw(lens, _I32),
-            "ids": _raw(ids, _I32),
-            "lp": _raw(lp, _F32),
-            "rw": [float(t.reward) for t in trs],
-            "fr": [t.finish_reason for t in trs],
-            "ver": [None if t.versions is None else _raw(t.versions, _I32) for t in trs],
+    return frame(group, limits, *_converted(group))
+
+
+def frame(
+    g: TrajectoryGroup,
+    limits: CodecLimits,
+    prompt: np.ndarray | None = None,
+    ids: list[np.ndarray] | None = None,
+    versions: list[np.ndarray] | None = None,
+    lps: list[np.ndarray] | None = None,
+    *,
+    values_checked: bool = False,
+) -> bytes:
+    """The frame of `g`, whose other checks passed (`plain` or `validate_group`), from its own arrays
+    or the converted ones given; checks the size and, unless the caller has (`values_checked`), the array
+    values on the frame's own bytes (raises naming the field)."""
+    trs = g.trajectories
+    if prompt is None:
+        prompt, ids, lps = g.prompt_ids, list(map(_ids, trs)), list(map(_lps, trs))
+        versions = [t.versions for t in trs if t.versions is not None]
+    lens = list(map(len, ids))
+    tokens = 4 * sum(lens)
+    ends = list(accumulate((4 * len(lens), prompt.nbytes, tokens, 4 * sum(map(len, versions)), tokens)))
+    s = g.sampling
+    head = msgpack.packb(
+        {
+            "gid": g.group_id,
+            "pid": g.prompt_id,
+            "pv": g.policy_version,
+            "aid": g.actor_id,
+            "t": float(g.created_at),
+            "s": [float(s.temperature), float(s.top_p), int(s.top_k), int(s.max_tokens)],
+            "m": dict(g.metadata),
+            "pr": None if g.priority is None else float(g.priority),
+            "rw": list(map(float, map(_reward, trs))),
+            "fr": list(map(_reason, trs)),
+            "hv": [t.versions is not None for t in trs],
+            "a": ends,
         },
-        "m": dict(group.metadata),
-        "pr": None if group.priority is None else float(group.priority),
-    }
-    data = msgpack.packb(doc, use_bin_type=True)
+        use_bin_type=True,
+    )
+    base = _array_section(len(head))
+    prefix = PREFIX.pack(MAGIC, SCHEMA_VERSION, len(head))
+    pad = _PAD[: base - PREFIX.size - len(head)]
+    data = b"".join([prefix, head, pad, struct.pack(f"<{len(lens)}i", *lens), prompt, *ids, *versions, *lps])
     if len(data) > limits.max_payload_bytes:
         raise InvalidTrajectory(
             "payload", f"{len(data)} bytes exceeds max_payload_bytes={limits.max_payload_bytes}"
         )
+    if values_checked:
+        return data
+    ints = np.frombuffer(data, _I32, (ends[3] - ends[0]) // 4, base + ends[0])  # prompt, ids, versions
+    lp = np.frombuffer(data, _F32, (ends[4] - ends[3]) // 4, base + ends[3])
+    if not check_values(ints, lp):
+        raise_bad_values(np.array(lens), prompt, np.concatenate(ids), lp, list(map(_versions, trs)), limits)
     return data
 
 
 # --- decode
 
 
-def _get(doc: dict, key: str, field: str, types: type | tuple[type, ...]) -> Any:
-    if key not in doc:
-        raise InvalidTrajectory(field, "missing")
-    value = doc[key]
-    if not isinstance(value, types) or isinstance(value, bool):
-        raise InvalidTrajectory(field, f"wrong type {type(value).__name__}")
-    return value
-
-
-def _array(raw: Any, dtype: np.dtype, field: str) -> np.ndarray:
-    if not isinstance(raw, bytes) or len(raw) % dtype.itemsize:
-        raise InvalidTrajectory(field, f"must be raw {dtype} bytes (a multiple of {dtype.itemsize} bytes)")
-    return np.frombuffer(raw, dtype=dtype).astype(dtype.newbyteorder("="))
-
-
-def _decode_trajs(tr: Any, limits: CodecLimits) -> list[Trajectory]:
-    """Decode the concatenated trajectory arrays, check their values at once, and split them (views)."""
-    if not isinstance(tr, dict):
-        raise InvalidTrajectory("trajectories", "must be a map of concatenated arrays")
-    lens = _array(tr.get("n"), _I32, "trajectories")
-    n = len(lens)
-    if n == 0:
-        raise InvalidTrajectory("trajectories", "a group needs at least one trajectory")
-    if n > limits.max_completions_per_group:
+def _frame_header(data: bytes, limits: CodecLimits) -> tuple[dict, int, int]:
+    """Check the prefix and parse the header: (header, number of trajectories, array section offset)."""
+    size = len(data)
+    if size > limits.max_payload_bytes:
         raise InvalidTrajectory(
-            "trajectories", f"{n} exceeds max_completions_per_group={limits.max_completions_per_group}"
+            "payload", f"{size} bytes exceeds max_payload_bytes={limits.max_payload_bytes}"
         )
-    if lens.min() < 0:
-        raise InvalidTrajectory("trajectories", "negative trajectory length")
-    ids = _array(tr.get("ids"), _I32, "trajectories.response_ids")
-    lp = _array(tr.get("lp"), _F32, "trajectories.behavior_logprobs")
-    ends = np.cumsum(lens)
-    for name, arr in (("response_ids", ids), ("behavior_logprobs", lp)):
-        if len(arr) != ends[-1]:
-            i = min(int(np.searchsorted(ends, len(arr), side="right")), n - 1)
-            raise InvalidTrajectory(f"trajectories[{i}].{name}", f"{len(arr)} values for {ends[-1]} tokens")
-    _check_values(lens, ids, lp, limits)
-    rw, fr, ver = tr.get("rw"), tr.get("fr"), tr.get("ver")
-    for name, lst in (("reward", rw), ("finish_reason", fr), ("versions", ver)):
-        if not isinstance(lst, list) or len(lst) != n:
-            raise InvalidTrajectory(f"trajectories.{name}", f"must be a list of {n}")
-    for i, r in enumerate(rw):
-        if not isinstance(r, int | float) or isinstance(r, bool):
-            raise InvalidTrajectory(f"trajectories[{i}].reward", f"wrong type {type(r).__name__}")
-    id_parts, lp_parts = np.split(ids, ends[:-1]), np.split(lp, ends[:-1])
-    return [
-        Trajectory(
-            response_ids=id_parts[i],
-            behavior_logprobs=lp_parts[i],
-            reward=float(rw[i]),
-            finish_reason=fr[i],
-            versions=None if ver[i] is None else _array(ver[i], _I32, f"trajectories[{i}].versions"),
-        )
-        for i in range(n)
-    ]
-
-
-def decode_group(data: bytes, limits: CodecLimits = _DEFAULT_LIMITS) -> TrajectoryGroup:
-    """Decode and validate one group; any problem raises `InvalidTrajectory` naming the field."""
-    if len(data) > limits.max_payload_bytes:
+    if size < PREFIX.size:
         raise InvalidTrajectory(
-            "payload", f"{len(data)} bytes exceeds max_payload_bytes={limits.max_payload_bytes}"
+            "payload", f"truncated: {size} bytes, shorter than the {PREFIX.size}-byte prefix"
         )
-    try:
-        doc = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except (ValueError, msgpack.UnpackException) as e:
-        raise InvalidTrajectory("payload", f"not valid msgpack: {e}") from e
-    if not isinstance(doc, dict):
-        raise InvalidTrajectory("payload", "must be a msgpack map")
-    version = doc.get("v")
+    magic, version, head = PREFIX.unpack_from(data)
+    if magic != MAGIC:
+        raise InvalidTrajectory(
+            "payload", f"bad magic {magic!r}, expected {MAGIC!r} (not a group frame of schema_version >= 2)"
+        )
     if version != SCHEMA_VERSION:
         raise InvalidTrajectory("schema_version", f"unknown schema version {version!r}")
-    s = _get(doc, "s", "sampling", list)
-    if len(s) != 4:
-        raise InvalidTrajectory("sampling", "must be [temperature, top_p, top_k, max_tokens]")
-    priority = doc.get("pr")
-    group = TrajectoryGroup(
-        group_id=_get(doc, "gid", "group_id", str),
-        prompt_id=_get(doc, "pid", "prompt_id", str),
-        prompt_ids=_array(_get(doc, "p", "prompt_ids", bytes), _I32, "prompt_ids"),
-        policy_version=_get(doc, "pv", "policy_version", int),
-        actor_id=_get(doc, "aid", "actor_id", str),
-        created_at=float(_get(doc, "t", "created_at", (int, float))),
-        sampling=SamplingParams(*s),
-        trajectories=_decode_trajs(doc.get("tr"), limits),
-        metadata=_get(doc, "m", "metadata", dict),
-        priority=None if priority is None else float(priority),
-        schema_version=version,
+    base = _array_section(head)
+    if base > size:
+        raise InvalidTrajectory("payload", f"truncated: a {head}-byte header does not fit in {size} bytes")
+    try:
+        doc = msgpack.unpackb(
+            memoryview(data)[PREFIX.size : PREFIX.size + head], raw=False, strict_map_key=True
+        )
+    except (ValueError, msgpack.UnpackException) as e:
+        raise InvalidTrajectory("payload", f"the header is not valid msgpack: {e}") from e
+    return doc, len(doc["rw"]) if header_ok(doc, limits) else check_header(doc, limits), base
+
+
+def _version_views(vers: np.ndarray, lens: list[int], hv: list[bool]) -> list[np.ndarray | None]:
+    """Each trajectory's slice of the versions array, or None where it has none."""
+    out, v = [], 0
+    for length, has in zip(lens, hv, strict=True):
+        out.append(vers[v : v + length] if has else None)
+        v += length if has else 0
+    return out
+
+
+def parse(data: bytes, limits: CodecLimits) -> tuple[dict, list[int], np.ndarray, np.ndarray]:
+    """Everything of a frame checked but its array values: (header, trajectory lengths, the int32 values
+    after the lengths (prompt ids, token ids, versions), the log-probs); views, no copies."""
+    doc, n, base = _frame_header(data, limits)
+    ends, hv = doc["a"], doc["hv"]
+    e0, e1, e2, e3, e4 = ends
+    if (e0 | e1 | e2 | e3 | e4) & 3 or not 0 <= e0 <= e1 <= e2 <= e3 <= e4 == len(data) - base:
+        check_offsets(ends, len(data) - base)
+    ints = np.frombuffer(data, _I32, e3 >> 2, base)  # lens, prompt, ids, versions
+    lens = ints[:n].tolist()
+    tokens = 4 * sum(lens)
+    if not (
+        e0 == 4 * n
+        and min(lens) >= 0
+        and max(lens) <= limits.max_tokens_per_completion
+        and e1 - e0 <= 4 * limits.max_prompt_tokens
+        and e2 - e1 == tokens == e4 - e3
+        and e3 - e2 == (4 * sum(compress(lens, hv)) if True in hv else 0)
+    ):
+        check_counts(ends, check_lengths(ints, n, ends, limits), hv)
+    return doc, lens, ints[n:], np.frombuffer(data, _F32, (e4 - e3) >> 2, base + e3)
+
+
+def _split(doc: dict, ints: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """prompt ids, token ids, versions: views of `ints`."""
+    ends = doc["a"]
+    p, t = (ends[1] - ends[0]) // 4, (ends[2] - ends[0]) // 4
+    return ints[:p], ints[p:t], ints[t:]
+
+
+def raise_frame_values(
+    doc: dict, lens: list[int], ints: np.ndarray, lp: np.ndarray, limits: CodecLimits
+) -> None:
+    """A parsed frame failed `check_values`: raise naming the field."""
+    prompt, ids, vers = _split(doc, ints)
+    versions = _version_views(vers, lens, doc["hv"])
+    raise_bad_values(np.array(lens), prompt, ids, lp, versions, limits)
+
+
+def build(doc: dict, lens: list[int], ints: np.ndarray, lp: np.ndarray) -> TrajectoryGroup:
+    """The group of a parsed, checked frame; its arrays are views of the frame."""
+    prompt, ids, vers = _split(doc, ints)
+    hv = doc["hv"]
+    versions = _version_views(vers, lens, hv) if True in hv else repeat(None)
+    trajs, a = [], 0
+    for length, r, f, v in zip(lens, doc["rw"], doc["fr"], versions, strict=False):  # repeat(None)
+        b = a + length
+        trajs.append(Trajectory(ids[a:b], lp[a:b], float(r), f, v))
+        a = b
+    pr = doc.get("pr")
+    return TrajectoryGroup(
+        doc["gid"],
+        doc["pid"],
+        prompt,
+        doc["pv"],
+        doc["aid"],
+        float(doc["t"]),
+        SamplingParams(*doc["s"]),
+        trajs,
+        doc["m"],
+        None if pr is None else float(pr),
+        SCHEMA_VERSION,
     )
-    _check_header(group, limits)
-    for i, t in enumerate(group.trajectories):
-        _check_traj(t, i)
-    _check_rest(group)
-    return group
+
+
+def decode_group(data: bytes, limits: CodecLimits = DEFAULT_LIMITS) -> TrajectoryGroup:
+    """Decode and validate one frame; any problem raises `InvalidTrajectory` naming the field.
+
+    The arrays are views into `data` (read-only for `bytes`), no copies."""
+    doc, lens, ints, lp = parse(data, limits)
+    if not check_values(ints, lp):
+        raise_frame_values(doc, lens, ints, lp, limits)
+    return build(doc, lens, ints, lp)

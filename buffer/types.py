@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the zero-copy frame (buffer/codec.py); 1 was one msgpack map
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,7 +21,12 @@ class SamplingParams:
 
 @dataclass(slots=True)
 class Trajectory:
-    """One completion: its tokens, the behaviour log-prob of each, and its reward."""
+    """One completion: its tokens, the behaviour log-prob of each, and its reward.
+
+    Decoded groups (`decode_group`, `ReplayBuffer.sample`) hold read-only views into their payload (no
+    copies; the payload stays in memory while any view does): a consumer that writes to an array
+    copies it first (`a.copy()`).
+    """
 
     response_ids: np.ndarray  # int32[R]
     behavior_logprobs: np.ndarray  # float32[R], finite, <= 0

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import struct
 
 import msgpack
 import numpy as np
@@ -79,13 +81,29 @@ def test_round_trip(group: TrajectoryGroup) -> None:
     _assert_same(group, decode_group(encode_group(group)))
 
 
-def test_arrays_are_raw_little_endian() -> None:
-    g = build_group(n=1, tokens=3)
-    doc = msgpack.unpackb(encode_group(g))
-    assert doc["v"] == 1
-    assert doc["tr"]["ids"] == g.trajectories[0].response_ids.astype("<i4").tobytes()
-    assert doc["tr"]["lp"] == g.trajectories[0].behavior_logprobs.astype("<f4").tobytes()
-    assert doc["tr"]["n"] == np.array([3], "<i4").tobytes()
+def test_frame_layout_is_prefix_header_then_aligned_raw_little_endian_arrays() -> None:
+    g = build_group(n=2, tokens=3)
+    g.trajectories[1].versions = np.array([4, 5, 6], np.int32)
+    data = encode_group(g)
+    assert data[:4] == b"OPTG" and struct.unpack_from("<HI", data, 4)[0] == 2
+    head, arrays = _split(data)
+    assert set(head) == {"gid", "pid", "pv", "aid", "t", "s", "m", "pr", "rw", "fr", "hv", "a"}
+    assert head["hv"] == [False, True] and head["rw"] == [t.reward for t in g.trajectories]
+    assert arrays["lens"] == np.array([3, 3], "<i4").tobytes()
+    assert arrays["prompt"] == g.prompt_ids.astype("<i4").tobytes()
+    assert arrays["ids"] == b"".join(t.response_ids.astype("<i4").tobytes() for t in g.trajectories)
+    assert arrays["ver"] == np.array([4, 5, 6], "<i4").tobytes()
+    assert arrays["lp"] == b"".join(t.behavior_logprobs.astype("<f4").tobytes() for t in g.trajectories)
+    assert _frame(head, arrays) == data  # the hand-built frame is byte for byte the codec's
+
+
+def test_decoded_arrays_are_read_only_views_into_the_payload() -> None:
+    data = encode_group(build_group(n=2, tokens=4))
+    out = decode_group(data)
+    arrays = [out.prompt_ids, *(a for t in out.trajectories for a in (t.response_ids, t.behavior_logprobs))]
+    for a in arrays:
+        assert not a.flags.writeable
+        assert np.shares_memory(a, np.frombuffer(data, np.uint8))
 
 
 def test_accepts_other_int_and_float_dtypes() -> None:
@@ -128,7 +146,8 @@ def _traj(g: TrajectoryGroup, **changes) -> TrajectoryGroup:
         (lambda g: _traj(g, reward=float("nan")), "trajectories[1].reward"),
         (lambda g: dataclasses.replace(g, prompt_ids=np.array([3, -2], np.int32)), "prompt_ids"),
         (lambda g: dataclasses.replace(g, trajectories=[]), "trajectories"),
-        (lambda g: dataclasses.replace(g, schema_version=2), "schema_version"),
+        (lambda g: dataclasses.replace(g, schema_version=1), "schema_version"),
+        (lambda g: dataclasses.replace(g, schema_version=3), "schema_version"),
         (lambda g: dataclasses.replace(g, group_id=""), "group_id"),
         (lambda g: dataclasses.replace(g, policy_version=-1), "policy_version"),
         (lambda g: dataclasses.replace(g, priority=float("inf")), "priority"),
@@ -165,76 +184,161 @@ def test_limits(limits: CodecLimits, group_kw: dict, field: str) -> None:
 
 # --- rejections of bytes from the wire (decode_group)
 
-
-def _doc() -> dict:
-    return msgpack.unpackb(encode_group(build_group(n=2, tokens=4)))
+_KEYS = ("lens", "prompt", "ids", "ver", "lp")
 
 
-def _decode_field(doc: dict) -> str:
+def _split(data: bytes) -> tuple[dict, dict[str, bytes]]:
+    """Parse a frame by hand: its header map and the bytes of each array."""
+    size = struct.unpack_from("<I", data, 6)[0]
+    head = msgpack.unpackb(data[10 : 10 + size])
+    base = (10 + size + 7) // 8 * 8
+    starts = [0, *head["a"][:-1]]
+    return head, {k: data[base + a : base + b] for k, a, b in zip(_KEYS, starts, head["a"], strict=True)}
+
+
+def _frame(head: dict, arrays: dict[str, bytes], magic: bytes = b"OPTG", version: int = 2) -> bytes:
+    """Build a frame by hand: offsets from the arrays' sizes unless `head` already has wrong ones."""
+    head = {**head, "a": head.get("a_override") or list(itertools.accumulate(len(arrays[k]) for k in _KEYS))}
+    head.pop("a_override", None)
+    packed = msgpack.packb(head, use_bin_type=True)
+    pad = bytes(-(10 + len(packed)) % 8)
+    return (
+        struct.pack("<4sHI", magic, version, len(packed)) + packed + pad + b"".join(arrays[k] for k in _KEYS)
+    )
+
+
+def _parts() -> tuple[dict, dict[str, bytes]]:
+    return _split(encode_group(build_group(n=2, tokens=4)))
+
+
+def _decode_field(head: dict, arrays: dict[str, bytes], **kw) -> str:
     with pytest.raises(InvalidTrajectory) as e:
-        decode_group(msgpack.packb(doc, use_bin_type=True))
+        decode_group(_frame(head, arrays, **kw))
     return e.value.field
 
 
 def test_decode_rejects_unknown_schema_version() -> None:
-    doc = _doc()
-    doc["v"] = 99
-    assert _decode_field(doc) == "schema_version"
+    assert _decode_field(*_parts(), version=99) == "schema_version"
+    assert _decode_field(*_parts(), version=1) == "schema_version"
 
 
-def test_decode_rejects_garbage() -> None:
-    with pytest.raises(InvalidTrajectory) as e:
-        decode_group(b"\xc1not msgpack")
+def test_decode_rejects_bad_magic_and_v1_payloads() -> None:
+    assert _decode_field(*_parts(), magic=b"NOPE") == "payload"
+    v1 = msgpack.packb({"v": 1, "gid": "g", "tr": {"n": b"", "ids": b"", "lp": b""}}, use_bin_type=True)
+    with pytest.raises(InvalidTrajectory, match="bad magic") as e:
+        decode_group(v1)
     assert e.value.field == "payload"
+
+
+def test_decode_rejects_truncated_payloads() -> None:
+    data = encode_group(build_group(n=2, tokens=4))
+    for cut in (0, 3, 9, 20, len(data) - 4, len(data) - 1):  # in the prefix, the header, the arrays
+        with pytest.raises(InvalidTrajectory) as e:
+            decode_group(data[:cut])
+        assert e.value.field == "payload", cut
     with pytest.raises(InvalidTrajectory) as e:
-        decode_group(msgpack.packb([1, 2]))
+        decode_group(data + b"\0\0\0\0")  # extra bytes after the arrays the header describes
     assert e.value.field == "payload"
+
+
+def test_decode_rejects_a_header_that_is_not_a_msgpack_map() -> None:
+    for packed in (b"\xc1", msgpack.packb([1, 2])):
+        data = struct.pack("<4sHI", b"OPTG", 2, len(packed)) + packed
+        data += bytes(-len(data) % 8)
+        with pytest.raises(InvalidTrajectory) as e:
+            decode_group(data)
+        assert e.value.field == "payload"
+
+
+def test_decode_rejects_offsets_that_disagree_with_the_arrays() -> None:
+    head, arrays = _parts()
+    assert head["a"] == [8, 40, 72, 72, 104]  # 2 lengths, 8 prompt ids, 8 ids, no versions, 8 log-probs
+    for bad in (
+        [8, 40, 72, 72, 108],  # past the end of the array section
+        [8, 40, 72, 72, 100],  # short of it
+        [8, 40, 70, 72, 104],  # not a multiple of 4
+        [8, 40, 72, 36, 104],  # decreasing
+        [-8, 40, 72, 72, 104],  # negative
+        [8, 40, 72, 104],  # not 5 offsets
+        [8, 40, 72.0, 72, 104],  # not ints
+    ):
+        assert _decode_field({**head, "a_override": bad}, arrays) == "payload", bad
+    # inside the section and consistent, but 1 length for 2 trajectories
+    assert _decode_field({**head, "a_override": [4, 40, 72, 72, 104]}, arrays) == "trajectories"
+
+
+def test_decode_rejects_a_lengths_array_that_disagrees_with_the_header() -> None:
+    head, arrays = _parts()
+    arrays["lens"] = np.array([4, 4, 0], "<i4").tobytes()  # 3 lengths, 2 trajectories
+    assert _decode_field(head, arrays) == "trajectories"
+    head, arrays = _parts()
+    arrays["lens"] = np.array([9, -1], "<i4").tobytes()
+    assert _decode_field(head, arrays) == "trajectories"
 
 
 def test_decode_rejects_length_mismatch() -> None:
-    doc = _doc()  # 2 trajectories of 4 tokens: one log-prob short lands in trajectory 1
-    doc["tr"]["lp"] = doc["tr"]["lp"][:-4]
-    assert _decode_field(doc) == "trajectories[1].behavior_logprobs"
-    doc = _doc()
-    doc["tr"]["ids"] = doc["tr"]["ids"][:-20]  # 3 of 8 ids: trajectory 0 is the first one short
-    assert _decode_field(doc) == "trajectories[0].response_ids"
-
-
-def test_decode_rejects_torn_array() -> None:
-    doc = _doc()
-    doc["tr"]["ids"] = doc["tr"]["ids"][:-1]
-    assert _decode_field(doc) == "trajectories.response_ids"
+    head, arrays = _parts()  # 2 trajectories of 4 tokens: one log-prob short lands in trajectory 1
+    arrays["lp"] = arrays["lp"][:-4]
+    assert _decode_field(head, arrays) == "trajectories[1].behavior_logprobs"
+    head, arrays = _parts()
+    arrays["ids"] = arrays["ids"][:-20]  # 3 of 8 ids: trajectory 0 is the first one short
+    assert _decode_field(head, arrays) == "trajectories[0].response_ids"
+    head, arrays = _parts()
+    head["hv"] = [False, True]  # trajectory 1 claims versions the frame does not hold
+    assert _decode_field(head, arrays) == "trajectories[1].versions"
+    head, arrays = _parts()
+    arrays["ver"] = np.zeros(4, "<i4").tobytes()  # versions nobody claims
+    assert _decode_field(head, arrays) == "trajectories[1].versions"
 
 
 def test_decode_rejects_positive_and_nonfinite_logprobs() -> None:
-    for bad in (0.25, float("nan"), float("inf")):
-        doc = _doc()
-        doc["tr"]["lp"] = np.array([-1.0, -1.0, -1.0, -1.0, -1.0, bad, -0.5, -0.1], "<f4").tobytes()
-        assert _decode_field(doc) == "trajectories[1].behavior_logprobs"
+    for bad in (0.25, float("nan"), float("inf"), float("-inf")):
+        head, arrays = _parts()
+        arrays["lp"] = np.array([-1.0, -1.0, -1.0, -1.0, -1.0, bad, -0.5, -0.1], "<f4").tobytes()
+        assert _decode_field(head, arrays) == "trajectories[1].behavior_logprobs"
 
 
-def test_decode_rejects_negative_ids_and_empty_group() -> None:
-    doc = _doc()
-    doc["p"] = np.array([1, -5], "<i4").tobytes()
-    assert _decode_field(doc) == "prompt_ids"
-    doc = _doc()
-    doc["tr"]["n"] = b""
-    assert _decode_field(doc) == "trajectories"
-    doc = _doc()
-    doc["tr"]["ids"] = np.array([1, 2, 3, 4, 5, -6, 7, 8], "<i4").tobytes()
-    assert _decode_field(doc) == "trajectories[1].response_ids"
+def test_decode_rejects_negative_ids_and_versions_and_empty_group() -> None:
+    head, arrays = _parts()
+    arrays["prompt"] = np.array([1, -5], "<i4").tobytes()
+    assert _decode_field(head, arrays) == "prompt_ids"
+    head, arrays = _parts()
+    head.update(rw=[], fr=[], hv=[])
+    arrays.update(lens=b"", ids=b"", lp=b"")
+    assert _decode_field(head, arrays) == "trajectories"
+    head, arrays = _parts()
+    arrays["ids"] = np.array([1, 2, 3, 4, 5, -6, 7, 8], "<i4").tobytes()
+    assert _decode_field(head, arrays) == "trajectories[1].response_ids"
+    head, arrays = _parts()
+    head["hv"] = [False, True]
+    arrays["ver"] = np.array([0, 1, -1, 1], "<i4").tobytes()
+    assert _decode_field(head, arrays) == "trajectories[1].versions"
 
 
 def test_decode_rejects_missing_and_mistyped_fields() -> None:
-    doc = _doc()
-    del doc["gid"]
-    assert _decode_field(doc) == "group_id"
-    doc = _doc()
-    doc["pv"] = "3"
-    assert _decode_field(doc) == "policy_version"
-    doc = _doc()
-    doc["tr"]["rw"][1] = "1.0"
-    assert _decode_field(doc) == "trajectories[1].reward"
+    for key, value, field in (
+        ("gid", None, "group_id"),
+        ("pv", "3", "policy_version"),
+        ("pv", -1, "policy_version"),
+        ("aid", "", "actor_id"),
+        ("t", float("nan"), "created_at"),
+        ("s", [1.0, 1.0, -1], "sampling"),
+        ("s", [0.0, 1.0, -1, 8], "sampling"),
+        ("m", {"k": 1}, "metadata"),
+        ("pr", -1.0, "priority"),
+        ("rw", [1.0, "1.0"], "trajectories[1].reward"),
+        ("rw", [1.0, float("inf")], "trajectories[1].reward"),
+        ("rw", [1.0], "trajectories.finish_reason"),  # 1 reward, 2 finish reasons
+        ("fr", ["stop"], "trajectories.finish_reason"),
+        ("fr", ["stop", 3], "trajectories[1].finish_reason"),
+        ("hv", [False, 0], "trajectories[1].versions"),
+    ):
+        head, arrays = _parts()
+        if value is None:
+            del head[key]
+        else:
+            head[key] = value
+        assert _decode_field(head, arrays) == field, (key, value)
 
 
 def test_validate_group_is_the_decode_check() -> None:
