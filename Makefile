@@ -60,8 +60,7 @@ quickstart: install
 	$(VENV)/bin/offpolicy quickstart $(QUICKSTART_ARGS)
 
 bench: install
-	$(PY) benchmarks/correction.py
-	$(PY) benchmarks/buffer.py
+	$(VENV)/bin/offpolicy bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
