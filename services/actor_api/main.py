@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI
 
 from services.actor_api import routes
 from services.actor_api.runtime import ActorFactory, ActorRuntime
-from services.common.app import create_service_app
-from services.common.health import redis_check
-from services.common.logging import configure_logging
+from services.common.app import create_runtime_app, serve_app
 from services.common.metrics import make_registry
 from services.common.settings import ActorServiceSettings
 
@@ -45,41 +40,18 @@ def create_app(
         config = load_config(settings.config_path, os.environ)
     registry = make_registry()
     runtime = ActorRuntime(config, registry, actor_factory or _default_factory)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        runtime.start()
-        try:
-            yield
-        finally:
-            runtime.stop()
-
-    async def actor_ready() -> str | None:
-        return runtime.readiness()
-
-    app = create_service_app(
+    return create_runtime_app(
         title="offpolicy actor",
         description=DESCRIPTION,
         settings=settings,
         registry=registry,
-        readiness_checks={
-            "redis": redis_check(config.redis_url, settings.redis_ping_timeout_s),
-            "actor": actor_ready,
-        },
-        lifespan=lifespan,
+        runtime=runtime,
+        component="actor",
+        redis_url=config.redis_url,
+        router=routes.router,
     )
-    app.state.runtime = runtime
-    app.include_router(routes.router)
-    return app
 
 
 def serve(**overrides: Any) -> int:
     """Run the actor service in this process until SIGTERM / Ctrl-C; settings from env + `overrides`."""
-    settings = ActorServiceSettings(**overrides)
-    configure_logging(settings.log_level, settings.log_json)
-    app = create_app(settings)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, lifespan="on")
-    )
-    server.run()
-    return 0
+    return serve_app(ActorServiceSettings(**overrides), create_app)

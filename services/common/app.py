@@ -1,19 +1,31 @@
-"""The app factory every service shares: settings, registry, error envelope, health and metrics routes."""
+"""The app factory every service shares: error envelope, health, metrics, a hosted runtime, uvicorn."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Protocol, TypeVar
 
-from fastapi import FastAPI
+import uvicorn
+from fastapi import APIRouter, FastAPI
 from prometheus_client import CollectorRegistry
 
 from services.common import health, metrics
 from services.common.errors import install_error_handlers
-from services.common.health import ReadinessCheck
+from services.common.health import ReadinessCheck, redis_check
+from services.common.logging import configure_logging
 from services.common.settings import ServiceSettings
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
+S = TypeVar("S", bound=ServiceSettings)
+
+
+class ServiceRuntime(Protocol):
+    """What the shared app needs of a service's domain side (`LearnerRuntime`, `ActorRuntime`)."""
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def readiness(self) -> str | None: ...
 
 
 def create_service_app(
@@ -41,3 +53,56 @@ def create_service_app(
     app.include_router(health.router)
     app.include_router(metrics.router)
     return app
+
+
+def create_runtime_app(
+    *,
+    title: str,
+    description: str,
+    settings: ServiceSettings,
+    registry: CollectorRegistry,
+    runtime: ServiceRuntime,
+    component: str,
+    redis_url: str,
+    router: APIRouter,
+) -> FastAPI:
+    """`create_service_app` hosting `runtime`: the lifespan starts and stops it, `/readyz` checks `redis`
+    (PING `redis_url`) and `component` (`runtime.readiness()`), `app.state.runtime` holds it, and `router`
+    (the service's `/v1` routes) is mounted."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        runtime.start()
+        try:
+            yield
+        finally:
+            runtime.stop()
+
+    async def runtime_ready() -> str | None:
+        return runtime.readiness()
+
+    app = create_service_app(
+        title=title,
+        description=description,
+        settings=settings,
+        registry=registry,
+        readiness_checks={
+            "redis": redis_check(redis_url, settings.redis_ping_timeout_s),
+            component: runtime_ready,
+        },
+        lifespan=lifespan,
+    )
+    app.state.runtime = runtime
+    app.include_router(router)
+    return app
+
+
+def serve_app(settings: S, create_app: Callable[[S], FastAPI]) -> int:
+    """Configure logging from `settings`, build the app and run it under uvicorn until SIGTERM / Ctrl-C."""
+    configure_logging(settings.log_level, settings.log_json)
+    app = create_app(settings)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, lifespan="on")
+    )
+    server.run()
+    return 0

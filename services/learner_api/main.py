@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI
 
 from learner.config import LearnerConfig, load_config
-from services.common.app import create_service_app
-from services.common.health import redis_check
-from services.common.logging import configure_logging
+from services.common.app import create_runtime_app, serve_app
 from services.common.metrics import make_registry
 from services.common.settings import LearnerServiceSettings
 from services.learner_api import routes
@@ -46,41 +41,18 @@ def create_app(
         config = load_config(settings.config_path, os.environ)
     registry = make_registry()
     runtime = LearnerRuntime(config, registry, learner_factory or _default_factory)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        runtime.start()
-        try:
-            yield
-        finally:
-            runtime.stop()
-
-    async def learner_ready() -> str | None:
-        return runtime.readiness()
-
-    app = create_service_app(
+    return create_runtime_app(
         title="offpolicy learner",
         description=DESCRIPTION,
         settings=settings,
         registry=registry,
-        readiness_checks={
-            "redis": redis_check(config.redis_url, settings.redis_ping_timeout_s),
-            "learner": learner_ready,
-        },
-        lifespan=lifespan,
+        runtime=runtime,
+        component="learner",
+        redis_url=config.redis_url,
+        router=routes.router,
     )
-    app.state.runtime = runtime
-    app.include_router(routes.router)
-    return app
 
 
 def serve(**overrides: Any) -> int:
     """Run the learner service in this process until SIGTERM / Ctrl-C; settings from env + `overrides`."""
-    settings = LearnerServiceSettings(**overrides)
-    configure_logging(settings.log_level, settings.log_json)
-    app = create_app(settings)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, lifespan="on")
-    )
-    server.run()
-    return 0
+    return serve_app(LearnerServiceSettings(**overrides), create_app)
