@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Body, Query
+from pydantic import BaseModel
 
 from services.common.auth import Authorized
 from services.common.errors import error_responses
@@ -22,7 +24,8 @@ from services.learner_api.schemas import (
 )
 
 router = APIRouter(prefix="/v1")
-_CHANGE_ERRORS = error_responses(401, 409, 422, 503)
+RouteFn = TypeVar("RouteFn", bound=Callable[..., Any])
+_CHANGE_ERRORS = (401, 409, 422, 503)
 
 _PUT_BODY = Annotated[
     dict[str, Any],
@@ -37,33 +40,59 @@ _PUT_SCHEMA = {
 }
 
 
+def _mutating(
+    method: Literal["PUT", "PATCH", "POST"],
+    path: str,
+    response_model: type[BaseModel],
+    tag: str,
+    summary: str,
+    *,
+    errors: tuple[int, ...],
+    status_code: int | None = None,
+    openapi_extra: dict[str, Any] | None = None,
+) -> Callable[[RouteFn], RouteFn]:
+    """The decorator of a route that changes the learner: bearer token required (`Authorized`), its error
+    statuses documented from the one table, one tag."""
+    return router.api_route(
+        path,
+        methods=[method],
+        response_model=response_model,
+        status_code=status_code,
+        tags=[tag],
+        summary=summary,
+        dependencies=[Authorized],
+        responses=error_responses(*errors),
+        openapi_extra=openapi_extra,
+    )
+
+
 @router.get("/config", response_model=ConfigEntry, tags=["config"], summary="The running config")
 def get_config(control: Control) -> ConfigEntry:
     return control.running()
 
 
-@router.put(
+@_mutating(
+    "PUT",
     "/config",
-    response_model=ConfigChange,
+    ConfigChange,
+    "config",
+    "Replace the config (applied at the next step boundary)",
+    errors=_CHANGE_ERRORS,
     status_code=202,
-    tags=["config"],
-    summary="Replace the config (applied at the next step boundary)",
-    dependencies=[Authorized],
-    responses=_CHANGE_ERRORS,
     openapi_extra=_PUT_SCHEMA,
 )
 def put_config(control: Control, body: _PUT_BODY) -> ConfigChange:
     return _change(control.submit(body, "replace", "put"))
 
 
-@router.patch(
+@_mutating(
+    "PATCH",
     "/config",
-    response_model=ConfigChange,
+    ConfigChange,
+    "config",
+    "Merge into the config (applied at the next step boundary)",
+    errors=_CHANGE_ERRORS,
     status_code=202,
-    tags=["config"],
-    summary="Merge into the config (applied at the next step boundary)",
-    dependencies=[Authorized],
-    responses=_CHANGE_ERRORS,
 )
 def patch_config(control: Control, body: ConfigPatch) -> ConfigChange:
     return _change(control.submit(body.model_extra or {}, "merge", "patch"))
@@ -112,38 +141,24 @@ def status(runtime: Runtime) -> LearnerStatus:
     return runtime.status()
 
 
-@router.post(
-    "/pause",
-    response_model=LearnerStatus,
-    tags=["control"],
-    summary="Pause at the next step boundary",
-    dependencies=[Authorized],
-    responses=error_responses(401, 503),
-)
+@_mutating("POST", "/pause", LearnerStatus, "control", "Pause at the next step boundary", errors=(401, 503))
 def pause(runtime: Runtime) -> LearnerStatus:
     return runtime.pause()
 
 
-@router.post(
-    "/resume",
-    response_model=LearnerStatus,
-    tags=["control"],
-    summary="Resume a paused learner",
-    dependencies=[Authorized],
-    responses=error_responses(401, 503),
-)
+@_mutating("POST", "/resume", LearnerStatus, "control", "Resume a paused learner", errors=(401, 503))
 def resume(runtime: Runtime) -> LearnerStatus:
     return runtime.resume()
 
 
-@router.post(
+@_mutating(
+    "POST",
     "/checkpoints",
-    response_model=CheckpointResult,
+    CheckpointResult,
+    "control",
+    "Write a checkpoint now",
+    errors=(401, 409, 503),
     status_code=201,
-    tags=["control"],
-    summary="Write a checkpoint now",
-    dependencies=[Authorized],
-    responses=error_responses(401, 409, 503),
 )
 def checkpoint(runtime: Runtime) -> CheckpointResult:
     return runtime.checkpoint()
