@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -68,7 +69,17 @@ def _bench(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _add_service_args(parser: argparse.ArgumentParser, what: str) -> None:
+def _add_service_parser(
+    sub: argparse._SubParsersAction,
+    name: str,
+    what: str,
+    func: Callable[[argparse.Namespace], int],
+    help: str,
+    description: str,
+) -> None:
+    """The `learner` / `actor` subcommand: the service's config file, bind address and log level."""
+    parser = sub.add_parser(name, help=help, description=description)
+    parser.set_defaults(func=func)
     parser.add_argument("--config", type=Path, help=f"YAML file with the {what}; env OFFPOLICY_CONFIG_PATH")
     parser.add_argument("--host", help="interface to bind (default 127.0.0.1; env OFFPOLICY_HOST)")
     parser.add_argument("--port", type=int, help="TCP port (env OFFPOLICY_PORT)")
@@ -98,23 +109,24 @@ def build_parser() -> argparse.ArgumentParser:
     quick.add_argument("--timeout-s", type=float, default=540.0, help="give up after this many seconds")
     quick.set_defaults(func=_quickstart)
 
-    learner = sub.add_parser(
+    _add_service_parser(
+        sub,
         "learner",
+        "LearnerConfig",
+        _learner,
         help="the learner service: train loop + REST control plane (/v1/config, /v1/status, ...)",
         description="Run the learner loop in a background thread behind its REST API (uvicorn). "
         "SIGTERM / Ctrl-C finish the current step and stop.",
     )
-    _add_service_args(learner, "LearnerConfig")
-    learner.set_defaults(func=_learner)
-
-    actor = sub.add_parser(
+    _add_service_parser(
+        sub,
         "actor",
+        "ActorConfig",
+        _actor,
         help="the actor service: vLLM rollout loop + /healthz, /readyz, /metrics, /v1/status",
         description="Run the actor loop (vLLM generation into the replay buffer, weight reloads) in a "
         "background thread beside its health, metrics and status routes.",
     )
-    _add_service_args(actor, "ActorConfig")
-    actor.set_defaults(func=_actor)
 
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random Llama + character tokenizer to DIR")
     tiny.add_argument("dir", help="output folder (created if missing)")
