@@ -12,13 +12,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Self
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from buffer.config import BufferConfig
+from buffer.settings import load_layered
 
-ENV_PREFIX = "OFFPOLICY_"
-ENV_NESTING = "__"
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 
@@ -232,41 +230,12 @@ class ActorConfig(BaseModel):
 # --- loading: YAML, then OFFPOLICY_* variables
 
 
-def env_overrides(environ: Mapping[str, str], prefix: str = ENV_PREFIX) -> dict[str, Any]:
-    """`OFFPOLICY_SAMPLING__TEMPERATURE=0.7` → {"sampling": {"temperature": 0.7}} (values as YAML scalars)."""
-    out: dict[str, Any] = {}
-    for key, raw in sorted(environ.items()):
-        if not key.startswith(prefix):
-            continue
-        parts = key[len(prefix) :].lower().split(ENV_NESTING)
-        node = out
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else None
-    return out
-
-
-def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
-    return out
-
-
 def load_config(
     path: str | Path | None = None, environ: Mapping[str, str] | None = None, **overrides: Any
 ) -> ActorConfig:
     """An `ActorConfig` from a YAML file, then the `OFFPOLICY_*` variables of `environ`, then kwargs.
 
     Only keys naming `ActorConfig` fields are taken from `environ`, so other components' variables
-    (`OFFPOLICY_API_TOKEN`, `OFFPOLICY_CONFIG_PATH`) are ignored.
+    (`OFFPOLICY_API_TOKEN`, `OFFPOLICY_CONFIG_PATH`) are ignored (`buffer.settings.load_layered`).
     """
-    data: dict[str, Any] = {}
-    if path is not None:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
-    if environ is not None:
-        env = {k: v for k, v in env_overrides(environ).items() if k in ActorConfig.model_fields}
-        data = _merge(data, env)
-    return ActorConfig.model_validate(_merge(data, overrides))
+    return load_layered(ActorConfig, path, environ, overrides)

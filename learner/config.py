@@ -11,14 +11,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Self
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from buffer.config import BufferConfig
+from buffer.settings import env_overrides as env_overrides
+from buffer.settings import load_layered
+from buffer.settings import merge as merge
 from learner.correction_config import RolloutCorrectionConfig
 
-ENV_PREFIX = "OFFPOLICY_"
-ENV_NESTING = "__"
 FROZEN = {"frozen_while_running": True}
 
 AdvEstimator = Literal["grpo", "rloo", "reinforce", "gae"]
@@ -218,28 +218,6 @@ def frozen_field_changes(old: LearnerConfig, new: LearnerConfig) -> list[str]:
     return changed
 
 
-def env_overrides(environ: Mapping[str, str], prefix: str = ENV_PREFIX) -> dict[str, Any]:
-    """`OFFPOLICY_OPTIMIZER__LR=1e-5` → {"optimizer": {"lr": 1e-5}}; values parsed as YAML scalars."""
-    out: dict[str, Any] = {}
-    for key, raw in sorted(environ.items()):
-        if not key.startswith(prefix):
-            continue
-        parts = key[len(prefix) :].lower().split(ENV_NESTING)
-        node = out
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else None
-    return out
-
-
-def merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    """Deep merge of plain dicts (`over` wins); used for YAML + env and for PATCH bodies."""
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
-    return out
-
-
 def load_config(
     path: str | Path | None = None,
     environ: Mapping[str, str] | None = None,
@@ -249,17 +227,9 @@ def load_config(
 
     Only the mapping passed as `environ` is read (pass `os.environ` explicitly from a CLI or app factory).
     Only keys under the learner's own fields are taken from the environment, so unrelated `OFFPOLICY_*`
-    variables of other components (e.g. `OFFPOLICY_API_TOKEN`) are ignored.
+    variables of other components (e.g. `OFFPOLICY_API_TOKEN`) are ignored (`buffer.settings.load_layered`).
     """
-    data: dict[str, Any] = {}
-    if path is not None:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
-    if environ is not None:
-        env = {k: v for k, v in env_overrides(environ).items() if k in LearnerConfig.model_fields}
-        data = merge(data, env)
-    return LearnerConfig.model_validate(merge(data, overrides))
+    return load_layered(LearnerConfig, path, environ, overrides)
 
 
 def load_config_from_process_env(path: str | Path | None = None) -> LearnerConfig:
