@@ -12,7 +12,6 @@ engine-side failure (the weights may be half loaded) the last good folder is loa
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from actors.errors import WeightLoadError
 from buffer.errors import InvalidTrajectory, StorageUnavailable
+from buffer.policy import weights_sha256
 
 if TYPE_CHECKING:
     from actors.config import ReloadConfig, RetryConfig
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from buffer.policy import AsyncPolicyStore, PolicyRecord
 
 log = logging.getLogger(__name__)
-_CHUNK = 1 << 20
 
 
 class ReloadableEngine(Protocol):
@@ -39,15 +38,8 @@ class ReloadableEngine(Protocol):
     def reload_weights(self, path: str, version: int, timeout_s: float | None = None) -> None: ...
 
 
-def safetensors_sha256(folder: str | Path) -> str:
-    """sha256 over the folder's `*.safetensors` files in name order (the learner's definition,
-    `learner.weights.safetensors_sha256`; actors do not import the learner)."""
-    digest = hashlib.sha256()
-    for path in sorted(Path(folder).glob("*.safetensors")):
-        with path.open("rb") as fh:
-            while chunk := fh.read(_CHUNK):
-                digest.update(chunk)
-    return digest.hexdigest()
+safetensors_sha256 = weights_sha256
+"""The policy record's checksum of a weights folder (`buffer.policy.weights_sha256`), under its old name."""
 
 
 def weights_path(uri: str) -> Path:
@@ -143,7 +135,7 @@ class WeightSync:
         if not folder.is_dir() or not any(folder.glob("*.safetensors")):
             raise WeightLoadError(record.version, "missing", f"no *.safetensors in {folder}")
         if self.config.verify_sha256:
-            got = safetensors_sha256(folder)
+            got = weights_sha256(folder)
             if got != record.sha256:
                 raise WeightLoadError(
                     record.version,

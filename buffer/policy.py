@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import redis
 
@@ -14,6 +16,7 @@ from buffer.keys import PolicyKeys
 from buffer.storage import async_client, call_async, call_sync, script_source, sync_client
 
 POLICY_SCHEMA_VERSION = 1
+_CHUNK = 1 << 20  # bytes read at a time while hashing weights
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +50,17 @@ class PolicyRecord:
             if not isinstance(doc.get(name), types) or isinstance(doc.get(name), bool):
                 raise InvalidTrajectory(f"policy.{name}", f"missing or wrong type: {doc.get(name)!r}")
         return cls(doc["version"], doc["weights_uri"], doc["sha256"], float(doc["published_at"]))
+
+
+def weights_sha256(folder: str | Path) -> str:
+    """`PolicyRecord.sha256` of a published weights folder: sha256 over its `*.safetensors` files in name
+    order (one file: that file's sha256); the learner computes it when publishing, the actors check it."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with path.open("rb") as fh:
+            while chunk := fh.read(_CHUNK):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _noop() -> None:

@@ -9,7 +9,6 @@ policy record is the folder's absolute path.
 
 from __future__ import annotations
 
-import hashlib
 import re
 import shutil
 import time
@@ -17,7 +16,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from buffer.policy import PolicyRecord
+from buffer.policy import PolicyRecord, weights_sha256
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -25,7 +24,6 @@ if TYPE_CHECKING:
     from buffer.policy import PolicyStore
 
 VERSION_DIR = re.compile(r"^v(\d+)$")
-CHUNK = 1 << 20
 
 
 def version_dir(weights_dir: str | Path, version: int) -> Path:
@@ -33,14 +31,8 @@ def version_dir(weights_dir: str | Path, version: int) -> Path:
     return Path(weights_dir) / f"v{version}"
 
 
-def safetensors_sha256(folder: str | Path) -> str:
-    """sha256 over the folder's `*.safetensors` files, in name order (one file: that file's sha256)."""
-    digest = hashlib.sha256()
-    for path in sorted(Path(folder).glob("*.safetensors")):
-        with path.open("rb") as fh:
-            while chunk := fh.read(CHUNK):
-                digest.update(chunk)
-    return digest.hexdigest()
+safetensors_sha256 = weights_sha256
+"""The policy record's checksum of a weights folder (`buffer.policy.weights_sha256`), under its old name."""
 
 
 def published_versions(weights_dir: str | Path) -> list[int]:
@@ -67,7 +59,7 @@ def write_version(
     model.save_pretrained(tmp, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
-    sha = safetensors_sha256(tmp)
+    sha = weights_sha256(tmp)
     if final.exists():
         trash = final.parent / f".old-v{version}-{uuid.uuid4().hex}"
         final.rename(trash)

@@ -11,7 +11,7 @@ from actors.config import ReloadConfig, RetryConfig
 from actors.errors import WeightLoadError
 from actors.metrics import ActorMetrics
 from actors.weight_sync import WeightSync, safetensors_sha256, weights_path
-from buffer.policy import PolicyRecord
+from buffer.policy import PolicyRecord, weights_sha256
 
 
 class FakeEngine:
@@ -55,6 +55,13 @@ def test_sha256_matches_the_learners_definition(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     assert safetensors_sha256(tmp_path) == learner_sha(tmp_path)
     assert weights_path("file:///x/v1") == weights_path("/x/v1")
+
+
+def test_weights_sha256_hashes_the_safetensors_in_name_order(tmp_path):
+    (tmp_path / "b.safetensors").write_bytes(b"2" * 3_000_000)  # spans several read chunks
+    (tmp_path / "a.safetensors").write_bytes(b"1")
+    (tmp_path / "config.json").write_text("{}")  # not hashed
+    assert weights_sha256(tmp_path) == hashlib.sha256(b"1" + b"2" * 3_000_000).hexdigest()
 
 
 async def test_reload_moves_version_and_lag(tmp_path):
