@@ -15,7 +15,7 @@ What is compared (same server, same run, same bytes, same groups per round trip)
   command packer), so the client library settings are not part of the difference.
 Each phase runs `--repeats` times (fresh run_id, server flushed between repeats); the figures are the
 medians, and the load average before and after is printed next to them (the host may be shared).
-Usage: `python benchmarks/buffer.py [--json] [--quick] [--repeats N]`.
+Usage: `python benchmarks/buffer.py [--json] [--quick] [--repeats N] [--breakdown]`.
 """
 
 from __future__ import annotations
