@@ -50,6 +50,7 @@ class Actor:
             raise DatasetError(
                 f"actor {config.actor_index}/{config.num_actors} has an empty shard of {config.dataset.path}"
             )
+        self._owns_engine = engine is None
         self.engine = engine or VLLMEngine(
             config.engine, config.reload.initial_version, seed_offset=config.actor_index
         )
@@ -76,6 +77,11 @@ class Actor:
     def run(self, stop_event: threading.Event) -> None:
         """Run the loop in this thread until `stop_event` is set (or `dataset.max_epochs` passes)."""
         asyncio.run(self.arun(stop_event))
+
+    def close(self) -> None:
+        """Shut down the vLLM engine if this actor built it (its engine-core process would outlive us)."""
+        if self._owns_engine:
+            self.engine.shutdown()
 
     # --- the loop
 

@@ -92,23 +92,27 @@ def run_sync(root: Path, model: str, dataset: Path, redis_url: str, steps: int) 
     )
     generate_s, rewards = 0.0, []
     start = time.time()
-    for _ in range(steps):
-        t0 = time.time()
-        batch = next(batches)
-        ids = [np.asarray(encode(engine.tokenizer, p, False, None), dtype=np.int32) for p in batch]
-        completions = engine.generate(ids, acfg.sampling)
-        version = engine.loaded_version
-        buffer.insert_many(
-            make_groups(batch, ids, completions, reward_fn, version, "sync", sampling, metrics)
-        )
-        generate_s += time.time() - t0
-        rewards.append(learner.step()["reward_mean"])
-        t0 = time.time()
-        engine.reload_weights(str(version_dir(lcfg.publish.weights_dir, learner.version)), learner.version)
-        generate_s += time.time() - t0
-    wall = time.time() - start
-    buffer.close()
-    learner.close()
+    try:
+        for _ in range(steps):
+            t0 = time.time()
+            batch = next(batches)
+            ids = [np.asarray(encode(engine.tokenizer, p, False, None), dtype=np.int32) for p in batch]
+            completions = engine.generate(ids, acfg.sampling)
+            version = engine.loaded_version
+            buffer.insert_many(
+                make_groups(batch, ids, completions, reward_fn, version, "sync", sampling, metrics)
+            )
+            generate_s += time.time() - t0
+            rewards.append(learner.step()["reward_mean"])
+            t0 = time.time()
+            new_dir = version_dir(lcfg.publish.weights_dir, learner.version)
+            engine.reload_weights(str(new_dir), learner.version)
+            generate_s += time.time() - t0
+        wall = time.time() - start
+    finally:
+        buffer.close()
+        learner.close()
+        engine.shutdown()  # its engine-core process would outlive this one
     return {
         "wall_s": wall,
         "learner_idle_share": generate_s / wall,

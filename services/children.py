@@ -7,6 +7,7 @@ logs to a file whose tail is quoted when it fails to start.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -64,7 +65,9 @@ class ServiceProcess:
         )
 
     def stop(self, timeout_s: float = 30.0) -> int:
-        """SIGTERM (graceful: the service finishes its step and exits), SIGKILL after `timeout_s`."""
+        """SIGTERM (graceful: the service finishes its step and exits), SIGKILL after `timeout_s`; then
+        SIGKILL whatever is left of the child's process group (a vLLM engine core or worker that outlived
+        it). The group is the one `start_service` created for this child, so this is still by handle."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -72,6 +75,8 @@ class ServiceProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        with contextlib.suppress(ProcessLookupError):  # an empty group: nothing outlived the child
+            os.killpg(self.proc.pid, signal.SIGKILL)  # pgid == pid: start_new_session=True
         if self._log_file is not None:
             self._log_file.close()
         return self.proc.returncode

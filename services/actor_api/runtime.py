@@ -19,6 +19,7 @@ class ActorLike(Protocol):
 
     def run(self, stop_event: Any) -> Any: ...
     def status(self) -> Any: ...
+    def close(self) -> None: ...
 
 
 ActorFactory = Callable[[Any, CollectorRegistry], ActorLike]
@@ -44,6 +45,8 @@ class ActorRuntime:
     def stop(self, timeout_s: float = 60.0) -> None:
         if self.loop is not None and not self.loop.stop(timeout_s):
             log.error("actor loop did not stop within %.0f s", timeout_s)
+        if self.actor is not None:
+            self.actor.close()  # the vLLM engine-core process is ours to stop
 
     def readiness(self) -> str | None:
         if self.actor is None or self.loop is None:
