@@ -79,7 +79,9 @@ def run_sync(root: Path, model: str, dataset: Path, redis_url: str, steps: int) 
     from learner.weights import version_dir
 
     run = root / "sync"
-    lcfg = LearnerConfig.model_validate(learner_config(run, model, redis_url, "bench-sync"))
+    # The sync loop alternates generation and training, so its learner takes every core (torch's default).
+    sync_cfg = learner_config(run, model, redis_url, "bench-sync") | {"torch_threads": None}
+    lcfg = LearnerConfig.model_validate(sync_cfg)
     acfg = ActorConfig.model_validate(actor_config(model, dataset, redis_url, "bench-sync"))
     engine = VLLMEngine(acfg.engine, 0)
     learner = Learner(lcfg, CollectorRegistry())

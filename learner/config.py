@@ -113,6 +113,10 @@ class LearnerConfig(BaseModel):
     """torch device, e.g. `cuda:0` or `cpu`; None = CUDA when available, else CPU (bf16 / fp32)."""
     seed: int = Field(0, json_schema_extra=FROZEN)
     """Seed of torch's and Python's generators at start (restored from the checkpoint on resume)."""
+    torch_threads: int | None = Field(None, ge=1, json_schema_extra=FROZEN)
+    """Threads of torch's CPU intra-op pool (`torch.set_num_threads`, set once at start); None = torch's
+    default (one per core). Set it when the learner shares a CPU machine with a vLLM CPU actor, whose
+    worker pins a core of its own: oversubscribed cores slow both."""
 
     # --- the algorithm
     groups_per_step: int = Field(8, ge=1)

@@ -78,6 +78,8 @@ class Learner:
         self.metrics.record_config(0, config.buffer.max_staleness)
         random.seed(config.seed)
         torch.manual_seed(config.seed)
+        if config.torch_threads is not None:
+            torch.set_num_threads(config.torch_threads)
         # --- model, tokenizer, optimizer, schedule
         self.model = load_model(config.model_path, config.device)
         self.device = next(self.model.parameters()).device

@@ -57,6 +57,10 @@ the actor held back while 8 fresh groups wait (so it does not take the learner's
 
 def learner_config(run_dir: Path, model: str, redis_url: str, run_id: str) -> dict[str, Any]:
     """The learner's config for the toy task: small batches, a high learning rate, staleness bound 2."""
+    import os
+
+    import torch
+
     from learner.config import LearnerConfig
 
     config = LearnerConfig.model_validate(
@@ -74,6 +78,8 @@ def learner_config(run_dir: Path, model: str, redis_url: str, run_id: str) -> di
             "publish": {"weights_dir": str(run_dir / "weights"), "publish_every": 1, "keep_versions": 3},
             "checkpoint": {"checkpoint_dir": str(run_dir / "checkpoints"), "checkpoint_every": None},
             "metrics_jsonl": str(run_dir / "learner_steps.jsonl"),
+            # On a CPU machine the vLLM CPU worker pins one core: leave it to the actor.
+            "torch_threads": None if torch.cuda.is_available() else max(1, (os.cpu_count() or 2) - 1),
         }
     )
     return config.model_dump(mode="json")

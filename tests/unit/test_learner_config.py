@@ -105,3 +105,11 @@ def test_schema_marks_frozen_fields():
     props = LearnerConfig.model_json_schema()["properties"]
     assert props["model_path"]["frozen_while_running"] is True
     assert "frozen_while_running" not in props["ppo_epochs"]
+
+
+def test_torch_threads_is_optional_positive_and_frozen_while_running():
+    assert LearnerConfig(model_path="a").torch_threads is None
+    assert LearnerConfig(model_path="a", torch_threads=1).torch_threads == 1
+    with pytest.raises(ValidationError, match="torch_threads"):
+        LearnerConfig(model_path="a", torch_threads=0)
+    assert "torch_threads" in frozen_field_paths()
