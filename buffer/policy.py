@@ -67,16 +67,22 @@ def _noop() -> None:
     return None
 
 
-class PolicyStore:
-    """Synchronous access to a run's policy record (the learner publishes with it)."""
+class _PolicyHandle:
+    """What both stores hold: the run's policy keys, a Redis client of their kind and the publish script."""
+
+    _make_client = staticmethod(sync_client)
 
     def __init__(
         self, redis_url: str, run_id: str, storage_timeout_s: float = 5.0, socket_timeout_s: float = 10.0
     ):
         self.keys = PolicyKeys.for_run(run_id)
         self._timeout_s = storage_timeout_s
-        self._client = sync_client(redis_url, socket_timeout_s)
+        self._client = self._make_client(redis_url, socket_timeout_s)
         self._publish = self._client.register_script(script_source("publish_policy"))
+
+
+class PolicyStore(_PolicyHandle):
+    """Synchronous access to a run's policy record (the learner publishes with it)."""
 
     def publish(self, record: PolicyRecord) -> int:
         """SET the record and PUBLISH it in one atomic step; returns how many subscribers heard it."""
@@ -95,16 +101,10 @@ class PolicyStore:
         self._client.close()
 
 
-class AsyncPolicyStore:
+class AsyncPolicyStore(_PolicyHandle):
     """Asyncio access to a run's policy record; `watch()` yields each new record (the actors' side)."""
 
-    def __init__(
-        self, redis_url: str, run_id: str, storage_timeout_s: float = 5.0, socket_timeout_s: float = 10.0
-    ):
-        self.keys = PolicyKeys.for_run(run_id)
-        self._timeout_s = storage_timeout_s
-        self._client = async_client(redis_url, socket_timeout_s)
-        self._publish = self._client.register_script(script_source("publish_policy"))
+    _make_client = staticmethod(async_client)
 
     async def publish(self, record: PolicyRecord) -> int:
         """See `PolicyStore.publish`."""

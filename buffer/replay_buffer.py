@@ -35,8 +35,11 @@ from buffer.storage import (
 from buffer.types import BufferStats, InsertResult, TrajectoryGroup
 
 
-class ReplayBuffer:
-    """Synchronous replay buffer over Redis (the learner's side; also used by tests and tools)."""
+class _BufferHandle:
+    """What both buffers hold: the shared core (config, codec, metrics), a Redis client of their kind and
+    the two registered scripts; `reconfigure` is the same for both."""
+
+    _make_client = staticmethod(sync_client)
 
     def __init__(
         self,
@@ -47,7 +50,7 @@ class ReplayBuffer:
     ) -> None:
         self._core = Core(run_id, config or BufferConfig(), registry)
         self.config = self._core.cfg
-        self._client = sync_client(redis_url, self.config.socket_timeout_s)
+        self._client = self._make_client(redis_url, self.config.socket_timeout_s)
         self._insert = self._client.register_script(script_source("insert"))
         self._sample = self._client.register_script(script_source("sample"))
 
@@ -58,6 +61,10 @@ class ReplayBuffer:
         self._core.cfg = self.config = config
         kwargs = self._client.connection_pool.connection_kwargs
         kwargs["socket_timeout"] = kwargs["socket_connect_timeout"] = config.socket_timeout_s
+
+
+class ReplayBuffer(_BufferHandle):
+    """Synchronous replay buffer over Redis (the learner's side; also used by tests and tools)."""
 
     def _call(self, fn, what: str):
         return call_sync(fn, self.config.storage_timeout_s, what, self._core.metrics.storage_retries.inc)
@@ -202,29 +209,10 @@ class ReplayBuffer:
         self.close()
 
 
-class AsyncReplayBuffer:
+class AsyncReplayBuffer(_BufferHandle):
     """The asyncio twin of `ReplayBuffer` (actors and services); same scripts, same codec, same errors."""
 
-    def __init__(
-        self,
-        redis_url: str,
-        run_id: str,
-        config: BufferConfig | None = None,
-        registry: CollectorRegistry | None = None,
-    ) -> None:
-        self._core = Core(run_id, config or BufferConfig(), registry)
-        self.config = self._core.cfg
-        self._client = async_client(redis_url, self.config.socket_timeout_s)
-        self._insert = self._client.register_script(script_source("insert"))
-        self._sample = self._client.register_script(script_source("sample"))
-
-    def reconfigure(self, config: BufferConfig) -> None:
-        """Apply `config` from the next call on, keeping this object, its connection pool and its metrics
-        (same registry); the learner calls it at step boundaries. A new `socket_timeout_s` applies to
-        connections opened from then on."""
-        self._core.cfg = self.config = config
-        kwargs = self._client.connection_pool.connection_kwargs
-        kwargs["socket_timeout"] = kwargs["socket_connect_timeout"] = config.socket_timeout_s
+    _make_client = staticmethod(async_client)
 
     async def _call(self, fn, what: str):
         return await call_async(
