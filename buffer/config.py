@@ -61,12 +61,6 @@ class BufferConfig(BaseModel):
     """Redis unreachable: how long calls retry (with backoff) before raising `StorageUnavailable`, s."""
     socket_timeout_s: float = Field(10.0, gt=0.0)
     """Redis socket read/write and connect timeout, in seconds."""
-    retired_payload_grace_s: float = Field(60.0, gt=0.0)
-    """How long the payload of a removed group (consumed, evicted, stale) stays fetchable, in seconds.
-    The group leaves every index at once and is never sampled again; its payload key only expires after
-    this grace, so a consumer that chose it just before can still fetch it (a consumer slower than this
-    gets fewer groups, counted as dropped `expired_before_fetch`). Removed payloads use memory for up to
-    this long."""
     limits: CodecLimits = CodecLimits()
     """Validation limits for every group inserted and sampled."""
 
@@ -120,10 +114,6 @@ class BufferConfig(BaseModel):
         return cls(**{**defaults, "max_size": max_size, "max_staleness": max_staleness, **overrides})
 
     # --- what the Lua scripts need
-
-    def grace_ms(self) -> int:
-        """`retired_payload_grace_s` in whole milliseconds (PEXPIRE's unit), at least 1."""
-        return max(1, round(self.retired_payload_grace_s * 1000))
 
     def limiter_bounds(self) -> tuple[float, float]:
         """(min_diff, max_diff) of Reverb's SampleToInsertRatio; (-inf, inf) when there is no ratio."""

@@ -87,15 +87,16 @@ class Core:
         self.metrics.size.set(size)
         self.metrics.fill_ratio.set(size / self.cfg.max_size)
 
-    def expired(self, payloads: list[bytes | None]) -> int:
-        """How many fetched payloads were gone (expired after their grace before this MGET); counted."""
+    def missing(self, payloads: list[bytes | None]) -> int:
+        """How many chosen groups had no payload (deleted behind the buffer's back, e.g. by a maxmemory
+        policy); counted as dropped `payload_missing`."""
         missing = payloads.count(None)
         if missing:
-            self.metrics.dropped_expired_before_fetch.inc(missing)
+            self.metrics.dropped_payload_missing.inc(missing)
         return missing
 
     def decode(self, payloads: list[bytes | None], consumer_version: int) -> list[TrajectoryGroup]:
-        """The fetched groups (missing payloads skipped: `expired` counted them), decoded and validated."""
+        """The sampled groups (missing payloads skipped: `missing` counted them), decoded and validated."""
         groups = decode_groups([p for p in payloads if p is not None], self.cfg.limits)
         self.metrics.samples.inc(len(groups))
         observe = self.metrics.sampled_staleness.observe

@@ -17,7 +17,8 @@ def _prefix(run_id: str) -> str:
 @dataclass(frozen=True, slots=True)
 class BufferKeys:
     """The keys of one buffer: the indexes (the scripts' KEYS, in declaration order) and the per-group
-    payload and staging keys, `<prefix><group_id>` (the scripts get the prefixes in ARGV)."""
+    keys: the payload of each stored group, `<payload_prefix><group_id>`, and the keys a sample hands
+    payloads out through, `<out_prefix><call token>:<i>` (the scripts get the prefixes in ARGV)."""
 
     order: str  # zset group_id -> insert sequence number (fifo / newest / eviction order)
     by_version: str  # zset group_id -> policy_version (staleness gate and weights)
@@ -25,8 +26,8 @@ class BufferKeys:
     priority: str  # zset group_id -> priority (prioritized sampler only)
     seen: str  # set of every group_id ever inserted (dedupe survives removal)
     counters: str  # hash of lifetime counters (inserted, sampled, evicted:*, dropped:*, rejected:*)
-    payload_prefix: str  # string per stored group: the encoded group (a grace TTL once removed)
-    staging_prefix: str  # string per group in an insert transaction, renamed or deleted by the script
+    payload_prefix: str  # string per stored group: the encoded group
+    out_prefix: str  # strings living inside one sample transaction: the chosen payloads, read and deleted
 
     @classmethod
     def for_run(cls, run_id: str) -> BufferKeys:
@@ -40,7 +41,7 @@ class BufferKeys:
             seen=f"{p}:buf:seen",
             counters=f"{p}:buf:counters",
             payload_prefix=f"{p}:buf:g:",
-            staging_prefix=f"{p}:buf:stage:",
+            out_prefix=f"{p}:buf:out:",
         )
 
     def indexes(self) -> list[str]:
@@ -51,13 +52,13 @@ class BufferKeys:
         """The key holding `group_id`'s encoded group."""
         return self.payload_prefix + group_id
 
-    def staging(self, group_id: str) -> str:
-        """The key `group_id`'s payload is SET to inside its insert transaction."""
-        return self.staging_prefix + group_id
+    def out(self, token: str) -> str:
+        """The prefix of one sample call's out keys (`<prefix><i>`, i = 1..k, as the script numbers them)."""
+        return f"{self.out_prefix}{token}:"
 
     def per_group_patterns(self) -> list[str]:
-        """SCAN MATCH patterns of every payload and staging key (run ids hold no glob characters)."""
-        return [self.payload_prefix + "*", self.staging_prefix + "*"]
+        """SCAN MATCH patterns of every payload and out key (run ids hold no glob characters)."""
+        return [self.payload_prefix + "*", self.out_prefix + "*"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ REJECTED_FIELDS = (
     "sampling",
 )  # fmt: skip
 EVICTION_REASONS = ("max_size", "max_times_sampled")
-DROP_REASONS = ("stale", "evicted_unsampled", "expired_before_fetch")
+DROP_REASONS = ("stale", "evicted_unsampled", "payload_missing")
 WAIT_OPS = ("insert", "sample", "pace")
 
 
@@ -55,7 +55,7 @@ class BufferMetrics:
         self.drops = Counter(
             "offpolicy_buffer_drops_total",
             "Groups lost before use or too stale to use, by reason "
-            "(stale, evicted_unsampled, expired_before_fetch)",
+            "(stale, evicted_unsampled, payload_missing)",
             ["reason"],
             registry=registry,
         )
@@ -89,5 +89,5 @@ class BufferMetrics:
         self.evicted_max_times_sampled = self.evictions.labels("max_times_sampled")
         self.dropped_stale = self.drops.labels("stale")
         self.dropped_evicted_unsampled = self.drops.labels("evicted_unsampled")
-        self.dropped_expired_before_fetch = self.drops.labels("expired_before_fetch")
+        self.dropped_payload_missing = self.drops.labels("payload_missing")
         self.waits = {op: self.rate_limited_waits.labels(op) for op in WAIT_OPS}

@@ -2,8 +2,10 @@
 
 Both drive the same Lua scripts (scripts/insert.lua, scripts/sample.lua) and the same codec; `Core`
 (buffer/core.py) holds what they share, so the two classes only differ in how they wait and call Redis.
-Payload bytes never pass through Lua: an insert is one MULTI/EXEC of SETs to staging keys plus the
-insert script (which renames or deletes them); a sample is the sample script (ids only) plus one MGET.
+Payload bytes never pass through Lua, and each call is one round trip: an insert is one MULTI/EXEC of
+`SET NX`s of the payloads plus the insert script (which indexes them or deletes the ones it refuses); a
+sample is one MULTI/EXEC of the sample script (which renames or copies the chosen payloads to keys of
+this call) plus one MGET and one UNLINK of those keys.
 """
 
 from __future__ import annotations
@@ -20,15 +22,13 @@ from buffer.errors import RateLimited
 from buffer.rate_limiter import SampleStatus, sample_refused
 from buffer.storage import (
     InsertReply,
-    SampleReply,
     async_client,
     call_async,
     call_sync,
-    fetch,
-    fetch_async,
     insert_transaction,
     insert_transaction_async,
-    sample_args,
+    sample_transaction,
+    sample_transaction_async,
     script_source,
     sync_client,
 )
@@ -126,31 +126,31 @@ class ReplayBuffer(_BufferHandle):
         """Sample `num_groups` distinct groups no staler than `max_staleness` for a learner at
         `consumer_version`; waits (bounded by `timeout_s`) while a limiter refuses, then raises
         `RateLimited` (samples_per_insert) or `BufferNotReady` (min size, too few fresh groups).
-        Fewer than `num_groups` only when chosen payloads expired before the fetch (counted as dropped
-        `expired_before_fetch`); when all of them did, it waits and samples again, as when refused."""
+        Fewer than `num_groups` only when chosen groups' payloads had been deleted behind the buffer's
+        back (counted as dropped `payload_missing`); when all of them were, it waits and samples again."""
         t0 = time.perf_counter()
         core = self._core
         core.check_sample(num_groups)
         backoff = core.backoff(timeout_s)
         while True:
-            args = sample_args(self.config, core.keys, num_groups, consumer_version)
-            reply = SampleReply.parse(
-                self._call(lambda a=args: self._sample(core.keys.indexes(), a), "sample")
+            reply = self._call(
+                lambda: sample_transaction(
+                    self._client, self._sample, self.config, core.keys, num_groups, consumer_version
+                ),
+                "sample",
             )
             core.on_sample(reply)
             if reply.status is SampleStatus.OK:
-                payloads = self._call(lambda r=reply: fetch(self._client, core.keys, r), "fetch")
-                if missing := core.expired(payloads):
-                    self._call(lambda n=missing: self._count({"dropped:expired_before_fetch": n}), "count")
-                if missing < len(payloads):
+                if missing := core.missing(reply.payloads):
+                    self._call(lambda n=missing: self._count({"dropped:payload_missing": n}), "count")
+                if missing < len(reply.payloads):
                     break
-                # every chosen payload had expired (a consumer stalled past the grace): wait, choose again
             delay = backoff.delay()
             if delay is None:
                 raise sample_refused(reply.status, num_groups, reply.size, timeout_s)
             core.metrics.waits["sample"].inc()
             time.sleep(delay)
-        groups = core.decode(payloads, consumer_version)
+        groups = core.decode(reply.payloads, consumer_version)
         core.metrics.sample_latency.observe(time.perf_counter() - t0)
         return groups
 
@@ -185,8 +185,8 @@ class ReplayBuffer(_BufferHandle):
         return self._core.stats(*self._call(read, "stats"))
 
     def clear(self) -> None:
-        """Delete every key of this buffer: indexes, dedupe set, counters, then (SCAN) every payload and
-        staging key, removed groups' payloads in their grace included."""
+        """Delete every key of this buffer: indexes, dedupe set, counters, then (SCAN) every payload key
+        (out keys too, though a sample transaction never leaves one behind)."""
         k = self._core.keys
 
         def clear() -> None:
@@ -275,25 +275,24 @@ class AsyncReplayBuffer(_BufferHandle):
         core.check_sample(num_groups)
         backoff = core.backoff(timeout_s)
         while True:
-            args = sample_args(self.config, core.keys, num_groups, consumer_version)
-            raw = await self._call(lambda a=args: self._sample(core.keys.indexes(), a), "sample")
-            reply = SampleReply.parse(raw)
+            reply = await self._call(
+                lambda: sample_transaction_async(
+                    self._client, self._sample, self.config, core.keys, num_groups, consumer_version
+                ),
+                "sample",
+            )
             core.on_sample(reply)
             if reply.status is SampleStatus.OK:
-                payloads = await self._call(lambda r=reply: fetch_async(self._client, core.keys, r), "fetch")
-                if missing := core.expired(payloads):
-                    await self._call(
-                        lambda n=missing: self._count({"dropped:expired_before_fetch": n}), "count"
-                    )
-                if missing < len(payloads):
+                if missing := core.missing(reply.payloads):
+                    await self._call(lambda n=missing: self._count({"dropped:payload_missing": n}), "count")
+                if missing < len(reply.payloads):
                     break
-                # every chosen payload had expired (a consumer stalled past the grace): wait, choose again
             delay = backoff.delay()
             if delay is None:
                 raise sample_refused(reply.status, num_groups, reply.size, timeout_s)
             core.metrics.waits["sample"].inc()
             await asyncio.sleep(delay)
-        groups = core.decode(payloads, consumer_version)
+        groups = core.decode(reply.payloads, consumer_version)
         core.metrics.sample_latency.observe(time.perf_counter() - t0)
         return groups
 

@@ -116,7 +116,7 @@ def _num(x: float) -> str:
 
 def insert_args(cfg: BufferConfig, keys: BufferKeys, entries: list[tuple[str, int, float, bytes]]) -> list:
     """ARGV of insert.lua for (group_id, policy_version, priority, payload) entries: metadata only (the
-    payloads go to staging keys, see `insert_transaction`)."""
+    payloads are SET NX in the same transaction, see `insert_transaction`)."""
     _, max_diff = cfg.limiter_bounds()
     ratio = cfg.samples_per_insert is not None
     args: list = [
@@ -127,8 +127,6 @@ def insert_args(cfg: BufferConfig, keys: BufferKeys, entries: list[tuple[str, in
         cfg.min_size_to_sample,
         "1" if cfg.sampler == "prioritized" else "0",
         keys.payload_prefix,
-        keys.staging_prefix,
-        cfg.grace_ms(),
     ]
     for gid, version, priority, _ in entries:
         args += [gid, version, _num(priority)]
@@ -136,10 +134,10 @@ def insert_args(cfg: BufferConfig, keys: BufferKeys, entries: list[tuple[str, in
 
 
 def _queue_insert(pipe, script: Script, cfg: BufferConfig, keys: BufferKeys, entries: list) -> None:
-    """Queue the insert transaction on `pipe` (MULTI): each payload SET to its staging key, then
-    insert.lua with the metadata."""
+    """Queue the insert transaction on `pipe` (MULTI): each payload SET NX to its payload key (a stored
+    group's payload is never overwritten), then insert.lua with the metadata."""
     for gid, _, _, payload in entries:
-        pipe.set(keys.staging(gid), payload)
+        pipe.set(keys.payload(gid), payload, nx=True)
     index_keys = keys.indexes()
     pipe.evalsha(script.sha, len(index_keys), *index_keys, *insert_args(cfg, keys, entries))
 
@@ -147,10 +145,10 @@ def _queue_insert(pipe, script: Script, cfg: BufferConfig, keys: BufferKeys, ent
 def insert_transaction(
     client: redis.Redis, script: Script, cfg: BufferConfig, keys: BufferKeys, entries: list
 ) -> list:
-    """Run one insert as MULTI / SET staging... / EVALSHA insert / EXEC (one round trip, one AOF entry,
+    """Run one insert as MULTI / SET NX... / EVALSHA insert / EXEC (one round trip, one AOF entry,
     atomic: no other command runs in between); return the script's raw reply. After a restart flushed
-    the script cache (NOSCRIPT), load the script and run the whole transaction again: the SETs rewrite
-    the same staging keys and this time the script renames or deletes them."""
+    the script cache (NOSCRIPT), load the script and run the whole transaction again: the SETs find the
+    keys the first run left (NX: unchanged) and this time the script indexes or deletes them."""
     for attempt in (0, 1):
         pipe = client.pipeline(transaction=True)
         _queue_insert(pipe, script, cfg, keys, entries)
@@ -193,7 +191,7 @@ class InsertReply:
         return cls([int(s) for s in raw[0]], int(raw[1]), int(raw[2]), int(raw[3]))
 
 
-def sample_args(cfg: BufferConfig, keys: BufferKeys, k: int, consumer_version: int) -> list:
+def sample_args(cfg: BufferConfig, keys: BufferKeys, k: int, consumer_version: int, out_prefix: str) -> list:
     """ARGV of sample.lua, with a fresh random seed."""
     min_diff, _ = cfg.limiter_bounds()
     ratio = cfg.samples_per_insert is not None
@@ -210,46 +208,72 @@ def sample_args(cfg: BufferConfig, keys: BufferKeys, k: int, consumer_version: i
         _num(min_diff if ratio else 0.0),
         _num(cfg.priority_epsilon),
         keys.payload_prefix,
-        cfg.grace_ms(),
+        out_prefix,
     ]
 
 
 @dataclass(frozen=True, slots=True)
 class SampleReply:
-    """sample.lua's reply: verdict, size after, removals, the chosen group ids (payloads: `fetch`) and
-    those of them this caller owns (removed at their first use: nobody else chose them)."""
+    """sample.lua's reply with the payloads its transaction read: verdict, size after, removals, the
+    chosen group ids and their payloads (None: gone from Redis behind the buffer's back)."""
 
     status: SampleStatus
     size: int
     stale: int
     consumed: int
     chosen: list[str]
-    owned: list[str]
+    payloads: list[bytes | None]
 
     @classmethod
-    def parse(cls, raw: list) -> SampleReply:
-        rest = raw[4:]
-        chosen = [gid.decode() for gid in rest[0::2]]
-        owned = [gid for gid, own in zip(chosen, rest[1::2], strict=True) if int(own)]
-        return cls(SampleStatus(int(raw[0])), int(raw[1]), int(raw[2]), int(raw[3]), chosen, owned)
+    def parse(cls, raw: list, payloads: list[bytes | None]) -> SampleReply:
+        chosen = [gid.decode() for gid in raw[4:]]
+        return cls(
+            SampleStatus(int(raw[0])), int(raw[1]), int(raw[2]), int(raw[3]), chosen, payloads[: len(chosen)]
+        )
 
 
-def _queue_fetch(pipe, keys: BufferKeys, reply: SampleReply) -> None:
-    pipe.mget([keys.payload(gid) for gid in reply.chosen])
-    if reply.owned:
-        pipe.unlink(*(keys.payload(gid) for gid in reply.owned))
+def _queue_sample(pipe, script: Script, cfg: BufferConfig, keys: BufferKeys, k: int, version: int) -> None:
+    """Queue the sample transaction on `pipe` (MULTI): sample.lua puts the i-th chosen payload at the
+    call's out key i, then one MGET reads the k out keys and one UNLINK deletes them."""
+    out = keys.out(secrets.token_hex(8))  # unique to this call: concurrent samples never share out keys
+    slots = [f"{out}{i}" for i in range(1, k + 1)]
+    index_keys = keys.indexes()
+    pipe.evalsha(script.sha, len(index_keys), *index_keys, *sample_args(cfg, keys, k, version, out))
+    pipe.mget(slots)
+    pipe.unlink(*slots)
 
 
-def fetch(client: redis.Redis, keys: BufferKeys, reply: SampleReply) -> list[bytes | None]:
-    """The chosen groups' payloads (None: expired after its grace before this read), in one round trip
-    with the UNLINK of the owned ones (no other consumer can want them; the rest expire after the grace)."""
-    pipe = client.pipeline(transaction=False)
-    _queue_fetch(pipe, keys, reply)
-    return pipe.execute()[0]
+def sample_transaction(
+    client: redis.Redis, script: Script, cfg: BufferConfig, keys: BufferKeys, k: int, version: int
+) -> SampleReply:
+    """Run one sample as MULTI / EVALSHA sample / MGET out keys / UNLINK out keys / EXEC: one round
+    trip, atomic, no payload left behind. NOSCRIPT (a restart flushed the script cache): the MGET and
+    UNLINK found nothing; load the script and run the transaction again."""
+    for attempt in (0, 1):
+        pipe = client.pipeline(transaction=True)
+        _queue_sample(pipe, script, cfg, keys, k, version)
+        try:
+            raw, payloads, _ = pipe.execute()
+            return SampleReply.parse(raw, payloads)
+        except NoScriptError:
+            if attempt:
+                raise
+            client.script_load(script.script)
+    raise AssertionError("unreachable")
 
 
-async def fetch_async(client: aioredis.Redis, keys: BufferKeys, reply: SampleReply) -> list[bytes | None]:
-    """The asyncio twin of `fetch`."""
-    pipe = client.pipeline(transaction=False)
-    _queue_fetch(pipe, keys, reply)
-    return (await pipe.execute())[0]
+async def sample_transaction_async(
+    client: aioredis.Redis, script: AsyncScript, cfg: BufferConfig, keys: BufferKeys, k: int, version: int
+) -> SampleReply:
+    """The asyncio twin of `sample_transaction`."""
+    for attempt in (0, 1):
+        pipe = client.pipeline(transaction=True)
+        _queue_sample(pipe, script, cfg, keys, k, version)
+        try:
+            raw, payloads, _ = await pipe.execute()
+            return SampleReply.parse(raw, payloads)
+        except NoScriptError:
+            if attempt:
+                raise
+            await client.script_load(script.script)
+    raise AssertionError("unreachable")

@@ -1,12 +1,12 @@
 -- Insert a batch of groups atomically: dedupe, index, count, evict past max_size (oldest first).
--- Runs inside the client's MULTI/EXEC, right after the SETs of every group's payload to its staging
--- key; no payload passes through Lua: an accepted group's staging key is RENAMEd to its payload key
--- (O(1)), a duplicate's or refused group's staging key is DELeted. Evicted payloads get a grace
--- PEXPIRE instead of a DEL (a consumer may have chosen the group and not fetched it yet).
+-- Runs inside the client's MULTI/EXEC, right after a `SET <payload key> <payload> NX` of every group:
+-- no payload passes through Lua. A new group's payload is then already in place; NX left a stored
+-- group's payload untouched, and the script DELetes the payload keys those SETs created for groups it
+-- does not store (a duplicate whose original is gone, a group the ratio limiter refused).
 -- KEYS: order by_version uses priority seen counters  (all under one {run_id} hash tag)
 -- ARGV: max_size, use_ratio (0|1), samples_per_insert, max_diff, min_size_to_sample, use_priority (0|1),
---       payload_prefix, staging_prefix, grace_ms, then 3 per group: group_id, policy_version, priority
---       (per-group keys are prefix .. group_id: same hash tag, same Cluster slot)
+--       payload_prefix, then 3 per group: group_id, policy_version, priority
+--       (payload keys are payload_prefix .. group_id: same hash tag, same Cluster slot)
 -- Returns: {statuses (1 inserted, 0 duplicate, 2 rate limited), size, evicted_max_size, evicted_unsampled}
 -- Every redis.call costs a few microseconds of its own, so the indexes are written with one variadic
 -- call each (the batch is at most a few hundred groups: the client splits larger ones).
@@ -17,17 +17,18 @@ local spi = tonumber(ARGV[3])
 local max_diff = tonumber(ARGV[4])
 local min_size = tonumber(ARGV[5])
 local use_priority = ARGV[6] == '1'
-local payload_prefix, staging_prefix, grace_ms = ARGV[7], ARGV[8], ARGV[9]
+local payload_prefix = ARGV[7]
+local FIRST = 8
 
 local gids = {}
-for i = 10, #ARGV, 3 do gids[#gids + 1] = ARGV[i] end
+for i = FIRST, #ARGV, 3 do gids[#gids + 1] = ARGV[i] end
 local was_seen = redis.call('SMISMEMBER', seen, unpack(gids))
 local c = redis.call('HMGET', counters, 'inserted', 'sampled')
 local inserted, sampled = tonumber(c[1] or '0'), tonumber(c[2] or '0')
 local size = redis.call('ZCARD', order)
 
 -- 1. Decide each group in batch order: duplicate, refused by the ratio limiter (and all after it), new.
-local statuses, new, dropped, taken = {}, {}, {}, {}
+local statuses, new, refused, seen_dups, taken = {}, {}, {}, {}, {}
 local by_order, by_version, by_priority = {}, {}, {}
 local n_dup, limited = 0, false
 for j, gid in ipairs(gids) do
@@ -48,7 +49,7 @@ for j, gid in ipairs(gids) do
     inserted = inserted + 1
     size = size + 1
     new[#new + 1] = gid
-    local a = 10 + 3 * (j - 1)
+    local a = FIRST + 3 * (j - 1)
     by_order[#by_order + 1] = inserted
     by_order[#by_order + 1] = gid
     by_version[#by_version + 1] = ARGV[a + 1]
@@ -56,29 +57,39 @@ for j, gid in ipairs(gids) do
     by_priority[#by_priority + 1] = ARGV[a + 2]
     by_priority[#by_priority + 1] = gid
   elseif not taken[gid] then
-    dropped[#dropped + 1] = staging_prefix .. gid
+    -- Not stored by this batch: a refused group's key is this transaction's SET; a duplicate's key is
+    -- its stored original's (NX kept it) unless the original has left the buffer.
+    if status == 2 then refused[#refused + 1] = payload_prefix .. gid else seen_dups[#seen_dups + 1] = gid end
   end
 end
 
--- 2. Store and index the new groups; delete the other staging keys.
+-- 2. Index the new groups; delete the payload keys of groups not stored.
 if #new > 0 then
-  for _, gid in ipairs(new) do redis.call('RENAME', staging_prefix .. gid, payload_prefix .. gid) end
   redis.call('SADD', seen, unpack(new))
   redis.call('ZADD', order, unpack(by_order))
   redis.call('ZADD', byver, unpack(by_version))
   if use_priority then redis.call('ZADD', prio, unpack(by_priority)) end
   redis.call('HSET', counters, 'inserted', inserted)
 end
-if #dropped > 0 then redis.call('DEL', unpack(dropped)) end
+if #seen_dups > 0 then
+  local stored = redis.call('ZMSCORE', order, unpack(seen_dups))
+  for i, gid in ipairs(seen_dups) do
+    if not stored[i] then refused[#refused + 1] = payload_prefix .. gid end
+  end
+end
+if #refused > 0 then redis.call('DEL', unpack(refused)) end
 if n_dup > 0 then redis.call('HINCRBY', counters, 'duplicates', n_dup) end
 
 -- 3. Evict past max_size, oldest (lowest insert sequence) first.
 local n_evicted, n_unsampled = 0, 0
 if size > max_size then
   local popped = redis.call('ZPOPMIN', order, size - max_size)
-  local old = {}
-  for i = 1, #popped, 2 do old[#old + 1] = popped[i] end
-  for _, gid in ipairs(old) do redis.call('PEXPIRE', payload_prefix .. gid, grace_ms) end
+  local old, old_keys = {}, {}
+  for i = 1, #popped, 2 do
+    old[#old + 1] = popped[i]
+    old_keys[#old_keys + 1] = payload_prefix .. popped[i]
+  end
+  redis.call('DEL', unpack(old_keys))
   redis.call('ZREM', byver, unpack(old))
   redis.call('ZREM', prio, unpack(old))
   n_evicted = #old

@@ -1,13 +1,13 @@
 -- Sample k groups atomically: drop (and count) stale groups, apply the rate limiter, choose by the
--- sampler, count each use, remove groups sampled max_times_sampled times. Returns the chosen group ids
--- only: the client fetches their payloads with one MGET right after. A removed group leaves every index
--- at once (it can never be chosen again) but its payload key only expires after grace_ms, so a consumer
--- that chose it can still fetch it.
+-- sampler, count each use, remove groups sampled max_times_sampled times. No payload passes through
+-- Lua: the i-th chosen group's payload is put at out_prefix .. i (RENAMEd there when the group leaves
+-- the buffer, O(1); COPYed when it stays), and the client's MULTI/EXEC around this script reads those k
+-- keys with one MGET and deletes them: one round trip, and a removed group's payload is gone at once.
 -- KEYS: order by_version uses priority seen counters  (all under one {run_id} hash tag)
 -- ARGV: k, consumer_version, max_staleness (-1 = none), max_times_sampled (0 = none), sampler, seed,
 --       min_size_to_sample, use_ratio (0|1), samples_per_insert, min_diff, priority_epsilon,
---       payload_prefix, grace_ms
--- Returns: {status, size, n_stale, n_consumed, then 2 per chosen group: group_id, owned (0|1)}
+--       payload_prefix, out_prefix (unique to the call)
+-- Returns: {status, size, n_stale, n_consumed, then the chosen group ids}
 --   status: 1 ok, 2 rate limited (ratio), 3 below min_size_to_sample, 4 fewer than k eligible groups
 local order, byver, uses, prio, counters = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[6]
 local k = tonumber(ARGV[1])
@@ -22,18 +22,22 @@ local use_ratio = ARGV[8] == '1'
 local spi = tonumber(ARGV[9])
 local min_diff = tonumber(ARGV[10])
 local eps = tonumber(ARGV[11])
-local payload_prefix, grace_ms = ARGV[12], ARGV[13]
+local payload_prefix, out_prefix = ARGV[12], ARGV[13]
 
 -- Every redis.call costs a few microseconds of its own: variadic commands, 1000 members per call.
 local function variadic(cmd, key, members)
   for i = 1, #members, 1000 do
-    redis.call(cmd, key, unpack(members, i, math.min(i + 999, #members)))
+    if key then
+      redis.call(cmd, key, unpack(members, i, math.min(i + 999, #members)))
+    else
+      redis.call(cmd, unpack(members, i, math.min(i + 999, #members)))
+    end
   end
 end
 
-local function remove(gids)
+-- Take removed groups out of every index (their payloads: the caller's business).
+local function unindex(gids)
   if #gids == 0 then return end
-  for _, gid in ipairs(gids) do redis.call('PEXPIRE', payload_prefix .. gid, grace_ms) end
   variadic('ZREM', order, gids)
   variadic('ZREM', byver, gids)
   variadic('ZREM', prio, gids)
@@ -44,7 +48,10 @@ end
 local n_stale = 0
 if max_staleness >= 0 then
   local stale = redis.call('ZRANGEBYSCORE', byver, '-inf', '(' .. (consumer_version - max_staleness))
-  remove(stale)
+  unindex(stale)
+  local stale_keys = {}
+  for i, gid in ipairs(stale) do stale_keys[i] = payload_prefix .. gid end
+  variadic('DEL', nil, stale_keys)
   n_stale = #stale
   if n_stale > 0 then redis.call('HINCRBY', counters, 'dropped:stale', n_stale) end
 end
@@ -98,26 +105,27 @@ else
   for i = 1, k do chosen[i] = keyed[i][2] end
 end
 
--- 4. Count uses, remove groups that reached max_times_sampled. A group removed at its first use was
--- never chosen by anyone else: the caller owns its payload and deletes it once fetched (owned = 1).
+-- 4. Count uses, remove groups that reached max_times_sampled, hand each payload to the caller's
+-- out key. A payload that is gone (deleted behind the buffer's back, e.g. by maxmemory eviction) leaves
+-- its out key empty: the caller counts it as dropped `payload_missing`.
 local out = {1, 0, n_stale, 0}
-local counts = redis.call('HMGET', uses, unpack(chosen))
+local counts = {}
+if max_times ~= 1 then counts = redis.call('HMGET', uses, unpack(chosen)) end
 local retired, kept = {}, {}
 for i, gid in ipairs(chosen) do
   local n_uses = tonumber(counts[i] or '0') + 1
-  local owned = 0
   if max_times > 0 and n_uses >= max_times then
     retired[#retired + 1] = gid
-    if n_uses == 1 then owned = 1 end
+    redis.pcall('RENAME', payload_prefix .. gid, out_prefix .. i)
   else
     kept[#kept + 1] = gid
     kept[#kept + 1] = n_uses
+    redis.call('COPY', payload_prefix .. gid, out_prefix .. i)
   end
   out[#out + 1] = gid
-  out[#out + 1] = owned
 end
 if #kept > 0 then redis.call('HSET', uses, unpack(kept)) end
-remove(retired)
+unindex(retired)
 redis.call('HINCRBY', counters, 'sampled', k)
 if #retired > 0 then redis.call('HINCRBY', counters, 'evicted:max_times_sampled', #retired) end
 out[2] = size - #retired

@@ -130,13 +130,14 @@ def test_kill_9_mid_insert_keeps_every_acknowledged_insert(tmp_path: Path, run_i
             inserted = int(c.hget(keys.counters, "inserted"))
             seen = c.scard(keys.seen)
             payloads = [k.decode() for k in c.scan_iter(match=keys.payload_prefix + "*", count=1000)]
-            staging = list(c.scan_iter(match=keys.staging_prefix + "*", count=1000))
+            out = list(c.scan_iter(match=keys.out_prefix + "*", count=1000))
             ttls = {c.pttl(keys.payload(gid)) for gid in stored}
         assert len(acked) >= 200
-        # consistent: each insert (staging SETs + script) is one MULTI/EXEC, replayed all or nothing
+        # consistent: each insert (SET NXs + script) is one MULTI/EXEC, replayed all or nothing: no payload
+        # key without its indexes (a refused SET NX's key is deleted in the same transaction)
         assert len(stored) == len(set(stored)) == inserted == seen
         assert sorted(payloads) == sorted(keys.payload(gid) for gid in stored) and ttls == {-1}
-        assert staging == []  # no staging key outlived its transaction
+        assert out == []
         assert set(acked) <= set(stored)  # every insert that returned survived kill -9
         assert len(stored) - len(acked) <= PRODUCERS  # at most the one in flight per producer
         with ReplayBuffer(server.url, run_id) as b:

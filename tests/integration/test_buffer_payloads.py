@@ -1,9 +1,9 @@
-"""Payload keys outside Lua: staging keys never outlive an insert, removed payloads expire after the
-grace (or at once when the sampler owns them), and a payload gone before the fetch is counted."""
+"""Payload keys outside Lua: a payload key exists exactly while its group is stored (inserts SET NX and
+the script deletes what it refuses; samples move or copy payloads to per-call out keys that the same
+transaction reads and deletes), a stored payload is never overwritten, and a payload deleted behind the
+buffer's back is counted, not silently lost."""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 import redis
@@ -41,7 +41,20 @@ def _names(raw: redis.Redis, prefix: str) -> set[str]:
     return {k.decode().removeprefix(prefix) for k in raw.scan_iter(match=prefix + "*", count=1000)}
 
 
-def test_staging_keys_never_left_behind(env) -> None:
+def _stored(raw: redis.Redis, keys: BufferKeys) -> set[str]:
+    return {k.decode() for k in raw.zrange(keys.order, 0, -1)}
+
+
+def _consistent(raw: redis.Redis, keys: BufferKeys) -> set[str]:
+    """Payload keys == stored groups, none with a TTL, no out key left: return the stored ids."""
+    stored = _stored(raw, keys)
+    assert _names(raw, keys.payload_prefix) == stored
+    assert {raw.pttl(keys.payload(gid)) for gid in stored} <= {-1}
+    assert _names(raw, keys.out_prefix) == set()
+    return stored
+
+
+def test_a_payload_key_exists_exactly_while_its_group_is_stored(env) -> None:
     make, raw, keys = env
     b = make(samples_per_insert=1.0, error_buffer=1.0, min_size_to_sample=2, insert_timeout_s=0.05)
     good = [build_group(seed=i) for i in range(3)]
@@ -50,68 +63,86 @@ def test_staging_keys_never_left_behind(env) -> None:
     r = b.insert_many([good[0], bad, good[1], good[0], good[2]])  # a duplicate inside the batch too
     assert len(r.inserted) == 3 and r.duplicates == (good[0].group_id,) and list(r.rejected) == [bad.group_id]
     assert b.insert_many(good[:2]).duplicates == (good[0].group_id, good[1].group_id)
+    refused = build_group(seed=5)
     with pytest.raises(RateLimited):  # diff 3 = max_diff: the limiter refuses the next insert
-        b.insert(build_group(seed=5))
-    assert _names(raw, keys.staging_prefix) == set()
-    assert _names(raw, keys.payload_prefix) == {g.group_id for g in good}
-    assert {raw.pttl(keys.payload(g.group_id)) for g in good} == {-1}  # no TTL on stored payloads
+        b.insert(refused)
+    assert _consistent(raw, keys) == {g.group_id for g in good}  # the refused group's SET NX undone
 
 
-def test_insert_after_script_cache_flush(env) -> None:
+def test_a_duplicate_never_overwrites_or_resurrects_a_payload(env) -> None:
     make, raw, keys = env
-    b = make()
+    b = make(sampler="fifo", max_times_sampled=1)
+    g0, g1 = build_group(seed=0), build_group(seed=1)
+    b.insert_many([g0, g1])
+    impostor = build_group(seed=7)
+    impostor.group_id = g1.group_id  # same id, other content: still stored, must stay untouched
+    assert [g.group_id for g in b.sample(1, 0, timeout_s=0)] == [g0.group_id]  # g0 consumed, removed
+    r = b.insert_many([g0, impostor])  # g0's original is gone: its SET NX key must be deleted again
+    assert r.duplicates == (g0.group_id, g1.group_id) and r.inserted == ()
+    assert _consistent(raw, keys) == {g1.group_id}
+    (out,) = b.sample(1, 0, timeout_s=0)
+    assert out.group_id == g1.group_id
+    assert out.trajectories[0].response_ids.tolist() == g1.trajectories[0].response_ids.tolist()
+    assert _consistent(raw, keys) == set()
+
+
+def test_insert_and_sample_after_script_cache_flush(env) -> None:
+    make, raw, keys = env
+    b = make(sampler="fifo", max_times_sampled=1)
     b.insert(build_group(seed=0))
     raw.script_flush()  # as after a restart: EVALSHA inside the transaction gets NOSCRIPT
     assert b.insert(build_group(seed=1)) is True
     assert b.stats().inserted_total == 2
-    assert _names(raw, keys.staging_prefix) == set() and len(_names(raw, keys.payload_prefix)) == 2
+    assert len(_consistent(raw, keys)) == 2
+    raw.script_flush()
+    assert len(b.sample(2, 0, timeout_s=0)) == 2
+    assert b.stats().sampled_total == 2  # the transaction that hit NOSCRIPT sampled nothing
+    assert _consistent(raw, keys) == set()
 
 
-def test_removed_payloads_expire_after_the_grace(env) -> None:
+def test_removed_payloads_are_deleted_at_once(env) -> None:
     make, raw, keys = env
-    b = make(sampler="fifo", max_times_sampled=2, max_staleness=1, max_size=2, retired_payload_grace_s=0.3)
+    b = make(sampler="fifo", max_times_sampled=2, max_staleness=1, max_size=2)
     g0, g1, g2, g3, g4 = (build_group(v, seed=i) for i, v in enumerate((0, 2, 2, 2, 2)))
     b.insert_many([g0, g1])
     assert [g.group_id for g in b.sample(1, 2, timeout_s=0)] == [g1.group_id]  # g0 dropped stale
+    assert _consistent(raw, keys) == {g1.group_id}  # 1st use: the payload was copied out, kept
     assert [g.group_id for g in b.sample(1, 2, timeout_s=0)] == [g1.group_id]  # g1 removed: 2nd use
     b.insert_many([g2, g3, g4])  # max_size 2: g2 evicted
-    for g in (g0, g1, g2):  # out of every index, payload kept for the grace
-        assert 0 < raw.pttl(keys.payload(g.group_id)) <= 300
-    assert raw.pttl(keys.payload(g3.group_id)) == -1
+    assert _consistent(raw, keys) == {g3.group_id, g4.group_id}
     s = b.stats()
     assert (s.size, s.dropped_total, s.evicted_total) == (
         2, {"stale": 1, "evicted_unsampled": 1}, {"max_times_sampled": 1, "max_size": 1}
     )  # fmt: skip
-    time.sleep(0.4)
-    assert _names(raw, keys.payload_prefix) == {g3.group_id, g4.group_id}
 
 
-def test_payload_owned_by_its_only_sampler_is_deleted_at_once(env) -> None:
-    make, raw, keys = env
-    b = make(sampler="fifo", max_times_sampled=1)
-    g = build_group(seed=0)
-    b.insert_many([g, build_group(seed=1)])
-    assert b.sample(1, 0, timeout_s=0)[0].group_id == g.group_id
-    assert raw.exists(keys.payload(g.group_id)) == 0  # removed at its first use: nobody else chose it
-    assert len(_names(raw, keys.payload_prefix)) == 1
-
-
-def test_payload_gone_before_fetch_is_counted_and_the_rest_returned(env) -> None:
+def test_payload_deleted_behind_the_buffers_back_is_counted_and_the_rest_returned(env) -> None:
     make, raw, keys = env
     reg = CollectorRegistry()
     b = make(reg, sampler="fifo", max_times_sampled=None)
     groups = [build_group(v, seed=v) for v in range(3)]
     b.insert_many(groups)
-    # A consumer stalled past the grace: its chosen group's payload expired before its MGET. Expire it
-    # in Redis, as the grace would have.
-    raw.pexpire(keys.payload(groups[1].group_id), 1)
-    time.sleep(0.01)
+    raw.delete(keys.payload(groups[1].group_id))  # as a maxmemory policy or an operator could
     out = b.sample(3, 2, timeout_s=0)
     assert [g.group_id for g in out] == [groups[0].group_id, groups[2].group_id]
     s = b.stats()
-    assert (s.sampled_total, s.dropped_total) == (3, {"expired_before_fetch": 1})
-    assert reg.get_sample_value("offpolicy_buffer_drops_total", {"reason": "expired_before_fetch"}) == 1
+    assert (s.sampled_total, s.dropped_total) == (3, {"payload_missing": 1})
+    assert reg.get_sample_value("offpolicy_buffer_drops_total", {"reason": "payload_missing"}) == 1
     assert reg.get_sample_value("offpolicy_buffer_samples_total") == 2
+    assert _names(raw, keys.out_prefix) == set()
+
+
+def test_when_every_chosen_payload_is_missing_sample_chooses_again(env) -> None:
+    make, raw, keys = env
+    reg = CollectorRegistry()
+    b = make(reg, sampler="fifo", max_times_sampled=1)
+    groups = [build_group(v, seed=v) for v in range(2)]
+    b.insert_many(groups)
+    raw.delete(keys.payload(groups[0].group_id))
+    assert [g.group_id for g in b.sample(1, 1, timeout_s=1)] == [groups[1].group_id]
+    assert b.stats().dropped_total == {"payload_missing": 1}
+    assert reg.get_sample_value("offpolicy_buffer_rate_limited_waits_total", {"op": "sample"}) == 1
+    assert _consistent(raw, keys) == set()
 
 
 async def test_async_payload_protocol(any_redis, run_id) -> None:
@@ -122,9 +153,7 @@ async def test_async_payload_protocol(any_redis, run_id) -> None:
         assert [g.group_id for g in await b.sample(2, 1, timeout_s=0)] == [g.group_id for g in groups]
         assert [g.group_id for g in await b.sample(1, 1, timeout_s=0)] == [groups[0].group_id]
         with redis.Redis.from_url(any_redis.url) as raw:
-            assert _names(raw, keys.staging_prefix) == set()
-            assert raw.pttl(keys.payload(groups[0].group_id)) > 0  # 2nd use: removed, in its grace
-            assert raw.pttl(keys.payload(groups[1].group_id)) == -1
+            assert _consistent(raw, keys) == {groups[1].group_id}  # groups[0]: 2nd use, gone
             await b.clear()
             assert _names(raw, keys.payload_prefix) == set()
 
@@ -137,19 +166,5 @@ def test_batch_larger_than_max_size_evicts_its_own_oldest(env) -> None:
     assert len(r.inserted) == 5 and r.duplicates == (groups[4].group_id,)
     s = b.stats()
     assert (s.size, s.evicted_total, s.dropped_total) == (2, {"max_size": 3}, {"evicted_unsampled": 3})
+    assert _consistent(raw, keys) == {groups[3].group_id, groups[4].group_id}
     assert [g.policy_version for g in b.sample(2, 4, timeout_s=0)] == [3, 4]
-    assert {raw.pttl(keys.payload(g.group_id)) > 0 for g in groups[:3]} == {True}  # in their grace
-    assert _names(raw, keys.staging_prefix) == set()
-
-
-def test_when_every_chosen_payload_expired_sample_chooses_again(env) -> None:
-    make, raw, keys = env
-    reg = CollectorRegistry()
-    b = make(reg, sampler="fifo", max_times_sampled=1)
-    groups = [build_group(v, seed=v) for v in range(2)]
-    b.insert_many(groups)
-    raw.pexpire(keys.payload(groups[0].group_id), 1)  # as if the grace had run out before the fetch
-    time.sleep(0.01)
-    assert [g.group_id for g in b.sample(1, 1, timeout_s=1)] == [groups[1].group_id]
-    assert b.stats().dropped_total == {"expired_before_fetch": 1}
-    assert reg.get_sample_value("offpolicy_buffer_rate_limited_waits_total", {"op": "sample"}) == 1
