@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis
 import redis.asyncio as aioredis
@@ -142,18 +142,15 @@ def _queue_insert(pipe, script: Script, cfg: BufferConfig, keys: BufferKeys, ent
     pipe.evalsha(script.sha, len(index_keys), *index_keys, *insert_args(cfg, keys, entries))
 
 
-def insert_transaction(
-    client: redis.Redis, script: Script, cfg: BufferConfig, keys: BufferKeys, entries: list
-) -> list:
-    """Run one insert as MULTI / SET NX... / EVALSHA insert / EXEC (one round trip, one AOF entry,
-    atomic: no other command runs in between); return the script's raw reply. After a restart flushed
-    the script cache (NOSCRIPT), load the script and run the whole transaction again: the SETs find the
-    keys the first run left (NX: unchanged) and this time the script indexes or deletes them."""
+def _transaction(client: redis.Redis, script: Script, queue: Callable[[Any], None]) -> list:
+    """Run the MULTI/EXEC that `queue` fills in (it holds one EVALSHA of `script`); return EXEC's replies.
+    After a restart flushed the script cache, EVALSHA answers NOSCRIPT inside the transaction while the
+    other commands ran: load the script and run the whole transaction once more."""
     for attempt in (0, 1):
         pipe = client.pipeline(transaction=True)
-        _queue_insert(pipe, script, cfg, keys, entries)
+        queue(pipe)
         try:
-            return pipe.execute()[-1]
+            return pipe.execute()
         except NoScriptError:
             if attempt:
                 raise
@@ -161,20 +158,37 @@ def insert_transaction(
     raise AssertionError("unreachable")
 
 
-async def insert_transaction_async(
-    client: aioredis.Redis, script: AsyncScript, cfg: BufferConfig, keys: BufferKeys, entries: list
+async def _transaction_async(
+    client: aioredis.Redis, script: AsyncScript, queue: Callable[[Any], None]
 ) -> list:
-    """The asyncio twin of `insert_transaction`."""
+    """The asyncio twin of `_transaction`."""
     for attempt in (0, 1):
         pipe = client.pipeline(transaction=True)
-        _queue_insert(pipe, script, cfg, keys, entries)
+        queue(pipe)
         try:
-            return (await pipe.execute())[-1]
+            return await pipe.execute()
         except NoScriptError:
             if attempt:
                 raise
             await client.script_load(script.script)
     raise AssertionError("unreachable")
+
+
+def insert_transaction(
+    client: redis.Redis, script: Script, cfg: BufferConfig, keys: BufferKeys, entries: list
+) -> list:
+    """Run one insert as MULTI / SET NX... / EVALSHA insert / EXEC (one round trip, one AOF entry,
+    atomic: no other command runs in between); return the script's raw reply. A rerun after NOSCRIPT
+    finds the keys the first run's SETs left (NX: unchanged) and this time indexes or deletes them."""
+    return _transaction(client, script, lambda pipe: _queue_insert(pipe, script, cfg, keys, entries))[-1]
+
+
+async def insert_transaction_async(
+    client: aioredis.Redis, script: AsyncScript, cfg: BufferConfig, keys: BufferKeys, entries: list
+) -> list:
+    """The asyncio twin of `insert_transaction`."""
+    queue = lambda pipe: _queue_insert(pipe, script, cfg, keys, entries)  # noqa: E731
+    return (await _transaction_async(client, script, queue))[-1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,33 +261,17 @@ def sample_transaction(
     client: redis.Redis, script: Script, cfg: BufferConfig, keys: BufferKeys, k: int, version: int
 ) -> SampleReply:
     """Run one sample as MULTI / EVALSHA sample / MGET out keys / UNLINK out keys / EXEC: one round
-    trip, atomic, no payload left behind. NOSCRIPT (a restart flushed the script cache): the MGET and
-    UNLINK found nothing; load the script and run the transaction again."""
-    for attempt in (0, 1):
-        pipe = client.pipeline(transaction=True)
-        _queue_sample(pipe, script, cfg, keys, k, version)
-        try:
-            raw, payloads, _ = pipe.execute()
-            return SampleReply.parse(raw, payloads)
-        except NoScriptError:
-            if attempt:
-                raise
-            client.script_load(script.script)
-    raise AssertionError("unreachable")
+    trip, atomic, no payload left behind (after NOSCRIPT the MGET and UNLINK found nothing)."""
+    raw, payloads, _ = _transaction(
+        client, script, lambda pipe: _queue_sample(pipe, script, cfg, keys, k, version)
+    )
+    return SampleReply.parse(raw, payloads)
 
 
 async def sample_transaction_async(
     client: aioredis.Redis, script: AsyncScript, cfg: BufferConfig, keys: BufferKeys, k: int, version: int
 ) -> SampleReply:
     """The asyncio twin of `sample_transaction`."""
-    for attempt in (0, 1):
-        pipe = client.pipeline(transaction=True)
-        _queue_sample(pipe, script, cfg, keys, k, version)
-        try:
-            raw, payloads, _ = await pipe.execute()
-            return SampleReply.parse(raw, payloads)
-        except NoScriptError:
-            if attempt:
-                raise
-            await client.script_load(script.script)
-    raise AssertionError("unreachable")
+    queue = lambda pipe: _queue_sample(pipe, script, cfg, keys, k, version)  # noqa: E731
+    raw, payloads, _ = await _transaction_async(client, script, queue)
+    return SampleReply.parse(raw, payloads)
