@@ -28,7 +28,7 @@ local inserted, sampled = tonumber(c[1] or '0'), tonumber(c[2] or '0')
 local size = redis.call('ZCARD', order)
 
 -- 1. Decide each group in batch order: duplicate, refused by the ratio limiter (and all after it), new.
-local statuses, new, refused, seen_dups, taken = {}, {}, {}, {}, {}
+local statuses, new, others, taken = {}, {}, {}, {}
 local by_order, by_version, by_priority = {}, {}, {}
 local n_dup, limited = 0, false
 for j, gid in ipairs(gids) do
@@ -57,9 +57,9 @@ for j, gid in ipairs(gids) do
     by_priority[#by_priority + 1] = ARGV[a + 2]
     by_priority[#by_priority + 1] = gid
   elseif not taken[gid] then
-    -- Not stored by this batch: a refused group's key is this transaction's SET; a duplicate's key is
-    -- its stored original's (NX kept it) unless the original has left the buffer.
-    if status == 2 then refused[#refused + 1] = payload_prefix .. gid else seen_dups[#seen_dups + 1] = gid end
+    -- Not stored by this batch (a duplicate, or refused): its payload key holds this transaction's SET
+    -- unless the group is stored already (NX kept the stored payload), refused or not.
+    others[#others + 1] = gid
   end
 end
 
@@ -71,13 +71,13 @@ if #new > 0 then
   if use_priority then redis.call('ZADD', prio, unpack(by_priority)) end
   redis.call('HSET', counters, 'inserted', inserted)
 end
-if #seen_dups > 0 then
-  local stored = redis.call('ZMSCORE', order, unpack(seen_dups))
-  for i, gid in ipairs(seen_dups) do
-    if not stored[i] then refused[#refused + 1] = payload_prefix .. gid end
+if #others > 0 then
+  local stored, unstored = redis.call('ZMSCORE', order, unpack(others)), {}
+  for i, gid in ipairs(others) do
+    if not stored[i] then unstored[#unstored + 1] = payload_prefix .. gid end
   end
+  if #unstored > 0 then redis.call('DEL', unpack(unstored)) end
 end
-if #refused > 0 then redis.call('DEL', unpack(refused)) end
 if n_dup > 0 then redis.call('HINCRBY', counters, 'duplicates', n_dup) end
 
 -- 3. Evict past max_size, oldest (lowest insert sequence) first.

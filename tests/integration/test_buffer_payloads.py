@@ -67,6 +67,9 @@ def test_a_payload_key_exists_exactly_while_its_group_is_stored(env) -> None:
     with pytest.raises(RateLimited):  # diff 3 = max_diff: the limiter refuses the next insert
         b.insert(refused)
     assert _consistent(raw, keys) == {g.group_id for g in good}  # the refused group's SET NX undone
+    with pytest.raises(RateLimited):  # refused, and so is the stored duplicate after it in the batch
+        b.insert_many([refused, good[1]])
+    assert _consistent(raw, keys) == {g.group_id for g in good}  # good[1]'s stored payload kept
 
 
 def test_a_duplicate_never_overwrites_or_resurrects_a_payload(env) -> None:
