@@ -20,6 +20,21 @@ local use_priority = ARGV[6] == '1'
 local payload_prefix = ARGV[7]
 local FIRST = 8
 
+-- Variadic calls of at most 1000 members (unpack has a stack limit: an eviction after max_size was
+-- lowered can remove many groups at once); returns the sum of the replies.
+local function variadic(cmd, key, members)
+  local n = 0
+  for i = 1, #members, 1000 do
+    local last = math.min(i + 999, #members)
+    if key then
+      n = n + redis.call(cmd, key, unpack(members, i, last))
+    else
+      n = n + redis.call(cmd, unpack(members, i, last))
+    end
+  end
+  return n
+end
+
 local gids = {}
 for i = FIRST, #ARGV, 3 do gids[#gids + 1] = ARGV[i] end
 local was_seen = redis.call('SMISMEMBER', seen, unpack(gids))
@@ -89,11 +104,11 @@ if size > max_size then
     old[#old + 1] = popped[i]
     old_keys[#old_keys + 1] = payload_prefix .. popped[i]
   end
-  redis.call('DEL', unpack(old_keys))
-  redis.call('ZREM', byver, unpack(old))
-  redis.call('ZREM', prio, unpack(old))
+  variadic('DEL', nil, old_keys)
+  variadic('ZREM', byver, old)
+  variadic('ZREM', prio, old)
   n_evicted = #old
-  n_unsampled = n_evicted - redis.call('HDEL', uses, unpack(old))
+  n_unsampled = n_evicted - variadic('HDEL', uses, old)
   size = max_size
   redis.call('HINCRBY', counters, 'evicted:max_size', n_evicted)
   if n_unsampled > 0 then redis.call('HINCRBY', counters, 'dropped:evicted_unsampled', n_unsampled) end

@@ -171,3 +171,17 @@ def test_batch_larger_than_max_size_evicts_its_own_oldest(env) -> None:
     assert (s.size, s.evicted_total, s.dropped_total) == (2, {"max_size": 3}, {"evicted_unsampled": 3})
     assert _consistent(raw, keys) == {groups[3].group_id, groups[4].group_id}
     assert [g.policy_version for g in b.sample(2, 4, timeout_s=0)] == [3, 4]
+
+
+def test_lowering_max_size_evicts_thousands_of_groups_in_one_insert(env) -> None:
+    make, raw, keys = env
+    b = make(sampler="fifo", max_size=10_000, max_times_sampled=None)
+    b.insert_many([build_group(v, n=1, tokens=2, seed=v) for v in range(8200)])
+    b.reconfigure(b.config.model_copy(update={"max_size": 10}))
+    last = build_group(8200, n=1, tokens=2)
+    assert b.insert(last) is True  # evicts 8191 groups at once: more than Lua's unpack takes (8000)
+    s = b.stats()
+    assert (s.size, s.evicted_total, s.dropped_total) == (10, {"max_size": 8191}, {"evicted_unsampled": 8191})
+    assert (s.policy_version_min, s.policy_version_max) == (8191, 8200)
+    assert len(_consistent(raw, keys)) == 10
+    assert raw.zcard(keys.by_version) == 10
