@@ -110,7 +110,12 @@ end
 -- its out key empty: the caller counts it as dropped `payload_missing`.
 local out = {1, 0, n_stale, 0}
 local counts = {}
-if max_times ~= 1 then counts = redis.call('HMGET', uses, unpack(chosen)) end
+if max_times ~= 1 then
+  for i = 1, #chosen, 1000 do
+    local part = redis.call('HMGET', uses, unpack(chosen, i, math.min(i + 999, #chosen)))
+    for j, n in ipairs(part) do counts[i + j - 1] = n end  -- a missing field is false, not nil
+  end
+end
 local retired, kept = {}, {}
 for i, gid in ipairs(chosen) do
   local n_uses = tonumber(counts[i] or '0') + 1
@@ -124,7 +129,7 @@ for i, gid in ipairs(chosen) do
   end
   out[#out + 1] = gid
 end
-if #kept > 0 then redis.call('HSET', uses, unpack(kept)) end
+variadic('HSET', uses, kept)  -- chunks of 1000: whole (group_id, uses) pairs
 unindex(retired)
 redis.call('HINCRBY', counters, 'sampled', k)
 if #retired > 0 then redis.call('HINCRBY', counters, 'evicted:max_times_sampled', #retired) end

@@ -185,3 +185,16 @@ def test_lowering_max_size_evicts_thousands_of_groups_in_one_insert(env) -> None
     assert (s.policy_version_min, s.policy_version_max) == (8191, 8200)
     assert len(_consistent(raw, keys)) == 10
     assert raw.zcard(keys.by_version) == 10
+
+
+def test_sampling_thousands_of_groups_in_one_call(env) -> None:
+    make, raw, keys = env
+    b = make(sampler="fifo", max_size=20_000, max_times_sampled=2)
+    groups = [build_group(v, n=1, tokens=2, seed=v) for v in range(8200)]
+    b.insert_many(groups)
+    for _ in range(2):  # 1st use counts 8200 uses, 2nd removes them: more than Lua's unpack takes (8000)
+        out = b.sample(8200, 0, timeout_s=0)
+        assert [g.group_id for g in out] == [g.group_id for g in groups]
+    s = b.stats()
+    assert (s.size, s.sampled_total, s.evicted_total) == (0, 16400, {"max_times_sampled": 8200})
+    assert _consistent(raw, keys) == set() and raw.hlen(keys.uses) == 0
