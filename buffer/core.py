@@ -89,7 +89,7 @@ class Core:
 
     def missing(self, payloads: list[bytes | None]) -> int:
         """How many chosen groups had no payload (deleted behind the buffer's back, e.g. by a maxmemory
-        policy); counted as dropped `payload_missing`."""
+        policy); the script counted them as dropped `payload_missing` in Redis, this in the metrics."""
         missing = payloads.count(None)
         if missing:
             self.metrics.dropped_payload_missing.inc(missing)

@@ -140,11 +140,9 @@ class ReplayBuffer(_BufferHandle):
                 "sample",
             )
             core.on_sample(reply)
-            if reply.status is SampleStatus.OK:
-                if missing := core.missing(reply.payloads):
-                    self._call(lambda n=missing: self._count({"dropped:payload_missing": n}), "count")
-                if missing < len(reply.payloads):
-                    break
+            # refused, or every chosen payload missing: wait and choose again
+            if reply.status is SampleStatus.OK and core.missing(reply.payloads) < len(reply.payloads):
+                break
             delay = backoff.delay()
             if delay is None:
                 raise sample_refused(reply.status, num_groups, reply.size, timeout_s)
@@ -282,11 +280,9 @@ class AsyncReplayBuffer(_BufferHandle):
                 "sample",
             )
             core.on_sample(reply)
-            if reply.status is SampleStatus.OK:
-                if missing := core.missing(reply.payloads):
-                    await self._call(lambda n=missing: self._count({"dropped:payload_missing": n}), "count")
-                if missing < len(reply.payloads):
-                    break
+            # refused, or every chosen payload missing: wait and choose again
+            if reply.status is SampleStatus.OK and core.missing(reply.payloads) < len(reply.payloads):
+                break
             delay = backoff.delay()
             if delay is None:
                 raise sample_refused(reply.status, num_groups, reply.size, timeout_s)

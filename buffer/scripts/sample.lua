@@ -107,7 +107,7 @@ end
 
 -- 4. Count uses, remove groups that reached max_times_sampled, hand each payload to the caller's
 -- out key. A payload that is gone (deleted behind the buffer's back, e.g. by maxmemory eviction) leaves
--- its out key empty: the caller counts it as dropped `payload_missing`.
+-- its out key empty; it is counted here as dropped `payload_missing` (the caller skips it).
 local out = {1, 0, n_stale, 0}
 local counts = {}
 if max_times ~= 1 then
@@ -116,16 +116,17 @@ if max_times ~= 1 then
     for j, n in ipairs(part) do counts[i + j - 1] = n end  -- a missing field is false, not nil
   end
 end
-local retired, kept = {}, {}
+local retired, kept, n_missing = {}, {}, 0
 for i, gid in ipairs(chosen) do
   local n_uses = tonumber(counts[i] or '0') + 1
   if max_times > 0 and n_uses >= max_times then
     retired[#retired + 1] = gid
-    redis.pcall('RENAME', payload_prefix .. gid, out_prefix .. i)
+    -- RENAME of a missing key is an error reply ({err = ...}), caught: nothing else is undone
+    if redis.pcall('RENAME', payload_prefix .. gid, out_prefix .. i).err then n_missing = n_missing + 1 end
   else
     kept[#kept + 1] = gid
     kept[#kept + 1] = n_uses
-    redis.call('COPY', payload_prefix .. gid, out_prefix .. i)
+    if redis.call('COPY', payload_prefix .. gid, out_prefix .. i) == 0 then n_missing = n_missing + 1 end
   end
   out[#out + 1] = gid
 end
@@ -133,6 +134,7 @@ variadic('HSET', uses, kept)  -- chunks of 1000: whole (group_id, uses) pairs
 unindex(retired)
 redis.call('HINCRBY', counters, 'sampled', k)
 if #retired > 0 then redis.call('HINCRBY', counters, 'evicted:max_times_sampled', #retired) end
+if n_missing > 0 then redis.call('HINCRBY', counters, 'dropped:payload_missing', n_missing) end
 out[2] = size - #retired
 out[4] = #retired
 return out
