@@ -18,6 +18,7 @@ from buffer.settings import env_overrides as env_overrides
 from buffer.settings import load_layered
 from buffer.settings import merge as merge
 from learner.correction_config import RolloutCorrectionConfig
+from learner.precision import PrecisionName
 
 FROZEN = {"frozen_while_running": True}
 
@@ -80,8 +81,9 @@ class PublishConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    weights_dir: str = Field("runs/weights", json_schema_extra=FROZEN)
-    """Folder holding `v<version>/` (safetensors + config + tokenizer), shared with the actors."""
+    weights_dir: str = Field("runs/{run_id}/weights", json_schema_extra=FROZEN)
+    """Folder holding `v<version>/` (safetensors + manifest + config + tokenizer), shared with the actors;
+    `{run_id}` is replaced by the run's id (`LearnerConfig.weights_path`), so runs never share a folder."""
     publish_every: int = Field(1, ge=1)
     """Publish after every this many learner steps."""
     keep_versions: int = Field(3, ge=1)
@@ -93,8 +95,9 @@ class CheckpointConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    checkpoint_dir: str | None = Field("runs/checkpoints", json_schema_extra=FROZEN)
-    """Folder of `step-<version>/` checkpoints; the newest is resumed on start. None = no checkpoints."""
+    checkpoint_dir: str | None = Field("runs/{run_id}/checkpoints", json_schema_extra=FROZEN)
+    """Folder of `ckpt-<version>/` checkpoints; the newest is resumed on start, and one written for another
+    run or model is refused. `{run_id}` is replaced by the run's id. None = no checkpoints."""
     checkpoint_every: int | None = Field(10, ge=1)
     """Checkpoint after every this many learner steps; None = only on demand (`POST /v1/checkpoints`)."""
     keep_checkpoints: int = Field(2, ge=1)
@@ -110,7 +113,16 @@ class LearnerConfig(BaseModel):
     model_path: str = Field(json_schema_extra=FROZEN)
     """Hugging Face causal LM: a local folder or a hub id."""
     device: str | None = Field(None, json_schema_extra=FROZEN)
-    """torch device, e.g. `cuda:0` or `cpu`; None = CUDA when available, else CPU (bf16 / fp32)."""
+    """torch device, e.g. `cuda:0` or `cpu`; None = CUDA when available, else CPU."""
+    precision: PrecisionName | None = Field(None, json_schema_extra=FROZEN)
+    """`bf16_mixed` (fp32 master weights and AdamW state, bf16 autocast compute), `fp32`, or `bf16_pure`
+    (bf16 weights and optimizer state: loses updates below bf16's rounding step, e.g. most of lr 1e-6;
+    opt-in only). None = `bf16_mixed` on CUDA, `fp32` on CPU (learner/precision.py)."""
+    gradient_checkpointing: bool = Field(False, json_schema_extra=FROZEN)
+    """Recompute each decoder layer's activations in the backward pass (less memory, ~30 % more compute)."""
+    logprob_chunk_tokens: int = Field(4096, ge=1)
+    """Tokens of a micro-batch whose fp32 logits exist at once when computing log-probs (the LM head runs
+    on chunks of response positions; `learner/batching.py` `token_logprobs`)."""
     seed: int = Field(0, json_schema_extra=FROZEN)
     """Seed of torch's and Python's generators at start (restored from the checkpoint on resume)."""
     torch_threads: int | None = Field(None, ge=1, json_schema_extra=FROZEN)
@@ -185,6 +197,17 @@ class LearnerConfig(BaseModel):
         if mb is not None and self.groups_per_step % mb != 0:
             raise ValueError(f"mini_batch_groups={mb} must divide groups_per_step={self.groups_per_step}")
         return self
+
+    @property
+    def weights_path(self) -> Path:
+        """`publish.weights_dir` with `{run_id}` filled in."""
+        return Path(self.publish.weights_dir.replace("{run_id}", self.run_id))
+
+    @property
+    def checkpoint_path(self) -> Path | None:
+        """`checkpoint.checkpoint_dir` with `{run_id}` filled in; None = checkpoints disabled."""
+        cdir = self.checkpoint.checkpoint_dir
+        return None if cdir is None else Path(cdir.replace("{run_id}", self.run_id))
 
     @property
     def optimizer_steps_per_step(self) -> int:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from buffer.policy import PolicyStore
 from buffer.replay_buffer import ReplayBuffer
@@ -54,16 +55,17 @@ def test_resume_after_kill_9(tiny_dir, redis_url, tmp_path):  # noqa: F811
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
-    published = store.read().version
     before = buf.stats()
     newest_ckpt = checkpoint_versions(tmp_path / "ckpt")[-1]
     assert newest_ckpt >= 2
 
     learner = Learner(cfg)
     try:
-        assert learner.version == max(newest_ckpt, published)  # continues; never behind what actors saw
+        assert learner.version == newest_ckpt  # the version of the weights it holds, never relabelled
+        assert store.read().version == newest_ckpt  # re-published, so the actors follow these weights
         resumed = learner.version
         learner.step()
+        learner.writer.flush()
         assert learner.version == resumed + 1
         assert store.read().version == resumed + 1
     finally:
@@ -74,3 +76,42 @@ def test_resume_after_kill_9(tiny_dir, redis_url, tmp_path):  # noqa: F811
     assert after.evicted_total.get("max_times_sampled", 0) == after.sampled_total
     assert after.sampled_total <= after.inserted_total
     buf.close()
+
+
+def test_resume_keeps_the_checkpoints_version_and_weights_when_newer_ones_were_published(
+    tiny_dir,  # noqa: F811
+    redis_url,
+    tmp_path,
+):
+    """Published v4 is newer than checkpoint v2: the resumed learner is v2 with v2's weights, and it
+    re-publishes them as v2 (before the fix it took the number 4 for v2's weights: mislabelled data)."""
+    cfg = config(
+        tiny_dir,
+        redis_url,
+        tmp_path,
+        checkpoint={"checkpoint_dir": str(tmp_path / "ckpt"), "checkpoint_every": None},
+    )
+    behaviour = load_model(tiny_dir, "cpu").eval()
+    store = PolicyStore(redis_url, cfg.run_id)
+    with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:
+        buf.insert_many(make_groups(behaviour, 16, version=0, temperature=0.9))
+    learner = Learner(cfg)
+    try:
+        learner.step(), learner.step()
+        _, version = learner.checkpoint()
+        at_checkpoint = {k: v.clone() for k, v in learner.model.state_dict().items()}
+        learner.step(), learner.step()
+    finally:
+        learner.close()
+    assert (version, store.read().version) == (2, 4)
+    resumed = Learner(cfg)
+    try:
+        assert resumed.version == 2
+        record = store.read()
+        assert record.version == 2 and Path(record.weights_uri).name == "v2"
+        published = load_model(record.weights_uri, "cpu").state_dict()
+        for k, v in at_checkpoint.items():
+            torch.testing.assert_close(published[k], v, rtol=0, atol=0)
+    finally:
+        resumed.close()
+    store.close()
