@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from buffer.policy import PolicyStore
+from buffer.policy import PolicyStore, weights_sha256
 from buffer.replay_buffer import ReplayBuffer
 from learner.checkpoint import checkpoint_versions
-from learner.model import load_model
+from learner.model import load_model, make_tiny_model
 from learner.train import Learner
+from learner.weights import published_versions, read_manifest
 from tests.integration.test_learner_loop import config, make_groups, tiny_dir  # noqa: F401
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -26,6 +27,7 @@ CHILD = """
 import sys, threading
 from learner.config import LearnerConfig
 from learner.train import Learner
+from learner.weights import published_versions, read_manifest
 cfg = LearnerConfig.model_validate_json(open(sys.argv[1]).read())
 Learner(cfg).run(threading.Event())
 """
@@ -115,3 +117,59 @@ def test_resume_keeps_the_checkpoints_version_and_weights_when_newer_ones_were_p
     finally:
         resumed.close()
     store.close()
+
+
+def test_kill_9_during_a_background_write_leaves_no_partial_version_or_checkpoint(redis_url, tmp_path):
+    """A learner whose writes take a while (a 27M-parameter model, weights and checkpoint every step) is
+    killed -9 while a temporary folder exists: every visible version matches its manifest, the newest
+    checkpoint loads, and a new learner removes the leftovers and resumes from it."""
+    model_dir = make_tiny_model(tmp_path / "model", hidden_size=512, num_heads=8, num_layers=6)
+    cfg = config(
+        model_dir, redis_url, tmp_path, groups_per_step=1, micro_batch_size=4,
+        checkpoint={"checkpoint_dir": str(tmp_path / "ckpt"), "checkpoint_every": 1, "keep_checkpoints": 2},
+        publish={"weights_dir": str(tmp_path / "weights"), "keep_versions": 3},
+    )  # fmt: skip
+    behaviour = load_model(model_dir, "cpu").eval()
+    with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:
+        buf.insert_many(make_groups(behaviour, 40, version=0, n=2, tokens=4, temperature=0.9))
+    (tmp_path / "cfg.json").write_text(cfg.model_dump_json())
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path / "cfg.json")], cwd=ROOT, env=env)
+    caught = None
+    try:
+        deadline = time.monotonic() + 180
+        while caught is None:
+            assert child.poll() is None, "the learner subprocess died"
+            assert time.monotonic() < deadline, "never saw a write in progress"
+            if checkpoint_versions(tmp_path / "ckpt"):
+                for folder in (tmp_path / "weights", tmp_path / "ckpt"):
+                    tmp = (
+                        [p.name for p in folder.iterdir() if p.name.startswith(".tmp-")]
+                        if folder.is_dir()
+                        else []
+                    )
+                    if tmp:
+                        child.send_signal(signal.SIGKILL)
+                        caught = (folder.name, tmp)
+                        break
+            time.sleep(0.002)
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    for version in published_versions(tmp_path / "weights"):
+        folder = tmp_path / "weights" / f"v{version}"
+        manifest = read_manifest(folder)
+        assert manifest["sha256"] == weights_sha256(folder)
+        for name, entry in manifest["files"].items():
+            assert (folder / name).stat().st_size == entry["bytes"]
+    newest = checkpoint_versions(tmp_path / "ckpt")[-1]
+    learner = Learner(cfg)
+    try:
+        assert learner.version == newest
+        leftovers = [
+            p for d in ("weights", "ckpt") for p in (tmp_path / d).iterdir() if p.name.startswith(".")
+        ]
+        assert leftovers == [], (caught, leftovers)
+        learner.step()
+    finally:
+        learner.close()
