@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file
 
 from learner.errors import CheckpointMismatch
-from learner.weights import unique_state, write_safetensors
+from learner.weights import HostCopy, unique_state, write_safetensors
 
 FORMAT = 2
 CKPT_DIR = re.compile(r"^ckpt-(\d+)$")
@@ -55,7 +55,7 @@ def _optimizer_to_files(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Ten
         for name, value in state.items():
             key = f"state.{idx}.{name}"
             if isinstance(value, torch.Tensor):
-                tensors[key] = value.detach().to("cpu", copy=True).contiguous()
+                tensors[key] = value.detach()  # copied to the host by the snapshot's HostCopy
             else:
                 scalars[key] = value
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
@@ -86,11 +86,17 @@ def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
 
 @dataclass(frozen=True, slots=True)
 class CheckpointSnapshot:
-    """A checkpoint in host memory, taken at a step boundary; `write_checkpoint` writes it (background)."""
+    """A checkpoint taken at a step boundary: its tensors are being copied to host memory (`copies`, the
+    learner waits for them before the next optimizer step); `write_checkpoint` writes it (background)."""
 
     version: int
-    files: dict[str, dict[str, torch.Tensor]]  # file name (without .safetensors) -> host tensors
+    copies: dict[str, HostCopy]  # file name (without .safetensors) -> its tensors' host copy
     meta: dict[str, Any]
+
+    def wait(self) -> None:
+        """Block until every tensor is in host memory."""
+        for copy in self.copies.values():
+            copy.wait()
 
 
 def identity(parts: Trainables, run_id: str) -> dict[str, str]:
@@ -100,9 +106,10 @@ def identity(parts: Trainables, run_id: str) -> dict[str, str]:
     return {"run_id": run_id, "model": hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:16]}
 
 
-def _host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Host copies of `tensors` (the snapshot owns them: training may change the originals at once)."""
-    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
+def _host(tensors: dict[str, torch.Tensor]) -> HostCopy:
+    """A background host copy of `tensors` into pageable memory (a checkpoint's optimizer state is ~3x the
+    weights: too much to keep pinned between checkpoints)."""
+    return HostCopy(tensors, None, pin=False)
 
 
 def snapshot_checkpoint(
@@ -117,7 +124,7 @@ def snapshot_checkpoint(
     """Copy everything a checkpoint holds to host memory (the critical-path part of a checkpoint)."""
     files = {"model": _host(unique_state(parts.model))}
     opt_tensors, opt_meta = _optimizer_to_files(parts.optimizer)
-    files["optimizer"] = opt_tensors
+    files["optimizer"] = _host(opt_tensors)
     meta: dict[str, Any] = {
         "format": FORMAT,
         "identity": identity(parts, run_id),
@@ -132,11 +139,12 @@ def snapshot_checkpoint(
     }
     if parts.critic is not None and parts.critic_optimizer is not None:
         files["critic"] = _host(unique_state(parts.critic))
-        files["critic_optimizer"], meta["critic_optimizer"] = _optimizer_to_files(parts.critic_optimizer)
+        c_tensors, meta["critic_optimizer"] = _optimizer_to_files(parts.critic_optimizer)
+        files["critic_optimizer"] = _host(c_tensors)
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng |= {f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
-    files["rng"] = rng
+    files["rng"] = _host(rng)
     return CheckpointSnapshot(version, files, meta)
 
 
@@ -146,8 +154,8 @@ def write_checkpoint(checkpoint_dir: str | Path, snap: CheckpointSnapshot, keep:
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-{uuid.uuid4().hex}"
     tmp.mkdir()
-    for name, tensors in snap.files.items():
-        write_safetensors(tmp / f"{name}.safetensors", tensors)  # fsynced
+    for name, copy in snap.copies.items():
+        write_safetensors(tmp / f"{name}.safetensors", copy.wait())  # fsynced
     (tmp / "meta.json").write_text(json.dumps(snap.meta, indent=1))
     with (tmp / "meta.json").open("rb") as fh:
         os.fsync(fh.fileno())
@@ -172,7 +180,7 @@ def save_checkpoint(
     run_id: str = "default",
     keep: int | None = None,
 ) -> Path:
-    """Snapshot and write a checkpoint in the calling thread (the background path splits the two)."""
+    """Snapshot and write a checkpoint in the calling thread (the learner writes in the background)."""
     snap = snapshot_checkpoint(
         parts, version=version, step=step, run_id=run_id, config=config, buffer_position=buffer_position
     )

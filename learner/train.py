@@ -32,6 +32,7 @@ from buffer.replay_buffer import ReplayBuffer
 from learner.advantages import compute_advantages, gae, grpo
 from learner.batching import Batch, collate
 from learner.checkpoint import (
+    CheckpointSnapshot,
     Trainables,
     latest_checkpoint,
     load_checkpoint,
@@ -56,13 +57,7 @@ from learner.update import (
     set_optimizer_hparams,
     timed,
 )
-from learner.weights import (
-    WeightsSnapshot,
-    publish_snapshot,
-    remove_leftovers,
-    snapshot_to_host,
-    unique_state,
-)
+from learner.weights import HostCopy, WeightsSnapshot, publish_snapshot, remove_leftovers, unique_state
 from learner.writer import BackgroundWriter, Kind, WeightsBuffers
 
 log = logging.getLogger(__name__)
@@ -138,6 +133,7 @@ class Learner:
         self.published_version: int | None = None
         self.durable_checkpoint_version: int | None = None
         self._coalesced_seen = 0
+        self._copies: dict[Kind, list[HostCopy | CheckpointSnapshot]] = {"weights": [], "checkpoint": []}
         # --- resume from the newest checkpoint, then make sure actors see the weights we hold
         for folder in (config.weights_path, config.checkpoint_path):
             if folder is not None and (gone := remove_leftovers(folder)):
@@ -274,7 +270,9 @@ class Learner:
         for epoch in range(cfg.ppo_epochs):
             for mini in mini_batches(batch, cfg.mini_batch_groups):
                 bypass_kl = (kl, self.version) if epoch == 0 and rc.bypass_mode else None
-                optimizer_step(self._trainables(), batch, mini, cfg, acc, phases, self.precision, bypass_kl)
+                optimizer_step(
+                    self._trainables(), batch, mini, cfg, acc, phases, self.precision, bypass_kl, self._fence
+                )
                 self.version += 1  # the policy version counts optimizer steps
         if batch.is_weights is not None:
             self.metrics.is_weight_hist.observe_many(batch.is_weights[batch.response_mask > 0].cpu().numpy())
@@ -338,27 +336,38 @@ class Learner:
             self._on_config_applied(version, self.step_count)
 
     def _publish(self) -> None:
-        """Snapshot the weights to host memory (cast to the publish dtype) and queue the write."""
-        buffers = self._weights_buffers.acquire()
-        tensors = snapshot_to_host(unique_state(self.model), self.publish_dtype, into=buffers)
-        self._weights_buffers.keep(tensors)
-        snap = WeightsSnapshot(
-            version=self.version,
-            tensors=tensors,
-            config=self.model.config,
-            tokenizer=self.tokenizer,
-            dtype=self.publish_dtype,
-            generation_config=getattr(self.model, "generation_config", None),
-        )
-        pc, store, wdir = self.config.publish, self.store, self.config.weights_path
-        self.writer.submit(
-            "weights",
-            self.version,
-            lambda: publish_snapshot(snap, wdir, store=store, keep_versions=pc.keep_versions),
-            buffers=tensors,
-        )
+        """Start the host snapshot of the weights (cast to the publish dtype) and queue their write. The
+        copy overlaps the next step's passes; `_fence` waits for it before the weights change."""
+        self._fence()  # the buffers about to be reused must not be mid-copy (normally long finished)
+        copy = HostCopy(unique_state(self.model), self.publish_dtype, into=self._weights_buffers.acquire())
+        self._weights_buffers.keep(copy.tensors)
+        self._copies["weights"].append(copy)
+        pc, store, wdir, version = self.config.publish, self.store, self.config.weights_path, self.version
+        model, tokenizer, dtype = self.model, self.tokenizer, self.publish_dtype
+
+        def write() -> object:
+            snap = WeightsSnapshot(
+                version=version,
+                tensors=copy.wait(),
+                config=model.config,
+                tokenizer=tokenizer,
+                dtype=dtype,
+                generation_config=getattr(model, "generation_config", None),
+            )
+            return publish_snapshot(snap, wdir, store=store, keep_versions=pc.keep_versions)
+
+        self.writer.submit("weights", version, write, buffers=copy.tensors)
         self.metrics.writes_coalesced.inc(self.writer.coalesced - self._coalesced_seen)
         self._coalesced_seen = self.writer.coalesced
+
+    def _fence(self, phases: dict[str, float] | None = None) -> None:
+        """Wait until the host snapshots taken at the last step boundary are complete (critical path:
+        timed as `publish` / `checkpoint`)."""
+        for kind, phase in (("weights", "publish"), ("checkpoint", "checkpoint")):
+            with timed(phases if phases is not None else {}, phase):
+                for copy in self._copies[kind]:
+                    copy.wait()
+            self._copies[kind].clear()
 
     def _on_written(self, kind: Kind, version: int, result: object, seconds: float) -> None:
         """Writer thread: a job became durable (weights announced to the actors, or a checkpoint)."""
@@ -391,6 +400,7 @@ class Learner:
             buffer_position={"inserted_total": stats.inserted_total, "sampled_total": stats.sampled_total},
         )
         keep = self.config.checkpoint.keep_checkpoints
+        self._copies["checkpoint"].append(snap)
         self.writer.submit("checkpoint", self.version, lambda: write_checkpoint(root, snap, keep))
         return root / f"ckpt-{self.version:010d}"
 
@@ -423,6 +433,7 @@ class Learner:
 
     def close(self) -> None:
         """Finish the background writes, then close the Redis connections."""
+        self._fence()
         self.writer.close()
         self.buffer.close()
         self.store.close()

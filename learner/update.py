@@ -152,10 +152,13 @@ def optimizer_step(
     phases: dict[str, float],
     precision: Precision,
     kl: tuple[StalenessKL, int] | None = None,
+    before_update: Callable[[dict[str, float]], None] | None = None,
 ) -> None:
     """Gradient accumulation over the micro-batches of rows `mini`, then one AdamW step. Metrics (0-d
     tensors) are appended to `acc`; `kl = (accumulator, policy version)` adds pi_theta's off-policy KL.
-    Forward passes run under the precision's autocast; backward passes and the optimizer outside it."""
+    Forward passes run under the precision's autocast; backward passes and the optimizer outside it.
+    `before_update(phases)` runs just before the weights change (the learner waits there for host
+    snapshots of the previous step boundary, which read the weights while this step's passes ran)."""
     mask = batch.response_mask[mini]  # (b, R)
     denominators = {"tokens": mask.sum(), "rows": (mask.sum(-1) > 0).sum(), "width": mask.shape[1]}
     step_loss = torch.zeros((), device=mask.device)
@@ -179,6 +182,8 @@ def optimizer_step(
                 m |= vm
             for k, v in m.items():
                 acc.setdefault(k, []).append(v)
+    if before_update is not None:
+        before_update(phases)
     with timed(phases, "optimizer"):
         limit = cfg.grad_clip if cfg.grad_clip is not None else float("inf")
         acc.setdefault("grad_norm", []).append(torch.nn.utils.clip_grad_norm_(t.model.parameters(), limit))
