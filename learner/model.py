@@ -58,10 +58,15 @@ def make_tiny_model(
     intermediate_size: int = 256,
     max_position_embeddings: int = 1024,
     seed: int = 0,
+    vocab_size: int | None = None,
+    num_kv_heads: int | None = None,
+    dtype: str = "float32",
 ) -> Path:
     """Write a tiny random Llama and its character tokenizer to `out_dir`; return the folder.
 
-    head_dim = hidden_size / num_heads must be 64 or 128 for vLLM's CPU attention backend.
+    head_dim = hidden_size / num_heads must be 64 or 128 for vLLM's CPU attention backend. `vocab_size`
+    (None = the tokenizer's 101) pads the embedding to a real model's vocabulary, and with the other sizes
+    and `dtype` builds the benchmarks' Llama-shaped models; the tokenizer stays the character one.
     """
     head_dim = hidden_size // num_heads
     if head_dim not in (64, 128):
@@ -70,22 +75,22 @@ def make_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_char_tokenizer()
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size or len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
+        num_key_value_heads=num_kv_heads or num_heads,
         head_dim=head_dim,
         max_position_embeddings=max_position_embeddings,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
-        dtype="float32",
+        dtype=dtype,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
