@@ -146,3 +146,30 @@ def test_a_checkpoint_of_another_run_or_model_is_refused(tiny_dir, redis_url, tm
     bigger = make_tiny_model(tmp_path / "bigger", hidden_size=128, num_heads=2, num_layers=1)
     with pytest.raises(CheckpointMismatch, match="model"):
         Learner(cfg.model_copy(update={"model_path": str(bigger)}))
+
+
+def test_gradient_checkpointing_recomputes_the_layers_and_trains_the_same(tiny_dir, redis_url, tmp_path):  # noqa: F811
+    """With `gradient_checkpointing` each decoder layer runs again in the backward pass (one more forward
+    per micro-batch), and the update is the same as without it."""
+    results = {}
+    for gc in (False, True):
+        cfg = config(
+            tiny_dir, redis_url, tmp_path / str(gc), gradient_checkpointing=gc, groups_per_step=2,
+            rollout_correction="bypass_ppo_clip", micro_batch_size=4, checkpoint={"checkpoint_dir": None},
+        )  # fmt: skip
+        with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:
+            buf.insert_many(covering_groups(2, seed=5))
+        learner = Learner(cfg)
+        calls: list[int] = []
+        learner.model.model.layers[0].mlp.act_fn.register_forward_hook(
+            lambda *a, calls=calls: calls.append(1)
+        )
+        try:
+            learner.step()
+            results[gc] = (len(calls), {n: p.detach().clone() for n, p in learner.model.named_parameters()})
+        finally:
+            learner.close()
+    (plain_calls, plain), (gc_calls, checkpointed) = results[False], results[True]
+    assert gc_calls == 2 * plain_calls  # bypass: one forward per micro-batch, recomputed once in backward
+    for name, p in plain.items():
+        torch.testing.assert_close(checkpointed[name], p, rtol=1e-5, atol=1e-7)
