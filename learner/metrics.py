@@ -158,6 +158,10 @@ class LearnerMetrics:
         self.groups = Counter(PREFIX + "groups", "Groups sampled and trained on.", registry=registry)
         self.publishes = Counter(PREFIX + "publishes", "Weight versions published.", registry=registry)
         self.checkpoints = Counter(PREFIX + "checkpoints", "Checkpoints written.", registry=registry)
+        self.groups_rejected = Counter(
+            PREFIX + "groups_rejected", "Sampled groups the model cannot train (set aside), by field.",
+            ["field"], registry=registry,
+        )  # fmt: skip
         self.write_seconds = Histogram(
             PREFIX + "background_write_seconds", "Time the background writer took per job (until durable).",
             ["kind"], buckets=WRITE_BUCKETS, registry=registry,
