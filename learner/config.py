@@ -11,15 +11,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from buffer.config import BufferConfig
 from buffer.settings import env_overrides as env_overrides
 from buffer.settings import load_layered
 from buffer.settings import merge as merge
+from config.base import ConfigModel, IdStr, PathStr
 from learner.correction_config import RolloutCorrectionConfig
 
 FROZEN = {"frozen_while_running": True}
+WRITABLE = {"writable_path": True}
 
 AdvEstimator = Literal["grpo", "rloo", "reinforce", "gae"]
 LossAggMode = Literal[
@@ -27,10 +29,8 @@ LossAggMode = Literal[
 ]
 
 
-class OptimizerConfig(BaseModel):
+class OptimizerConfig(ConfigModel):
     """AdamW with linear warm-up, then constant, linear or cosine decay (per optimizer step)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     lr: float = Field(1e-6, gt=0.0)
     """Peak learning rate, reached after `warmup_steps` optimizer steps."""
@@ -60,12 +60,10 @@ class OptimizerConfig(BaseModel):
         return self
 
 
-class CriticConfig(BaseModel):
+class CriticConfig(ConfigModel):
     """The value model for `adv_estimator: gae`: the policy's backbone architecture plus a scalar head."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    model_path: str | None = Field(None, json_schema_extra=FROZEN)
+    model_path: PathStr | None = Field(None, json_schema_extra=FROZEN)
     """Where the critic's backbone comes from; None = the policy's `model_path`."""
     lr: float = Field(1e-5, gt=0.0)
     """Critic AdamW learning rate (constant)."""
@@ -75,12 +73,10 @@ class CriticConfig(BaseModel):
     """Weight of the value loss (the critic has its own optimizer; this scales its gradient)."""
 
 
-class PublishConfig(BaseModel):
+class PublishConfig(ConfigModel):
     """Where and how often the learner publishes weights for the actors."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    weights_dir: str = Field("runs/weights", json_schema_extra=FROZEN)
+    weights_dir: PathStr = Field("runs/weights", json_schema_extra=FROZEN)
     """Folder holding `v<version>/` (safetensors + config + tokenizer), shared with the actors."""
     publish_every: int = Field(1, ge=1)
     """Publish after every this many learner steps."""
@@ -88,12 +84,10 @@ class PublishConfig(BaseModel):
     """How many published versions stay on disk; older folders are deleted."""
 
 
-class CheckpointConfig(BaseModel):
+class CheckpointConfig(ConfigModel):
     """Where and how often the learner writes resumable checkpoints."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    checkpoint_dir: str | None = Field("runs/checkpoints", json_schema_extra=FROZEN)
+    checkpoint_dir: PathStr | None = Field("runs/checkpoints", json_schema_extra=FROZEN)
     """Folder of `step-<version>/` checkpoints; the newest is resumed on start. None = no checkpoints."""
     checkpoint_every: int | None = Field(10, ge=1)
     """Checkpoint after every this many learner steps; None = only on demand (`POST /v1/checkpoints`)."""
@@ -101,17 +95,15 @@ class CheckpointConfig(BaseModel):
     """How many checkpoints stay on disk."""
 
 
-class LearnerConfig(BaseModel):
+class LearnerConfig(ConfigModel):
     """Everything the learner loop reads; applied at step boundaries (DESIGN.md "Learner")."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
     # --- model and device
-    model_path: str = Field(json_schema_extra=FROZEN)
+    model_path: PathStr = Field(json_schema_extra=FROZEN)
     """Hugging Face causal LM: a local folder or a hub id."""
-    device: str | None = Field(None, json_schema_extra=FROZEN)
+    device: str | None = Field(None, max_length=64, json_schema_extra=FROZEN)
     """torch device, e.g. `cuda:0` or `cpu`; None = CUDA when available, else CPU (bf16 / fp32)."""
-    seed: int = Field(0, json_schema_extra=FROZEN)
+    seed: int = Field(0, ge=0, lt=2**63, json_schema_extra=FROZEN)
     """Seed of torch's and Python's generators at start (restored from the checkpoint on resume)."""
     torch_threads: int | None = Field(None, ge=1, json_schema_extra=FROZEN)
     """Threads of torch's CPU intra-op pool (`torch.set_num_threads`, set once at start); None = torch's
@@ -157,7 +149,7 @@ class LearnerConfig(BaseModel):
     # --- the buffer
     redis_url: str = Field("redis://localhost:6379/0", json_schema_extra=FROZEN)
     """Redis holding the replay buffer and the policy record."""
-    run_id: str = Field("default", min_length=1, json_schema_extra=FROZEN)
+    run_id: IdStr = Field("default", json_schema_extra=FROZEN)
     """Namespace of this run's keys in Redis (the buffer's hash tag)."""
     buffer: BufferConfig = BufferConfig()
     """Replay table: sampler, staleness gate, remover, rate limiter."""
@@ -171,8 +163,9 @@ class LearnerConfig(BaseModel):
     """Resumable checkpoints."""
     max_steps: int | None = Field(None, ge=1)
     """`run` returns after this many learner steps; None = until stopped."""
-    metrics_jsonl: str | None = None
-    """Append each step's metrics as one JSON line to this file; None = don't."""
+    metrics_jsonl: PathStr | None = Field(None, json_schema_extra=WRITABLE)
+    """Append each step's metrics as one JSON line to this file; None = don't. A change while running is
+    accepted only when the file's folder exists or can be created and is writable."""
 
     @field_validator("rollout_correction", mode="before")
     @classmethod
@@ -195,16 +188,27 @@ class LearnerConfig(BaseModel):
 # --- loading
 
 
-def frozen_field_paths(model: type[BaseModel] = LearnerConfig, prefix: str = "") -> list[str]:
-    """Dotted paths of every field marked `frozen_while_running`, nested models included."""
+def marked_field_paths(marker: str, model: type[BaseModel] = LearnerConfig, prefix: str = "") -> list[str]:
+    """Dotted paths of every field whose JSON schema extra sets `marker`, nested models included."""
     paths = []
     for name, info in model.model_fields.items():
         extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
-        if extra.get("frozen_while_running"):
+        if extra.get(marker):
             paths.append(prefix + name)
         elif isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
-            paths.extend(frozen_field_paths(info.annotation, f"{prefix}{name}."))
+            paths.extend(marked_field_paths(marker, info.annotation, f"{prefix}{name}."))
     return paths
+
+
+def frozen_field_paths(model: type[BaseModel] = LearnerConfig, prefix: str = "") -> list[str]:
+    """Dotted paths of every field marked `frozen_while_running`, nested models included."""
+    return marked_field_paths("frozen_while_running", model, prefix)
+
+
+def writable_path_fields(model: type[BaseModel] = LearnerConfig) -> list[str]:
+    """Dotted paths of the file paths the learner writes that may change while it runs (`writable_path`):
+    the control plane checks that their folder can be created and written before it accepts a change."""
+    return marked_field_paths("writable_path", model)
 
 
 def frozen_field_changes(old: LearnerConfig, new: LearnerConfig) -> list[str]:

@@ -49,6 +49,7 @@ def create_app(
         component="actor",
         redis_url=config.redis_url,
         router=routes.router,
+        redactor=runtime.redactor,
     )
 
 

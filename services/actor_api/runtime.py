@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
 
+from config.secrets import Redactor, url_secrets
 from services.actor_api.schemas import ActorStatus
 from services.common.loop import BackgroundLoop
 
@@ -35,6 +36,8 @@ class ActorRuntime:
         self._factory = factory
         self.actor: ActorLike | None = None
         self.loop: BackgroundLoop | None = None
+        self.redactor = Redactor(url_secrets(config.redis_url))
+        """The secrets of the config (Redis password): no status, readiness reason or log shows them."""
 
     def start(self) -> None:
         self.actor = self._factory(self.config, self.registry)
@@ -51,7 +54,8 @@ class ActorRuntime:
     def readiness(self) -> str | None:
         if self.actor is None or self.loop is None:
             return "the actor is still starting (loading the engine)"
-        return self.loop.readiness()
+        reason = self.loop.readiness()
+        return None if reason is None else self.redactor.scrub(reason)
 
     def status(self) -> ActorStatus:
         if self.actor is None:
@@ -67,5 +71,6 @@ class ActorRuntime:
         raw = dict(self.actor.status())
         error = None
         if self.loop is not None and self.loop.error is not None:
-            raw["state"], error = "failed", f"{type(self.loop.error).__name__}: {self.loop.error}"
+            error = self.redactor.scrub(f"{type(self.loop.error).__name__}: {self.loop.error}")
+            raw["state"] = "failed"
         return ActorStatus(**{k: v for k, v in raw.items() if k in ActorStatus.model_fields}, error=error)

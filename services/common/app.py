@@ -10,9 +10,11 @@ import uvicorn
 from fastapi import APIRouter, FastAPI
 from prometheus_client import CollectorRegistry
 
+from config.secrets import Redactor
 from services.common import health, metrics
 from services.common.errors import install_error_handlers
 from services.common.health import ReadinessCheck, redis_check
+from services.common.limits import BodySizeLimit
 from services.common.logging import configure_logging
 from services.common.settings import ServiceSettings
 
@@ -36,9 +38,11 @@ def create_service_app(
     registry: CollectorRegistry,
     readiness_checks: dict[str, ReadinessCheck],
     lifespan: Lifespan | None = None,
+    redactor: Redactor | None = None,
 ) -> FastAPI:
     """A FastAPI app with `/healthz`, `/readyz` (running `readiness_checks`), `/metrics` on `registry`,
-    the error envelope, and `settings`, `registry`, `readiness_checks` on `app.state`."""
+    the error envelope, the body size limit, and `settings`, `registry`, `readiness_checks`, `redactor`
+    (the secrets no response or log line may show: the API token plus those of `redactor`) on `app.state`."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -49,7 +53,11 @@ def create_service_app(
     app.state.settings = settings
     app.state.registry = registry
     app.state.readiness_checks = readiness_checks
+    app.state.redactor = redactor or Redactor()
+    if settings.api_token is not None:
+        app.state.redactor.add(settings.api_token.get_secret_value())
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.include_router(health.router)
     app.include_router(metrics.router)
     return app
@@ -65,10 +73,11 @@ def create_runtime_app(
     component: str,
     redis_url: str,
     router: APIRouter,
+    redactor: Redactor,
 ) -> FastAPI:
     """`create_service_app` hosting `runtime`: the lifespan starts and stops it, `/readyz` checks `redis`
     (PING `redis_url`) and `component` (`runtime.readiness()`), `app.state.runtime` holds it, and `router`
-    (the service's `/v1` routes) is mounted."""
+    (the service's `/v1` routes) is mounted. `redactor` knows `redis_url`'s password (the runtime's own)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -91,6 +100,7 @@ def create_runtime_app(
             component: runtime_ready,
         },
         lifespan=lifespan,
+        redactor=redactor,
     )
     app.state.runtime = runtime
     app.include_router(router)
@@ -98,9 +108,11 @@ def create_runtime_app(
 
 
 def serve_app(settings: S, create_app: Callable[[S], FastAPI]) -> int:
-    """Configure logging from `settings`, build the app and run it under uvicorn until SIGTERM / Ctrl-C."""
+    """Build the app, configure logging from `settings` (scrubbing the app's secrets from every line) and
+    run it under uvicorn until SIGTERM / Ctrl-C."""
     configure_logging(settings.log_level, settings.log_json)
     app = create_app(settings)
+    configure_logging(settings.log_level, settings.log_json, app.state.redactor)
     server = uvicorn.Server(
         uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, lifespan="on")
     )

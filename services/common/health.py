@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 from redis.exceptions import RedisError
 
+from config.secrets import redact_url
 from services.common.errors import NotReady, error_responses
 
 ReadinessCheck = Callable[[], Awaitable[str | None]]
@@ -56,17 +57,9 @@ def redis_check(url: str, timeout_s: float) -> ReadinessCheck:
         try:
             await client.ping()
         except (RedisError, OSError) as exc:
-            return f"redis at {_redact(url)} unreachable: {type(exc).__name__}"
+            return f"redis at {redact_url(url)} unreachable: {type(exc).__name__}"
         finally:
             await client.aclose()
         return None
 
     return check
-
-
-def _redact(url: str) -> str:
-    """The URL without its password, for messages."""
-    if "@" not in url:
-        return url
-    scheme, _, rest = url.partition("://")
-    return f"{scheme}://***@{rest.rpartition('@')[2]}"

@@ -8,16 +8,20 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from config.base import MAX_STR
+
 
 class ServiceSettings(BaseSettings):
     """Settings every service process shares; read from `OFFPOLICY_*` environment variables."""
 
-    model_config = SettingsConfigDict(env_prefix="OFFPOLICY_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(
+        env_prefix="OFFPOLICY_", extra="ignore", frozen=True, allow_inf_nan=False, str_max_length=MAX_STR
+    )
 
-    api_token: SecretStr | None = None
+    api_token: SecretStr | None = Field(None, min_length=1, max_length=MAX_STR)
     """Bearer token that mutating routes require (`OFFPOLICY_API_TOKEN`); None = no authentication."""
 
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", min_length=1, max_length=255)
     """Interface uvicorn binds to."""
 
     port: int = Field(default=8000, ge=0, le=65535)
@@ -31,6 +35,9 @@ class ServiceSettings(BaseSettings):
 
     redis_ping_timeout_s: float = Field(default=1.0, gt=0)
     """Seconds `/readyz` waits for Redis to answer PING before calling it unreachable."""
+
+    max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
+    """Largest request body accepted, in bytes (`OFFPOLICY_MAX_BODY_BYTES`); a larger one answers 413."""
 
 
 class LearnerServiceSettings(ServiceSettings):

@@ -50,6 +50,7 @@ def create_app(
         component="learner",
         redis_url=config.redis_url,
         router=routes.router,
+        redactor=runtime.redactor,
     )
 
 

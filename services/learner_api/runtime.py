@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
 
+from config.secrets import Redactor, url_secrets
 from learner.config import LearnerConfig
 from services.common.errors import NotReady
 from services.common.loop import BackgroundLoop
@@ -49,6 +50,8 @@ class LearnerRuntime:
         self.learner: LearnerLike | None = None
         self.loop: BackgroundLoop | None = None
         self.control = ConfigControl(config, self._hand_over)
+        self.redactor = Redactor(url_secrets(config.redis_url))
+        """The secrets of the config (Redis password): no status, readiness reason or log shows them."""
 
     def start(self) -> None:
         """Build the learner (loads the model, resumes, publishes v0) and start `run(stop_event)`."""
@@ -78,7 +81,8 @@ class LearnerRuntime:
     def readiness(self) -> str | None:
         if self.learner is None or self.loop is None:
             return "the learner is still starting (loading the model)"
-        return self.loop.readiness()
+        reason = self.loop.readiness()
+        return None if reason is None else self.redactor.scrub(reason)
 
     def presets(self) -> list[Preset]:
         return list_presets()
@@ -102,7 +106,10 @@ class LearnerRuntime:
         raw = self.learner.status()
         state, error = str(raw["state"]), None
         if self.loop is not None and self.loop.error is not None:
-            state, error = "failed", f"{type(self.loop.error).__name__}: {self.loop.error}"
+            state, error = (
+                "failed",
+                self.redactor.scrub(f"{type(self.loop.error).__name__}: {self.loop.error}"),
+            )
         buffer = raw.get("buffer")
         return LearnerStatus(
             state=state,
