@@ -115,6 +115,10 @@ class NotReady(ServiceError):
     """A readiness check failed or the domain object is not built yet; `detail` names the checks."""
 
 
+class LoopFailed(ServiceError):
+    """The service's loop died (an error it does not retry); the process exits after its grace period."""
+
+
 class ChildProcessFailed(ServiceError):
     """A service child process exited or did not become ready in time (quickstart, e2e, benchmarks)."""
 
@@ -131,6 +135,7 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
     RequestValidationError: (422, "validation_error"),
     ValidationError: (422, "validation_error"),
     NotReady: (503, "not_ready"),
+    LoopFailed: (503, "loop_failed"),
     ChildProcessFailed: (503, "child_process_failed"),
     # buffer/errors.py
     BufferError: (500, "buffer_error"),

@@ -36,6 +36,10 @@ class ServiceSettings(BaseSettings):
     redis_ping_timeout_s: float = Field(default=1.0, gt=0)
     """Seconds `/readyz` waits for Redis to answer PING before calling it unreachable."""
 
+    fatal_exit_grace_s: float = Field(default=30.0, ge=0)
+    """Seconds between the death of the service's loop (any error it does not retry by itself) and the
+    process exiting non-zero (`OFFPOLICY_FATAL_EXIT_GRACE_S`); `/healthz` answers 503 meanwhile."""
+
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
     """Largest request body accepted, in bytes (`OFFPOLICY_MAX_BODY_BYTES`); a larger one answers 413."""
 
