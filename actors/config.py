@@ -15,8 +15,8 @@ from typing import Any, Literal, Self
 from pydantic import Field, model_validator
 
 from buffer.config import BufferConfig
-from buffer.settings import load_layered
 from config.base import ConfigModel, IdStr, PathStr
+from config.loader import load_layered
 
 
 class EngineConfig(ConfigModel):
@@ -222,6 +222,6 @@ def load_config(
     """An `ActorConfig` from a YAML file, then the `OFFPOLICY_*` variables of `environ`, then kwargs.
 
     Only keys naming `ActorConfig` fields are taken from `environ`, so other components' variables
-    (`OFFPOLICY_API_TOKEN`, `OFFPOLICY_CONFIG_PATH`) are ignored (`buffer.settings.load_layered`).
+    (`OFFPOLICY_API_TOKEN`, `OFFPOLICY_CONFIG_PATH`) are ignored (`config.loader.load_layered`).
     """
     return load_layered(ActorConfig, path, environ, overrides)

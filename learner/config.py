@@ -14,10 +14,10 @@ from typing import Any, Literal, Self
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from buffer.config import BufferConfig
-from buffer.settings import env_overrides as env_overrides
-from buffer.settings import load_layered
-from buffer.settings import merge as merge
 from config.base import ConfigModel, IdStr, PathStr
+from config.loader import env_overrides as env_overrides
+from config.loader import load_layered
+from config.loader import merge as merge
 from learner.correction_config import RolloutCorrectionConfig
 
 FROZEN = {"frozen_while_running": True}
@@ -235,7 +235,7 @@ def load_config(
 
     Only the mapping passed as `environ` is read (pass `os.environ` explicitly from a CLI or app factory).
     Only keys under the learner's own fields are taken from the environment, so unrelated `OFFPOLICY_*`
-    variables of other components (e.g. `OFFPOLICY_API_TOKEN`) are ignored (`buffer.settings.load_layered`).
+    variables of other components (e.g. `OFFPOLICY_API_TOKEN`) are ignored (`config.loader.load_layered`).
     """
     return load_layered(LearnerConfig, path, environ, overrides)
 

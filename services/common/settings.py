@@ -1,22 +1,24 @@
-"""Service settings from the environment (pydantic-settings), built by the app factories, never at import."""
+"""Service process settings (`ConfigModel`s), loaded by the one loader from `OFFPOLICY_*` variables.
+
+`ServiceSettings.from_env(os.environ, **overrides)` is how the app factories and `serve()` build them
+(`config.loader.load_layered`: the environment mapping passed in, then the command line's overrides);
+constructing one directly reads nothing. Nothing reads the environment at import time.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, Self
 
 from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from config.base import MAX_STR
+from config.base import MAX_STR, ConfigModel
+from config.loader import load_layered
 
 
-class ServiceSettings(BaseSettings):
-    """Settings every service process shares; read from `OFFPOLICY_*` environment variables."""
-
-    model_config = SettingsConfigDict(
-        env_prefix="OFFPOLICY_", extra="ignore", frozen=True, allow_inf_nan=False, str_max_length=MAX_STR
-    )
+class ServiceSettings(ConfigModel):
+    """Settings every service process shares; `OFFPOLICY_<FIELD>` in the environment (`from_env`)."""
 
     api_token: SecretStr | None = Field(None, min_length=1, max_length=MAX_STR)
     """Bearer token that mutating routes require (`OFFPOLICY_API_TOKEN`); None = no authentication."""
@@ -42,6 +44,11 @@ class ServiceSettings(BaseSettings):
 
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
     """Largest request body accepted, in bytes (`OFFPOLICY_MAX_BODY_BYTES`); a larger one answers 413."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str], **overrides: Any) -> Self:
+        """The `OFFPOLICY_*` variables of `environ` naming this model's fields, then `overrides`."""
+        return load_layered(cls, None, environ, overrides)
 
 
 class LearnerServiceSettings(ServiceSettings):
