@@ -19,6 +19,7 @@ from config.loader import env_overrides as env_overrides
 from config.loader import load_layered
 from config.loader import merge as merge
 from learner.correction_config import RolloutCorrectionConfig
+from learner.precision import PrecisionName
 
 FROZEN = {"frozen_while_running": True}
 WRITABLE = {"writable_path": True}
@@ -76,8 +77,9 @@ class CriticConfig(ConfigModel):
 class PublishConfig(ConfigModel):
     """Where and how often the learner publishes weights for the actors."""
 
-    weights_dir: PathStr = Field("runs/weights", json_schema_extra=FROZEN)
-    """Folder holding `v<version>/` (safetensors + config + tokenizer), shared with the actors."""
+    weights_dir: PathStr = Field("runs/{run_id}/weights", json_schema_extra=FROZEN)
+    """Folder holding `v<version>/` (safetensors + manifest + config + tokenizer), shared with the actors;
+    `{run_id}` is replaced by the run's id (`LearnerConfig.weights_path`), so runs never share a folder."""
     publish_every: int = Field(1, ge=1)
     """Publish after every this many learner steps."""
     keep_versions: int = Field(3, ge=1)
@@ -87,8 +89,9 @@ class PublishConfig(ConfigModel):
 class CheckpointConfig(ConfigModel):
     """Where and how often the learner writes resumable checkpoints."""
 
-    checkpoint_dir: PathStr | None = Field("runs/checkpoints", json_schema_extra=FROZEN)
-    """Folder of `step-<version>/` checkpoints; the newest is resumed on start. None = no checkpoints."""
+    checkpoint_dir: PathStr | None = Field("runs/{run_id}/checkpoints", json_schema_extra=FROZEN)
+    """Folder of `ckpt-<version>/` checkpoints; the newest is resumed on start, and one written for another
+    run or model is refused. `{run_id}` is replaced by the run's id. None = no checkpoints."""
     checkpoint_every: int | None = Field(10, ge=1)
     """Checkpoint after every this many learner steps; None = only on demand (`POST /v1/checkpoints`)."""
     keep_checkpoints: int = Field(2, ge=1)
@@ -102,7 +105,16 @@ class LearnerConfig(ConfigModel):
     model_path: PathStr = Field(json_schema_extra=FROZEN)
     """Hugging Face causal LM: a local folder or a hub id."""
     device: str | None = Field(None, max_length=64, json_schema_extra=FROZEN)
-    """torch device, e.g. `cuda:0` or `cpu`; None = CUDA when available, else CPU (bf16 / fp32)."""
+    """torch device, e.g. `cuda:0` or `cpu`; None = CUDA when available, else CPU."""
+    precision: PrecisionName | None = Field(None, json_schema_extra=FROZEN)
+    """`bf16_mixed` (fp32 master weights and AdamW state, bf16 autocast compute), `fp32`, or `bf16_pure`
+    (bf16 weights and optimizer state: loses updates below bf16's rounding step, e.g. most of lr 1e-6;
+    opt-in only). None = `bf16_mixed` on CUDA, `fp32` on CPU (learner/precision.py)."""
+    gradient_checkpointing: bool = Field(False, json_schema_extra=FROZEN)
+    """Recompute each decoder layer's activations in the backward pass (less memory, ~30 % more compute)."""
+    logprob_chunk_tokens: int = Field(4096, ge=1)
+    """Tokens of a micro-batch whose fp32 logits exist at once when computing log-probs (the LM head runs
+    on chunks of response positions; `learner/batching.py` `token_logprobs`)."""
     seed: int = Field(0, ge=0, lt=2**63, json_schema_extra=FROZEN)
     """Seed of torch's and Python's generators at start (restored from the checkpoint on resume)."""
     torch_threads: int | None = Field(None, ge=1, json_schema_extra=FROZEN)
@@ -178,6 +190,17 @@ class LearnerConfig(ConfigModel):
         if mb is not None and self.groups_per_step % mb != 0:
             raise ValueError(f"mini_batch_groups={mb} must divide groups_per_step={self.groups_per_step}")
         return self
+
+    @property
+    def weights_path(self) -> Path:
+        """`publish.weights_dir` with `{run_id}` filled in."""
+        return Path(self.publish.weights_dir.replace("{run_id}", self.run_id))
+
+    @property
+    def checkpoint_path(self) -> Path | None:
+        """`checkpoint.checkpoint_dir` with `{run_id}` filled in; None = checkpoints disabled."""
+        cdir = self.checkpoint.checkpoint_dir
+        return None if cdir is None else Path(cdir.replace("{run_id}", self.run_id))
 
     @property
     def optimizer_steps_per_step(self) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
@@ -90,17 +91,31 @@ def make_tiny_model(
     return out
 
 
-def pick_device_and_dtype(device: str | None = None) -> tuple[torch.device, torch.dtype]:
-    """bf16 on a CUDA GPU, fp32 on CPU (DESIGN.md "Learner")."""
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    return dev, (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+def load_model(
+    path_or_id: str | Path,
+    device: torch.device | str,
+    dtype: torch.dtype = torch.float32,
+    *,
+    gradient_checkpointing: bool = False,
+) -> PreTrainedModel:
+    """Load a causal LM by local path or hub id with parameters in `dtype` on `device`, in train mode.
 
-
-def load_model(path_or_id: str | Path, device: str | None = None) -> PreTrainedModel:
-    """Load a causal LM by local path or hub id, on the learner's device and dtype, in train mode."""
-    dev, dtype = pick_device_and_dtype(device)
+    `dtype` is the master weights' dtype (`Precision.param_dtype`), not the checkpoint's: a bf16 release is
+    upcast to fp32 masters under `bf16_mixed`; published weights are cast back to `checkpoint_dtype(path)`.
+    """
     model = AutoModelForCausalLM.from_pretrained(str(path_or_id), dtype=dtype)
-    return model.to(dev).train()
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.to(device).train()
+
+
+def checkpoint_dtype(path_or_id: str | Path) -> torch.dtype:
+    """The dtype the model's checkpoint declares (`config.dtype`; float32 when it names none): the dtype
+    published weights are written in. Read before loading, which overwrites `model.config.dtype`."""
+    dtype = AutoConfig.from_pretrained(str(path_or_id)).dtype
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
 def load_tokenizer(path_or_id: str | Path) -> PreTrainedTokenizerBase:

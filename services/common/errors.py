@@ -23,11 +23,13 @@ from buffer.errors import BufferError, BufferNotReady, InvalidTrajectory, RateLi
 from config.secrets import Redactor
 from learner.errors import (
     BatchError,
+    CheckpointMismatch,
     CheckpointsDisabled,
     CorrectionInputError,
     FrozenFieldChange,
     LearnerError,
     UnknownPreset,
+    WriteFailed,
 )
 
 log = logging.getLogger(__name__)
@@ -150,6 +152,8 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
     BatchError: (422, "invalid_batch"),
     FrozenFieldChange: (409, "field_frozen"),
     CheckpointsDisabled: (409, "checkpoints_disabled"),
+    CheckpointMismatch: (409, "checkpoint_mismatch"),
+    WriteFailed: (500, "write_failed"),
     # actors/errors.py
     ActorError: (500, "actor_error"),
     DatasetError: (500, "dataset_error"),
