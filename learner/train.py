@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from prometheus_client import CollectorRegistry
 
-from buffer.errors import BufferNotReady, RateLimited
+from buffer.errors import BufferNotReady, RateLimited, StorageUnavailable
 from buffer.policy import PolicyStore
 from buffer.replay_buffer import ReplayBuffer
 from learner.advantages import compute_advantages, gae, grpo
@@ -42,7 +42,7 @@ from learner.checkpoint import (
 from learner.config import LearnerConfig, frozen_field_changes
 from learner.correction import compute_rollout_correction
 from learner.critic import ValueModel, token_rewards
-from learner.errors import CheckpointsDisabled, FrozenFieldChange
+from learner.errors import CheckpointsDisabled, FrozenFieldChange, WriteFailed
 from learner.metrics import LearnerMetrics, StalenessKL
 from learner.model import checkpoint_dtype, load_model, load_tokenizer
 from learner.precision import Precision, pick_device
@@ -65,6 +65,14 @@ log = logging.getLogger(__name__)
 
 # --- the learner
 
+
+TRANSIENT_ERRORS = (StorageUnavailable,)
+"""Errors `run` retries for as long as they last (Redis unreachable, after the buffer's own bounded
+retries), raised by the step itself or as the cause of a failed background write (the policy record's
+publish: the weights are on disk, the next publish supersedes it); any other error ends `run` (the service
+then reports the loop dead and exits after a grace)."""
+RETRY_INITIAL_S, RETRY_MAX_S = 0.5, 10.0
+"""`run`'s backoff between steps while transient errors last: doubles from the first to the cap, seconds."""
 
 ConfigApplied = Callable[[int, int], None]
 """`on_config_applied(config_version, step)`: called from the loop's thread at the step boundary where a
@@ -134,6 +142,7 @@ class Learner:
         self.version = 0  # optimizer steps taken = policy version
         self.step_count = 0  # learner steps taken
         self.state = "starting"
+        self.retrying: str | None = None  # why `run` is retrying transient trouble now; None when it is not
         self._pending: tuple[LearnerConfig, int] | None = None
         self._lock = threading.Lock()  # guards _pending
         self._step_lock = threading.Lock()  # held while a step trains, publishes or checkpoints
@@ -208,7 +217,13 @@ class Learner:
         }
 
     def run(self, stop_event: threading.Event) -> None:
-        """Loop `step()` until `stop_event` is set or `max_steps` is reached; waits while paused."""
+        """Loop `step()` until `stop_event` is set or `max_steps` is reached; waits while paused.
+
+        No data yet: state `waiting_for_data`, retry every 0.5 s. Transient trouble (`TRANSIENT_ERRORS`:
+        Redis unreachable) is retried with capped exponential backoff for as long as it lasts: state
+        `waiting_for_redis` and `retrying` (the reason) until a step gets through again, then stepping
+        resumes by itself. Any other error propagates (the loop is dead)."""
+        delay = RETRY_INITIAL_S
         while not stop_event.is_set():
             if not self._running.wait(timeout=0.2):
                 continue
@@ -218,9 +233,21 @@ class Learner:
             try:
                 self.step()
             except (BufferNotReady, RateLimited) as exc:  # no data yet: wait and retry, bounded by the loop
-                self.state = "waiting_for_data"
+                self.state, self.retrying, delay = "waiting_for_data", None, RETRY_INITIAL_S
                 log.info("no groups to train on yet: %s", exc)
                 stop_event.wait(0.5)
+            except (
+                *TRANSIENT_ERRORS,
+                WriteFailed,
+            ) as exc:  # retried for as long as it lasts, the wait capped
+                if isinstance(exc, WriteFailed) and not isinstance(exc.__cause__, TRANSIENT_ERRORS):
+                    raise
+                self.state, self.retrying = "waiting_for_redis", f"{type(exc).__name__}: {exc}"
+                log.warning("redis unavailable, retrying in %.1f s: %s", delay, exc)
+                stop_event.wait(delay)
+                delay = min(2 * delay, RETRY_MAX_S)
+            else:
+                self.retrying, delay = None, RETRY_INITIAL_S
         self.state = "stopped"
 
     # --- one learner step
