@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry
 from buffer.errors import BufferNotReady, RateLimited, StorageUnavailable
 from buffer.policy import PolicyStore
 from buffer.replay_buffer import ReplayBuffer
+from config.secrets import redact_url
 from learner.advantages import compute_advantages, gae, grpo
 from learner.batching import Batch, collate
 from learner.checkpoint import (
@@ -362,8 +363,10 @@ class Learner:
     # --- plumbing
 
     def _apply_pending(self) -> None:
+        """Apply the queued config. It stays queued until applied whole: a Redis outage during the buffer's
+        reconfiguration raises, the loop retries, and the next attempt applies it again (idempotent)."""
         with self._lock:
-            pending, self._pending = self._pending, None
+            pending = self._pending
         if pending is None:
             return
         new, version = pending
@@ -375,6 +378,9 @@ class Learner:
         if new.buffer != self.config.buffer:
             self.buffer.reconfigure(new.buffer)  # same buffer object, connections and metrics registry
         self.config, self.config_version, self.config_applied_at_step = new, version, self.step_count
+        with self._lock:
+            if self._pending is pending:  # a newer config queued meanwhile stays queued
+                self._pending = None
         self.metrics.record_config(version, new.buffer.max_staleness)
         log.info("applied config version %d at step %d", version, self.step_count)
         if self._on_config_applied is not None:
@@ -447,7 +453,7 @@ class Learner:
             version=self.version,
             step=self.step_count,
             run_id=self.config.run_id,
-            config=self.config.model_dump(mode="json"),
+            config={**self.config.model_dump(mode="json"), "redis_url": redact_url(self.config.redis_url)},
             buffer_position={"inserted_total": stats.inserted_total, "sampled_total": stats.sampled_total},
         )
         keep = self.config.checkpoint.keep_checkpoints
