@@ -50,6 +50,7 @@ class _BufferHandle:
         config: BufferConfig | None = None,
         registry: CollectorRegistry | None = None,
     ) -> None:
+        self.run_id = run_id
         self._core = Core(run_id, config or BufferConfig(), registry)
         self.config = self._core.cfg
         self._client = self._make_client(redis_url, self.config.socket_timeout_s)

@@ -34,6 +34,12 @@ local stored_now = stored_set(gids)
 local c = redis.call('HMGET', K.counters, 'inserted', 'sampled')
 local inserted, sampled = tonumber(c[1] or '0'), tonumber(c[2] or '0') + redis.call('HLEN', K.leases)
 local size = redis.call('ZCARD', K.order) + redis.call('HLEN', K.held)
+-- Dedupe window scores: insert time in ms, strictly increasing (+1/1024 ms per id), so the window is
+-- trimmed in insert order even within one batch or one millisecond.
+local STEP = 1 / 1024
+local stamp = now
+local newest = redis.call('ZREVRANGE', K.seen, 0, 0, 'WITHSCORES')[2]
+if newest and tonumber(newest) >= stamp then stamp = tonumber(newest) + STEP end
 
 -- 1. Decide each group in batch order: duplicate, refused by the ratio limiter (and all after it), new.
 local statuses, new, others, taken = {}, {}, {}, {}
@@ -64,8 +70,9 @@ for j, gid in ipairs(gids) do
     by_version[#by_version + 1] = gid
     by_priority[#by_priority + 1] = ARGV[a + 2]
     by_priority[#by_priority + 1] = gid
-    by_time[#by_time + 1] = now
+    by_time[#by_time + 1] = stamp
     by_time[#by_time + 1] = gid
+    stamp = stamp + STEP
   elseif not taken[gid] then
     -- Not stored by this batch (a duplicate, or refused): its payload key holds this transaction's SET
     -- unless the group is stored already (NX kept the stored payload), refused or not.
