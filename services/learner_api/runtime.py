@@ -15,7 +15,13 @@ from services.common.errors import NotReady
 from services.common.loop import BackgroundLoop
 from services.learner_api.control import ConfigControl
 from services.learner_api.presets import get_preset, list_presets
-from services.learner_api.schemas import CheckpointResult, LearnerStatus, Preset
+from services.learner_api.schemas import (
+    CheckpointResult,
+    DeadLetter,
+    DeadLetterList,
+    LearnerStatus,
+    Preset,
+)
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +29,16 @@ ConfigApplied = Callable[[int, int], None]
 """`(config_version, step)`: the learner calls it at the step boundary where a config took effect."""
 
 
+class DeadLetterSource(Protocol):
+    """What the service uses of the learner's buffer (`buffer.replay_buffer.ReplayBuffer`)."""
+
+    def dead_letters(self, limit: int = 100) -> list[dict[str, Any]]: ...
+
+
 class LearnerLike(Protocol):
     """What the service uses of `learner.train.Learner` (docs/architecture.md)."""
+
+    buffer: DeadLetterSource
 
     def run(self, stop_event: threading.Event) -> None: ...
     def apply_config(self, new_config: LearnerConfig, config_version: int | None = None) -> None: ...
@@ -115,6 +129,10 @@ class LearnerRuntime:
             last_step={k: float(v) for k, v in (raw.get("last_step") or {}).items()},
             error=error,
         )
+
+    def dead_letters(self, limit: int) -> DeadLetterList:
+        entries = self.require().buffer.dead_letters(limit)
+        return DeadLetterList(entries=[DeadLetter(**e) for e in entries])
 
     def pause(self) -> LearnerStatus:
         self.require().pause()

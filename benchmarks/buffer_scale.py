@@ -1,0 +1,162 @@
+"""`benchmarks/buffer.py --scale`: sample latency per sampler at 10^4, 10^5 and 10^6 stored groups, and
+the longest Redis command (SLOWLOG) while sampling and inserting at each size.
+
+The table is bulk-loaded with pipelined variadic writes (MSET of the payloads, ZADD of the indexes and
+the dedupe window, 1000 groups per command, exactly what insert.lua would have stored) with small
+payloads (1 completion of 4 tokens, ~200 bytes: the index sizes matter here, not the bytes), policy
+versions 0..7 and random priorities. Then, at each size, per sampler (replay: `max_times_sampled` None, so
+the size stays put): `sample(8)` `--scale-calls` times, p50/p99 ms; and, for the queue with leases,
+`lease(8)` + `ack` of the 8 (`max_times_sampled` 1: the groups leave). SLOWLOG records every command
+(threshold 0) while the samplers run, plus 8-group `insert_many` calls between them; the maximum is
+reported per size (the target: no command over 10 ms at 10^6). The bulk load itself is not measured,
+and each size waits for the AOF fsync of the bulk load to finish first (`settle`): on a busy disk Redis
+delays writes behind a slow fsync, which shows as client latency (counted: `aof_delayed_fsync`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import uuid
+
+import numpy as np
+import redis
+
+from buffer.codec import encode_group
+from buffer.config import BufferConfig
+from buffer.keys import BufferKeys
+from buffer.replay_buffer import ReplayBuffer
+from buffer.types import SamplingParams, Trajectory, TrajectoryGroup
+
+SIZES = (10_000, 100_000, 1_000_000)
+SAMPLERS = ("fifo", "newest", "uniform", "staleness_weighted", "prioritized")
+VERSIONS = 8  # policy versions 0..7; consumer at 7 with max_staleness 7: nothing is stale
+CONSUMER_VERSION = VERSIONS - 1
+_LOAD_CHUNK = 1000
+
+
+def _group(version: int, seed: int) -> TrajectoryGroup:
+    rng = np.random.default_rng(seed)
+    traj = Trajectory(
+        rng.integers(0, 32000, 4, dtype=np.int32), -rng.random(4, dtype=np.float32), 1.0, "stop"
+    )
+    prompt = rng.integers(0, 32000, 8, dtype=np.int32)
+    return TrajectoryGroup(
+        uuid.uuid4().hex, "p", prompt, version, "bench", time.time(), SamplingParams(), [traj]
+    )
+
+
+def bulk_load(c: redis.Redis, keys: BufferKeys, count: int, rng: np.random.Generator) -> None:
+    """Store `count` more groups as insert.lua would (payloads, order, version, priority, dedupe window,
+    the `inserted` counter), ids and insert sequence numbers after those already used."""
+    payloads = [encode_group(_group(v, v)) for v in range(VERSIONS)]  # one frame per version, reused
+    now_ms = time.time() * 1000
+    first = int(c.hget(keys.counters, "inserted") or 0)
+    for lo in range(first, first + count, _LOAD_CHUNK):
+        seqs = range(lo, min(lo + _LOAD_CHUNK, first + count))
+        gids = [f"bulk{i:012d}" for i in seqs]
+        versions = rng.integers(0, VERSIONS, len(seqs))
+        prios = rng.random(len(seqs)) * 10
+        pipe = c.pipeline(transaction=False)
+        pipe.mset({keys.payload(g): payloads[v] for g, v in zip(gids, versions, strict=True)})
+        pipe.zadd(keys.order, {g: i + 1 for g, i in zip(gids, seqs, strict=True)})
+        pipe.zadd(keys.by_version, {g: int(v) for g, v in zip(gids, versions, strict=True)})
+        pipe.zadd(keys.priority, {g: float(p) for g, p in zip(gids, prios, strict=True)})
+        pipe.zadd(keys.seen, {g: now_ms + i / 1024 for g, i in zip(gids, seqs, strict=True)})
+        pipe.execute()
+    c.hset(keys.counters, "inserted", first + count)
+
+
+def settle(c: redis.Redis, timeout_s: float = 120.0) -> float:
+    """Wait until the AOF has no fsync pending (the bulk load wrote megabytes; with `everysec` a busy
+    disk makes Redis delay writes, which would show as client latency, not as a slow command)."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout_s:
+        p = c.info("persistence")
+        if not p.get("aof_pending_bio_fsync") and not p.get("aof_rewrite_in_progress"):
+            break
+        time.sleep(0.2)
+    time.sleep(1.5)  # one everysec fsync period
+    return time.perf_counter() - t0
+
+
+def _ms(times: list[float]) -> dict:
+    q = statistics.quantiles(times, n=100) if len(times) > 1 else times * 99
+    return {"p50_ms": 1000 * statistics.median(times), "p99_ms": 1000 * q[98]}
+
+
+def _time_calls(fn, calls: int) -> list[float]:
+    out = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def measure(url: str, run_id: str, size: int, calls: int) -> dict:
+    """Per sampler p50/p99 of sample(8) (and lease+ack for the queue); the SLOWLOG maximum meanwhile."""
+    rows: dict[str, dict] = {}
+    with redis.Redis.from_url(url) as c:
+        c.config_set("slowlog-log-slower-than", 0)
+        c.config_set("slowlog-max-len", 200_000)
+        c.slowlog_reset()
+        for sampler in SAMPLERS:
+            cfg = BufferConfig(sampler=sampler, max_times_sampled=None, max_size=size, max_staleness=VERSIONS)
+            with ReplayBuffer(url, run_id, cfg) as b:
+                rows[sampler] = _ms(_time_calls(lambda b=b: b.sample(8, CONSUMER_VERSION, 0), calls))
+                for _ in range(max(1, calls // 16)):  # 8-group inserts, evicting as many (max_size = size)
+                    b.insert_many([_group(v, v) for v in range(VERSIONS)])
+        cfg = BufferConfig.queue(max_size=size)
+        with ReplayBuffer(url, run_id, cfg) as b:
+
+            def lease_ack() -> None:
+                leased = b.lease(8, CONSUMER_VERSION, 0, consumer="bench", lease_s=60)
+                b.ack("bench", leased.lease_ids)
+
+            rows["fifo lease+ack"] = _ms(_time_calls(lease_ack, calls))
+        log = c.slowlog_get(200_000)
+        c.config_set("slowlog-log-slower-than", 10_000)
+        c.config_set("slowlog-max-len", 128)
+        worst = max(log, key=lambda e: e["duration"]) if log else None
+    return {
+        "size": size,
+        "samplers": rows,
+        "slowlog_entries": len(log),
+        "slowlog_max_us": worst["duration"] if worst else 0,
+        "slowlog_max_command": worst["command"][:80].decode(errors="replace") if worst else "",
+    }
+
+
+def run_scale(url: str, calls: int, sizes: tuple[int, ...] = SIZES) -> list[dict]:
+    """Load the table up to each size in turn and measure there."""
+    run_id = f"scale-{uuid.uuid4().hex[:8]}"
+    keys = BufferKeys.for_run(run_id)
+    rng = np.random.default_rng(0)
+    rows = []
+    with redis.Redis.from_url(url) as c:
+        for size in sizes:
+            t0 = time.perf_counter()
+            bulk_load(c, keys, size - c.zcard(keys.order), rng)  # top up (lease+ack removed some)
+            load_s = time.perf_counter() - t0
+            settle_s = settle(c)
+            delayed = c.info("persistence").get("aof_delayed_fsync", 0)
+            row = measure(url, run_id, size, calls)
+            row["load_s"], row["settle_s"] = load_s, settle_s
+            row["aof_delayed_fsync"] = c.info("persistence").get("aof_delayed_fsync", 0) - delayed
+            row["used_memory_mb"] = c.info("memory")["used_memory"] / 2**20
+            rows.append(row)
+    return rows
+
+
+def print_scale(rows: list[dict]) -> None:
+    print(f"{'groups':>9} {'sampler':>19} {'p50 ms':>8} {'p99 ms':>8}")
+    for r in rows:
+        for name, t in r["samplers"].items():
+            print(f"{r['size']:>9} {name:>19} {t['p50_ms']:>8.3f} {t['p99_ms']:>8.3f}")
+        print(
+            f"{r['size']:>9} SLOWLOG max {r['slowlog_max_us'] / 1000:.2f} ms over {r['slowlog_entries']} "
+            f"commands ({r['slowlog_max_command']!r}); load {r['load_s']:.1f} s, "
+            f"Redis used memory {r['used_memory_mb']:.0f} MB, AOF fsyncs delayed while measuring "
+            f"{r['aof_delayed_fsync']}"
+        )
