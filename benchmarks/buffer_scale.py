@@ -15,6 +15,7 @@ delays writes behind a slow fsync, which shows as client latency (counted: `aof_
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 import time
 import uuid
@@ -26,6 +27,7 @@ from buffer.codec import encode_group
 from buffer.config import BufferConfig
 from buffer.keys import BufferKeys
 from buffer.replay_buffer import ReplayBuffer
+from buffer.storage import script_source
 from buffer.types import SamplingParams, Trajectory, TrajectoryGroup
 
 SIZES = (10_000, 100_000, 1_000_000)
@@ -119,12 +121,43 @@ def measure(url: str, run_id: str, size: int, calls: int) -> dict:
         c.config_set("slowlog-log-slower-than", 10_000)
         c.config_set("slowlog-max-len", 128)
         worst = max(log, key=lambda e: e["duration"]) if log else None
+    by_name: dict[str, list[int]] = {}
+    for e in log:
+        by_name.setdefault(_name(e["command"]), []).append(e["duration"])
     return {
         "size": size,
         "samplers": rows,
         "slowlog_entries": len(log),
         "slowlog_max_us": worst["duration"] if worst else 0,
-        "slowlog_max_command": worst["command"][:80].decode(errors="replace") if worst else "",
+        "slowlog_max_command": _name(worst["command"]) if worst else "",
+        "slowlog_by_command": {name: _us(d) for name, d in sorted(by_name.items()) if name[0] in "EMUZ"},
+    }
+
+
+_SCRIPTS = {hashlib.sha1(script_source(n).encode()).hexdigest(): n for n in ("insert", "sample", "lease")}
+
+
+def _name(command: bytes) -> str:
+    """A SLOWLOG command: its name; EVALSHA as its script's name and op (sampler, lease op)."""
+    parts = command.split(b" ")
+    if parts[0].upper() == b"EVALSHA" and len(parts) > 1:
+        script = _SCRIPTS.get(parts[1].decode(), parts[1].decode())
+        detail = {"sample": 18, "lease": 14}.get(script)  # ARGV[5] (sampler), ARGV[1] (op): after 11 keys
+        extra = f" {parts[detail].decode()}" if detail is not None and len(parts) > detail else ""
+        if script == "sample" and len(parts) > 27 and parts[27]:  # ARGV[14], the consumer: a lease
+            extra += " (lease)"
+        return f"EVALSHA {script}.lua{extra}"
+    return parts[0].upper().decode(errors="replace")
+
+
+def _us(durations: list[int]) -> dict:
+    """count, p50, p99 and max of SLOWLOG durations (us)."""
+    d = sorted(durations)
+    return {
+        "n": len(d),
+        "p50_us": d[len(d) // 2],
+        "p99_us": d[min(len(d) - 1, len(d) * 99 // 100)],
+        "max_us": d[-1],
     }
 
 
@@ -160,3 +193,7 @@ def print_scale(rows: list[dict]) -> None:
             f"Redis used memory {r['used_memory_mb']:.0f} MB, AOF fsyncs delayed while measuring "
             f"{r['aof_delayed_fsync']}"
         )
+        for name, d in r["slowlog_by_command"].items():
+            if name.startswith(("EVALSHA", "EXEC")):
+                print(f"{'':>9}   {name:<38} n={d['n']:<5} p50 {d['p50_us']:>5} us  p99 {d['p99_us']:>6} us  "
+                      f"max {d['max_us']:>6} us")  # fmt: skip

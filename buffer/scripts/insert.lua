@@ -113,12 +113,12 @@ if size > max_size then
   if n_unsampled > 0 then redis.call('HINCRBY', K.counters, 'dropped:evicted_unsampled', n_unsampled) end
 end
 
--- 4. Trim the dedupe window (oldest entries first, at most 2 x CHUNK per call: it keeps up, since a
--- call adds at most CHUNK).
+-- 4. Trim the dedupe window (oldest entries first, at most CHUNK per call: a count window keeps up,
+-- since a call adds at most CHUNK; an age window's backlog drains by CHUNK per insert call).
 local excess = 0
 if window > 0 then excess = redis.call('ZCARD', K.seen) - window end
 if window_ms > 0 then
   excess = math.max(excess, redis.call('ZCOUNT', K.seen, '-inf', '(' .. (now - window_ms)))
 end
-if excess > 0 then redis.call('ZREMRANGEBYRANK', K.seen, 0, math.min(excess, 2 * CHUNK) - 1) end
+if excess > 0 then redis.call('ZREMRANGEBYRANK', K.seen, 0, math.min(excess, CHUNK) - 1) end
 return {statuses, size, n_evicted, n_unsampled, n_expired}
