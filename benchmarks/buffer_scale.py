@@ -6,11 +6,16 @@ the dedupe window, 1000 groups per command, exactly what insert.lua would have s
 payloads (1 completion of 4 tokens, ~200 bytes: the index sizes matter here, not the bytes), policy
 versions 0..7 and random priorities. Then, at each size, per sampler (replay: `max_times_sampled` None, so
 the size stays put): `sample(8)` `--scale-calls` times, p50/p99 ms; and, for the queue with leases,
-`lease(8)` + `ack` of the 8 (`max_times_sampled` 1: the groups leave). SLOWLOG records every command
+`lease(8)` + `ack` of the 8 (`max_times_sampled` 1: the groups leave). Then 50 more calls of each with
+the server's main-thread CPU time around every call (`INFO cpu`): its p50 and maximum per call, the
+commands' own cost, which a descheduled server does not accumulate (on a shared host SLOWLOG's wall
+clock also holds scheduler ticks), and the same for `insert_many` of 8 groups. SLOWLOG records every command
 (threshold 0) while the samplers run, plus 8-group `insert_many` calls between them; the maximum is
 reported per size (the target: no command over 10 ms at 10^6). The bulk load itself is not measured,
-and each size waits for the AOF fsync of the bulk load to finish first (`settle`): on a busy disk Redis
-delays writes behind a slow fsync, which shows as client latency (counted: `aof_delayed_fsync`).
+and each size first rewrites the AOF and waits for it (`settle`): otherwise the bulk load's AOF growth
+triggers an automatic rewrite (a fork) during the measurement, and a busy disk delays writes behind a
+slow fsync; both show as latency that is not the buffer's (counted: `forks_while_measuring`,
+`aof_delayed_fsync`).
 """
 
 from __future__ import annotations
@@ -69,13 +74,18 @@ def bulk_load(c: redis.Redis, keys: BufferKeys, count: int, rng: np.random.Gener
     c.hset(keys.counters, "inserted", first + count)
 
 
-def settle(c: redis.Redis, timeout_s: float = 120.0) -> float:
-    """Wait until the AOF has no fsync pending (the bulk load wrote megabytes; with `everysec` a busy
-    disk makes Redis delay writes, which would show as client latency, not as a slow command)."""
+def settle(c: redis.Redis, timeout_s: float = 600.0) -> float:
+    """Rewrite the AOF now and wait for it, and for any pending fsync. The bulk load grew the AOF far
+    past its last rewrite, so Redis would otherwise fork a rewrite in the middle of the measurement: the
+    child competes for the CPU and every write after the fork copies its page, which shows as slow
+    commands that have nothing to do with the buffer (`forks_while_measuring` counts them)."""
     t0 = time.perf_counter()
+    if not c.info("persistence").get("aof_rewrite_in_progress"):  # else: wait for the running one
+        c.bgrewriteaof()
     while time.perf_counter() - t0 < timeout_s:
         p = c.info("persistence")
-        if not p.get("aof_pending_bio_fsync") and not p.get("aof_rewrite_in_progress"):
+        busy = p.get("aof_rewrite_in_progress") or p.get("aof_rewrite_scheduled")
+        if not busy and not p.get("aof_pending_bio_fsync"):
             break
         time.sleep(0.2)
     time.sleep(1.5)  # one everysec fsync period
@@ -96,6 +106,31 @@ def _time_calls(fn, calls: int) -> list[float]:
     return out
 
 
+def _cpu_us(c: redis.Redis) -> float:
+    """Redis main-thread CPU time so far, in us (it does not advance while the process is descheduled)."""
+    cpu = c.info("cpu")
+    return 1e6 * (float(cpu["used_cpu_user_main_thread"]) + float(cpu["used_cpu_sys_main_thread"]))
+
+
+def _cpu_per_call(c: redis.Redis, fn, calls: int) -> dict:
+    """Server CPU time of each of `calls` calls of `fn` (INFO cpu before and after each, less the median
+    cost of an empty pair of INFOs): p50 and max, in us. On a shared host this is the cost of the
+    commands themselves, where SLOWLOG's wall-clock durations also hold the time the server spent
+    descheduled (a 4 ms scheduler tick, or more, in the middle of any command)."""
+
+    def deltas(f) -> list[float]:
+        out = []
+        for _ in range(calls):
+            a = _cpu_us(c)
+            f()
+            out.append(_cpu_us(c) - a)
+        return out
+
+    base = statistics.median(deltas(lambda: None))
+    d = sorted(x - base for x in deltas(fn))
+    return {"cpu_p50_us": round(d[len(d) // 2]), "cpu_max_us": round(d[-1])}
+
+
 def measure(url: str, run_id: str, size: int, calls: int) -> dict:
     """Per sampler p50/p99 of sample(8) (and lease+ack for the queue); the SLOWLOG maximum meanwhile."""
     rows: dict[str, dict] = {}
@@ -107,6 +142,9 @@ def measure(url: str, run_id: str, size: int, calls: int) -> dict:
             cfg = BufferConfig(sampler=sampler, max_times_sampled=None, max_size=size, max_staleness=VERSIONS)
             with ReplayBuffer(url, run_id, cfg) as b:
                 rows[sampler] = _ms(_time_calls(lambda b=b: b.sample(8, CONSUMER_VERSION, 0), calls))
+                rows[sampler] |= _cpu_per_call(
+                    c, lambda b=b: b.sample(8, CONSUMER_VERSION, 0), min(calls, 50)
+                )
                 for _ in range(max(1, calls // 16)):  # 8-group inserts, evicting as many (max_size = size)
                     b.insert_many([_group(v, v) for v in range(VERSIONS)])
         cfg = BufferConfig.queue(max_size=size)
@@ -117,6 +155,10 @@ def measure(url: str, run_id: str, size: int, calls: int) -> dict:
                 b.ack("bench", leased.lease_ids)
 
             rows["fifo lease+ack"] = _ms(_time_calls(lease_ack, calls))
+            rows["fifo lease+ack"] |= _cpu_per_call(c, lease_ack, min(calls, 50))
+            rows["insert_many(8)"] = _cpu_per_call(
+                c, lambda: b.insert_many([_group(v, v) for v in range(VERSIONS)]), min(calls, 50)
+            )
         log = c.slowlog_get(200_000)
         c.config_set("slowlog-log-slower-than", 10_000)
         c.config_set("slowlog-max-len", 128)
@@ -174,24 +216,27 @@ def run_scale(url: str, calls: int, sizes: tuple[int, ...] = SIZES) -> list[dict
             load_s = time.perf_counter() - t0
             settle_s = settle(c)
             delayed = c.info("persistence").get("aof_delayed_fsync", 0)
+            forks = c.info("stats").get("total_forks", 0)
             row = measure(url, run_id, size, calls)
             row["load_s"], row["settle_s"] = load_s, settle_s
             row["aof_delayed_fsync"] = c.info("persistence").get("aof_delayed_fsync", 0) - delayed
+            row["forks_while_measuring"] = c.info("stats").get("total_forks", 0) - forks
             row["used_memory_mb"] = c.info("memory")["used_memory"] / 2**20
             rows.append(row)
     return rows
 
 
 def print_scale(rows: list[dict]) -> None:
-    print(f"{'groups':>9} {'sampler':>19} {'p50 ms':>8} {'p99 ms':>8}")
+    print(f"{'groups':>9} {'call':>19} {'p50 ms':>8} {'p99 ms':>8} {'server CPU p50/max us':>22}")
     for r in rows:
         for name, t in r["samplers"].items():
-            print(f"{r['size']:>9} {name:>19} {t['p50_ms']:>8.3f} {t['p99_ms']:>8.3f}")
+            lat = f"{t['p50_ms']:>8.3f} {t['p99_ms']:>8.3f}" if "p50_ms" in t else f"{'':>8} {'':>8}"
+            print(f"{r['size']:>9} {name:>19} {lat} {t['cpu_p50_us']:>10}/{t['cpu_max_us']:<10}")
         print(
             f"{r['size']:>9} SLOWLOG max {r['slowlog_max_us'] / 1000:.2f} ms over {r['slowlog_entries']} "
             f"commands ({r['slowlog_max_command']!r}); load {r['load_s']:.1f} s, "
             f"Redis used memory {r['used_memory_mb']:.0f} MB, AOF fsyncs delayed while measuring "
-            f"{r['aof_delayed_fsync']}"
+            f"{r['aof_delayed_fsync']}, forks while measuring {r['forks_while_measuring']}"
         )
         for name, d in r["slowlog_by_command"].items():
             if name.startswith(("EVALSHA", "EXEC")):

@@ -4,6 +4,7 @@ counted on ack, counters in `stats()` and Prometheus, and a consumer restarting 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -209,3 +210,30 @@ def test_bad_consumer_names_are_refused(env) -> None:
         b.lease(1, 0, consumer="a b", lease_s=1)
     with pytest.raises(ValueError, match="lease_s"):
         b.lease(1, 0, consumer=C, lease_s=0)
+
+
+def test_concurrent_consumers_never_lease_a_queue_group_twice(env) -> None:
+    make, _, _ = env
+    make(max_times_sampled=1).insert_many([build_group(0, n=1, tokens=2, seed=i) for i in range(200)])
+    taken: dict[str, list[str]] = {}
+
+    def consume(name: str) -> None:
+        b = make(max_times_sampled=1)
+        mine = taken.setdefault(name, [])
+        while True:
+            try:
+                leased = b.lease(5, 0, consumer=name, lease_s=60, timeout_s=0)
+            except BufferNotReady:
+                return
+            mine += [g.group_id for g in leased.groups]
+            b.ack(name, leased.lease_ids)
+
+    threads = [threading.Thread(target=consume, args=(f"learner-{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ids = [gid for mine in taken.values() for gid in mine]
+    assert len(ids) == len(set(ids)) == 200
+    s = make().stats()
+    assert (s.size, s.leased_total, s.acked_total, s.sampled_total) == (0, 200, 200, 200)
