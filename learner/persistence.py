@@ -108,8 +108,16 @@ class Persistence:
 
     # --- checkpoints
 
-    def checkpoint(self, parts: Trainables, version: int, step: int, buffer_position: dict[str, Any]) -> Path:
-        """Snapshot everything a checkpoint holds and queue the write; return the folder it will have."""
+    def checkpoint(
+        self,
+        parts: Trainables,
+        version: int,
+        step: int,
+        buffer_position: dict[str, Any],
+        lease_ids: list[str] | None = None,
+    ) -> Path:
+        """Snapshot everything a checkpoint holds and queue the write; return the folder it will have.
+        `lease_ids`: the leases whose updates it holds (acked once it is durable: learner/delivery.py)."""
         root = self.config.checkpoint_path
         if root is None:
             raise CheckpointsDisabled("checkpoints are disabled: checkpoint.checkpoint_dir is null")
@@ -120,6 +128,7 @@ class Persistence:
             run_id=self.config.run_id,
             config=self.config.model_dump(mode="json") | {"redis_url": redact_url(self.config.redis_url)},
             buffer_position=buffer_position,
+            lease_ids=lease_ids or [],
         )
         keep = self.config.checkpoint.keep_checkpoints
         self._copies["checkpoint"].append(snap)

@@ -35,12 +35,13 @@ from learner.checkpoint import Trainables
 from learner.config import LearnerConfig, frozen_field_changes
 from learner.correction import compute_rollout_correction
 from learner.critic import ValueModel, token_rewards
+from learner.delivery import Delivery
 from learner.errors import FrozenFieldChange, WriteFailed
 from learner.metrics import LearnerMetrics, StalenessKL
 from learner.model import checkpoint_dtype, load_model, load_tokenizer
 from learner.persistence import Persistence
 from learner.precision import Precision, pick_device
-from learner.screening import ModelLimits, Rejection, field_label, screen
+from learner.screening import ModelLimits, field_label, screen
 from learner.update import (
     lr_lambda,
     mean_metrics,
@@ -144,11 +145,15 @@ class Learner:
         self._tokens_per_s: float | None = None
         # --- published weights and checkpoints (off the critical path); resume, then publish what we hold
         self.persist = Persistence(
-            config, self.model, self.tokenizer, publish_dtype, self.store, self.metrics
+            config, self.model, self.tokenizer, publish_dtype, self.store, self.metrics, self._on_durable
+        )
+        self.delivery = Delivery(
+            self.buffer, config.run_id, config.delivery_mode, config.lease_s, self.metrics
         )
         meta = self.persist.resume(self._trainables())
         if meta is not None:
             self._resumed(meta)
+        self.delivery.recover(meta.get("lease_ids", []) if meta is not None else [])
         self.persist.ensure_published(self.version)
         self.state = "running"
 
@@ -200,6 +205,7 @@ class Learner:
             "config_version": self.config_version,
             "config_applied_at_step": self.config_applied_at_step,
             "tokens_per_s": self._tokens_per_s,
+            "leases_unacked": len(self.delivery.unacked),
             "buffer": self.buffer.stats(),
             "last_step": dict(self.metrics.last),
         }
@@ -243,18 +249,26 @@ class Learner:
     def step(self) -> dict[str, float]:
         """Sample, train, publish, checkpoint: one learner step. Returns its metrics."""
         self.persist.writer.raise_if_failed()  # a failed background write ends the loop (or is retried)
+        self.delivery.ack_durable()  # leases of checkpoints that became durable since the last step
         self._apply_pending()
         cfg, phases = self.config, {}
         with timed(phases, "sample_wait"):
-            groups = self.buffer.sample(cfg.groups_per_step, self.version, cfg.sample_timeout_s)
+            leased = self.buffer.lease(
+                cfg.groups_per_step, self.version, cfg.sample_timeout_s,
+                consumer=self.delivery.consumer, lease_s=cfg.lease_s,
+            )  # fmt: skip
         self.state = "running"
-        groups, rejected = screen(groups, self.limits)
-        if rejected:
-            self._set_aside(rejected)
+        lease_of = {id(g): lid for g, lid in zip(leased.groups, leased.lease_ids, strict=True)}
+        groups, rejected = screen(leased.groups, self.limits)
+        for r in rejected:  # set aside in the dead-letter list; the rest of the batch trains
+            self.buffer.dead_letter(self.delivery.consumer, lease_of[id(r.group)], r.reason, r.field)
+            log.warning("group %s set aside: %s: %s", r.group.group_id, r.field, r.reason)
+            self.metrics.groups_rejected.labels(field=field_label(r.field)).inc()
         if not groups:  # nothing trainable in this sample: no update, the loop samples again
             return {"groups_rejected": float(len(rejected))}
         with self._step_lock:
             metrics = self._train_on(groups, phases)
+            self.delivery.trained([lease_of[id(g)] for g in groups])
             self.step_count += 1
             if self.step_count % cfg.publish.publish_every == 0:
                 with timed(phases, "publish"):
@@ -273,7 +287,7 @@ class Learner:
         }
         metrics |= {f"time/{k}": v for k, v in phases.items()}
         self.metrics.record_step(metrics, phases)
-        self._write_jsonl(metrics)
+        self._write_jsonl(metrics | {"group_ids": [g.group_id for g in groups]})
         return metrics
 
     def _train_on(self, groups: list, phases: dict[str, float]) -> dict[str, float]:
@@ -381,12 +395,6 @@ class Learner:
         if self._on_config_applied is not None:
             self._on_config_applied(version, self.step_count)
 
-    def _set_aside(self, rejected: list[Rejection]) -> None:
-        """Groups the model cannot train: logged with their field and counted; the rest trains."""
-        for r in rejected:
-            log.warning("group %s set aside: %s: %s", r.group.group_id, r.field, r.reason)
-            self.metrics.groups_rejected.labels(field=field_label(r.field)).inc()
-
     def _trainables(self) -> Trainables:
         return Trainables(self.model, self.optimizer, self.scheduler, self.critic, self.critic_optimizer)
 
@@ -394,7 +402,13 @@ class Learner:
         """Snapshot a checkpoint and queue its write; return the folder it will have."""
         stats = self.buffer.stats()
         position = {"inserted_total": stats.inserted_total, "sampled_total": stats.sampled_total}
-        return self.persist.checkpoint(self._trainables(), self.version, self.step_count, position)
+        leases = self.delivery.checkpointed(self.version)
+        return self.persist.checkpoint(self._trainables(), self.version, self.step_count, position, leases)
+
+    def _on_durable(self, kind: str, version: int) -> None:
+        """Writer thread: a write became durable; a checkpoint's leases are acked by the next step."""
+        if kind == "checkpoint":
+            self.delivery.durable(version)
 
     def _resumed(self, meta: dict[str, Any]) -> None:
         """Take the resumed checkpoint's counters. The version is always that of the weights we hold:
@@ -416,7 +430,10 @@ class Learner:
             fh.write(json.dumps({"time": time.time(), **metrics}) + "\n")
 
     def close(self) -> None:
-        """Finish the background writes, then close the Redis connections."""
+        """Finish the background writes and acknowledge what they made durable, give back the leases whose
+        updates are in no durable checkpoint, then close the Redis connections."""
         self.persist.close()
+        self.delivery.ack_durable()
+        self.delivery.close(release=True)
         self.buffer.close()
         self.store.close()
