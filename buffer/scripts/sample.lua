@@ -56,6 +56,8 @@ if use_ratio then
   end
 end
 if size < k then return {4, stored, n_stale, 0, n_expired} end
+-- `prioritized` chooses among the groups with a priority (those inserted while it was the sampler)
+if sampler == 'prioritized' and redis.call('ZCARD', K.prio) < k then return {4, stored, n_stale, 0, n_expired} end
 
 -- 3. Choose k distinct groups (every indexed group is eligible after step 1): samplers.lua.
 local chosen = choose(sampler, k, size, consumer_version, eps)

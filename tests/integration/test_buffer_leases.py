@@ -237,3 +237,37 @@ def test_concurrent_consumers_never_lease_a_queue_group_twice(env) -> None:
     assert len(ids) == len(set(ids)) == 200
     s = make().stats()
     assert (s.size, s.leased_total, s.acked_total, s.sampled_total) == (0, 200, 200, 200)
+
+
+def test_a_group_that_turns_stale_while_leased(env) -> None:
+    make, raw, keys = env
+    b = make(max_times_sampled=1, max_staleness=2)
+    old, acked = build_group(0, seed=0), build_group(0, seed=1)
+    b.insert_many([old, acked])
+    leased = b.lease(2, 0, consumer=C, lease_s=60)
+    b.insert(build_group(10, seed=2))
+    assert [g.policy_version for g in b.sample(1, 10, timeout_s=0)] == [10]  # the leased ones: not dropped
+    assert b.stats().dropped_total == {}
+    by_gid = dict(zip((g.group_id for g in leased.groups), leased.lease_ids, strict=True))
+    assert b.ack(C, [by_gid[acked.group_id]]).acked == 1  # the ack still counts
+    assert b.release(C) == 1  # back to the buffer ...
+    with pytest.raises(BufferNotReady):
+        b.sample(1, 10, timeout_s=0)  # ... where the staleness gate drops it
+    s = b.stats()
+    assert s.dropped_total == {"stale": 1} and s.size == 0 and s.sampled_total == 2
+    assert not raw.exists(keys.payload(old.group_id))
+
+
+def test_replay_a_group_evicted_while_leased_only_counts_the_ack(env) -> None:
+    make, raw, keys = env
+    b = make(sampler="fifo", max_times_sampled=None, max_size=1)
+    first = build_group(0, seed=0)
+    b.insert(first)
+    leased = b.lease(1, 0, consumer=C, lease_s=60)  # replay: still indexed, evictable
+    b.insert(build_group(0, seed=1))  # evicts `first` past max_size
+    assert not raw.exists(keys.payload(first.group_id))
+    acked = b.ack(C, leased.lease_ids)
+    assert (acked.acked, acked.retired, acked.unknown) == (1, 0, ())
+    s = b.stats()
+    assert (s.size, s.acked_total, s.leases_outstanding, s.evicted_total) == (1, 1, 0, {"max_size": 1})
+    assert raw.hlen(keys.uses) == 0  # nothing counted for a group that is gone
