@@ -17,7 +17,7 @@ from buffer.config import BufferConfig
 from buffer.settings import env_overrides as env_overrides
 from buffer.settings import load_layered
 from buffer.settings import merge as merge
-from learner.correction_config import RolloutCorrectionConfig
+from learner.correction.config import RolloutCorrectionConfig
 
 FROZEN = {"frozen_while_running": True}
 

@@ -115,7 +115,7 @@ def add_seq_stats(
 
 @dataclass(slots=True)
 class ISStats:
-    """What the IS metrics need, already reduced; produced by learner/correction.py for one level."""
+    """What the IS metrics need, already reduced; produced by learner/correction/compute.py for one level."""
 
     sum_w: Tensor  # () sum of applied weights over valid tokens
     sum_w2: Tensor  # () sum of squared applied weights over valid tokens
@@ -154,7 +154,7 @@ def add_is_metrics(sink: MetricSink, st: ISStats, b: Batch, upper: float, lower:
 
 @dataclass(slots=True)
 class RSStats:
-    """One RS option's reduced statistics, from learner/correction.py."""
+    """One RS option's reduced statistics, from learner/correction/compute.py."""
 
     name: str
     is_k1: bool

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from learner.correction_config import (
+from learner.correction.config import (
     TOKEN_LEVEL_ROLLOUT_RS_OPTIONS,
     RolloutCorrectionConfig,
     RSOption,
 )
-from learner.correction_metrics import (
+from learner.correction.metrics import (
     EPS,
     SAFETY_BOUND,
     Batch,
