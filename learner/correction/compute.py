@@ -6,9 +6,11 @@
 the seed-era veto, no NaN on empty batches, and all metrics moved to the host in one transfer.
 
 Deliberate simplifications: masks are 0/1 (a float mask's values other than 0 and 1 are not used as
-token weights); everything is computed in float32 whatever the input dtype; the weights come back in
-float32. In decoupled mode call it once per batch with pi_old; in bypass mode `learner/losses.py` calls it
-per micro-batch with the current log-probs.
+token weights); weights, masks and the IS / RS metrics are computed in float32 whatever the input
+dtype, and the weights come back in float32. The off-policy diagnostics (`k3_kl`, the perplexities...)
+follow verl's type promotion when an input is float64, so that they stay finite where exp(log rho)
+overflows float32. In decoupled mode call it once per batch with pi_old; in bypass mode
+`learner/losses.py` calls it per micro-batch with the current log-probs.
 """
 
 from __future__ import annotations
@@ -103,7 +105,9 @@ def compute_rollout_correction(
 def _correct(
     lp_train: Tensor, lp_roll: Tensor, mask: Tensor, config: RolloutCorrectionConfig
 ) -> CorrectionResult:
-    lp_train = lp_train.detach().float()
+    wide = _metric_dtype(lp_train, lp_roll, mask)
+    lp_train_in, lp_roll_in = lp_train.detach(), lp_roll.detach()
+    lp_train = lp_train_in.float()
     mb = mask if mask.dtype == torch.bool else mask != 0  # (B, T)
     m = mask.float()  # (B, T); no copy for a float32 mask
     lr = torch.where(mb, lp_train - lp_roll.detach().float(), 0.0)  # (B, T) 0 on padding
@@ -112,7 +116,7 @@ def _correct(
     b = Batch(mb, m, lr, cnt, cnt.sum(), row_valid, row_valid.sum().float(), lr.sum(dim=-1))
     lc = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (B, T)
     e_unclamped = torch.exp(lr)  # (B, T), 1 on padding
-    k3_sum = (e_unclamped - lr).sub_(1.0).sum()  # padding adds exp(0) - 0 - 1 = 0
+    k3_sum = (e_unclamped - lr).sub_(1.0).sum() if wide == torch.float32 else None  # padding adds 0
     rho = e_unclamped.clamp_(_EXP_LO, _EXP_HI)  # (B, T) exp(clampS(lr)), in place
     rho_m = rho * m  # (B, T) token-level raw IS weights, 0 on padding
     sink = MetricSink()
@@ -131,9 +135,35 @@ def _correct(
             keep = keep_tok & keep_row.unsqueeze(-1)
         new_mask = mask.masked_fill(~keep, 0)
 
-    train_row_sum = torch.where(mb, lp_train, 0.0).sum(dim=-1)  # (B,)
-    add_offpolicy_metrics(sink, b, train_row_sum, k3_sum, torch.dot(rho_m.view(-1), rho_m.view(-1)))
+    rho2_sum = torch.dot(rho_m.view(-1), rho_m.view(-1))
+    if k3_sum is not None:
+        train_row_sum = torch.where(mb, lp_train, 0.0).sum(dim=-1)  # (B,)
+        add_offpolicy_metrics(sink, b.cnt, b.s_row, train_row_sum, train_row_sum - b.s_row, k3_sum, rho2_sum)
+    else:
+        _wide_offpolicy_metrics(sink, b, mask, lp_train_in, lp_roll_in, rho2_sum)
     return weights, new_mask, sink
+
+
+def _metric_dtype(*tensors: Tensor) -> torch.dtype:
+    """The dtype verl's diagnostics get by type promotion, at least float32 (a bool mask adds none)."""
+    dtype = torch.float32
+    for x in tensors:
+        if x.is_floating_point():
+            dtype = torch.promote_types(dtype, x.dtype)
+    return dtype
+
+
+def _wide_offpolicy_metrics(
+    sink: MetricSink, b: Batch, mask: Tensor, lp_train: Tensor, lp_roll: Tensor, rho2_sum: Tensor
+) -> None:
+    """The diagnostics when an input is float64: each in the dtype verl computes it in, so that a value
+    past float32's range (k3_kl, the perplexities at extreme log-ratios) is finite as verl's."""
+    mb = b.mb
+    lr = torch.where(mb, lp_train.to(_metric_dtype(lp_train, lp_roll, mask)) - lp_roll, 0.0)  # (B, T)
+    k3_sum = (torch.exp(lr) - lr).sub_(1.0).sum()
+    train_row_sum = torch.where(mb, lp_train.to(_metric_dtype(lp_train, mask)), 0.0).sum(dim=-1)  # (B,)
+    roll_row_sum = torch.where(mb, lp_roll.to(_metric_dtype(lp_roll, mask)), 0.0).sum(dim=-1)  # (B,)
+    add_offpolicy_metrics(sink, b.cnt, lr.sum(dim=-1), train_row_sum, roll_row_sum, k3_sum, rho2_sum)
 
 
 # --- importance sampling (spec 3, DECISION 5)

@@ -40,8 +40,9 @@ class MetricSink:
         }
 
     def to_host(self, prefix: str = "") -> dict[str, float]:
-        """One device-to-host transfer for every tensor value; keys get `prefix`."""
-        tensors = [v.reshape(()).float() for v in self.values if isinstance(v, Tensor)]
+        """One device-to-host transfer for every tensor value; keys get `prefix`. Stacked as float64, so
+        that float32 values are exact and float64 diagnostics past float32's range stay finite."""
+        tensors = [v.reshape(()).double() for v in self.values if isinstance(v, Tensor)]
         host = iter(torch.stack(tensors).tolist() if tensors else [])
         return {
             prefix + name: (next(host) if isinstance(value, Tensor) else float(value))
@@ -204,17 +205,27 @@ def add_rs_metrics(sink: MetricSink, st: RSStats, b: Batch) -> None:
 
 
 def add_offpolicy_metrics(
-    sink: MetricSink, b: Batch, train_row_sum: Tensor, k3_sum: Tensor, rho2_sum: Tensor
+    sink: MetricSink,
+    cnt: Tensor,
+    s_row: Tensor,
+    train_row_sum: Tensor,
+    roll_row_sum: Tensor,
+    k3_sum: Tensor,
+    rho2_sum: Tensor,
 ) -> None:
-    """The 13 diagnostics. `train_row_sum`: (B,) masked row sums of log pi_train; `k3_sum`: sum of
+    """The 13 diagnostics, each in the dtype of its inputs (float32, or float64 where verl's is).
+
+    `cnt`: (B,) valid tokens per row; `s_row`: (B,) unclamped row sums of log rho; `train_row_sum` /
+    `roll_row_sum`: (B,) masked row sums of log pi_train / log pi_rollout; `k3_sum`: sum of
     exp(lr) - lr - 1 over valid tokens (unclamped); `rho2_sum`: sum of exp(2 clampS(lr)) over valid tokens."""
-    denom = b.cnt + EPS
+    n = cnt.sum()
+    denom = cnt + EPS
     mu_train = train_row_sum / denom  # (B,)
-    mu_roll = (train_row_sum - b.s_row) / denom  # (B,)
+    mu_roll = roll_row_sum / denom  # (B,)
     sink.add("training_ppl", torch.exp(-mu_train).mean())
     sink.add("training_log_ppl", (-mu_train).mean())
-    sink.add("kl", mmean_total(-b.s_row.sum(), b))
-    sink.add("k3_kl", mmean_total(k3_sum, b))
+    sink.add("kl", -s_row.sum() / (n + EPS))
+    sink.add("k3_kl", k3_sum / (n + EPS))
     sink.add("rollout_ppl", torch.exp(-mu_roll).mean())
     sink.add("rollout_log_ppl", (-mu_roll).mean())
     diff = mu_roll - mu_train  # (B,)
@@ -223,5 +234,5 @@ def add_offpolicy_metrics(
     sink.add("log_ppl_diff_max", diff.max())
     sink.add("log_ppl_diff_min", diff.min())
     sink.add("ppl_ratio", torch.exp(diff).mean())
-    sink.add("chi2_token", mmean_total(rho2_sum, b) - 1.0)
-    sink.add("chi2_seq", torch.exp(2.0 * b.s_row.clamp(-SAFETY_BOUND, SAFETY_BOUND)).mean() - 1.0)
+    sink.add("chi2_token", rho2_sum / (n + EPS) - 1.0)
+    sink.add("chi2_seq", torch.exp(2.0 * s_row.clamp(-SAFETY_BOUND, SAFETY_BOUND)).mean() - 1.0)
