@@ -296,6 +296,19 @@ def plot(traces: list[RunTrace], setup: Setup, path: Path) -> None:
     plt.close(fig)
 
 
+def print_table(rows: list[dict], traces: list[RunTrace], setup: Setup) -> None:
+    """The summary as text; adds the mean RS-masked token fraction (not in `--json`)."""
+    print(f"{'arm':<27} {'eta':>3} {'final reward':>14} {f'to {setup.threshold}':>7} {'ESS':>6} "
+          f"{'KL':>7} {'RS-masked':>9}")  # fmt: skip
+    for r in rows:
+        ess = "-" if r["ess_mean"] is None else f"{r['ess_mean']:.3f}"
+        hit = "-" if r["steps_to_threshold"] is None else str(r["steps_to_threshold"])
+        rs = [x for t in traces if (t.arm, t.eta) == (r["arm"], r["eta"]) for x in t.rs_masked]
+        masked = f"{statistics.fmean(rs):.3f}" if rs else "-"
+        print(f"{r['arm']:<27} {r['eta']:>3} {r['final_reward_mean']:>6.3f} +- {r['final_reward_std']:.3f} "
+              f"{hit:>7} {ess:>6} {r['kl_mean']:>7.4f} {masked:>9}")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the ~4-minute version (2 seeds, eta 4, 3 arms)")
@@ -327,12 +340,7 @@ def main() -> None:
         return
     print(f"lr {setup.lr:g}, seeds {list(setup.seeds)}, {setup.steps} steps, final = mean of the last "
           f"{max(1, setup.steps // 5)} steps; {time.perf_counter() - start:.0f}s")  # fmt: skip
-    print(f"{'arm':<28} {'eta':>3} {'final reward':>15} {f'to {setup.threshold}':>10} {'ESS':>6} {'KL':>9}")
-    for r in rows:
-        ess = "-" if r["ess_mean"] is None else f"{r['ess_mean']:.3f}"
-        hit = "-" if r["steps_to_threshold"] is None else str(r["steps_to_threshold"])
-        print(f"{r['arm']:<28} {r['eta']:>3} {r['final_reward_mean']:>7.3f} +- {r['final_reward_std']:.3f} "
-              f"{hit:>10} {ess:>6} {r['kl_mean']:>9.4f}")  # fmt: skip
+    print_table(rows, traces, setup)
     if png is not None:
         print(f"plot: {png}")
 
