@@ -296,17 +296,17 @@ def plot(traces: list[RunTrace], setup: Setup, path: Path) -> None:
     plt.close(fig)
 
 
-def print_table(rows: list[dict], traces: list[RunTrace], setup: Setup) -> None:
+def print_table(rows: list[dict], traces: list[RunTrace], setup: Setup, file=None) -> None:
     """The summary as text; adds the mean RS-masked token fraction (not in `--json`)."""
     print(f"{'arm':<27} {'eta':>3} {'final reward':>14} {f'to {setup.threshold}':>7} {'ESS':>6} "
-          f"{'KL':>7} {'RS-masked':>9}")  # fmt: skip
+          f"{'KL':>7} {'RS-masked':>9}", file=file)  # fmt: skip
     for r in rows:
         ess = "-" if r["ess_mean"] is None else f"{r['ess_mean']:.3f}"
         hit = "-" if r["steps_to_threshold"] is None else str(r["steps_to_threshold"])
         rs = [x for t in traces if (t.arm, t.eta) == (r["arm"], r["eta"]) for x in t.rs_masked]
         masked = f"{statistics.fmean(rs):.3f}" if rs else "-"
         print(f"{r['arm']:<27} {r['eta']:>3} {r['final_reward_mean']:>6.3f} +- {r['final_reward_std']:.3f} "
-              f"{hit:>7} {ess:>6} {r['kl_mean']:>7.4f} {masked:>9}")  # fmt: skip
+              f"{hit:>7} {ess:>6} {r['kl_mean']:>7.4f} {masked:>9}", file=file)  # fmt: skip
 
 
 def main() -> None:
@@ -335,7 +335,8 @@ def main() -> None:
     )
     if png is not None:
         plot(traces, setup, png)
-    if args.json:
+    if args.json:  # the table goes to stderr with the progress lines; stdout holds only the JSON
+        print_table(rows, traces, setup, file=sys.stderr)
         print(json.dumps({"arms": rows, "lr": setup.lr, "seeds": list(setup.seeds)}))
         return
     print(f"lr {setup.lr:g}, seeds {list(setup.seeds)}, {setup.steps} steps, final = mean of the last "
