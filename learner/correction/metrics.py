@@ -66,6 +66,7 @@ class Batch:
     row_valid: Tensor  # (B,) bool, row has >= 1 valid token
     n_rows: Tensor  # () number of valid rows, float32
     s_row: Tensor  # (B,) unclamped row sums of lr
+    s_row_v: Tensor  # (B,) the same in verl's dtype (float64 when an input is): where it is exponentiated
 
 
 def mmean_total(total: Tensor, b: Batch) -> Tensor:
@@ -96,8 +97,11 @@ def add_seq_stats(
 ) -> None:
     """`_seq_mean/_seq_std/_seq_max/_seq_min/_seq_max_deviation` of `q` over rows where `valid`.
 
-    std is unbiased (torch.std) and 0 for a single row; every value is 0 over an empty set.
+    std is unbiased (torch.std) and 0 for a single row; every value is 0 over an empty set. Computed in
+    float64 ((B,) values, no cost): a float32 mean of nearly equal large values (k3 at the e^20 clamp,
+    ~4.85e8) would leave a std of float32 rounding noise (~30) where verl's float64 gives ~0.
     """
+    q = q.double()
     zero = torch.zeros((), dtype=q.dtype, device=q.device)
     qv = torch.where(valid, q, zero)
     mean = qv.sum() / n_valid.clamp(min=1.0)

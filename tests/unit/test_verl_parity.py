@@ -137,6 +137,23 @@ def test_extreme_log_ratios_keep_float64_diagnostics_finite_as_verl(dtypes, opti
     assert_same(ours, theirs)
 
 
+@pytest.mark.parametrize("dtypes", [(F64, F64), (F32, F64), (F32, F32)], ids=["64-64", "32-64", "32-32"])
+def test_sequence_is_min_past_float32_range_as_verl(dtypes):
+    # verl's rollout_is_min at sequence level is exp(min row sum of log rho), unclamped, in the input
+    # dtype: every row's sum here is ~120, so it is ~1e52 with a float64 input and inf in float32.
+    gen = torch.Generator().manual_seed(3)
+    rollout = -torch.rand(4, 6, generator=gen) * 3
+    train, mask = rollout + 20.0 + torch.rand(4, 6, generator=gen), torch.ones(4, 6)
+    train, rollout = train.to(dtypes[0]), rollout.to(dtypes[1])
+    cfg = {"rollout_is": "sequence", "rollout_is_threshold": 2.0}
+    ours = compute_rollout_correction(train, rollout, mask, RolloutCorrectionConfig(**cfg))
+    theirs = verl_call(train, rollout, mask, **cfg)
+    expect_finite = F64 in dtypes
+    assert math.isfinite(theirs[2]["rollout_corr/rollout_is_min"]) == expect_finite
+    assert math.isfinite(ours.metrics["rollout_corr/rollout_is_min"]) == expect_finite
+    assert_same(ours, theirs)
+
+
 def test_extreme_log_ratios_in_float32_overflow_as_verl():
     # Both float32: verl computes exp(lr) in float32 too, so both report inf (no float64 promotion).
     train, rollout, mask = extreme_batch(F32, F32)
