@@ -163,7 +163,8 @@ def make_groups(
 
 def learner_config(
     arm: str, seed: int, setup: Setup, model_dir: Path, redis_url: str, run_id: str, tmp: Path
-):
+) -> LearnerConfig:
+    """The same learner for every arm but its rollout correction: one micro-batch, one optimizer step."""
     rows = setup.groups_per_step * setup.n
     return LearnerConfig(
         model_path=str(model_dir), device="cpu", seed=seed, redis_url=redis_url, run_id=run_id,
@@ -185,7 +186,8 @@ def run_arm(arm: str, eta: int, seed: int, setup: Setup, redis_url: str, tmp: Pa
     # Prompt indices per generation step (negative steps: the initial batches), the same in every arm.
     table = np.random.default_rng(seed).integers(0, len(prompts), (setup.steps + 64, setup.groups_per_step))
     run_id = f"{arm}-{eta}-{seed}-{uuid.uuid4().hex[:6]}"
-    learner = Learner(learner_config(arm, seed, setup, model_dir, redis_url, run_id, tmp))
+    cfg = learner_config(arm, seed, setup, model_dir, redis_url, run_id, tmp)
+    learner = Learner(cfg)
     gen = torch.Generator()
     trace = RunTrace(arm, eta, seed)
 
@@ -194,16 +196,19 @@ def run_arm(arm: str, eta: int, seed: int, setup: Setup, redis_url: str, tmp: Pa
         picked = [prompts[int(i)] for i in table[step % len(table)]]
         return make_groups(learner.model, tok, picked, learner.version, setup, gen)
 
-    delay: deque[list[TrajectoryGroup]] = deque(batch(-1 - i) for i in range(eta))  # version 0, t < eta
     try:
-        with ReplayBuffer(redis_url, run_id, learner.config.buffer) as buf:
+        delay = deque(batch(-1 - i) for i in range(eta))  # for t < eta: the initial weights (version 0)
+        with ReplayBuffer(redis_url, run_id, cfg.buffer) as buf:
             for t in range(setup.steps):
-                assert learner.version == t, (learner.version, t)
+                if learner.version != t:
+                    raise RuntimeError(f"{run_id}: version {learner.version} at step {t}")
                 fresh = batch(t)
                 trace.rewards.append(statistics.fmean(x.reward for g in fresh for x in g.trajectories))
                 delay.append(fresh)
                 train = delay.popleft()
-                buf.insert_many(train)
+                inserted = buf.insert_many(train)
+                if len(inserted.inserted) != len(train):
+                    raise RuntimeError(f"{run_id} step {t}: insert refused groups: {inserted}")
                 metrics = learner.step()
                 left = buf.stats().size
                 if left:
