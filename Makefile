@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST_ARGS ?=
 
-.PHONY: install system-deps test test-unit lint format quickstart bench clean
+.PHONY: install system-deps test test-unit test-gpu lint format quickstart bench clean
 
 install: $(STAMP)
 
@@ -47,6 +47,11 @@ test: install system-deps
 
 test-unit: install
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+# The CUDA tests (`@pytest.mark.gpu`: the learner loop, publishing, checkpoints, chunked log-probs on a GPU).
+# They skip with a reason where torch sees no GPU; CI runs on CPU. ../shared/gpu/README.md: the lent machine.
+test-gpu: install system-deps
+	$(PY) -m pytest -m gpu tests/gpu $(PYTEST_ARGS)
 
 lint: install
 	$(PY) -m ruff check .

@@ -12,20 +12,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from buffer.config import BufferConfig
-from buffer.settings import load_layered
+from config.base import ConfigModel, IdStr, PathStr
+from config.loader import load_layered
 
-_FROZEN = ConfigDict(frozen=True, extra="forbid")
 
-
-class EngineConfig(BaseModel):
+class EngineConfig(ConfigModel):
     """How to start the vLLM engine."""
 
-    model_config = _FROZEN
-
-    model: str = Field(min_length=1)
+    model: PathStr
     """Model path (a folder of safetensors + config + tokenizer) or Hugging Face hub id; policy v0."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights and activations dtype; `float32` on CPU (the log-prob parity check needs it)."""
@@ -44,7 +41,7 @@ class EngineConfig(BaseModel):
     """Reuse the KV cache of shared prompt prefixes (the n completions of a group share their prompt)."""
     max_num_seqs: int | None = Field(None, ge=1)
     """Sequences scheduled together; None = vLLM's default."""
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**31)
     """Seed of vLLM's sampler (each actor adds its `actor_index`, so actors do not repeat each other)."""
 
     @classmethod
@@ -61,10 +58,8 @@ class EngineConfig(BaseModel):
         return cls(**(base | overrides))
 
 
-class SamplingConfig(BaseModel):
+class SamplingConfig(ConfigModel):
     """How completions are sampled; stamped on every group (the learner applies the same temperature)."""
-
-    model_config = _FROZEN
 
     temperature: float = Field(1.0, gt=0.0)
     """Softmax temperature (> 0: greedy decoding has no sampling log-probs to correct with)."""
@@ -84,20 +79,19 @@ class SamplingConfig(BaseModel):
         return self
 
 
-class DatasetConfig(BaseModel):
+class DatasetConfig(ConfigModel):
     """Where prompts come from and how they are batched."""
 
-    model_config = _FROZEN
-
-    path: str = Field(min_length=1)
+    path: PathStr
     """A `.jsonl` or `.parquet` file whose records have `prompt`, optional `answer`, `metadata`, `id`."""
     chat_template: bool = False
     """True = wrap each prompt as a user message with the tokenizer's chat template."""
-    system_prompt: str | None = None
-    """System message put before the user message when `chat_template` is on; None = none."""
+    system_prompt: str | None = Field(None, max_length=65_536)
+    """System message put before the user message when `chat_template` is on (at most 65,536 characters);
+    None = none."""
     shuffle: bool = True
     """Reshuffle this actor's shard at the start of every epoch (seeded by `seed` and the epoch)."""
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**63)
     """Seed of the per-epoch shuffle."""
     prompts_per_batch: int = Field(8, ge=1)
     """Prompts generated together in one engine call (each gives one group of `sampling.n`)."""
@@ -105,10 +99,8 @@ class DatasetConfig(BaseModel):
     """Stop after this many passes over the shard; None = run until stopped."""
 
 
-class RewardConfig(BaseModel):
+class RewardConfig(ConfigModel):
     """Which reward function scores completions."""
-
-    model_config = _FROZEN
 
     name: str = Field("exact_match", min_length=1)
     """A built-in (`exact_match`, `math_answer`, `target_token_share`) or a dotted path `pkg.mod.fn`
@@ -120,10 +112,8 @@ class RewardConfig(BaseModel):
     """Completion length (characters) at which the length penalty reaches its full `length_penalty`."""
 
 
-class ReloadConfig(BaseModel):
+class ReloadConfig(ConfigModel):
     """How the actor follows the learner's published weights."""
-
-    model_config = _FROZEN
 
     enabled: bool = True
     """False = never reload (keep generating with the starting weights, stamped `initial_version`)."""
@@ -139,10 +129,8 @@ class ReloadConfig(BaseModel):
     """Check the published sha256 over the `*.safetensors` files before loading them."""
 
 
-class RetryConfig(BaseModel):
+class RetryConfig(ConfigModel):
     """Bounded waits when Redis is down or the buffer says back off (pacing, rate limiter)."""
-
-    model_config = _FROZEN
 
     initial_s: float = Field(0.5, gt=0.0)
     """First wait after a failed insert or pacing check, in seconds; doubles up to `max_s`."""
@@ -158,20 +146,18 @@ class RetryConfig(BaseModel):
         return self
 
 
-class ActorConfig(BaseModel):
+class ActorConfig(ConfigModel):
     """Everything one actor process needs: engine, sampling, prompts, reward, buffer, reload."""
-
-    model_config = _FROZEN
 
     redis_url: str = "redis://localhost:6379/0"
     """Redis holding the replay buffer and the policy record."""
-    run_id: str = Field("default", min_length=1)
+    run_id: IdStr = "default"
     """Namespace of this run's keys in Redis (must equal the learner's)."""
     actor_index: int = Field(0, ge=0)
     """This actor's shard of the dataset: records with index % num_actors == actor_index."""
     num_actors: int = Field(1, ge=1)
     """How many actors share the dataset."""
-    actor_id: str | None = None
+    actor_id: IdStr | None = None
     """Stamped on every group; None = `actor-<actor_index>`."""
     engine: EngineConfig
     """The vLLM engine."""
@@ -236,6 +222,6 @@ def load_config(
     """An `ActorConfig` from a YAML file, then the `OFFPOLICY_*` variables of `environ`, then kwargs.
 
     Only keys naming `ActorConfig` fields are taken from `environ`, so other components' variables
-    (`OFFPOLICY_API_TOKEN`, `OFFPOLICY_CONFIG_PATH`) are ignored (`buffer.settings.load_layered`).
+    (`OFFPOLICY_API_TOKEN`, `OFFPOLICY_CONFIG_PATH`) are ignored (`config.loader.load_layered`).
     """
     return load_layered(ActorConfig, path, environ, overrides)

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from config.base import ConfigModel
 
 Sampler = Literal["fifo", "newest", "uniform", "staleness_weighted", "prioritized"]
 
 
-class CodecLimits(BaseModel):
+class CodecLimits(ConfigModel):
     """Limits `decode_group` / `validate_group` enforce; a group over any of them is `InvalidTrajectory`."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     max_tokens_per_completion: int = Field(32_768, ge=1)
     """Most response tokens in one trajectory."""
@@ -24,10 +24,8 @@ class CodecLimits(BaseModel):
     """Largest encoded group, in bytes."""
 
 
-class BufferConfig(BaseModel):
+class BufferConfig(ConfigModel):
     """One replay table: Reverb's `max_size`, sampler, remover (`max_times_sampled`) and rate limiters."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     max_size: int = Field(10_000, ge=1)
     """Most groups stored; past it the oldest (by insert order) is evicted."""

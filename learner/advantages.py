@@ -21,10 +21,14 @@ def _group_stats(rewards: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, 
     """Per completion: (group size, group mean, group unbiased std), all (B,)."""
     _, inverse = torch.unique(group_index, return_inverse=True)
     groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
-    size = torch.zeros(groups, dtype=rewards.dtype).index_add_(0, inverse, torch.ones_like(rewards))
-    total = torch.zeros(groups, dtype=rewards.dtype).index_add_(0, inverse, rewards)
+    size = torch.zeros(groups, dtype=rewards.dtype, device=rewards.device).index_add_(
+        0, inverse, torch.ones_like(rewards)
+    )
+    total = torch.zeros(groups, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, rewards)
     mean = total / size
-    sq = torch.zeros(groups, dtype=rewards.dtype).index_add_(0, inverse, (rewards - mean[inverse]).square())
+    sq = torch.zeros(groups, dtype=rewards.dtype, device=rewards.device).index_add_(
+        0, inverse, (rewards - mean[inverse]).square()
+    )
     std = (sq / (size - 1).clamp(min=1)).sqrt()
     return size[inverse], mean[inverse], std[inverse]
 

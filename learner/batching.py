@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import torch.utils.checkpoint
 
 from learner.errors import BatchError
 
@@ -35,7 +36,10 @@ class Batch:
     attention_mask: torch.Tensor  # (B, P+R) long: 1 on real prompt and response tokens
     position_ids: torch.Tensor  # (B, P+R) long: 0 at each row's first prompt token
     response_ids: torch.Tensor  # (B, R) long: the sampled token ids (pad after the end)
-    response_mask: torch.Tensor  # (B, R) float: 1 on sampled tokens
+    response_mask: torch.Tensor  # (B, R) float: 1 on tokens the loss uses (rejection sampling may clear some)
+    sampled_mask: (
+        torch.Tensor
+    )  # (B, R) float: 1 on every sampled token (never changed; GAE and critic use it)
     rollout_log_probs: torch.Tensor  # (B, R) float: behaviour log-probs (0 on padding)
     rewards: torch.Tensor  # (B,) float: one scalar reward per completion
     group_index: torch.Tensor  # (B,) long: 0..G-1, which group each row belongs to
@@ -63,7 +67,7 @@ class Batch:
         sub = {k: v[rows] for k, v in self._tensors().items()}
         prompt_mask = sub["attention_mask"][:, : self.prompt_width]  # (b, P)
         drop_left = int((prompt_mask.sum(0) == 0).long().cumprod(0).sum())  # leading all-pad columns
-        keep_r = int(sub["response_mask"].sum(0).nonzero().max()) + 1 if sub["response_mask"].any() else 1
+        keep_r = int(sub["sampled_mask"].sum(0).nonzero().max()) + 1 if sub["sampled_mask"].any() else 1
         for k, v in sub.items():
             if v.dim() == 2 and v.shape[1] == self.input_ids.shape[1]:
                 sub[k] = v[:, drop_left : self.prompt_width + keep_r]
@@ -116,6 +120,7 @@ def collate(groups: Sequence[TrajectoryGroup], pad_token_id: int) -> Batch:
         position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
         response_ids=input_ids[:, P:].clone(),
         response_mask=response_mask,
+        sampled_mask=response_mask.clone(),
         rollout_log_probs=torch.from_numpy(lp) * response_mask,
         rewards=torch.tensor([float(t.reward) for _, _, t in rows], dtype=torch.float32),
         group_index=torch.tensor([gi for gi, _, _ in rows], dtype=torch.long),
@@ -126,29 +131,51 @@ def collate(groups: Sequence[TrajectoryGroup], pad_token_id: int) -> Batch:
     )
 
 
-def response_hidden_logits(model: PreTrainedModel, batch: Batch) -> torch.Tensor:
-    """Logits at the positions that predict the response tokens: (B, R, V), prompt logits never built."""
+def response_hidden_states(model: PreTrainedModel, batch: Batch) -> torch.Tensor:
+    """Last hidden states at the positions that predict the response tokens: (B, R, H); no logits built."""
     R = batch.response_ids.shape[1]
-    out = model(
+    hidden = model.get_decoder()(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
         position_ids=batch.position_ids,
-        logits_to_keep=R + 1,  # positions P-1 .. P+R-1; the last one predicts nothing we sampled
         use_cache=False,
-    )
-    return out.logits[:, :-1, :]  # (B, R, V)
+    ).last_hidden_state  # (B, P+R, H)
+    return hidden[:, batch.prompt_width - 1 : batch.prompt_width - 1 + R]  # (B, R, H): P-1 .. P+R-2
 
 
-def token_logprobs(model: PreTrainedModel, batch: Batch) -> torch.Tensor:
+def _chunk_logprobs(
+    head: torch.nn.Module, softcap: float | None, h: torch.Tensor, ids: torch.Tensor, temps: torch.Tensor
+) -> torch.Tensor:
+    """log-softmax-and-gather of one chunk: (b, c, H) states, (b, c) ids, (b,) temperatures -> (b, c)."""
+    logits = head(h).float()  # (b, c, V): the only fp32 logits alive at a time
+    if softcap is not None:  # Gemma-2/3 final logit soft-capping, applied before the temperature
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits / temps[:, None, None]
+    picked = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # (b, c)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def token_logprobs(model: PreTrainedModel, batch: Batch, chunk_tokens: int = 4096) -> torch.Tensor:
     """log pi(response token | prefix) under `model` at each row's temperature: (B, R), 0 on padding.
 
-    Only the response positions go through the LM head (`logits_to_keep`); the log-softmax is a gather
-    minus a logsumexp, so no (B, R, V) log-prob tensor is kept besides the logits themselves.
+    The LM head runs on chunks of response positions holding at most `chunk_tokens` tokens of the
+    micro-batch, so the fp32 logits of a whole micro-batch (B x R x V: 4.9 GiB at 8 x 1024 tokens and a
+    152k vocabulary) are never materialised. With gradients on, each chunk is recomputed in the backward
+    pass (activation checkpointing of the head): only the hidden states are kept between the passes.
     """
-    logits = response_hidden_logits(model, batch).float()  # (B, R, V)
-    logits = logits / batch.temperatures.to(logits.device)[:, None, None]  # (B, R, V)
-    picked = logits.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)  # (B, R)
-    return (picked - torch.logsumexp(logits, dim=-1)) * batch.response_mask  # (B, R)
+    hidden = response_hidden_states(model, batch)  # (B, R, H)
+    head = model.get_output_embeddings()
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    temps = batch.temperatures.to(hidden.device)  # (B,)
+    width = max(1, chunk_tokens // hidden.shape[0])  # response positions per chunk
+    parts = []
+    for s in range(0, hidden.shape[1], width):
+        args = (head, softcap, hidden[:, s : s + width], batch.response_ids[:, s : s + width], temps)
+        if torch.is_grad_enabled():
+            parts.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(*args))
+    return torch.cat(parts, dim=1) * batch.response_mask  # (B, R)
 
 
 def staleness(batch: Batch, consumer_version: int) -> torch.Tensor:

@@ -3,13 +3,20 @@
 A checkpoint is a folder `ckpt-<version>/` holding `model.safetensors` (+ `critic.safetensors`),
 `optimizer.safetensors` (+ `critic_optimizer.safetensors`: AdamW moments flattened as `state.<i>.<name>`),
 `rng.safetensors` (torch CPU / CUDA generator states) and `meta.json` (version, step, config, buffer
-position, optimizer param groups, scheduler state, Python RNG). No pickle anywhere. It is written into a
-temporary folder and renamed, so a learner killed mid-write leaves the previous checkpoint intact.
+position, optimizer param groups, scheduler state, Python RNG, and the identity it was written for: run id
+and model fingerprint). No pickle anywhere.
+
+`snapshot_checkpoint` copies all of it to host memory at a step boundary (the critical-path part);
+`write_checkpoint` writes it on the background writer (learner/writer.py) into a temporary folder, fsyncs
+and renames it, so a learner killed mid-write leaves the previous checkpoint intact and the leftover
+temporary folder is never resumed. A checkpoint of another run or model is refused (`CheckpointMismatch`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import random
 import re
 import shutil
@@ -20,9 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors.torch import load_file
 
-FORMAT = 1
+from learner.errors import CheckpointMismatch
+from learner.weights import HostCopy, unique_state, write_safetensors
+
+FORMAT = 2
 CKPT_DIR = re.compile(r"^ckpt-(\d+)$")
 
 
@@ -45,7 +55,7 @@ def _optimizer_to_files(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Ten
         for name, value in state.items():
             key = f"state.{idx}.{name}"
             if isinstance(value, torch.Tensor):
-                tensors[key] = value.detach().cpu().contiguous()
+                tensors[key] = value.detach()  # copied to the host by the snapshot's HostCopy
             else:
                 scalars[key] = value
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
@@ -74,26 +84,50 @@ def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
     return Path(checkpoint_dir) / f"ckpt-{versions[-1]:010d}" if versions else None
 
 
-def save_checkpoint(
-    checkpoint_dir: str | Path,
+@dataclass(frozen=True, slots=True)
+class CheckpointSnapshot:
+    """A checkpoint taken at a step boundary: its tensors are being copied to host memory (`copies`, the
+    learner waits for them before the next optimizer step); `write_checkpoint` writes it (background)."""
+
+    version: int
+    copies: dict[str, HostCopy]  # file name (without .safetensors) -> its tensors' host copy
+    meta: dict[str, Any]
+
+    def wait(self) -> None:
+        """Block until every tensor is in host memory."""
+        for copy in self.copies.values():
+            copy.wait()
+
+
+def identity(parts: Trainables, run_id: str) -> dict[str, str]:
+    """What a checkpoint must match to be resumed: the run id and a fingerprint of the model's tensors
+    (names, shapes and dtypes of its state dict), so another run's or another model's is refused."""
+    spec = [(k, list(v.shape), str(v.dtype)) for k, v in parts.model.state_dict().items()]
+    return {"run_id": run_id, "model": hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:16]}
+
+
+def _host(tensors: dict[str, torch.Tensor]) -> HostCopy:
+    """A background host copy of `tensors` into pageable memory (a checkpoint's optimizer state is ~3x the
+    weights: too much to keep pinned between checkpoints)."""
+    return HostCopy(tensors, None, pin=False)
+
+
+def snapshot_checkpoint(
     parts: Trainables,
     *,
     version: int,
     step: int,
+    run_id: str,
     config: dict[str, Any],
     buffer_position: dict[str, Any],
-    keep: int | None = None,
-) -> Path:
-    """Write `ckpt-<version>/` atomically; delete all but the newest `keep`; return the folder."""
-    root = Path(checkpoint_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".tmp-{uuid.uuid4().hex}"
-    tmp.mkdir()
-    save_model(parts.model, str(tmp / "model.safetensors"))
+) -> CheckpointSnapshot:
+    """Copy everything a checkpoint holds to host memory (the critical-path part of a checkpoint)."""
+    files = {"model": _host(unique_state(parts.model))}
     opt_tensors, opt_meta = _optimizer_to_files(parts.optimizer)
-    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+    files["optimizer"] = _host(opt_tensors)
     meta: dict[str, Any] = {
         "format": FORMAT,
+        "identity": identity(parts, run_id),
         "version": version,
         "step": step,
         "saved_at": time.time(),
@@ -104,15 +138,28 @@ def save_checkpoint(
         "python_rng": random.getstate(),
     }
     if parts.critic is not None and parts.critic_optimizer is not None:
-        save_model(parts.critic, str(tmp / "critic.safetensors"))
+        files["critic"] = _host(unique_state(parts.critic))
         c_tensors, meta["critic_optimizer"] = _optimizer_to_files(parts.critic_optimizer)
-        save_file(c_tensors, str(tmp / "critic_optimizer.safetensors"))
+        files["critic_optimizer"] = _host(c_tensors)
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng |= {f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
-    save_file(rng, str(tmp / "rng.safetensors"))
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    final = root / f"ckpt-{version:010d}"
+    files["rng"] = _host(rng)
+    return CheckpointSnapshot(version, files, meta)
+
+
+def write_checkpoint(checkpoint_dir: str | Path, snap: CheckpointSnapshot, keep: int | None = None) -> Path:
+    """Write `ckpt-<version>/` atomically (temp folder, fsync, rename); keep the newest `keep`."""
+    root = Path(checkpoint_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{uuid.uuid4().hex}"
+    tmp.mkdir()
+    for name, copy in snap.copies.items():
+        write_safetensors(tmp / f"{name}.safetensors", copy.wait())  # fsynced
+    (tmp / "meta.json").write_text(json.dumps(snap.meta, indent=1))
+    with (tmp / "meta.json").open("rb") as fh:
+        os.fsync(fh.fileno())
+    final = root / f"ckpt-{snap.version:010d}"
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
@@ -122,18 +169,56 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(path: str | Path, parts: Trainables) -> dict[str, Any]:
-    """Restore `parts` and the RNGs from the checkpoint folder `path`; return its meta (version, ...)."""
+def save_checkpoint(
+    checkpoint_dir: str | Path,
+    parts: Trainables,
+    *,
+    version: int,
+    step: int,
+    config: dict[str, Any],
+    buffer_position: dict[str, Any],
+    run_id: str = "default",
+    keep: int | None = None,
+) -> Path:
+    """Snapshot and write a checkpoint in the calling thread (the learner writes in the background)."""
+    snap = snapshot_checkpoint(
+        parts, version=version, step=step, run_id=run_id, config=config, buffer_position=buffer_position
+    )
+    return write_checkpoint(checkpoint_dir, snap, keep)
+
+
+def _load_module(module: torch.nn.Module, file: Path, device: torch.device) -> None:
+    """Load a module's tensors; only the second names of tied tensors may be absent from the file."""
+    state = load_file(str(file), device=str(device))
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    tied = set(module.state_dict()) - set(unique_state(module))
+    if unexpected or set(missing) - tied:
+        raise CheckpointMismatch(f"{file}: missing {sorted(set(missing) - tied)}, unexpected {unexpected}")
+
+
+def load_checkpoint(path: str | Path, parts: Trainables, run_id: str = "default") -> dict[str, Any]:
+    """Restore `parts` and the RNGs from the checkpoint folder `path`; return its meta (version, ...).
+
+    Raises `CheckpointMismatch` when the checkpoint belongs to another run or another model."""
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
     if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, this learner reads {FORMAT}")
+        raise CheckpointMismatch(
+            f"{path}: checkpoint format {meta.get('format')!r}, this learner reads {FORMAT}"
+        )
+    want, got = identity(parts, run_id), meta["identity"]
+    if got != want:
+        raise CheckpointMismatch(
+            f"{path} was written for run {got['run_id']!r}, model {got['model']}; this learner is run "
+            f"{want['run_id']!r}, model {want['model']}: point checkpoint.checkpoint_dir elsewhere or "
+            "remove the folder"
+        )
     device = next(parts.model.parameters()).device
-    load_model(parts.model, str(path / "model.safetensors"), device=str(device))
+    _load_module(parts.model, path / "model.safetensors", device)
     _optimizer_from_files(parts.optimizer, load_file(str(path / "optimizer.safetensors")), meta["optimizer"])
     parts.scheduler.load_state_dict(meta["scheduler"])
     if parts.critic is not None and parts.critic_optimizer is not None:
-        load_model(parts.critic, str(path / "critic.safetensors"), device=str(device))
+        _load_module(parts.critic, path / "critic.safetensors", device)
         c_tensors = load_file(str(path / "critic_optimizer.safetensors"))
         _optimizer_from_files(parts.critic_optimizer, c_tensors, meta["critic_optimizer"])
     rng = load_file(str(path / "rng.safetensors"))

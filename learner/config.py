@@ -11,15 +11,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from buffer.config import BufferConfig
-from buffer.settings import env_overrides as env_overrides
-from buffer.settings import load_layered
-from buffer.settings import merge as merge
+from config.base import ConfigModel, IdStr, PathStr
+from config.loader import env_overrides as env_overrides
+from config.loader import load_layered
+from config.loader import merge as merge
 from learner.correction.config import RolloutCorrectionConfig
+from learner.precision import PrecisionName
 
 FROZEN = {"frozen_while_running": True}
+WRITABLE = {"writable_path": True}
 
 AdvEstimator = Literal["grpo", "rloo", "reinforce", "gae"]
 LossAggMode = Literal[
@@ -27,10 +30,8 @@ LossAggMode = Literal[
 ]
 
 
-class OptimizerConfig(BaseModel):
+class OptimizerConfig(ConfigModel):
     """AdamW with linear warm-up, then constant, linear or cosine decay (per optimizer step)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     lr: float = Field(1e-6, gt=0.0)
     """Peak learning rate, reached after `warmup_steps` optimizer steps."""
@@ -60,12 +61,10 @@ class OptimizerConfig(BaseModel):
         return self
 
 
-class CriticConfig(BaseModel):
+class CriticConfig(ConfigModel):
     """The value model for `adv_estimator: gae`: the policy's backbone architecture plus a scalar head."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    model_path: str | None = Field(None, json_schema_extra=FROZEN)
+    model_path: PathStr | None = Field(None, json_schema_extra=FROZEN)
     """Where the critic's backbone comes from; None = the policy's `model_path`."""
     lr: float = Field(1e-5, gt=0.0)
     """Critic AdamW learning rate (constant)."""
@@ -75,43 +74,48 @@ class CriticConfig(BaseModel):
     """Weight of the value loss (the critic has its own optimizer; this scales its gradient)."""
 
 
-class PublishConfig(BaseModel):
+class PublishConfig(ConfigModel):
     """Where and how often the learner publishes weights for the actors."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    weights_dir: str = Field("runs/weights", json_schema_extra=FROZEN)
-    """Folder holding `v<version>/` (safetensors + config + tokenizer), shared with the actors."""
+    weights_dir: PathStr = Field("runs/{run_id}/weights", json_schema_extra=FROZEN)
+    """Folder holding `v<version>/` (safetensors + manifest + config + tokenizer), shared with the actors;
+    `{run_id}` is replaced by the run's id (`LearnerConfig.weights_path`), so runs never share a folder."""
     publish_every: int = Field(1, ge=1)
     """Publish after every this many learner steps."""
     keep_versions: int = Field(3, ge=1)
     """How many published versions stay on disk; older folders are deleted."""
 
 
-class CheckpointConfig(BaseModel):
+class CheckpointConfig(ConfigModel):
     """Where and how often the learner writes resumable checkpoints."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    checkpoint_dir: str | None = Field("runs/checkpoints", json_schema_extra=FROZEN)
-    """Folder of `step-<version>/` checkpoints; the newest is resumed on start. None = no checkpoints."""
+    checkpoint_dir: PathStr | None = Field("runs/{run_id}/checkpoints", json_schema_extra=FROZEN)
+    """Folder of `ckpt-<version>/` checkpoints; the newest is resumed on start, and one written for another
+    run or model is refused. `{run_id}` is replaced by the run's id. None = no checkpoints."""
     checkpoint_every: int | None = Field(10, ge=1)
     """Checkpoint after every this many learner steps; None = only on demand (`POST /v1/checkpoints`)."""
     keep_checkpoints: int = Field(2, ge=1)
     """How many checkpoints stay on disk."""
 
 
-class LearnerConfig(BaseModel):
+class LearnerConfig(ConfigModel):
     """Everything the learner loop reads; applied at step boundaries (DESIGN.md "Learner")."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
     # --- model and device
-    model_path: str = Field(json_schema_extra=FROZEN)
+    model_path: PathStr = Field(json_schema_extra=FROZEN)
     """Hugging Face causal LM: a local folder or a hub id."""
-    device: str | None = Field(None, json_schema_extra=FROZEN)
-    """torch device, e.g. `cuda:0` or `cpu`; None = CUDA when available, else CPU (bf16 / fp32)."""
-    seed: int = Field(0, json_schema_extra=FROZEN)
+    device: str | None = Field(None, max_length=64, json_schema_extra=FROZEN)
+    """torch device, e.g. `cuda:0` or `cpu`; None = CUDA when available, else CPU."""
+    precision: PrecisionName | None = Field(None, json_schema_extra=FROZEN)
+    """`bf16_mixed` (fp32 master weights and AdamW state, bf16 autocast compute), `fp32`, or `bf16_pure`
+    (bf16 weights and optimizer state: loses updates below bf16's rounding step, e.g. most of lr 1e-6;
+    opt-in only). None = `bf16_mixed` on CUDA, `fp32` on CPU (learner/precision.py)."""
+    gradient_checkpointing: bool = Field(False, json_schema_extra=FROZEN)
+    """Recompute each decoder layer's activations in the backward pass (less memory, ~30 % more compute)."""
+    logprob_chunk_tokens: int = Field(4096, ge=1)
+    """Tokens of a micro-batch whose fp32 logits exist at once when computing log-probs (the LM head runs
+    on chunks of response positions; `learner/batching.py` `token_logprobs`)."""
+    seed: int = Field(0, ge=0, lt=2**63, json_schema_extra=FROZEN)
     """Seed of torch's and Python's generators at start (restored from the checkpoint on resume)."""
     torch_threads: int | None = Field(None, ge=1, json_schema_extra=FROZEN)
     """Threads of torch's CPU intra-op pool (`torch.set_num_threads`, set once at start); None = torch's
@@ -157,7 +161,7 @@ class LearnerConfig(BaseModel):
     # --- the buffer
     redis_url: str = Field("redis://localhost:6379/0", json_schema_extra=FROZEN)
     """Redis holding the replay buffer and the policy record."""
-    run_id: str = Field("default", min_length=1, json_schema_extra=FROZEN)
+    run_id: IdStr = Field("default", json_schema_extra=FROZEN)
     """Namespace of this run's keys in Redis (the buffer's hash tag)."""
     buffer: BufferConfig = BufferConfig()
     """Replay table: sampler, staleness gate, remover, rate limiter."""
@@ -171,8 +175,9 @@ class LearnerConfig(BaseModel):
     """Resumable checkpoints."""
     max_steps: int | None = Field(None, ge=1)
     """`run` returns after this many learner steps; None = until stopped."""
-    metrics_jsonl: str | None = None
-    """Append each step's metrics as one JSON line to this file; None = don't."""
+    metrics_jsonl: PathStr | None = Field(None, json_schema_extra=WRITABLE)
+    """Append each step's metrics as one JSON line to this file; None = don't. A change while running is
+    accepted only when the file's folder exists or can be created and is writable."""
 
     @field_validator("rollout_correction", mode="before")
     @classmethod
@@ -187,6 +192,17 @@ class LearnerConfig(BaseModel):
         return self
 
     @property
+    def weights_path(self) -> Path:
+        """`publish.weights_dir` with `{run_id}` filled in."""
+        return Path(self.publish.weights_dir.replace("{run_id}", self.run_id))
+
+    @property
+    def checkpoint_path(self) -> Path | None:
+        """`checkpoint.checkpoint_dir` with `{run_id}` filled in; None = checkpoints disabled."""
+        cdir = self.checkpoint.checkpoint_dir
+        return None if cdir is None else Path(cdir.replace("{run_id}", self.run_id))
+
+    @property
     def optimizer_steps_per_step(self) -> int:
         """Optimizer steps (= policy versions) per learner step."""
         return self.ppo_epochs * self.groups_per_step // (self.mini_batch_groups or self.groups_per_step)
@@ -195,16 +211,27 @@ class LearnerConfig(BaseModel):
 # --- loading
 
 
-def frozen_field_paths(model: type[BaseModel] = LearnerConfig, prefix: str = "") -> list[str]:
-    """Dotted paths of every field marked `frozen_while_running`, nested models included."""
+def marked_field_paths(marker: str, model: type[BaseModel] = LearnerConfig, prefix: str = "") -> list[str]:
+    """Dotted paths of every field whose JSON schema extra sets `marker`, nested models included."""
     paths = []
     for name, info in model.model_fields.items():
         extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
-        if extra.get("frozen_while_running"):
+        if extra.get(marker):
             paths.append(prefix + name)
         elif isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
-            paths.extend(frozen_field_paths(info.annotation, f"{prefix}{name}."))
+            paths.extend(marked_field_paths(marker, info.annotation, f"{prefix}{name}."))
     return paths
+
+
+def frozen_field_paths(model: type[BaseModel] = LearnerConfig, prefix: str = "") -> list[str]:
+    """Dotted paths of every field marked `frozen_while_running`, nested models included."""
+    return marked_field_paths("frozen_while_running", model, prefix)
+
+
+def writable_path_fields(model: type[BaseModel] = LearnerConfig) -> list[str]:
+    """Dotted paths of the file paths the learner writes that may change while it runs (`writable_path`):
+    the control plane checks that their folder can be created and written before it accepts a change."""
+    return marked_field_paths("writable_path", model)
 
 
 def frozen_field_changes(old: LearnerConfig, new: LearnerConfig) -> list[str]:
@@ -231,7 +258,7 @@ def load_config(
 
     Only the mapping passed as `environ` is read (pass `os.environ` explicitly from a CLI or app factory).
     Only keys under the learner's own fields are taken from the environment, so unrelated `OFFPOLICY_*`
-    variables of other components (e.g. `OFFPOLICY_API_TOKEN`) are ignored (`buffer.settings.load_layered`).
+    variables of other components (e.g. `OFFPOLICY_API_TOKEN`) are ignored (`config.loader.load_layered`).
     """
     return load_layered(LearnerConfig, path, environ, overrides)
 

@@ -1,8 +1,9 @@
 """The value model for GAE: the policy's backbone architecture with a scalar head, and its loss.
 
 Deliberately simple: the critic is a separate copy of the backbone (as in verl's PPO critic), trained by its
-own AdamW at a constant LR once per policy optimizer step, on the same micro-batches. The reward of a
-completion is placed on its last response token; there is no KL-in-reward penalty.
+own AdamW at a constant LR once per policy optimizer step, on the same micro-batches, in the policy's
+precision. The reward of a completion is placed on its last sampled token (whatever rejection sampling
+masks out of the policy loss); there is no KL-in-reward penalty.
 """
 
 from __future__ import annotations
@@ -14,20 +15,18 @@ from torch import nn
 from transformers import AutoModel
 
 from learner.batching import Batch
-from learner.model import pick_device_and_dtype
 
 
 class ValueModel(nn.Module):
     """Backbone (`AutoModel`) + `Linear(hidden, 1)`: V(s_t) at every response position."""
 
-    def __init__(self, path_or_id: str | Path, device: str | None = None) -> None:
+    def __init__(self, path_or_id: str | Path, device: torch.device | str, dtype: torch.dtype) -> None:
         super().__init__()
-        dev, dtype = pick_device_and_dtype(device)
         self.backbone = AutoModel.from_pretrained(str(path_or_id), dtype=dtype)
         self.head = nn.Linear(self.backbone.config.hidden_size, 1, dtype=dtype)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
-        self.to(dev).train()
+        self.to(device).train()
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Values of the states before each response token: (B, R), 0 on padding."""
@@ -39,7 +38,7 @@ class ValueModel(nn.Module):
         )
         R = batch.response_ids.shape[1]
         hidden = out.last_hidden_state[:, batch.prompt_width - 1 : batch.prompt_width - 1 + R]  # (B, R, H)
-        return self.head(hidden).squeeze(-1).float() * batch.response_mask  # (B, R)
+        return self.head(hidden).squeeze(-1).float() * batch.sampled_mask  # (B, R)
 
 
 def token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

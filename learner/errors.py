@@ -37,3 +37,16 @@ class FrozenFieldChange(LearnerError, ValueError):
 
 class CheckpointsDisabled(LearnerError):
     """An on-demand checkpoint was asked for, but the running config has `checkpoint.checkpoint_dir: null`."""
+
+
+class WriteFailed(LearnerError):
+    """A background write (published weights or a checkpoint) failed; raised in the training thread."""
+
+    def __init__(self, kind: str, version: int, cause: BaseException) -> None:
+        super().__init__(f"background {kind} write of v{version} failed: {type(cause).__name__}: {cause}")
+        self.kind, self.version = kind, version
+        self.__cause__ = cause
+
+
+class CheckpointMismatch(LearnerError):
+    """The checkpoint folder holds a checkpoint of another run or another model; it is never resumed."""

@@ -20,7 +20,9 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 PREFIX = "offpolicy_learner_"
-PHASES = ("sample_wait", "collate", "old_logprob", "forward_backward", "optimizer", "publish")
+PHASES = ("sample_wait", "collate", "old_logprob", "forward_backward", "optimizer", "publish", "checkpoint")
+"""Critical-path phases of a step; `publish` and `checkpoint` are the host snapshots only (the writes run
+on the background writer and are timed by `offpolicy_learner_background_write_seconds`)."""
 STALENESS_BUCKETS = ("0", "1", "2-3", "4-7", "8+")
 STALENESS_EDGES = (0, 1, 3, 7)  # bucketize(right=False): 0 | 1 | 2-3 | 4-7 | 8+
 
@@ -60,7 +62,12 @@ SCALARS = {  # step-dict key -> (metric name suffix, help)
     "reward_mean": ("reward_mean", "Mean reward of the completions in the last sampled batch."),
     "response_length_mean": ("response_length_tokens", "Mean response length of the last batch."),
     "staleness_mean": ("staleness_mean_steps", "Mean staleness of the last batch's groups."),
+    "published_lag": (
+        "published_lag_versions",
+        "Trained policy version minus the newest version published to the actors (background writer lag).",
+    ),
 }
+WRITE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 IS_WEIGHT_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0)
 STALENESS_HIST_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -151,6 +158,18 @@ class LearnerMetrics:
         self.groups = Counter(PREFIX + "groups", "Groups sampled and trained on.", registry=registry)
         self.publishes = Counter(PREFIX + "publishes", "Weight versions published.", registry=registry)
         self.checkpoints = Counter(PREFIX + "checkpoints", "Checkpoints written.", registry=registry)
+        self.groups_rejected = Counter(
+            PREFIX + "groups_rejected", "Sampled groups the model cannot train (set aside), by field.",
+            ["field"], registry=registry,
+        )  # fmt: skip
+        self.write_seconds = Histogram(
+            PREFIX + "background_write_seconds", "Time the background writer took per job (until durable).",
+            ["kind"], buckets=WRITE_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.writes_coalesced = Counter(
+            PREFIX + "writes_coalesced", "Snapshots replaced by a newer one before the writer reached them.",
+            registry=registry,
+        )  # fmt: skip
         self.paused = Gauge(PREFIX + "paused", "1 while the learner is paused, else 0.", registry=registry)
         self.config_version = Gauge(
             PREFIX + "config_version", "config_version (GET /v1/config/history) of the config the loop runs.",

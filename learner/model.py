@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
@@ -57,10 +58,15 @@ def make_tiny_model(
     intermediate_size: int = 256,
     max_position_embeddings: int = 1024,
     seed: int = 0,
+    vocab_size: int | None = None,
+    num_kv_heads: int | None = None,
+    dtype: str = "float32",
 ) -> Path:
     """Write a tiny random Llama and its character tokenizer to `out_dir`; return the folder.
 
-    head_dim = hidden_size / num_heads must be 64 or 128 for vLLM's CPU attention backend.
+    head_dim = hidden_size / num_heads must be 64 or 128 for vLLM's CPU attention backend. `vocab_size`
+    (None = the tokenizer's 101) pads the embedding to a real model's vocabulary, and with the other sizes
+    and `dtype` builds the benchmarks' Llama-shaped models; the tokenizer stays the character one.
     """
     head_dim = hidden_size // num_heads
     if head_dim not in (64, 128):
@@ -69,38 +75,52 @@ def make_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_char_tokenizer()
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size or len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
+        num_key_value_heads=num_kv_heads or num_heads,
         head_dim=head_dim,
         max_position_embeddings=max_position_embeddings,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
-        dtype="float32",
+        dtype=dtype,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
 
 
-def pick_device_and_dtype(device: str | None = None) -> tuple[torch.device, torch.dtype]:
-    """bf16 on a CUDA GPU, fp32 on CPU (DESIGN.md "Learner")."""
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    return dev, (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+def load_model(
+    path_or_id: str | Path,
+    device: torch.device | str,
+    dtype: torch.dtype = torch.float32,
+    *,
+    gradient_checkpointing: bool = False,
+) -> PreTrainedModel:
+    """Load a causal LM by local path or hub id with parameters in `dtype` on `device`, in train mode.
 
-
-def load_model(path_or_id: str | Path, device: str | None = None) -> PreTrainedModel:
-    """Load a causal LM by local path or hub id, on the learner's device and dtype, in train mode."""
-    dev, dtype = pick_device_and_dtype(device)
+    `dtype` is the master weights' dtype (`Precision.param_dtype`), not the checkpoint's: a bf16 release is
+    upcast to fp32 masters under `bf16_mixed`; published weights are cast back to `checkpoint_dtype(path)`.
+    """
     model = AutoModelForCausalLM.from_pretrained(str(path_or_id), dtype=dtype)
-    return model.to(dev).train()
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.to(device).train()
+
+
+def checkpoint_dtype(path_or_id: str | Path) -> torch.dtype:
+    """The dtype the model's checkpoint declares (`config.dtype`; float32 when it names none): the dtype
+    published weights are written in. Read before loading, which overwrites `model.config.dtype`."""
+    dtype = AutoConfig.from_pretrained(str(path_or_id)).dtype
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
 def load_tokenizer(path_or_id: str | Path) -> PreTrainedTokenizerBase:

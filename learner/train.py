@@ -26,18 +26,28 @@ from typing import Any
 import torch
 from prometheus_client import CollectorRegistry
 
-from buffer.errors import BufferNotReady, RateLimited
+from buffer.errors import BufferNotReady, RateLimited, StorageUnavailable
 from buffer.policy import PolicyStore
 from buffer.replay_buffer import ReplayBuffer
+from config.secrets import redact_url
 from learner.advantages import compute_advantages, gae, grpo
 from learner.batching import Batch, collate
-from learner.checkpoint import Trainables, latest_checkpoint, load_checkpoint, save_checkpoint
+from learner.checkpoint import (
+    CheckpointSnapshot,
+    Trainables,
+    latest_checkpoint,
+    load_checkpoint,
+    snapshot_checkpoint,
+    write_checkpoint,
+)
 from learner.config import LearnerConfig, frozen_field_changes
 from learner.correction import compute_rollout_correction
 from learner.critic import ValueModel, token_rewards
-from learner.errors import CheckpointsDisabled, FrozenFieldChange
+from learner.errors import CheckpointsDisabled, FrozenFieldChange, WriteFailed
 from learner.metrics import LearnerMetrics, StalenessKL
-from learner.model import load_model, load_tokenizer
+from learner.model import checkpoint_dtype, load_model, load_tokenizer
+from learner.precision import Precision, pick_device
+from learner.screening import ModelLimits, Rejection, field_label, screen
 from learner.update import (
     lr_lambda,
     mean_metrics,
@@ -49,12 +59,21 @@ from learner.update import (
     set_optimizer_hparams,
     timed,
 )
-from learner.weights import publish_weights
+from learner.weights import HostCopy, WeightsSnapshot, publish_snapshot, remove_leftovers, unique_state
+from learner.writer import BackgroundWriter, Kind, WeightsBuffers
 
 log = logging.getLogger(__name__)
 
 # --- the learner
 
+
+TRANSIENT_ERRORS = (StorageUnavailable,)
+"""Errors `run` retries for as long as they last (Redis unreachable, after the buffer's own bounded
+retries), raised by the step itself or as the cause of a failed background write (the policy record's
+publish: the weights are on disk, the next publish supersedes it); any other error ends `run` (the service
+then reports the loop dead and exits after a grace)."""
+RETRY_INITIAL_S, RETRY_MAX_S = 0.5, 10.0
+"""`run`'s backoff between steps while transient errors last: doubles from the first to the cap, seconds."""
 
 ConfigApplied = Callable[[int, int], None]
 """`on_config_applied(config_version, step)`: called from the loop's thread at the step boundary where a
@@ -80,22 +99,43 @@ class Learner:
         torch.manual_seed(config.seed)
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
-        # --- model, tokenizer, optimizer, schedule
-        self.model = load_model(config.model_path, config.device)
-        self.device = next(self.model.parameters()).device
+        # --- model (master weights in the precision's dtype), tokenizer, optimizer, schedule
+        self.device = pick_device(config.device)
+        self.precision = Precision.resolve(config.precision, self.device)
+        self.model = load_model(
+            config.model_path,
+            self.device,
+            self.precision.param_dtype,
+            gradient_checkpointing=config.gradient_checkpointing,
+        )
+        self.publish_dtype = checkpoint_dtype(config.model_path)  # published = masters cast to this
         self.tokenizer = load_tokenizer(config.model_path)
+        self.limits = ModelLimits(
+            vocab_size=self.model.get_input_embeddings().num_embeddings,
+            max_positions=self.model.config.max_position_embeddings,
+        )
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         oc = config.optimizer
+        # fused: one kernel over all parameters (5x faster than foreach for 160M fp32 parameters on CPU)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=oc.lr, betas=oc.betas, eps=oc.eps, weight_decay=oc.weight_decay
+            self.model.parameters(),
+            lr=oc.lr,
+            betas=oc.betas,
+            eps=oc.eps,
+            weight_decay=oc.weight_decay,
+            fused=True,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(oc))
         # --- critic (GAE only)
         self.critic: ValueModel | None = None
         self.critic_optimizer: torch.optim.Optimizer | None = None
         if config.adv_estimator == "gae":
-            self.critic = ValueModel(config.critic.model_path or config.model_path, config.device)
-            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=config.critic.lr)
+            self.critic = ValueModel(
+                config.critic.model_path or config.model_path, self.device, self.precision.param_dtype
+            )
+            self.critic_optimizer = torch.optim.AdamW(
+                self.critic.parameters(), lr=config.critic.lr, fused=True
+            )
         # --- buffer and policy record
         self.buffer = ReplayBuffer(config.redis_url, config.run_id, config.buffer, registry)
         self.store = PolicyStore(config.redis_url, config.run_id)
@@ -103,17 +143,31 @@ class Learner:
         self.version = 0  # optimizer steps taken = policy version
         self.step_count = 0  # learner steps taken
         self.state = "starting"
+        self.retrying: str | None = None  # why `run` is retrying transient trouble now; None when it is not
         self._pending: tuple[LearnerConfig, int] | None = None
         self._lock = threading.Lock()  # guards _pending
         self._step_lock = threading.Lock()  # held while a step trains, publishes or checkpoints
         self._running = threading.Event()
         self._running.set()
         self._tokens_per_s: float | None = None
-        # --- resume from the newest checkpoint, then make sure actors see our weights
+        # --- the background writer (published weights, checkpoints) and what it has made durable
+        self.writer = BackgroundWriter(on_done=self._on_written)
+        self._weights_buffers = WeightsBuffers(self.writer)
+        self.published_version: int | None = None
+        self.durable_checkpoint_version: int | None = None
+        self._coalesced_seen = 0
+        self._copies: dict[Kind, list[HostCopy | CheckpointSnapshot]] = {"weights": [], "checkpoint": []}
+        # --- resume from the newest checkpoint, then make sure actors see the weights we hold
+        for folder in (config.weights_path, config.checkpoint_path):
+            if folder is not None and (gone := remove_leftovers(folder)):
+                log.warning("removed %d partial write(s) left by a killed learner in %s", len(gone), folder)
         self._resume()
         record = self.store.read()
-        if record is None or record.version < self.version:
+        if record is None or record.version != self.version or not self._ours(record.weights_uri):
             self._publish()
+            self.writer.flush()  # actors start from a published version; not a training step
+        else:
+            self.published_version = record.version
         self.state = "running"
 
     # --- control (called from other threads)
@@ -142,9 +196,12 @@ class Learner:
         self.metrics.paused.set(0)
 
     def checkpoint(self) -> tuple[Path, int]:
-        """Write a checkpoint now (after the running step, if any); return (folder, version)."""
+        """Checkpoint now (after the running step, if any) and wait until it is durable; training goes on
+        meanwhile. Returns (folder, version)."""
         with self._step_lock:
-            return self._checkpoint(), self.version
+            path, version = self._checkpoint(), self.version
+        self.writer.flush()
+        return path, version
 
     def status(self) -> dict[str, Any]:
         """State, version, step, tokens/s, buffer stats and the last step's key metrics (JSON-safe)."""
@@ -161,7 +218,13 @@ class Learner:
         }
 
     def run(self, stop_event: threading.Event) -> None:
-        """Loop `step()` until `stop_event` is set or `max_steps` is reached; waits while paused."""
+        """Loop `step()` until `stop_event` is set or `max_steps` is reached; waits while paused.
+
+        No data yet: state `waiting_for_data`, retry every 0.5 s. Transient trouble (`TRANSIENT_ERRORS`:
+        Redis unreachable) is retried with capped exponential backoff for as long as it lasts: state
+        `waiting_for_redis` and `retrying` (the reason) until a step gets through again, then stepping
+        resumes by itself. Any other error propagates (the loop is dead)."""
+        delay = RETRY_INITIAL_S
         while not stop_event.is_set():
             if not self._running.wait(timeout=0.2):
                 continue
@@ -171,20 +234,38 @@ class Learner:
             try:
                 self.step()
             except (BufferNotReady, RateLimited) as exc:  # no data yet: wait and retry, bounded by the loop
-                self.state = "waiting_for_data"
+                self.state, self.retrying, delay = "waiting_for_data", None, RETRY_INITIAL_S
                 log.info("no groups to train on yet: %s", exc)
                 stop_event.wait(0.5)
+            except (
+                *TRANSIENT_ERRORS,
+                WriteFailed,
+            ) as exc:  # retried for as long as it lasts, the wait capped
+                if isinstance(exc, WriteFailed) and not isinstance(exc.__cause__, TRANSIENT_ERRORS):
+                    raise
+                self.state, self.retrying = "waiting_for_redis", f"{type(exc).__name__}: {exc}"
+                log.warning("redis unavailable, retrying in %.1f s: %s", delay, exc)
+                stop_event.wait(delay)
+                delay = min(2 * delay, RETRY_MAX_S)
+            else:
+                self.retrying, delay = None, RETRY_INITIAL_S
         self.state = "stopped"
 
     # --- one learner step
 
     def step(self) -> dict[str, float]:
         """Sample, train, publish, checkpoint: one learner step. Returns its metrics."""
+        self.writer.raise_if_failed()  # a failed background write ends the loop loudly
         self._apply_pending()
         cfg, phases = self.config, {}
         with timed(phases, "sample_wait"):
             groups = self.buffer.sample(cfg.groups_per_step, self.version, cfg.sample_timeout_s)
         self.state = "running"
+        groups, rejected = screen(groups, self.limits)
+        if rejected:
+            self._set_aside(rejected)
+        if not groups:  # nothing trainable in this sample: no update, the loop samples again
+            return {"groups_rejected": float(len(rejected))}
         with self._step_lock:
             metrics = self._train_on(groups, phases)
             self.step_count += 1
@@ -192,14 +273,16 @@ class Learner:
                 with timed(phases, "publish"):
                     self._publish()
             every = cfg.checkpoint.checkpoint_every
-            if cfg.checkpoint.checkpoint_dir and every and self.step_count % every == 0:
-                self._checkpoint()
+            if cfg.checkpoint_path is not None and every and self.step_count % every == 0:
+                with timed(phases, "checkpoint"):
+                    self._checkpoint()
         total = sum(phases.values())
         self._tokens_per_s = metrics["tokens"] / total if total > 0 else None
         metrics |= {
             "tokens_per_s": self._tokens_per_s or 0.0,
             "step": float(self.step_count),
             "config_version": float(self.config_version),
+            "published_lag": float(self.version - (self.published_version or 0)),
         }
         metrics |= {f"time/{k}": v for k, v in phases.items()}
         self.metrics.record_step(metrics, phases)
@@ -220,7 +303,7 @@ class Learner:
             if rc.bypass_mode:
                 batch.old_log_probs = batch.rollout_log_probs
             else:
-                batch.old_log_probs = no_grad_logprobs(self.model, batch, cfg.micro_batch_size)  # (B, R)
+                batch.old_log_probs = no_grad_logprobs(self.model, batch, cfg, self.precision)  # (B, R)
                 kl.add(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, staleness)
                 corr = compute_rollout_correction(
                     batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, rc
@@ -233,7 +316,9 @@ class Learner:
         for epoch in range(cfg.ppo_epochs):
             for mini in mini_batches(batch, cfg.mini_batch_groups):
                 bypass_kl = (kl, self.version) if epoch == 0 and rc.bypass_mode else None
-                optimizer_step(self._trainables(), batch, mini, cfg, acc, phases, bypass_kl)
+                optimizer_step(
+                    self._trainables(), batch, mini, cfg, acc, phases, self.precision, bypass_kl, self._fence
+                )
                 self.version += 1  # the policy version counts optimizer steps
         if batch.is_weights is not None:
             self.metrics.is_weight_hist.observe_many(batch.is_weights[batch.response_mask > 0].cpu().numpy())
@@ -265,77 +350,134 @@ class Learner:
                 cfg.adv_estimator, batch.rewards, batch.group_index, batch.response_mask
             )
             return
-        with torch.no_grad():
+        with torch.no_grad(), self.precision.autocast():
             width = batch.response_mask.shape[1]
             rows = micro_batches(torch.arange(batch.num_rows, device=self.device), cfg.micro_batch_size)
             batch.values = torch.cat([pad_cols(self.critic(batch.select(r)), width) for r in rows])
-        rewards = token_rewards(batch.rewards, batch.response_mask)  # (B, R): reward on the last token
-        batch.advantages, batch.returns = gae(rewards, batch.values, batch.response_mask, cfg.gamma, cfg.lam)
+        # The episode is every sampled token: the reward sits on the last one, whatever rejection sampling
+        # masked out of the loss (`response_mask`); values and returns cover all sampled tokens.
+        rewards = token_rewards(batch.rewards, batch.sampled_mask)  # (B, R)
+        batch.advantages, batch.returns = gae(rewards, batch.values, batch.sampled_mask, cfg.gamma, cfg.lam)
+        batch.advantages = batch.advantages * batch.response_mask  # the loss sees only kept tokens
 
     # --- plumbing
 
     def _apply_pending(self) -> None:
+        """Apply the queued config. It stays queued until applied whole: a Redis outage during the buffer's
+        reconfiguration raises, the loop retries, and the next attempt applies it again (idempotent)."""
         with self._lock:
-            pending, self._pending = self._pending, None
+            pending = self._pending
         if pending is None:
             return
         new, version = pending
         if new.optimizer != self.config.optimizer:
-            set_optimizer_hparams(self.optimizer, new.optimizer, new.optimizer.lr)
-            self.scheduler.lr_lambdas = [lr_lambda(new.optimizer)]
+            set_optimizer_hparams(self.optimizer, self.scheduler, new.optimizer)
+        if new.critic.lr != self.config.critic.lr and self.critic_optimizer is not None:
+            for g in self.critic_optimizer.param_groups:
+                g["lr"] = new.critic.lr
         if new.buffer != self.config.buffer:
             self.buffer.reconfigure(new.buffer)  # same buffer object, connections and metrics registry
         self.config, self.config_version, self.config_applied_at_step = new, version, self.step_count
+        with self._lock:
+            if self._pending is pending:  # a newer config queued meanwhile stays queued
+                self._pending = None
         self.metrics.record_config(version, new.buffer.max_staleness)
         log.info("applied config version %d at step %d", version, self.step_count)
         if self._on_config_applied is not None:
             self._on_config_applied(version, self.step_count)
 
     def _publish(self) -> None:
-        pc = self.config.publish
-        publish_weights(
-            self.model,
-            pc.weights_dir,
-            self.version,
-            tokenizer=self.tokenizer,
-            store=self.store,
-            keep_versions=pc.keep_versions,
-        )
-        self.metrics.publishes.inc()
+        """Start the host snapshot of the weights (cast to the publish dtype) and queue their write. The
+        copy overlaps the next step's passes; `_fence` waits for it before the weights change."""
+        self._fence()  # the buffers about to be reused must not be mid-copy (normally long finished)
+        copy = HostCopy(unique_state(self.model), self.publish_dtype, into=self._weights_buffers.acquire())
+        self._weights_buffers.keep(copy.tensors)
+        self._copies["weights"].append(copy)
+        pc, store, wdir, version = self.config.publish, self.store, self.config.weights_path, self.version
+        model, tokenizer, dtype = self.model, self.tokenizer, self.publish_dtype
+
+        def write() -> object:
+            snap = WeightsSnapshot(
+                version=version,
+                tensors=copy.wait(),
+                config=model.config,
+                tokenizer=tokenizer,
+                dtype=dtype,
+                generation_config=getattr(model, "generation_config", None),
+            )
+            return publish_snapshot(snap, wdir, store=store, keep_versions=pc.keep_versions)
+
+        self.writer.submit("weights", version, write, buffers=copy.tensors)
+        self.metrics.writes_coalesced.inc(self.writer.coalesced - self._coalesced_seen)
+        self._coalesced_seen = self.writer.coalesced
+
+    def _fence(self, phases: dict[str, float] | None = None) -> None:
+        """Wait until the host snapshots taken at the last step boundary are complete (critical path:
+        timed as `publish` / `checkpoint`)."""
+        for kind, phase in (("weights", "publish"), ("checkpoint", "checkpoint")):
+            with timed(phases if phases is not None else {}, phase):
+                for copy in self._copies[kind]:
+                    copy.wait()
+            self._copies[kind].clear()
+
+    def _set_aside(self, rejected: list[Rejection]) -> None:
+        """Groups the model cannot train: logged with their field and counted; the rest trains."""
+        for r in rejected:
+            log.warning("group %s set aside: %s: %s", r.group.group_id, r.field, r.reason)
+            self.metrics.groups_rejected.labels(field=field_label(r.field)).inc()
+
+    def _on_written(self, kind: Kind, version: int, result: object, seconds: float) -> None:
+        """Writer thread: a job became durable (weights announced to the actors, or a checkpoint)."""
+        self.metrics.write_seconds.labels(kind=kind).observe(seconds)
+        if kind == "weights":
+            self.published_version = version
+            self.metrics.publishes.inc()
+        else:
+            self.durable_checkpoint_version = version
+            self.metrics.checkpoints.inc()
+
+    def _ours(self, weights_uri: str) -> bool:
+        return Path(weights_uri).parent.resolve() == self.config.weights_path.resolve()
 
     def _trainables(self) -> Trainables:
         return Trainables(self.model, self.optimizer, self.scheduler, self.critic, self.critic_optimizer)
 
     def _checkpoint(self) -> Path:
-        cc = self.config.checkpoint
-        if cc.checkpoint_dir is None:
+        """Snapshot everything a checkpoint holds and queue the write; return the folder it will have."""
+        root = self.config.checkpoint_path
+        if root is None:
             raise CheckpointsDisabled("checkpoints are disabled: checkpoint.checkpoint_dir is null")
         stats = self.buffer.stats()
-        path = save_checkpoint(
-            cc.checkpoint_dir,
+        snap = snapshot_checkpoint(
             self._trainables(),
             version=self.version,
             step=self.step_count,
-            config=self.config.model_dump(mode="json"),
+            run_id=self.config.run_id,
+            config={**self.config.model_dump(mode="json"), "redis_url": redact_url(self.config.redis_url)},
             buffer_position={"inserted_total": stats.inserted_total, "sampled_total": stats.sampled_total},
-            keep=cc.keep_checkpoints,
         )
-        self.metrics.checkpoints.inc()
-        return path
+        keep = self.config.checkpoint.keep_checkpoints
+        self._copies["checkpoint"].append(snap)
+        self.writer.submit("checkpoint", self.version, lambda: write_checkpoint(root, snap, keep))
+        return root / f"ckpt-{self.version:010d}"
 
     def _resume(self) -> None:
-        """Load the newest checkpoint, if any. Versions stay monotonic for the actors: when a newer
-        version was published after that checkpoint, the counter continues from the published one."""
-        cdir = self.config.checkpoint.checkpoint_dir
+        """Load the newest checkpoint of this run, if any. The version is always that of the weights we
+        hold: versions published after that checkpoint are superseded (the actors follow the record,
+        which `__init__` then re-publishes at this version)."""
+        cdir = self.config.checkpoint_path
         path = latest_checkpoint(cdir) if cdir else None
         if path is None:
             return
-        meta = load_checkpoint(path, self._trainables())
+        meta = load_checkpoint(path, self._trainables(), self.config.run_id)
         self.version, self.step_count = int(meta["version"]), int(meta["step"])
+        self.durable_checkpoint_version = self.version
         record = self.store.read()
         if record is not None and record.version > self.version:
-            log.warning("published v%d is newer than checkpoint v%d", record.version, self.version)
-            self.version = record.version
+            log.warning(
+                "published v%d is newer than checkpoint v%d: its weights are lost; re-publishing v%d",
+                record.version, self.version, self.version,
+            )  # fmt: skip
         log.info("resumed from %s at version %d", path, self.version)
 
     def _write_jsonl(self, metrics: dict[str, float]) -> None:
@@ -347,6 +489,8 @@ class Learner:
             fh.write(json.dumps({"time": time.time(), **metrics}) + "\n")
 
     def close(self) -> None:
-        """Close the Redis connections."""
+        """Finish the background writes, then close the Redis connections."""
+        self._fence()
+        self.writer.close()
         self.buffer.close()
         self.store.close()

@@ -23,6 +23,7 @@ from learner.config import LearnerConfig, OptimizerConfig
 from learner.critic import value_loss
 from learner.losses import ClipConfig, compute_policy_loss
 from learner.metrics import StalenessKL
+from learner.precision import Precision
 
 # --- schedule and timing
 
@@ -42,10 +43,19 @@ def lr_lambda(cfg: OptimizerConfig) -> Callable[[int], float]:
     return factor
 
 
-def set_optimizer_hparams(opt: torch.optim.Optimizer, cfg: OptimizerConfig, base_lr: float) -> None:
-    """Apply a new optimizer config in place (moments kept); the scheduler rescales `initial_lr`."""
+def set_optimizer_hparams(
+    opt: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, cfg: OptimizerConfig
+) -> None:
+    """Apply a new optimizer config in place (moments and the schedule's step kept). The next optimizer
+    step trains at `cfg.lr` times the new schedule's factor: `LambdaLR` multiplies its own `base_lrs`, so
+    those move too (a PATCH of `optimizer.lr` changing only `initial_lr` would change nothing)."""
     for g in opt.param_groups:
-        g.update(betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, initial_lr=base_lr)
+        g.update(betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, initial_lr=cfg.lr)
+    scheduler.base_lrs = [cfg.lr for _ in opt.param_groups]
+    scheduler.lr_lambdas = [lr_lambda(cfg) for _ in opt.param_groups]
+    factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
+    for g in opt.param_groups:
+        g["lr"] = cfg.lr * factor
 
 
 @contextmanager
@@ -83,11 +93,15 @@ def pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def no_grad_logprobs(model: torch.nn.Module, batch: Batch, micro_batch_size: int) -> torch.Tensor:
+def no_grad_logprobs(
+    model: torch.nn.Module, batch: Batch, cfg: LearnerConfig, precision: Precision
+) -> torch.Tensor:
     """pi_old: log-probs of the whole batch under the current weights, micro-batched, (B, R)."""
     width = batch.response_ids.shape[1]
-    rows = micro_batches(torch.arange(batch.num_rows, device=batch.response_ids.device), micro_batch_size)
-    return torch.cat([pad_cols(token_logprobs(model, batch.select(r)), width) for r in rows])
+    rows = micro_batches(torch.arange(batch.num_rows, device=batch.response_ids.device), cfg.micro_batch_size)
+    with precision.autocast():
+        parts = [token_logprobs(model, batch.select(r), cfg.logprob_chunk_tokens) for r in rows]
+    return torch.cat([pad_cols(p, width) for p in parts])
 
 
 def mean_metrics(acc: dict[str, list[torch.Tensor]]) -> dict[str, float]:
@@ -136,30 +150,40 @@ def optimizer_step(
     cfg: LearnerConfig,
     acc: dict[str, list[torch.Tensor]],
     phases: dict[str, float],
+    precision: Precision,
     kl: tuple[StalenessKL, int] | None = None,
+    before_update: Callable[[dict[str, float]], None] | None = None,
 ) -> None:
     """Gradient accumulation over the micro-batches of rows `mini`, then one AdamW step. Metrics (0-d
-    tensors) are appended to `acc`; `kl = (accumulator, policy version)` adds pi_theta's off-policy KL."""
+    tensors) are appended to `acc`; `kl = (accumulator, policy version)` adds pi_theta's off-policy KL.
+    Forward passes run under the precision's autocast; backward passes and the optimizer outside it.
+    `before_update(phases)` runs just before the weights change (the learner waits there for host
+    snapshots of the previous step boundary, which read the weights while this step's passes ran)."""
     mask = batch.response_mask[mini]  # (b, R)
     denominators = {"tokens": mask.sum(), "rows": (mask.sum(-1) > 0).sum(), "width": mask.shape[1]}
     step_loss = torch.zeros((), device=mask.device)
     with timed(phases, "forward_backward"):
         for rows in micro_batches(mini, cfg.micro_batch_size):
             mb = batch.select(rows)
-            log_prob = token_logprobs(t.model, mb)  # (b, r)
+            with precision.autocast():
+                log_prob = token_logprobs(t.model, mb, cfg.logprob_chunk_tokens)  # (b, r) fp32
             loss, m = policy_loss_terms(log_prob, mb, cfg, denominators)
             loss.backward()
             step_loss += loss.detach()
             if kl is not None:
                 kl[0].add(log_prob, mb.rollout_log_probs, mb.response_mask, kl[1] - mb.policy_versions)
             if t.critic is not None:
+                with precision.autocast():
+                    values = t.critic(mb)  # (b, r) fp32
                 v_loss, vm = value_loss(
-                    t.critic(mb), mb.values, mb.returns, mb.response_mask, cfg.critic.cliprange_value
+                    values, mb.values, mb.returns, mb.sampled_mask, cfg.critic.cliprange_value
                 )
                 (v_loss * cfg.critic.loss_coef * len(rows) / len(mini)).backward()
                 m |= vm
             for k, v in m.items():
                 acc.setdefault(k, []).append(v)
+    if before_update is not None:
+        before_update(phases)
     with timed(phases, "optimizer"):
         limit = cfg.grad_clip if cfg.grad_clip is not None else float("inf")
         acc.setdefault("grad_norm", []).append(torch.nn.utils.clip_grad_norm_(t.model.parameters(), limit))

@@ -13,6 +13,7 @@ ARG PIP_VERSION=25.3
 WORKDIR /src
 RUN pip install --no-cache-dir "pip==${PIP_VERSION}"
 COPY pyproject.toml README.md ./
+COPY config ./config
 COPY buffer ./buffer
 COPY learner ./learner
 COPY actors ./actors

@@ -88,7 +88,7 @@ def compute_rollout_correction(
         )
     if response_mask.numel() == 0:  # B == 0 or T == 0: same keys, computed on one padding token.
         pad = torch.zeros((1, 1), dtype=train_log_prob.dtype, device=train_log_prob.device)
-        pad_mask = torch.zeros((1, 1), dtype=response_mask.dtype)
+        pad_mask = torch.zeros((1, 1), dtype=response_mask.dtype, device=response_mask.device)
         one = compute_rollout_correction(pad, pad, pad_mask, config, host_metrics=host_metrics)
         weights = (
             None
@@ -227,7 +227,7 @@ def _sequence_is(
         w_min=torch.exp((b.s_row_v / (b.cnt + EPS) if geometric else b.s_row_v).amin()),  # unclamped
         n_high=(level_log > math.log(upper)).sum().float(),
         n_low=(level_log < math.log(lower)).sum().float(),
-        frac_denominator=torch.tensor(n_rows),
+        frac_denominator=torch.tensor(n_rows, device=w_row.device),
         n_oob=n_oob,
     )
     return w_row.unsqueeze(-1) * b.m, stats

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
+from config.base import ConfigModel
 from learner.correction.presets import CANONICAL_PRESETS, build_preset
 from learner.correction.thresholds import (
     SUPPORTED_ROLLOUT_RS_OPTIONS,
@@ -39,15 +40,13 @@ def _named(field: str, value: Any, exc: ValueError) -> ValueError:
     return ValueError(f"{field}={value!r}: {exc}")
 
 
-class RolloutCorrectionConfig(BaseModel):
+class RolloutCorrectionConfig(ConfigModel):
     """Rollout correction: importance sampling, rejection sampling, veto, decoupled or bypass PPO.
 
     `RolloutCorrectionConfig()` computes the off-policy metrics only (DECISION 2). Presets are
     classmethods (`decoupled_token_is()`, ...); `from_preset(name, **params)` also accepts the seed-era
     aliases. Every invalid setting raises a ValidationError when the model is built.
     """
-
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     rollout_is: Literal["token", "sequence", "geometric"] | None = None
     """IS aggregation level: per token, per sequence (product of ratios), or geometric (per-sequence

@@ -147,7 +147,14 @@ def add_is_metrics(sink: MetricSink, st: ISStats, b: Batch, upper: float, lower:
     ess_inv = mmean_total(st.sum_w2, b) / (mean + EPS).square()
     sink.add("rollout_is_eff_sample_size", torch.where(ess_inv > 0, 1.0 / ess_inv, torch.zeros_like(ess_inv)))
     all_rows = torch.ones_like(b.row_valid)
-    add_seq_stats(sink, "rollout_is", st.row_mean_w, all_rows, torch.tensor(float(b.cnt.numel())), 1.0)
+    add_seq_stats(
+        sink,
+        "rollout_is",
+        st.row_mean_w,
+        all_rows,
+        torch.tensor(float(b.cnt.numel()), device=b.cnt.device),
+        1.0,
+    )
     sink.add("rollout_is_seq_fraction_high", (st.row_mean_raw > upper).float().mean())
     sink.add("rollout_is_seq_fraction_low", (st.row_mean_raw < lower).float().mean())
     if st.n_oob is not None:

@@ -8,6 +8,7 @@ rho = pi_train / pi_rollout (DECISION 3). `RolloutCorrectionConfig` validates wi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +73,8 @@ def parse_is_threshold(spec: Any) -> tuple[float, float | None]:
         raise ValueError("rollout_is_threshold must be a float or a string threshold specification.")
     if not upper > 0:  # NaN fails too
         raise ValueError(f"rollout_is_threshold upper bound must be positive, got {upper}.")
+    if not math.isfinite(upper):
+        raise ValueError(f"rollout_is_threshold upper bound must be finite, got {upper}.")
     if lower is not None:
         if not lower > 0:
             raise ValueError(f"rollout_is_threshold lower bound must be positive, got {lower}.")
@@ -134,6 +137,8 @@ def _parse_one_rs_threshold(option: str, text: str) -> RSOption:
             raise ValueError(f"Invalid numeric threshold '{text}' for option '{option}'.") from exc
         if not (lower > 0 and upper > 0):
             raise ValueError(f"Thresholds for option '{option}' must be positive, got {text}.")
+        if not (math.isfinite(lower) and math.isfinite(upper)):
+            raise ValueError(f"Thresholds for option '{option}' must be finite, got {text}.")
         if lower > upper:
             raise ValueError(f"Thresholds for option '{option}' must be lower <= upper, got {text}.")
         return RSOption(option, lower, upper)
@@ -148,4 +153,6 @@ def _parse_one_rs_threshold(option: str, text: str) -> RSOption:
         raise ValueError(f"Invalid numeric threshold '{text}' for option '{option}'.") from exc
     if not upper > 0:
         raise ValueError(f"Threshold for option '{option}' must be positive, got {text}.")
+    if not math.isfinite(upper):
+        raise ValueError(f"Threshold for option '{option}' must be finite, got {text}.")
     return RSOption(option, None, upper)

@@ -33,7 +33,7 @@ def create_app(
     actor_factory: ActorFactory | None = None,
 ) -> FastAPI:
     """The actor app; `config` defaults to `settings.config_path` (+ `OFFPOLICY_*` overrides)."""
-    settings = settings or ActorServiceSettings()
+    settings = settings or ActorServiceSettings.from_env(os.environ)
     if config is None:
         from actors.config import load_config
 
@@ -49,9 +49,10 @@ def create_app(
         component="actor",
         redis_url=config.redis_url,
         router=routes.router,
+        redactor=runtime.redactor,
     )
 
 
 def serve(**overrides: Any) -> int:
-    """Run the actor service in this process until SIGTERM / Ctrl-C; settings from env + `overrides`."""
-    return serve_app(ActorServiceSettings(**overrides), create_app)
+    """Run the actor service in this process until SIGTERM / Ctrl-C (settings: env, then `overrides`)."""
+    return serve_app(ActorServiceSettings.from_env(os.environ, **overrides), create_app)

@@ -8,8 +8,9 @@ from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
 
+from config.secrets import Redactor, url_secrets
 from services.actor_api.schemas import ActorStatus
-from services.common.loop import BackgroundLoop
+from services.common.loop import BackgroundLoop, FailureHook
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +36,13 @@ class ActorRuntime:
         self._factory = factory
         self.actor: ActorLike | None = None
         self.loop: BackgroundLoop | None = None
+        self.redactor = Redactor(url_secrets(config.redis_url))
+        """The secrets of the config (Redis password): no status, readiness reason or log shows them."""
 
-    def start(self) -> None:
+    def start(self, on_failure: FailureHook | None = None) -> None:
+        """Build the actor (starts the engine) and its loop; `on_failure` is called if the loop dies."""
         self.actor = self._factory(self.config, self.registry)
-        self.loop = BackgroundLoop(self.actor.run, "actor")
+        self.loop = BackgroundLoop(self.actor.run, "actor", on_failure)
         self.loop.start()
         log.info("actor loop started")
 
@@ -51,7 +55,13 @@ class ActorRuntime:
     def readiness(self) -> str | None:
         if self.actor is None or self.loop is None:
             return "the actor is still starting (loading the engine)"
-        return self.loop.readiness()
+        reason = self.loop.readiness()
+        return None if reason is None else self.redactor.scrub(reason)
+
+    def liveness(self) -> str | None:
+        """None while the loop lives (or ended on its own); why it died otherwise (`/healthz` 503)."""
+        reason = self.loop.failure() if self.loop is not None else None
+        return None if reason is None else self.redactor.scrub(reason)
 
     def status(self) -> ActorStatus:
         if self.actor is None:
@@ -67,5 +77,6 @@ class ActorRuntime:
         raw = dict(self.actor.status())
         error = None
         if self.loop is not None and self.loop.error is not None:
-            raw["state"], error = "failed", f"{type(self.loop.error).__name__}: {self.loop.error}"
+            error = self.redactor.scrub(f"{type(self.loop.error).__name__}: {self.loop.error}")
+            raw["state"] = "failed"
         return ActorStatus(**{k: v for k, v in raw.items() if k in ActorStatus.model_fields}, error=error)

@@ -20,13 +20,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.errors import ActorError, DatasetError, EngineError, RewardError, WeightLoadError
 from buffer.errors import BufferError, BufferNotReady, InvalidTrajectory, RateLimited, StorageUnavailable
+from config.secrets import Redactor
 from learner.errors import (
     BatchError,
+    CheckpointMismatch,
     CheckpointsDisabled,
     CorrectionInputError,
     FrozenFieldChange,
     LearnerError,
     UnknownPreset,
+    WriteFailed,
 )
 
 log = logging.getLogger(__name__)
@@ -72,6 +75,7 @@ _DESCRIPTIONS = {
     401: "Missing or wrong bearer token",
     404: "Not found",
     409: "Conflict with the running state (a field that cannot change while running)",
+    413: "Request body over the size limit (`OFFPOLICY_MAX_BODY_BYTES`)",
     422: "Invalid body; `detail` lists the field paths",
     429: "Rate limited",
     503: "Not ready (a dependency is unavailable)",
@@ -113,6 +117,10 @@ class NotReady(ServiceError):
     """A readiness check failed or the domain object is not built yet; `detail` names the checks."""
 
 
+class LoopFailed(ServiceError):
+    """The service's loop died (an error it does not retry); the process exits after its grace period."""
+
+
 class ChildProcessFailed(ServiceError):
     """A service child process exited or did not become ready in time (quickstart, e2e, benchmarks)."""
 
@@ -129,6 +137,7 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
     RequestValidationError: (422, "validation_error"),
     ValidationError: (422, "validation_error"),
     NotReady: (503, "not_ready"),
+    LoopFailed: (503, "loop_failed"),
     ChildProcessFailed: (503, "child_process_failed"),
     # buffer/errors.py
     BufferError: (500, "buffer_error"),
@@ -143,6 +152,8 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
     BatchError: (422, "invalid_batch"),
     FrozenFieldChange: (409, "field_frozen"),
     CheckpointsDisabled: (409, "checkpoints_disabled"),
+    CheckpointMismatch: (409, "checkpoint_mismatch"),
+    WriteFailed: (500, "write_failed"),
     # actors/errors.py
     ActorError: (500, "actor_error"),
     DatasetError: (500, "dataset_error"),
@@ -192,33 +203,41 @@ def field_errors(errors: list[Any], prefix: tuple[str | int, ...] = ()) -> list[
     return out
 
 
-def _envelope(status: int, code: str, message: str, detail: Any = None, headers=None) -> JSONResponse:
-    body = ErrorResponse(error=ErrorBody(code=code, message=message, detail=detail))
-    return JSONResponse(status_code=status, content=body.model_dump(mode="json"), headers=headers)
+def _envelope(
+    request: Request, status: int, code: str, message: str, detail: Any = None, headers=None
+) -> JSONResponse:
+    """The envelope, with every secret the app knows (`app.state.redactor`) scrubbed from it."""
+    body = ErrorResponse(error=ErrorBody(code=code, message=message, detail=detail)).model_dump(mode="json")
+    redactor: Redactor | None = getattr(request.app.state, "redactor", None)
+    if redactor is not None:
+        body = redactor.scrub_json(body)
+    return JSONResponse(status_code=status, content=body, headers=headers)
 
 
 async def _domain_error(request: Request, exc: Exception) -> JSONResponse:
     status, code = status_for(exc)
     if status >= 500 and code == "internal_error":
         log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        return _envelope(status, code, "internal error; see the service log")
+        return _envelope(request, status, code, "internal error; see the service log")
     detail = detail_for(exc)
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     if isinstance(exc, ValidationError):
         detail = field_errors(exc.errors(include_url=False))
-        return _envelope(status, code, f"{exc.error_count()} invalid field(s)", detail)
-    return _envelope(status, code, str(exc), detail, headers)
+        return _envelope(request, status, code, f"{exc.error_count()} invalid field(s)", detail)
+    return _envelope(request, status, code, str(exc), detail, headers)
 
 
 async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
     detail = field_errors(list(exc.errors()))
     status, code = status_for(exc)
-    return _envelope(status, code, f"{len(detail)} invalid field(s) in the request", detail)
+    return _envelope(request, status, code, f"{len(detail)} invalid field(s) in the request", detail)
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    return _envelope(exc.status_code, code, str(exc.detail), None, exc.headers)
+    code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(
+        exc.status_code, "http_error"
+    )
+    return _envelope(request, exc.status_code, code, str(exc.detail), None, exc.headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:

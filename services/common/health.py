@@ -1,4 +1,5 @@
-"""`/healthz` (the process answers) and `/readyz` (its dependencies answer: Redis, the model or engine)."""
+"""`/healthz` (the process is alive: its loop has not died) and `/readyz` (it can do its work now: Redis,
+the model or engine, a loop that is not retrying transient trouble)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,15 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 from redis.exceptions import RedisError
 
-from services.common.errors import NotReady, error_responses
+from config.secrets import redact_url
+from services.common.errors import LoopFailed, NotReady, error_responses
 
 ReadinessCheck = Callable[[], Awaitable[str | None]]
 """An async check: None when the dependency is ready, else one sentence saying why not."""
 
 
 class HealthResponse(BaseModel):
-    """Liveness: the process serves HTTP."""
+    """Liveness: the process serves HTTP and its loop (if it hosts one) has not died."""
 
     status: str = "ok"
 
@@ -33,8 +35,13 @@ class ReadyResponse(BaseModel):
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz", response_model=HealthResponse, summary="Liveness")
-async def healthz() -> HealthResponse:
+@router.get("/healthz", response_model=HealthResponse, summary="Liveness", responses=error_responses(503))
+async def healthz(request: Request) -> HealthResponse:
+    liveness: Callable[[], str | None] | None = request.app.state.liveness
+    reason = liveness() if liveness is not None else None
+    if reason is not None:
+        exit_in_s = request.app.state.fatal_exit.exit_in_s()
+        raise LoopFailed(reason, detail={"reason": reason, "exit_in_s": exit_in_s})
     return HealthResponse()
 
 
@@ -56,17 +63,9 @@ def redis_check(url: str, timeout_s: float) -> ReadinessCheck:
         try:
             await client.ping()
         except (RedisError, OSError) as exc:
-            return f"redis at {_redact(url)} unreachable: {type(exc).__name__}"
+            return f"redis at {redact_url(url)} unreachable: {type(exc).__name__}"
         finally:
             await client.aclose()
         return None
 
     return check
-
-
-def _redact(url: str) -> str:
-    """The URL without its password, for messages."""
-    if "@" not in url:
-        return url
-    scheme, _, rest = url.partition("://")
-    return f"{scheme}://***@{rest.rpartition('@')[2]}"

@@ -8,12 +8,18 @@ import sys
 import time
 from typing import Any
 
+from config.secrets import Redactor
+
 # Attributes every LogRecord has; anything else was passed with `extra=` and goes into the JSON object.
 _STANDARD_ATTRS = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "taskName"}
 
 
 class JsonFormatter(logging.Formatter):
     """Formats a record as `{"ts", "level", "logger", "msg", ...extra}`; exceptions under `exc`."""
+
+    def __init__(self, redactor: Redactor | None = None) -> None:
+        super().__init__()
+        self.redactor = redactor or Redactor()
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
@@ -27,16 +33,25 @@ class JsonFormatter(logging.Formatter):
                 out[key] = value
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
+        return self.redactor.scrub(json.dumps(out, default=str))
 
 
-def configure_logging(level: str = "info", json_lines: bool = True) -> None:
-    """Route the root logger (and uvicorn's) to stderr with the JSON formatter; idempotent."""
+class TextFormatter(logging.Formatter):
+    """`time level logger: message` for humans at a terminal, secrets scrubbed."""
+
+    def __init__(self, redactor: Redactor | None = None) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.redactor = redactor or Redactor()
+
+    def format(self, record: logging.LogRecord) -> str:
+        return self.redactor.scrub(super().format(record))
+
+
+def configure_logging(level: str = "info", json_lines: bool = True, redactor: Redactor | None = None) -> None:
+    """Route the root logger (and uvicorn's) to stderr with the JSON (or text) formatter, every line
+    scrubbed of `redactor`'s secrets; idempotent."""
     handler = logging.StreamHandler(sys.stderr)
-    if json_lines:
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(JsonFormatter(redactor) if json_lines else TextFormatter(redactor))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

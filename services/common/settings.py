@@ -1,23 +1,29 @@
-"""Service settings from the environment (pydantic-settings), built by the app factories, never at import."""
+"""Service process settings (`ConfigModel`s), loaded by the one loader from `OFFPOLICY_*` variables.
+
+`ServiceSettings.from_env(os.environ, **overrides)` is how the app factories and `serve()` build them
+(`config.loader.load_layered`: the environment mapping passed in, then the command line's overrides);
+constructing one directly reads nothing. Nothing reads the environment at import time.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, Self
 
 from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from config.base import MAX_STR, ConfigModel
+from config.loader import load_layered
 
 
-class ServiceSettings(BaseSettings):
-    """Settings every service process shares; read from `OFFPOLICY_*` environment variables."""
+class ServiceSettings(ConfigModel):
+    """Settings every service process shares; `OFFPOLICY_<FIELD>` in the environment (`from_env`)."""
 
-    model_config = SettingsConfigDict(env_prefix="OFFPOLICY_", extra="ignore", frozen=True)
-
-    api_token: SecretStr | None = None
+    api_token: SecretStr | None = Field(None, min_length=1, max_length=MAX_STR)
     """Bearer token that mutating routes require (`OFFPOLICY_API_TOKEN`); None = no authentication."""
 
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", min_length=1, max_length=255)
     """Interface uvicorn binds to."""
 
     port: int = Field(default=8000, ge=0, le=65535)
@@ -31,6 +37,18 @@ class ServiceSettings(BaseSettings):
 
     redis_ping_timeout_s: float = Field(default=1.0, gt=0)
     """Seconds `/readyz` waits for Redis to answer PING before calling it unreachable."""
+
+    fatal_exit_grace_s: float = Field(default=30.0, ge=0)
+    """Seconds between the death of the service's loop (any error it does not retry by itself) and the
+    process exiting non-zero (`OFFPOLICY_FATAL_EXIT_GRACE_S`); `/healthz` answers 503 meanwhile."""
+
+    max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
+    """Largest request body accepted, in bytes (`OFFPOLICY_MAX_BODY_BYTES`); a larger one answers 413."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str], **overrides: Any) -> Self:
+        """The `OFFPOLICY_*` variables of `environ` naming this model's fields, then `overrides`."""
+        return load_layered(cls, None, environ, overrides)
 
 
 class LearnerServiceSettings(ServiceSettings):

@@ -4,10 +4,17 @@ The service accepts a new config (PUT = replace, PATCH = merge), validates it as
 refuses changes to fields marked `frozen_while_running` (`FrozenFieldChange`, 409), gives it the next
 `config_version` and hands it to the learner, which switches at its next step boundary and reports back
 through `mark_applied`. Every accepted config stays in the history with when it was submitted and applied.
+
+Secrets: the history keeps the real config; what the routes show passes through `redacted` (the Redis
+password masked). A body that carries the masked `redis_url` back (GET, edit, PUT) means the running one.
+Path fields the learner writes while running (`writable_path`, e.g. `metrics_jsonl`) are checked before
+a change is accepted: their folder must exist or be creatable, and be writable (422 otherwise).
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -15,7 +22,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from learner.config import LearnerConfig, frozen_field_changes, merge
+from config.secrets import redact_url
+from learner.config import LearnerConfig, frozen_field_changes, merge, writable_path_fields
 from learner.errors import FrozenFieldChange
 from services.common.errors import InvalidConfig, field_errors
 from services.learner_api.schemas import ConfigEntry, ConfigSource
@@ -43,6 +51,51 @@ def validate_body(body: Mapping[str, Any]) -> LearnerConfig:
             f"{exc.error_count()} invalid field(s) in the config",
             field_errors(exc.errors(include_url=False), prefix=("body",)),
         ) from exc
+
+
+def redacted_config(config: LearnerConfig) -> LearnerConfig:
+    """`config` as the API shows it: `redis_url` with its password masked (a copy; not re-validated)."""
+    return config.model_copy(update={"redis_url": redact_url(config.redis_url)})
+
+
+def redacted(entry: ConfigEntry) -> ConfigEntry:
+    """`entry` as the API shows it: its config through `redacted_config`."""
+    return entry.model_copy(update={"config": redacted_config(entry.config)})
+
+
+def _can_create_in(folder: str) -> bool:
+    """Whether a file can be created in `folder`: tried for real (an anonymous temporary file, gone when
+    closed), since permission bits say nothing for root and nothing about read-only or virtual filesystems."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
+
+
+def unwritable_paths(config: LearnerConfig, fields: list[str]) -> list[dict[str, str]]:
+    """`FieldError`s for the `writable_path` fields among `fields` whose file cannot be written: a file
+    must be creatable in the nearest existing ancestor of its folder, and the path must not be a folder."""
+    errors = []
+    for field in sorted(set(fields) & set(writable_path_fields())):
+        value: Any = config
+        for part in field.split("."):
+            value = getattr(value, part)
+        if value is None:
+            continue
+        folder = os.path.dirname(os.path.abspath(value))
+        while not os.path.exists(folder):
+            folder = os.path.dirname(folder)
+        if os.path.isdir(value) or not _can_create_in(folder):
+            errors.append(
+                {
+                    "field": f"body.{field}",
+                    "message": f"{value!r} cannot be written: {folder!r} is not a writable folder "
+                    "(or the path names a folder)",
+                    "type": "path_not_writable",
+                }
+            )
+    return errors
 
 
 class ConfigControl:
@@ -98,11 +151,19 @@ class ConfigControl:
         """The config a `replace` or `merge` body produces and the fields it changes; raises InvalidConfig
         (422) or FrozenFieldChange (409) exactly as a real change would."""
         base = self.newest().config.model_dump(mode="json")
-        new = validate_body(merge(base, body) if mode == "merge" else body)
-        frozen = frozen_field_changes(self.running().config, new)
+        data = merge(base, body) if mode == "merge" else dict(body)
+        running = self.running().config
+        if data.get("redis_url") == redact_url(running.redis_url):
+            data["redis_url"] = running.redis_url  # the masked form shown by GET means the running URL
+        new = validate_body(data)
+        frozen = frozen_field_changes(running, new)
         if frozen:
             raise FrozenFieldChange(frozen)
-        return new, changed_fields(base, new.model_dump(mode="json"))
+        changed = changed_fields(base, new.model_dump(mode="json"))
+        bad_paths = unwritable_paths(new, changed)
+        if bad_paths:
+            raise InvalidConfig(f"{len(bad_paths)} path(s) the learner could not write", bad_paths)
+        return new, changed
 
     # --- changing
 

@@ -36,7 +36,7 @@ def create_app(
     learner_factory: LearnerFactory | None = None,
 ) -> FastAPI:
     """The learner app; `config` defaults to `settings.config_path` (+ `OFFPOLICY_*` overrides)."""
-    settings = settings or LearnerServiceSettings()
+    settings = settings or LearnerServiceSettings.from_env(os.environ)
     if config is None:
         config = load_config(settings.config_path, os.environ)
     registry = make_registry()
@@ -50,9 +50,10 @@ def create_app(
         component="learner",
         redis_url=config.redis_url,
         router=routes.router,
+        redactor=runtime.redactor,
     )
 
 
 def serve(**overrides: Any) -> int:
-    """Run the learner service in this process until SIGTERM / Ctrl-C; settings from env + `overrides`."""
-    return serve_app(LearnerServiceSettings(**overrides), create_app)
+    """Run the learner service in this process until SIGTERM / Ctrl-C (settings: env, then `overrides`)."""
+    return serve_app(LearnerServiceSettings.from_env(os.environ, **overrides), create_app)

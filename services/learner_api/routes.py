@@ -1,4 +1,6 @@
-"""The learner's `/v1` routes: parse, call one runtime or control method, return. No logic here."""
+"""The learner's `/v1` routes: parse, call one runtime or control method, return. No logic here.
+
+Every config a route returns passes through `control.redacted` (the Redis password masked)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pydantic import BaseModel
 
 from services.common.auth import Authorized
 from services.common.errors import error_responses
+from services.learner_api.control import redacted, redacted_config
 from services.learner_api.deps import Control, Runtime
 from services.learner_api.schemas import (
     CheckpointResult,
@@ -25,7 +28,7 @@ from services.learner_api.schemas import (
 
 router = APIRouter(prefix="/v1")
 RouteFn = TypeVar("RouteFn", bound=Callable[..., Any])
-_CHANGE_ERRORS = (401, 409, 422, 503)
+_CHANGE_ERRORS = (401, 409, 413, 422, 503)
 
 _PUT_BODY = Annotated[
     dict[str, Any],
@@ -68,7 +71,7 @@ def _mutating(
 
 @router.get("/config", response_model=ConfigEntry, tags=["config"], summary="The running config")
 def get_config(control: Control) -> ConfigEntry:
-    return control.running()
+    return redacted(control.running())
 
 
 @_mutating(
@@ -103,7 +106,7 @@ def patch_config(control: Control, body: ConfigPatch) -> ConfigChange:
     response_model=ConfigValidation,
     tags=["config"],
     summary="Dry run of PUT (mode=replace) or PATCH (mode=merge): same checks, nothing applied",
-    responses=error_responses(409, 422),
+    responses=error_responses(409, 413, 422),
     openapi_extra=_PUT_SCHEMA,
 )
 def validate_config(
@@ -112,12 +115,12 @@ def validate_config(
     mode: _MODE = "replace",
 ) -> ConfigValidation:
     config, changed = control.resolve(body, mode)
-    return ConfigValidation(changed_fields=changed, config=config)
+    return ConfigValidation(changed_fields=changed, config=redacted_config(config))
 
 
 @router.get("/config/history", response_model=ConfigHistory, tags=["config"], summary="Every config version")
 def config_history(control: Control) -> ConfigHistory:
-    return ConfigHistory(entries=control.history())
+    return ConfigHistory(entries=[redacted(entry) for entry in control.history()])
 
 
 @router.get("/presets", response_model=PresetList, tags=["presets"], summary="Rollout-correction presets")
@@ -165,6 +168,7 @@ def checkpoint(runtime: Runtime) -> CheckpointResult:
 
 
 def _change(entry: ConfigEntry) -> ConfigChange:
+    entry = redacted(entry)
     return ConfigChange(
         config_version=entry.config_version,
         status="applied" if entry.applied_at is not None else "pending",

@@ -10,9 +10,10 @@ from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
 
+from config.secrets import Redactor, url_secrets
 from learner.config import LearnerConfig
 from services.common.errors import NotReady
-from services.common.loop import BackgroundLoop
+from services.common.loop import BackgroundLoop, FailureHook
 from services.learner_api.control import ConfigControl
 from services.learner_api.presets import get_preset, list_presets
 from services.learner_api.schemas import CheckpointResult, LearnerStatus, Preset
@@ -25,6 +26,11 @@ ConfigApplied = Callable[[int, int], None]
 
 class LearnerLike(Protocol):
     """What the service uses of `learner.train.Learner` (docs/architecture.md)."""
+
+    state: str
+    """`running`, `waiting_for_data`, `waiting_for_redis`, `paused`, `finished`, `stopped`, ..."""
+    retrying: str | None
+    """Why the loop is retrying transient trouble (Redis unreachable) right now; None when it is not."""
 
     def run(self, stop_event: threading.Event) -> None: ...
     def apply_config(self, new_config: LearnerConfig, config_version: int | None = None) -> None: ...
@@ -49,11 +55,14 @@ class LearnerRuntime:
         self.learner: LearnerLike | None = None
         self.loop: BackgroundLoop | None = None
         self.control = ConfigControl(config, self._hand_over)
+        self.redactor = Redactor(url_secrets(config.redis_url))
+        """The secrets of the config (Redis password): no status, readiness reason or log shows them."""
 
-    def start(self) -> None:
-        """Build the learner (loads the model, resumes, publishes v0) and start `run(stop_event)`."""
+    def start(self, on_failure: FailureHook | None = None) -> None:
+        """Build the learner (loads the model, resumes, publishes v0) and start `run(stop_event)`;
+        `on_failure` is called if the loop dies (the service's exit-after-grace)."""
         self.learner = self._factory(self.config, self.registry, self.control.mark_applied)
-        self.loop = BackgroundLoop(self.learner.run, "learner")
+        self.loop = BackgroundLoop(self.learner.run, "learner", on_failure)
         self.loop.start()
         log.info("learner loop started", extra={"model_path": self.config.model_path})
 
@@ -78,7 +87,15 @@ class LearnerRuntime:
     def readiness(self) -> str | None:
         if self.learner is None or self.loop is None:
             return "the learner is still starting (loading the model)"
-        return self.loop.readiness()
+        reason = self.loop.readiness()
+        if reason is None and self.learner.retrying is not None:
+            reason = f"learner {self.learner.state}: {self.learner.retrying}"
+        return None if reason is None else self.redactor.scrub(reason)
+
+    def liveness(self) -> str | None:
+        """None while the loop lives (or ended on its own); why it died otherwise (`/healthz` 503)."""
+        reason = self.loop.failure() if self.loop is not None else None
+        return None if reason is None else self.redactor.scrub(reason)
 
     def presets(self) -> list[Preset]:
         return list_presets()
@@ -102,7 +119,10 @@ class LearnerRuntime:
         raw = self.learner.status()
         state, error = str(raw["state"]), None
         if self.loop is not None and self.loop.error is not None:
-            state, error = "failed", f"{type(self.loop.error).__name__}: {self.loop.error}"
+            state, error = (
+                "failed",
+                self.redactor.scrub(f"{type(self.loop.error).__name__}: {self.loop.error}"),
+            )
         buffer = raw.get("buffer")
         return LearnerStatus(
             state=state,

@@ -82,7 +82,8 @@ class LearnerStatus(BaseModel):
     """What the learner is doing: state, version, throughput, buffer, last step's key metrics."""
 
     state: str
-    """`starting`, `running`, `paused`, `stopped` or `failed`."""
+    """`starting`, `running`, `waiting_for_data`, `waiting_for_redis` (retrying until Redis answers;
+    `/readyz` 503), `paused`, `finished`, `stopped` or `failed` (`/healthz` 503, the process exits)."""
     policy_version: int
     """Optimizer steps taken so far (= the version the actors load)."""
     step: int

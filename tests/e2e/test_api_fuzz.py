@@ -1,7 +1,9 @@
-"""Fuzz the learner service's API from its own OpenAPI spec (schemathesis): no request makes it answer 5xx.
+"""Fuzz the learner service's API from its own OpenAPI spec (schemathesis): no request makes it answer 5xx,
+and no response (nor the log) shows the Redis password or the API token.
 
-The learner runs as a real child process (tiny model, embedded Redis, no actor: its loop waits for data),
-with a token configured; the fuzzer sends the token, so mutating routes are exercised past the auth check.
+The learner runs as a real child process (tiny model, embedded Redis with a password, no actor: its loop
+waits for data), with a token configured; the fuzzer sends the token, so mutating routes are exercised
+past the auth check.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from learner.model import make_tiny_model
 from services.children import ServiceProcess, start_service
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
-TOKEN = "fuzz-token"
+TOKEN = "fuzz-token-5e1c"
+PASSWORD = "fuzz-redis-pw-77a9"
 EXAMPLES = int(os.environ.get("OFFPOLICY_FUZZ_EXAMPLES", "25"))
 
 
@@ -31,7 +34,7 @@ EXAMPLES = int(os.environ.get("OFFPOLICY_FUZZ_EXAMPLES", "25"))
 def learner_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
     root = tmp_path_factory.mktemp("fuzz")
     model = make_tiny_model(root / "model")
-    with EmbeddedRedis.start(root / "redis") as redis:
+    with EmbeddedRedis.start(root / "redis", password=PASSWORD) as redis:
         config = {
             "model_path": str(model),
             "device": "cpu",
@@ -61,9 +64,13 @@ def test_no_server_errors(learner_service: ServiceProcess) -> None:
         def fuzz(case) -> None:
             response = case.call(headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
             case.validate_response(response, checks=[not_a_server_error])
+            shown = response.text + str(dict(response.headers))
+            assert PASSWORD not in shown and TOKEN not in shown, (case.method, case.path, shown[:300])
 
         fuzz()
 
 
-def test_log_has_no_tracebacks(learner_service: ServiceProcess) -> None:
-    assert "Traceback" not in Path(learner_service.log_path).read_text()
+def test_log_has_no_tracebacks_and_no_secrets(learner_service: ServiceProcess) -> None:
+    log = Path(learner_service.log_path).read_text()
+    assert "Traceback" not in log
+    assert PASSWORD not in log and TOKEN not in log

@@ -201,6 +201,7 @@ def test_reward_rises_on_the_learners_own_policy(tiny_dir, redis_url, tmp_path):
     try:
         with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:
             for step in range(10):
+                learner.writer.flush()  # the newest version is published (the writer runs in the background)
                 record = store.read()
                 policy = AutoModelForCausalLM.from_pretrained(record.weights_uri).eval()
                 buf.insert_many(make_groups(policy, 4, version=record.version, n=8, tokens=6, seed=step))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import pytest
 from fastapi import FastAPI
@@ -142,7 +143,8 @@ def test_metrics_serves_the_apps_own_registry() -> None:
 def test_settings_read_the_environment_when_built(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OFFPOLICY_API_TOKEN", "abc")
     monkeypatch.setenv("OFFPOLICY_PORT", "9001")
-    settings = ServiceSettings()
+    assert ServiceSettings().api_token is None  # built directly: reads nothing
+    settings = ServiceSettings.from_env(os.environ)
     assert settings.api_token is not None
     assert settings.api_token.get_secret_value() == "abc"
     assert settings.port == 9001

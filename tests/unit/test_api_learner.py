@@ -37,6 +37,8 @@ class FakeLearner:
         self.paused = False
         self.checkpoints: list[int] = []
         self.refuse: list[str] = []  # fields the next apply_config refuses (as a frozen change)
+        self.state = "running"
+        self.retrying: str | None = None  # set by a test: the loop retries transient trouble
 
     def run(self, stop_event: threading.Event) -> None:
         stop_event.wait()

@@ -112,3 +112,24 @@ def test_token_logprobs_of_a_selection_match_the_full_batch(tiny, groups):
         full = token_logprobs(tiny, b)
         part = token_logprobs(tiny, b.select(torch.tensor([1, 2])))
     torch.testing.assert_close(part, full[1:, : part.shape[1]], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 3, 4])
+def test_chunked_logprobs_and_their_gradients_equal_the_unchunked_ones(tiny, groups, chunk_tokens):
+    """The LM head on chunks of response positions (recomputed in backward) gives the same log-probs and
+    the same gradients as one pass over the whole micro-batch (B = 3 rows, R = 3 columns)."""
+    b = collate(groups, PAD)
+    weights = torch.tensor([[0.3, -1.0, 2.0], [1.5, 0.0, 0.0], [-0.7, 0.4, 0.0]])
+
+    def run(chunk):
+        tiny.zero_grad(set_to_none=True)
+        lp = token_logprobs(tiny, b, chunk_tokens=chunk)  # (B, R)
+        (lp * weights).sum().backward()
+        return lp.detach(), {n: p.grad.clone() for n, p in tiny.named_parameters()}
+
+    whole_lp, whole_grad = run(10_000)
+    lp, grad = run(chunk_tokens)
+    torch.testing.assert_close(lp, whole_lp, atol=1e-6, rtol=0)
+    for name, g in whole_grad.items():
+        torch.testing.assert_close(grad[name], g, atol=1e-6, rtol=1e-5)
+    tiny.zero_grad(set_to_none=True)

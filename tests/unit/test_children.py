@@ -11,12 +11,13 @@ from services.children import ServiceProcess
 
 # The child starts a grandchild that ignores SIGTERM (as a busy engine-core process effectively does),
 # prints its pid, and exits on SIGTERM itself: the grandchild would be orphaned.
+# The handler is installed before the pid is printed: the test's SIGTERM may follow at once.
 CHILD = """
 import signal, subprocess, sys
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
 g = subprocess.Popen([sys.executable, "-c",
     "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"])
 print(g.pid, flush=True)
-signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
 signal.pause()
 """
 

@@ -1,0 +1,1 @@
+"""Configuration plumbing shared by every process: the strict base model, secret redaction, the loader."""

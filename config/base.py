@@ -1,0 +1,89 @@
+"""`ConfigModel`, the strict frozen base of every config model, and the bounded string types.
+
+Every config of every process (learner, buffer, rollout correction, actor, service settings) derives from
+`ConfigModel`, so one set of rules holds for all of them, whatever door a value comes through (YAML, the
+environment, a REST body):
+
+- frozen, `extra="forbid"`, the docstring under each field is its description;
+- floats are finite: NaN, ±inf and overflowing literals (`1e309`, JSON `Infinity`) are refused;
+- a boolean is not a number: `true` for a field that does not admit `bool` is refused (pydantic's lax
+  mode would read it as 1); ints refuse floats with a fraction (pydantic's own rule);
+- strings are at most `MAX_STR` characters; ids and paths have the tighter types below.
+"""
+
+from __future__ import annotations
+
+import types
+from functools import cache
+from typing import Annotated, Any, Union, get_args, get_origin
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+MAX_STR = 4096
+"""Longest string any config field holds, in characters (PATH_MAX on Linux)."""
+MAX_ID = 128
+"""Longest id (run id, actor id), in characters."""
+MAX_PATH_COMPONENT = 255
+"""Longest path component, in bytes (NAME_MAX on Linux): a longer one fails at `open` ("File name too
+long"), so it is refused when the config is built, not when the loop first writes."""
+
+
+class ConfigModel(BaseModel):
+    """Frozen, closed, finite, bool-is-not-a-number, bounded strings (module docstring)."""
+
+    model_config = ConfigDict(
+        frozen=True,
+        extra="forbid",
+        allow_inf_nan=False,
+        str_max_length=MAX_STR,
+        use_attribute_docstrings=True,
+    )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _bool_is_not_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.field_name is not None and _holds_bool(value) and not _admits_bool(cls, info.field_name):
+            raise ValueError(f"{value!r}: a boolean is not a valid value here")
+        return value
+
+
+def _holds_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return True
+    return isinstance(value, list | tuple) and any(isinstance(v, bool) for v in value)
+
+
+@cache
+def _admits_bool(cls: type[BaseModel], field: str) -> bool:
+    info = cls.model_fields.get(field)
+    return info is None or _mentions_bool(info.annotation)
+
+
+def _mentions_bool(annotation: Any) -> bool:
+    if annotation is bool or annotation is Any:
+        return True
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _mentions_bool(get_args(annotation)[0])
+    if origin in (Union, types.UnionType, list, tuple):
+        return any(_mentions_bool(arg) for arg in get_args(annotation) if arg is not Ellipsis)
+    return False
+
+
+def _check_path(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("a path cannot contain a NUL character")
+    for part in value.split("/"):
+        if len(part.encode()) > MAX_PATH_COMPONENT:
+            raise ValueError(
+                f"path component {part[:40]!r}... is {len(part.encode())} bytes long; "
+                f"the limit is {MAX_PATH_COMPONENT}"
+            )
+    return value
+
+
+PathStr = Annotated[str, Field(min_length=1, max_length=MAX_STR), AfterValidator(_check_path)]
+"""A filesystem path: 1..4096 characters, no NUL, no component over 255 bytes."""
+
+IdStr = Annotated[str, Field(min_length=1, max_length=MAX_ID)]
+"""An identifier (run id, actor id): 1..128 characters."""
