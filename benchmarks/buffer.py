@@ -17,7 +17,9 @@ What is compared (same server, same run, same bytes, same groups per round trip)
   command packer), so the client library settings are not part of the difference.
 Each phase runs `--repeats` times (fresh run_id, server flushed between repeats); the figures are the
 medians, and the load average before and after is printed next to them (the host may be shared).
-Usage: `python benchmarks/buffer.py [--json] [--quick] [--repeats N] [--breakdown]`.
+Usage: `python benchmarks/buffer.py [--json] [--quick] [--repeats N] [--breakdown]`; `--scale [--json]
+[--quick] [--scale-calls N]` instead measures sample latency per sampler at 10^4, 10^5 and 10^6 stored
+groups and the longest Redis command meanwhile (benchmarks/buffer_scale.py).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import uuid  # noqa: E402
 import numpy as np  # noqa: E402
 import redis  # noqa: E402
 
+from benchmarks.buffer_scale import SIZES, print_scale, run_scale  # noqa: E402
 from buffer.codec import encode_group  # noqa: E402
 from buffer.codec_batch import decode_groups, encode_groups  # noqa: E402
 from buffer.config import BufferConfig  # noqa: E402
@@ -246,7 +249,15 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="groups per insert_many / sample / pipeline call")
     ap.add_argument("--repeats", type=int, default=3, help="runs per phase; figures are medians")
     ap.add_argument("--breakdown", action="store_true", help="also time each step of one call (1 process)")
+    ap.add_argument(
+        "--scale",
+        action="store_true",
+        help="instead: sample latency per sampler at 10^4..10^6 groups + SLOWLOG",
+    )
+    ap.add_argument("--scale-calls", type=int, default=200, help="--scale: calls per sampler and size")
     args = ap.parse_args()
+    if args.scale:
+        return scale_main(args)
     load_before = os.getloadavg()
     scale = 0.25 if args.quick else 1.0
     plan = [("16x1024", 1, 240), ("16x1024", 8, 30), ("8x256", 1, 1600), ("8x256", 8, 200)]
@@ -283,6 +294,22 @@ def main() -> None:
             + f"; codec ceiling (raw Redis side): insert {st['insert_ceiling']:.2f}, "
             f"sample {st['sample_ceiling']:.2f}"
         )
+
+
+def scale_main(args: argparse.Namespace) -> None:
+    """`--scale` (benchmarks/buffer_scale.py); `--quick` stops at 10^5 groups."""
+    load_before = os.getloadavg()
+    sizes = SIZES[:2] if args.quick else SIZES
+    with tempfile.TemporaryDirectory() as d, EmbeddedRedis.start(d, executable=args.redis_server) as server:
+        rows = run_scale(server.url, args.scale_calls, sizes)
+        version = server.version()
+    load = {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()}
+    if args.json:
+        print(json.dumps({"redis_version": version, "loadavg": load, "scale": rows}, indent=2))
+        return
+    print(f"redis {version}, sample(8) per call, {args.scale_calls} calls per sampler and size; "
+          f"load average before {load['before']}, after {load['after']}, {load['cpus']} cpus")  # fmt: skip
+    print_scale(rows)
 
 
 if __name__ == "__main__":

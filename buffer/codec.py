@@ -135,6 +135,7 @@ def plain(groups: Sequence[TrajectoryGroup], limits: CodecLimits) -> bool:
         and set(map(_dtype, lps)) <= {_F32}
         and set(map(_strides, ints)) | set(map(_strides, lps)) <= _PACKED  # 1-D and contiguous
         and lens == list(map(len, lps))
+        and min(lens) >= 1
         and max(lens) <= limits.max_tokens_per_completion
         and all(len(t.versions) == len(t.response_ids) for t in versioned)
         and set(map(type, rewards)) <= _NUM
@@ -272,7 +273,7 @@ def parse(data: bytes, limits: CodecLimits) -> tuple[dict, list[int], np.ndarray
     tokens = 4 * sum(lens)
     if not (
         e0 == 4 * n
-        and min(lens) >= 0
+        and min(lens) >= 1
         and max(lens) <= limits.max_tokens_per_completion
         and e1 - e0 <= 4 * limits.max_prompt_tokens
         and e2 - e1 == tokens == e4 - e3

@@ -61,6 +61,16 @@ class BufferConfig(ConfigModel):
     """Redis socket read/write and connect timeout, in seconds."""
     limits: CodecLimits = CodecLimits()
     """Validation limits for every group inserted and sampled."""
+    dedupe_window: int | None = Field(100_000, ge=1)
+    """Dedupe window by count: the group ids of the last this many inserts are remembered (a stored group
+    is always recognised). A duplicate arriving after its id left the window is stored again. None = no
+    count bound (with `dedupe_window_s` None too: every id ever inserted is kept, the set grows forever)."""
+    dedupe_window_s: float | None = Field(None, gt=0.0)
+    """Dedupe window by age, in seconds (Redis clock): ids inserted longer ago are forgotten (same
+    consequence as `dedupe_window`). None = no age bound."""
+    dead_letter_max: int = Field(1_000, ge=1)
+    """Most records the dead-letter list keeps (newest first); older ones are trimmed. The counters
+    `dropped:invalid:<field>` keep counting every group set aside."""
 
     @model_validator(mode="after")
     def _check(self) -> Self:

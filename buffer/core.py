@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
+from buffer.codec import decode_group
 from buffer.codec_batch import decode_groups, encode_groups
 from buffer.config import BufferConfig
 from buffer.errors import InvalidTrajectory, RateLimited
@@ -66,6 +68,8 @@ class Core:
 
     def on_insert(self, reply: InsertReply) -> None:
         m = self.metrics
+        if reply.expired:
+            m.redelivered.inc(reply.expired)
         m.inserts.inc(reply.statuses.count(1))
         if 0 in reply.statuses:
             m.duplicates.inc(reply.statuses.count(0))
@@ -77,6 +81,8 @@ class Core:
 
     def on_sample(self, reply: SampleReply) -> None:
         m = self.metrics
+        if reply.expired:
+            m.redelivered.inc(reply.expired)
         if reply.stale:
             m.dropped_stale.inc(reply.stale)
         if reply.consumed:
@@ -95,14 +101,37 @@ class Core:
             self.metrics.dropped_payload_missing.inc(missing)
         return missing
 
-    def decode(self, payloads: list[bytes | None], consumer_version: int) -> list[TrajectoryGroup]:
-        """The sampled groups (missing payloads skipped: `missing` counted them), decoded and validated."""
-        groups = decode_groups([p for p in payloads if p is not None], self.cfg.limits)
-        self.metrics.samples.inc(len(groups))
+    def take(self, reply: SampleReply, consumer_version: int) -> Taken:
+        """The chosen groups of an OK reply, each decoded and validated on its own: the valid ones (with
+        their lease ids when leasing), and the invalid ones to set aside (dead letters) by lease id, or by
+        group id when the sample consumed. Missing payloads are skipped (`missing` counted them)."""
+        leasing = bool(reply.lease_ids)
+        items = reply.lease_ids if leasing else reply.chosen
+        kept = [
+            (p, i, g) for p, i, g in zip(reply.payloads, items, reply.chosen, strict=True) if p is not None
+        ]
+        try:
+            decoded: list = decode_groups([p for p, _, _ in kept], self.cfg.limits)
+        except InvalidTrajectory:  # a poison group: decode each on its own to name it and keep the rest
+            decoded = [_decode_one(p, self.cfg.limits) for p, _, _ in kept]
+        taken = Taken([], [], [])
+        for (_, item, gid), g in zip(kept, decoded, strict=True):
+            if isinstance(g, InvalidTrajectory):
+                taken.bad.append((item, gid, g))
+            else:
+                taken.groups.append(g)
+                taken.lease_ids.append(item)
+        (self.metrics.leased if leasing else self.metrics.samples).inc(len(taken.groups))
         observe = self.metrics.sampled_staleness.observe
-        for g in groups:
+        for g in taken.groups:
             observe(max(consumer_version - g.policy_version, 0))
-        return groups
+        return taken
+
+    def on_dead(self, fields: list[str]) -> None:
+        """Count groups set aside as dead letters, by field (indices stripped; unknown fields: `other`)."""
+        for f in fields:
+            reason = f"invalid:{strip_field(f)}"
+            self.metrics.dropped_invalid.get(reason, self.metrics.dropped_invalid["invalid:other"]).inc()
 
     def check_sample(self, num_groups: int) -> None:
         if self.cfg.samples_per_insert is not None:
@@ -119,8 +148,9 @@ class Core:
             return "-inf"
         return str(producer_version - self.cfg.max_staleness)
 
-    def stats(self, counters: dict, size: int, lo: list, hi: list) -> BufferStats:
+    def stats(self, counters: dict, size: int, lo: list, hi: list, held: int, leases: int) -> BufferStats:
         c = {k.decode(): int(v) for k, v in counters.items()}
+        size += held
 
         def by(prefix: str) -> dict[str, int]:
             return {k[len(prefix) :]: v for k, v in c.items() if k.startswith(prefix)}
@@ -137,7 +167,34 @@ class Core:
             rejected_total=by("rejected:"),
             policy_version_min=int(lo[0][1]) if lo else None,
             policy_version_max=int(hi[0][1]) if hi else None,
+            leased_total=c.get("leased", 0),
+            acked_total=c.get("acked", 0),
+            redelivered_total=c.get("redelivered", 0),
+            leases_outstanding=leases,
+            held=held,
         )
+
+
+@dataclass(slots=True)
+class Taken:
+    """A sample's valid groups (and lease ids, when leasing) and its poison ones: (lease id or group id,
+    group id, the error)."""
+
+    groups: list[TrajectoryGroup]
+    lease_ids: list[str]
+    bad: list[tuple[str, str, InvalidTrajectory]]
+
+
+def strip_field(field: str) -> str:
+    """A field path without indices: `trajectories[2].reward` -> `trajectories.reward`."""
+    return _INDEX.sub("", field)
+
+
+def _decode_one(payload: bytes, limits) -> TrajectoryGroup | InvalidTrajectory:
+    try:
+        return decode_group(payload, limits)
+    except InvalidTrajectory as e:
+        return e
 
 
 def file_statuses(

@@ -24,10 +24,18 @@ class BufferKeys:
     by_version: str  # zset group_id -> policy_version (staleness gate and weights)
     uses: str  # hash group_id -> times sampled (absent = 0)
     priority: str  # zset group_id -> priority (prioritized sampler only)
-    seen: str  # set of every group_id ever inserted (dedupe survives removal)
-    counters: str  # hash of lifetime counters (inserted, sampled, evicted:*, dropped:*, rejected:*)
+    seen: str  # zset group_id -> insert time (ms): the dedupe window (bounded by count and/or age)
+    counters: str  # hash of lifetime counters (inserted, sampled, leased, acked, evicted:*, dropped:*...)
+    leases: str  # hash lease_id -> "<consumer> <group_id>": every outstanding lease
+    deadlines: str  # zset lease_id -> deadline (ms, Redis clock): expired leases go back lazily
+    leased: str  # hash group_id -> outstanding leases (absent = 0)
+    held: (
+        str  # hash group_id -> "seq pv priority": stored, out of the sampler indexes (leased to its last use)
+    )
+    dead: str  # list of JSON dead-letter records, newest first, bounded by dead_letter_max
     payload_prefix: str  # string per stored group: the encoded group
     out_prefix: str  # strings living inside one sample transaction: the chosen payloads, read and deleted
+    consumer_prefix: str  # set per consumer: its outstanding lease ids, `<consumer_prefix><consumer>`
 
     @classmethod
     def for_run(cls, run_id: str) -> BufferKeys:
@@ -38,15 +46,24 @@ class BufferKeys:
             by_version=f"{p}:buf:version",
             uses=f"{p}:buf:uses",
             priority=f"{p}:buf:priority",
-            seen=f"{p}:buf:seen",
+            seen=f"{p}:buf:dedupe",  # a zset; `buf:seen` (a set, unbounded) was its name before
             counters=f"{p}:buf:counters",
+            leases=f"{p}:buf:lease",
+            deadlines=f"{p}:buf:lease:deadline",
+            leased=f"{p}:buf:leased",
+            held=f"{p}:buf:held",
+            dead=f"{p}:buf:dead",
             payload_prefix=f"{p}:buf:g:",
             out_prefix=f"{p}:buf:out:",
+            consumer_prefix=f"{p}:buf:lease:c:",
         )
 
     def indexes(self) -> list[str]:
-        """KEYS for the scripts, in declaration order."""
-        return [self.order, self.by_version, self.uses, self.priority, self.seen, self.counters]
+        """KEYS for the scripts, in declaration order (scripts/lib.lua names them)."""
+        return [
+            self.order, self.by_version, self.uses, self.priority, self.seen, self.counters,
+            self.leases, self.deadlines, self.leased, self.held, self.dead,
+        ]  # fmt: skip
 
     def payload(self, group_id: str) -> str:
         """The key holding `group_id`'s encoded group."""
@@ -57,8 +74,8 @@ class BufferKeys:
         return f"{self.out_prefix}{token}:"
 
     def per_group_patterns(self) -> list[str]:
-        """SCAN MATCH patterns of every payload and out key (run ids hold no glob characters)."""
-        return [self.payload_prefix + "*", self.out_prefix + "*"]
+        """SCAN MATCH patterns of every payload, out and consumer key (run ids hold no glob characters)."""
+        return [self.payload_prefix + "*", self.out_prefix + "*", self.consumer_prefix + "*"]
 
 
 @dataclass(frozen=True, slots=True)

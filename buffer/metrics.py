@@ -15,6 +15,8 @@ REJECTED_FIELDS = (
 )  # fmt: skip
 EVICTION_REASONS = ("max_size", "max_times_sampled")
 DROP_REASONS = ("stale", "evicted_unsampled", "payload_missing")
+# Groups set aside to the dead-letter list: `invalid:<field>`, field from REJECTED_FIELDS or `other`.
+INVALID_REASONS = tuple(f"invalid:{f}" for f in (*REJECTED_FIELDS, "other"))
 WAIT_OPS = ("insert", "sample", "pace")
 
 
@@ -55,8 +57,19 @@ class BufferMetrics:
         self.drops = Counter(
             "offpolicy_buffer_drops_total",
             "Groups lost before use or too stale to use, by reason "
-            "(stale, evicted_unsampled, payload_missing)",
+            "(stale, evicted_unsampled, payload_missing, invalid:<field>: set aside as dead letters)",
             ["reason"],
+            registry=registry,
+        )
+        self.leased = Counter(
+            "offpolicy_buffer_leased_total", "Groups handed out by lease (one per lease)", registry=registry
+        )
+        self.acked = Counter(
+            "offpolicy_buffer_acked_total", "Leases acknowledged (their use counts)", registry=registry
+        )
+        self.redelivered = Counter(
+            "offpolicy_buffer_redelivered_total",
+            "Leases ended without an ack (released, or expired when seen by this process): use returned",
             registry=registry,
         )
         self.rate_limited_waits = Counter(
@@ -90,4 +103,5 @@ class BufferMetrics:
         self.dropped_stale = self.drops.labels("stale")
         self.dropped_evicted_unsampled = self.drops.labels("evicted_unsampled")
         self.dropped_payload_missing = self.drops.labels("payload_missing")
+        self.dropped_invalid = {r: self.drops.labels(r) for r in INVALID_REASONS}
         self.waits = {op: self.rate_limited_waits.labels(op) for op in WAIT_OPS}

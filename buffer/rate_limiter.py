@@ -20,6 +20,7 @@ class SampleStatus(enum.IntEnum):
     RATE_LIMITED = 2  # samples_per_insert: samples are too far ahead of inserts
     BELOW_MIN_SIZE = 3  # min_size_to_sample not reached
     NOT_ENOUGH = 4  # fewer eligible (fresh) groups than requested
+    DRAINING = 5  # more stale groups to drop than one script call drops: call again at once
 
 
 class Backoff:

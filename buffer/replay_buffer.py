@@ -17,11 +17,13 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry
 
 from buffer.config import BufferConfig
-from buffer.core import Core, file_statuses, insert_limited, make_result
+from buffer.core import Core, Taken, file_statuses, insert_limited, make_result
 from buffer.errors import RateLimited
+from buffer.leases import AsyncLeaseOps, LeaseOps
 from buffer.rate_limiter import SampleStatus, sample_refused
 from buffer.storage import (
     InsertReply,
+    LeaseArgs,
     async_client,
     call_async,
     call_sync,
@@ -48,11 +50,13 @@ class _BufferHandle:
         config: BufferConfig | None = None,
         registry: CollectorRegistry | None = None,
     ) -> None:
+        self.run_id = run_id
         self._core = Core(run_id, config or BufferConfig(), registry)
         self.config = self._core.cfg
         self._client = self._make_client(redis_url, self.config.socket_timeout_s)
         self._insert = self._client.register_script(script_source("insert"))
         self._sample = self._client.register_script(script_source("sample"))
+        self._lease_script = self._client.register_script(script_source("lease"))
 
     def reconfigure(self, config: BufferConfig) -> None:
         """Apply `config` from the next call on, keeping this object, its connection pool and its metrics
@@ -63,7 +67,7 @@ class _BufferHandle:
         kwargs["socket_timeout"] = kwargs["socket_connect_timeout"] = config.socket_timeout_s
 
 
-class ReplayBuffer(_BufferHandle):
+class ReplayBuffer(_BufferHandle, LeaseOps):
     """Synchronous replay buffer over Redis (the learner's side; also used by tests and tools)."""
 
     def _call(self, fn, what: str):
@@ -126,8 +130,16 @@ class ReplayBuffer(_BufferHandle):
         """Sample `num_groups` distinct groups no staler than `max_staleness` for a learner at
         `consumer_version`; waits (bounded by `timeout_s`) while a limiter refuses, then raises
         `RateLimited` (samples_per_insert) or `BufferNotReady` (min size, too few fresh groups).
-        Fewer than `num_groups` only when chosen groups' payloads had been deleted behind the buffer's
-        back (counted as dropped `payload_missing`); when all of them were, it waits and samples again."""
+        Each sampled group counts as used at once (use `lease` for at-least-once delivery). Fewer than
+        `num_groups` when chosen groups' payloads had been deleted behind the buffer's back (counted as
+        dropped `payload_missing`) or fail to decode (set aside as dead letters, counted
+        `dropped:invalid:<field>`); when none is left, it waits and samples again."""
+        return self._take(num_groups, consumer_version, timeout_s, None).groups
+
+    def _take(
+        self, num_groups: int, consumer_version: int, timeout_s: float, lease: LeaseArgs | None
+    ) -> Taken:
+        """The sample loop of `sample` (lease None: consume) and `lease`."""
         t0 = time.perf_counter()
         core = self._core
         core.check_sample(num_groups)
@@ -135,22 +147,27 @@ class ReplayBuffer(_BufferHandle):
         while True:
             reply = self._call(
                 lambda: sample_transaction(
-                    self._client, self._sample, self.config, core.keys, num_groups, consumer_version
+                    self._client, self._sample, self.config, core.keys, num_groups, consumer_version, lease
                 ),
                 "sample",
             )
             core.on_sample(reply)
-            # refused, or every chosen payload missing: wait and choose again
+            if reply.status is SampleStatus.DRAINING:  # stale groups left to drop: at once, no wait
+                continue
             if reply.status is SampleStatus.OK and core.missing(reply.payloads) < len(reply.payloads):
-                break
+                taken = core.take(reply, consumer_version)
+                if taken.bad:
+                    self._set_aside(lease and lease.consumer, taken)
+                if taken.groups:
+                    break
+            # refused, or every chosen payload missing or poison: wait and choose again
             delay = backoff.delay()
             if delay is None:
                 raise sample_refused(reply.status, num_groups, reply.size, timeout_s)
             core.metrics.waits["sample"].inc()
             time.sleep(delay)
-        groups = core.decode(reply.payloads, consumer_version)
         core.metrics.sample_latency.observe(time.perf_counter() - t0)
-        return groups
+        return taken
 
     def wait_for_room(self, producer_version: int, timeout_s: float = 60.0) -> int:
         """Producer pacing: hold while >= `max_ahead` groups a learner at `producer_version` could still
@@ -178,6 +195,7 @@ class ReplayBuffer(_BufferHandle):
             pipe = self._client.pipeline(transaction=True)
             pipe.hgetall(k.counters).zcard(k.order)
             pipe.zrange(k.by_version, 0, 0, withscores=True).zrevrange(k.by_version, 0, 0, withscores=True)
+            pipe.hlen(k.held).hlen(k.leases)
             return pipe.execute()
 
         return self._core.stats(*self._call(read, "stats"))
@@ -207,7 +225,7 @@ class ReplayBuffer(_BufferHandle):
         self.close()
 
 
-class AsyncReplayBuffer(_BufferHandle):
+class AsyncReplayBuffer(_BufferHandle, AsyncLeaseOps):
     """The asyncio twin of `ReplayBuffer` (actors and services); same scripts, same codec, same errors."""
 
     _make_client = staticmethod(async_client)
@@ -268,6 +286,12 @@ class AsyncReplayBuffer(_BufferHandle):
         self, num_groups: int, consumer_version: int, timeout_s: float = 10.0
     ) -> list[TrajectoryGroup]:
         """See `ReplayBuffer.sample`."""
+        return (await self._take(num_groups, consumer_version, timeout_s, None)).groups
+
+    async def _take(
+        self, num_groups: int, consumer_version: int, timeout_s: float, lease: LeaseArgs | None
+    ) -> Taken:
+        """See `ReplayBuffer._take`."""
         t0 = time.perf_counter()
         core = self._core
         core.check_sample(num_groups)
@@ -275,22 +299,26 @@ class AsyncReplayBuffer(_BufferHandle):
         while True:
             reply = await self._call(
                 lambda: sample_transaction_async(
-                    self._client, self._sample, self.config, core.keys, num_groups, consumer_version
+                    self._client, self._sample, self.config, core.keys, num_groups, consumer_version, lease
                 ),
                 "sample",
             )
             core.on_sample(reply)
-            # refused, or every chosen payload missing: wait and choose again
+            if reply.status is SampleStatus.DRAINING:
+                continue
             if reply.status is SampleStatus.OK and core.missing(reply.payloads) < len(reply.payloads):
-                break
+                taken = core.take(reply, consumer_version)
+                if taken.bad:
+                    await self._set_aside(lease and lease.consumer, taken)
+                if taken.groups:
+                    break
             delay = backoff.delay()
             if delay is None:
                 raise sample_refused(reply.status, num_groups, reply.size, timeout_s)
             core.metrics.waits["sample"].inc()
             await asyncio.sleep(delay)
-        groups = core.decode(reply.payloads, consumer_version)
         core.metrics.sample_latency.observe(time.perf_counter() - t0)
-        return groups
+        return taken
 
     async def wait_for_room(self, producer_version: int, timeout_s: float = 60.0) -> int:
         """See `ReplayBuffer.wait_for_room`."""
@@ -317,6 +345,7 @@ class AsyncReplayBuffer(_BufferHandle):
             pipe = self._client.pipeline(transaction=True)
             pipe.hgetall(k.counters).zcard(k.order)
             pipe.zrange(k.by_version, 0, 0, withscores=True).zrevrange(k.by_version, 0, 0, withscores=True)
+            pipe.hlen(k.held).hlen(k.leases)
             return await pipe.execute()
 
         return self._core.stats(*(await self._call(read, "stats")))

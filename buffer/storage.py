@@ -35,9 +35,13 @@ _PACK_CUTOFF_BYTES = 6000  # redis-py's own cutoff: larger arguments go out as t
 _RETRYABLE = (redis.ConnectionError, redis.TimeoutError)  # BusyLoadingError (AOF replay) is a ConnectionError
 
 
+_PRELUDES = {"insert": ("lib",), "sample": ("lib", "samplers"), "lease": ("lib",)}
+
+
 def script_source(name: str) -> str:
-    """The text of `scripts/<name>.lua`."""
-    return (SCRIPTS_DIR / f"{name}.lua").read_text()
+    """The text of `scripts/<name>.lua`, after the shared parts it uses (`lib.lua`, `samplers.lua`)."""
+    parts = (*_PRELUDES.get(name, ()), name)
+    return "\n".join((SCRIPTS_DIR / f"{part}.lua").read_text() for part in parts)
 
 
 def _client_kwargs(socket_timeout_s: float) -> dict:
@@ -127,6 +131,10 @@ def insert_args(cfg: BufferConfig, keys: BufferKeys, entries: list[tuple[str, in
         cfg.min_size_to_sample,
         "1" if cfg.sampler == "prioritized" else "0",
         keys.payload_prefix,
+        cfg.max_times_sampled or 0,
+        keys.consumer_prefix,
+        cfg.dedupe_window or 0,
+        round(cfg.dedupe_window_s * 1000) if cfg.dedupe_window_s is not None else 0,
     ]
     for gid, version, priority, _ in entries:
         args += [gid, version, _num(priority)]
@@ -193,19 +201,36 @@ async def insert_transaction_async(
 
 @dataclass(frozen=True, slots=True)
 class InsertReply:
-    """insert.lua's reply: per-entry status (1 inserted, 0 duplicate, 2 rate limited) and removals."""
+    """insert.lua's reply: per-entry status (1 inserted, 0 duplicate, 2 rate limited), removals, and the
+    leases it found expired (returned to the buffer)."""
 
     statuses: list[int]
     size: int
     evicted: int
     evicted_unsampled: int
+    expired: int = 0
 
     @classmethod
     def parse(cls, raw: list) -> InsertReply:
-        return cls([int(s) for s in raw[0]], int(raw[1]), int(raw[2]), int(raw[3]))
+        return cls([int(s) for s in raw[0]], int(raw[1]), int(raw[2]), int(raw[3]), int(raw[4]))
 
 
-def sample_args(cfg: BufferConfig, keys: BufferKeys, k: int, consumer_version: int, out_prefix: str) -> list:
+@dataclass(frozen=True, slots=True)
+class LeaseArgs:
+    """Who leases a sample and for how long (None in `sample_args`: the sample consumes)."""
+
+    consumer: str
+    lease_s: float
+
+
+def sample_args(
+    cfg: BufferConfig,
+    keys: BufferKeys,
+    k: int,
+    consumer_version: int,
+    out_prefix: str,
+    lease: LeaseArgs | None = None,
+) -> list:
     """ARGV of sample.lua, with a fresh random seed."""
     min_diff, _ = cfg.limiter_bounds()
     ratio = cfg.samples_per_insert is not None
@@ -223,55 +248,78 @@ def sample_args(cfg: BufferConfig, keys: BufferKeys, k: int, consumer_version: i
         _num(cfg.priority_epsilon),
         keys.payload_prefix,
         out_prefix,
+        lease.consumer if lease else "",
+        max(1, round(lease.lease_s * 1000)) if lease else 0,
+        keys.consumer_prefix,
     ]
 
 
 @dataclass(frozen=True, slots=True)
 class SampleReply:
-    """sample.lua's reply with the payloads its transaction read: verdict, size after, removals, the
-    chosen group ids and their payloads (None: gone from Redis behind the buffer's back)."""
+    """sample.lua's reply with the payloads its transaction read: verdict, size after, removals, leases
+    it found expired, the chosen group ids and their payloads (None: gone from Redis behind the buffer's
+    back), and, when leasing, each one's lease id ("" where the payload was gone: not leased)."""
 
     status: SampleStatus
     size: int
     stale: int
     consumed: int
+    expired: int
     chosen: list[str]
     payloads: list[bytes | None]
+    lease_ids: list[str]
 
     @classmethod
-    def parse(cls, raw: list, payloads: list[bytes | None]) -> SampleReply:
-        chosen = [gid.decode() for gid in raw[4:]]
+    def parse(cls, raw: list, payloads: list[bytes | None], leasing: bool) -> SampleReply:
+        ids = [x.decode() for x in raw[5:]]
+        n = len(ids) // 2 if leasing else len(ids)
         return cls(
-            SampleStatus(int(raw[0])), int(raw[1]), int(raw[2]), int(raw[3]), chosen, payloads[: len(chosen)]
-        )
+            SampleStatus(int(raw[0])), int(raw[1]), int(raw[2]), int(raw[3]), int(raw[4]),
+            ids[:n], payloads[:n], ids[n:],
+        )  # fmt: skip
 
 
-def _queue_sample(pipe, script: Script, cfg: BufferConfig, keys: BufferKeys, k: int, version: int) -> None:
+def _queue_sample(
+    pipe, script: Script, cfg: BufferConfig, keys: BufferKeys, k: int, version: int, lease: LeaseArgs | None
+) -> None:
     """Queue the sample transaction on `pipe` (MULTI): sample.lua puts the i-th chosen payload at the
     call's out key i, then one MGET reads the k out keys and one UNLINK deletes them."""
     out = keys.out(secrets.token_hex(8))  # unique to this call: concurrent samples never share out keys
     slots = [f"{out}{i}" for i in range(1, k + 1)]
     index_keys = keys.indexes()
-    pipe.evalsha(script.sha, len(index_keys), *index_keys, *sample_args(cfg, keys, k, version, out))
+    args = sample_args(cfg, keys, k, version, out, lease)
+    pipe.evalsha(script.sha, len(index_keys), *index_keys, *args)
     pipe.mget(slots)
     pipe.unlink(*slots)
 
 
 def sample_transaction(
-    client: redis.Redis, script: Script, cfg: BufferConfig, keys: BufferKeys, k: int, version: int
+    client: redis.Redis,
+    script: Script,
+    cfg: BufferConfig,
+    keys: BufferKeys,
+    k: int,
+    version: int,
+    lease: LeaseArgs | None = None,
 ) -> SampleReply:
     """Run one sample as MULTI / EVALSHA sample / MGET out keys / UNLINK out keys / EXEC: one round
     trip, atomic, no payload left behind (after NOSCRIPT the MGET and UNLINK found nothing)."""
     raw, payloads, _ = _transaction(
-        client, script, lambda pipe: _queue_sample(pipe, script, cfg, keys, k, version)
+        client, script, lambda pipe: _queue_sample(pipe, script, cfg, keys, k, version, lease)
     )
-    return SampleReply.parse(raw, payloads)
+    return SampleReply.parse(raw, payloads, lease is not None)
 
 
 async def sample_transaction_async(
-    client: aioredis.Redis, script: AsyncScript, cfg: BufferConfig, keys: BufferKeys, k: int, version: int
+    client: aioredis.Redis,
+    script: AsyncScript,
+    cfg: BufferConfig,
+    keys: BufferKeys,
+    k: int,
+    version: int,
+    lease: LeaseArgs | None = None,
 ) -> SampleReply:
     """The asyncio twin of `sample_transaction`."""
-    queue = lambda pipe: _queue_sample(pipe, script, cfg, keys, k, version)  # noqa: E731
+    queue = lambda pipe: _queue_sample(pipe, script, cfg, keys, k, version, lease)  # noqa: E731
     raw, payloads, _ = await _transaction_async(client, script, queue)
-    return SampleReply.parse(raw, payloads)
+    return SampleReply.parse(raw, payloads, lease is not None)

@@ -90,3 +90,29 @@ class BufferStats:
     rejected_total: dict[str, int]  # invalid groups by field name (indices stripped)
     policy_version_min: int | None  # oldest policy_version stored; None when empty
     policy_version_max: int | None  # newest policy_version stored; None when empty
+    leased_total: int = 0  # leases handed out by `lease` (a group leased twice counts twice)
+    acked_total: int = 0  # leases acknowledged (each also counts in `sampled_total`)
+    redelivered_total: int = 0  # leases that ended without an ack (released or expired): the use went back
+    leases_outstanding: int = 0  # leases handed out and not yet acked, released, expired or dead-lettered
+    held: int = 0  # stored groups not sampleable now: leased up to max_times_sampled (part of `size`)
+
+
+@dataclass(frozen=True, slots=True)
+class Leased:
+    """What `lease` hands out: the groups and, index for index, one lease id each (unique per lease: a
+    group leased twice gets two). Ack the ids once the update that used them is durable."""
+
+    consumer: str
+    groups: list[TrajectoryGroup]
+    lease_ids: list[str]  # lease_ids[i] leases groups[i]
+    dead_lettered: dict[str, str] = field(default_factory=dict)  # group_id -> field, set aside by this call
+
+
+@dataclass(frozen=True, slots=True)
+class Acked:
+    """What `ack` did: leases acknowledged, groups that left the buffer with it (last use acked), and
+    the ids that were not this consumer's outstanding leases (acked before, released, expired)."""
+
+    acked: int
+    retired: int
+    unknown: tuple[str, ...] = ()

@@ -65,6 +65,8 @@ def _check_traj(t: Trajectory, i: int) -> None:
         )
     if not isinstance(lp, np.ndarray) or lp.ndim != 1 or lp.dtype.kind != "f":
         raise InvalidTrajectory(f"{pre}.behavior_logprobs", "must be a 1-D float array")
+    if len(ids) == 0:
+        raise InvalidTrajectory(f"{pre}.response_ids", "an empty completion (0 tokens)")
     if len(lp) != len(ids):
         raise InvalidTrajectory(
             f"{pre}.behavior_logprobs", f"length {len(lp)} != len(response_ids) {len(ids)}"
@@ -314,6 +316,10 @@ def check_lengths(ints: np.ndarray, n: int, ends: list[int], limits: CodecLimits
     lens = ints[:n].tolist()
     if min(lens) < 0:
         raise InvalidTrajectory("trajectories", f"negative trajectory length {min(lens)}")
+    if min(lens) == 0:
+        raise InvalidTrajectory(
+            f"trajectories[{lens.index(0)}].response_ids", "an empty completion (0 tokens)"
+        )
     if max(lens) > limits.max_tokens_per_completion:
         i = lens.index(max(lens))
         raise InvalidTrajectory(

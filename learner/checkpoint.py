@@ -120,6 +120,7 @@ def snapshot_checkpoint(
     run_id: str,
     config: dict[str, Any],
     buffer_position: dict[str, Any],
+    lease_ids: list[str] | None = None,
 ) -> CheckpointSnapshot:
     """Copy everything a checkpoint holds to host memory (the critical-path part of a checkpoint)."""
     files = {"model": _host(unique_state(parts.model))}
@@ -133,6 +134,7 @@ def snapshot_checkpoint(
         "saved_at": time.time(),
         "config": config,
         "buffer_position": buffer_position,
+        "lease_ids": list(lease_ids or []),
         "optimizer": opt_meta,
         "scheduler": parts.scheduler.state_dict(),
         "python_rng": random.getstate(),

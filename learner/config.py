@@ -167,6 +167,16 @@ class LearnerConfig(ConfigModel):
     """Replay table: sampler, staleness gate, remover, rate limiter."""
     sample_timeout_s: float = Field(30.0, gt=0.0)
     """How long one `sample` call waits for enough groups before the step is retried."""
+    delivery: Literal["checkpoint", "step"] | None = Field(None, json_schema_extra=FROZEN)
+    """When a trained group's lease is acknowledged (its use counted in the buffer; learner/delivery.py):
+    `checkpoint` = once the checkpoint holding the update is durable (a kill -9 at any point loses no group
+    and trains none twice in the resumed history; leased groups stay in Redis until then), `step` = right
+    after the update (runs without checkpoints). None = `checkpoint` when periodic checkpoints are on
+    (`checkpoint_dir` and `checkpoint_every` set), else `step`."""
+    lease_s: float = Field(600.0, ge=1.0, le=86400.0)
+    """Seconds a lease lasts unless renewed; the learner renews its leases every `lease_s / 4` while it
+    lives, so only a dead learner's leases expire back into the buffer (a restarted one releases them at
+    once)."""
 
     # --- publishing, checkpoints, logs
     publish: PublishConfig = PublishConfig()
@@ -189,7 +199,22 @@ class LearnerConfig(ConfigModel):
         mb = self.mini_batch_groups
         if mb is not None and self.groups_per_step % mb != 0:
             raise ValueError(f"mini_batch_groups={mb} must divide groups_per_step={self.groups_per_step}")
+        periodic = self.checkpoint.checkpoint_dir is not None and self.checkpoint.checkpoint_every is not None
+        if self.delivery == "checkpoint" and not periodic:
+            raise ValueError(
+                "delivery='checkpoint' acknowledges leases at periodic checkpoints, but checkpoint_dir="
+                f"{self.checkpoint.checkpoint_dir!r}, checkpoint_every={self.checkpoint.checkpoint_every!r}: "
+                "set both, or use delivery='step'"
+            )
         return self
+
+    @property
+    def delivery_mode(self) -> Literal["checkpoint", "step"]:
+        """`delivery` with None resolved."""
+        if self.delivery is not None:
+            return self.delivery
+        periodic = self.checkpoint.checkpoint_dir is not None and self.checkpoint.checkpoint_every is not None
+        return "checkpoint" if periodic else "step"
 
     @property
     def weights_path(self) -> Path:

@@ -162,6 +162,10 @@ class LearnerMetrics:
             PREFIX + "groups_rejected", "Sampled groups the model cannot train (set aside), by field.",
             ["field"], registry=registry,
         )  # fmt: skip
+        self.leases_lost = Counter(
+            PREFIX + "leases_lost", "Trained groups whose lease expired before its ack (they train again).",
+            registry=registry,
+        )  # fmt: skip
         self.write_seconds = Histogram(
             PREFIX + "background_write_seconds", "Time the background writer took per job (until durable).",
             ["kind"], buckets=WRITE_BUCKETS, registry=registry,

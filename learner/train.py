@@ -29,25 +29,19 @@ from prometheus_client import CollectorRegistry
 from buffer.errors import BufferNotReady, RateLimited, StorageUnavailable
 from buffer.policy import PolicyStore
 from buffer.replay_buffer import ReplayBuffer
-from config.secrets import redact_url
 from learner.advantages import compute_advantages, gae, grpo
 from learner.batching import Batch, collate
-from learner.checkpoint import (
-    CheckpointSnapshot,
-    Trainables,
-    latest_checkpoint,
-    load_checkpoint,
-    snapshot_checkpoint,
-    write_checkpoint,
-)
+from learner.checkpoint import Trainables
 from learner.config import LearnerConfig, frozen_field_changes
 from learner.correction import compute_rollout_correction
 from learner.critic import ValueModel, token_rewards
-from learner.errors import CheckpointsDisabled, FrozenFieldChange, WriteFailed
+from learner.delivery import Delivery
+from learner.errors import FrozenFieldChange, WriteFailed
 from learner.metrics import LearnerMetrics, StalenessKL
 from learner.model import checkpoint_dtype, load_model, load_tokenizer
+from learner.persistence import Persistence
 from learner.precision import Precision, pick_device
-from learner.screening import ModelLimits, Rejection, field_label, screen
+from learner.screening import ModelLimits, field_label, screen
 from learner.update import (
     lr_lambda,
     mean_metrics,
@@ -59,8 +53,7 @@ from learner.update import (
     set_optimizer_hparams,
     timed,
 )
-from learner.weights import HostCopy, WeightsSnapshot, publish_snapshot, remove_leftovers, unique_state
-from learner.writer import BackgroundWriter, Kind, WeightsBuffers
+from learner.writer import BackgroundWriter
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +101,7 @@ class Learner:
             self.precision.param_dtype,
             gradient_checkpointing=config.gradient_checkpointing,
         )
-        self.publish_dtype = checkpoint_dtype(config.model_path)  # published = masters cast to this
+        publish_dtype = checkpoint_dtype(config.model_path)  # published weights = masters cast to this
         self.tokenizer = load_tokenizer(config.model_path)
         self.limits = ModelLimits(
             vocab_size=self.model.get_input_embeddings().num_embeddings,
@@ -150,24 +143,18 @@ class Learner:
         self._running = threading.Event()
         self._running.set()
         self._tokens_per_s: float | None = None
-        # --- the background writer (published weights, checkpoints) and what it has made durable
-        self.writer = BackgroundWriter(on_done=self._on_written)
-        self._weights_buffers = WeightsBuffers(self.writer)
-        self.published_version: int | None = None
-        self.durable_checkpoint_version: int | None = None
-        self._coalesced_seen = 0
-        self._copies: dict[Kind, list[HostCopy | CheckpointSnapshot]] = {"weights": [], "checkpoint": []}
-        # --- resume from the newest checkpoint, then make sure actors see the weights we hold
-        for folder in (config.weights_path, config.checkpoint_path):
-            if folder is not None and (gone := remove_leftovers(folder)):
-                log.warning("removed %d partial write(s) left by a killed learner in %s", len(gone), folder)
-        self._resume()
-        record = self.store.read()
-        if record is None or record.version != self.version or not self._ours(record.weights_uri):
-            self._publish()
-            self.writer.flush()  # actors start from a published version; not a training step
-        else:
-            self.published_version = record.version
+        # --- published weights and checkpoints (off the critical path); resume, then publish what we hold
+        self.persist = Persistence(
+            config, self.model, self.tokenizer, publish_dtype, self.store, self.metrics, self._on_durable
+        )
+        self.delivery = Delivery(
+            self.buffer, config.run_id, config.delivery_mode, config.lease_s, self.metrics
+        )
+        meta = self.persist.resume(self._trainables())
+        if meta is not None:
+            self._resumed(meta)
+        self.delivery.recover(meta.get("lease_ids", []) if meta is not None else [])
+        self.persist.ensure_published(self.version)
         self.state = "running"
 
     # --- control (called from other threads)
@@ -200,8 +187,13 @@ class Learner:
         meanwhile. Returns (folder, version)."""
         with self._step_lock:
             path, version = self._checkpoint(), self.version
-        self.writer.flush()
+        self.persist.writer.flush()
         return path, version
+
+    @property
+    def writer(self) -> BackgroundWriter:
+        """The background writer (`flush()` waits until every queued publish and checkpoint is durable)."""
+        return self.persist.writer
 
     def status(self) -> dict[str, Any]:
         """State, version, step, tokens/s, buffer stats and the last step's key metrics (JSON-safe)."""
@@ -213,6 +205,7 @@ class Learner:
             "config_version": self.config_version,
             "config_applied_at_step": self.config_applied_at_step,
             "tokens_per_s": self._tokens_per_s,
+            "leases_unacked": len(self.delivery.unacked),
             "buffer": self.buffer.stats(),
             "last_step": dict(self.metrics.last),
         }
@@ -255,23 +248,31 @@ class Learner:
 
     def step(self) -> dict[str, float]:
         """Sample, train, publish, checkpoint: one learner step. Returns its metrics."""
-        self.writer.raise_if_failed()  # a failed background write ends the loop loudly
+        self.persist.writer.raise_if_failed()  # a failed background write ends the loop (or is retried)
+        self.delivery.ack_durable()  # leases of checkpoints that became durable since the last step
         self._apply_pending()
         cfg, phases = self.config, {}
         with timed(phases, "sample_wait"):
-            groups = self.buffer.sample(cfg.groups_per_step, self.version, cfg.sample_timeout_s)
+            leased = self.buffer.lease(
+                cfg.groups_per_step, self.version, cfg.sample_timeout_s,
+                consumer=self.delivery.consumer, lease_s=cfg.lease_s,
+            )  # fmt: skip
         self.state = "running"
-        groups, rejected = screen(groups, self.limits)
-        if rejected:
-            self._set_aside(rejected)
+        lease_of = {id(g): lid for g, lid in zip(leased.groups, leased.lease_ids, strict=True)}
+        groups, rejected = screen(leased.groups, self.limits)
+        for r in rejected:  # set aside in the dead-letter list; the rest of the batch trains
+            self.buffer.dead_letter(self.delivery.consumer, lease_of[id(r.group)], r.reason, r.field)
+            log.warning("group %s set aside: %s: %s", r.group.group_id, r.field, r.reason)
+            self.metrics.groups_rejected.labels(field=field_label(r.field)).inc()
         if not groups:  # nothing trainable in this sample: no update, the loop samples again
             return {"groups_rejected": float(len(rejected))}
         with self._step_lock:
             metrics = self._train_on(groups, phases)
+            self.delivery.trained([lease_of[id(g)] for g in groups])
             self.step_count += 1
             if self.step_count % cfg.publish.publish_every == 0:
                 with timed(phases, "publish"):
-                    self._publish()
+                    self.persist.publish(self.version)
             every = cfg.checkpoint.checkpoint_every
             if cfg.checkpoint_path is not None and every and self.step_count % every == 0:
                 with timed(phases, "checkpoint"):
@@ -282,11 +283,11 @@ class Learner:
             "tokens_per_s": self._tokens_per_s or 0.0,
             "step": float(self.step_count),
             "config_version": float(self.config_version),
-            "published_lag": float(self.version - (self.published_version or 0)),
+            "published_lag": float(self.version - (self.persist.published_version or 0)),
         }
         metrics |= {f"time/{k}": v for k, v in phases.items()}
         self.metrics.record_step(metrics, phases)
-        self._write_jsonl(metrics)
+        self._write_jsonl(metrics | {"group_ids": [g.group_id for g in groups]})
         return metrics
 
     def _train_on(self, groups: list, phases: dict[str, float]) -> dict[str, float]:
@@ -317,7 +318,15 @@ class Learner:
             for mini in mini_batches(batch, cfg.mini_batch_groups):
                 bypass_kl = (kl, self.version) if epoch == 0 and rc.bypass_mode else None
                 optimizer_step(
-                    self._trainables(), batch, mini, cfg, acc, phases, self.precision, bypass_kl, self._fence
+                    self._trainables(),
+                    batch,
+                    mini,
+                    cfg,
+                    acc,
+                    phases,
+                    self.precision,
+                    bypass_kl,
+                    self.persist.fence,
                 )
                 self.version += 1  # the policy version counts optimizer steps
         if batch.is_weights is not None:
@@ -386,99 +395,31 @@ class Learner:
         if self._on_config_applied is not None:
             self._on_config_applied(version, self.step_count)
 
-    def _publish(self) -> None:
-        """Start the host snapshot of the weights (cast to the publish dtype) and queue their write. The
-        copy overlaps the next step's passes; `_fence` waits for it before the weights change."""
-        self._fence()  # the buffers about to be reused must not be mid-copy (normally long finished)
-        copy = HostCopy(unique_state(self.model), self.publish_dtype, into=self._weights_buffers.acquire())
-        self._weights_buffers.keep(copy.tensors)
-        self._copies["weights"].append(copy)
-        pc, store, wdir, version = self.config.publish, self.store, self.config.weights_path, self.version
-        model, tokenizer, dtype = self.model, self.tokenizer, self.publish_dtype
-
-        def write() -> object:
-            snap = WeightsSnapshot(
-                version=version,
-                tensors=copy.wait(),
-                config=model.config,
-                tokenizer=tokenizer,
-                dtype=dtype,
-                generation_config=getattr(model, "generation_config", None),
-            )
-            return publish_snapshot(snap, wdir, store=store, keep_versions=pc.keep_versions)
-
-        self.writer.submit("weights", version, write, buffers=copy.tensors)
-        self.metrics.writes_coalesced.inc(self.writer.coalesced - self._coalesced_seen)
-        self._coalesced_seen = self.writer.coalesced
-
-    def _fence(self, phases: dict[str, float] | None = None) -> None:
-        """Wait until the host snapshots taken at the last step boundary are complete (critical path:
-        timed as `publish` / `checkpoint`)."""
-        for kind, phase in (("weights", "publish"), ("checkpoint", "checkpoint")):
-            with timed(phases if phases is not None else {}, phase):
-                for copy in self._copies[kind]:
-                    copy.wait()
-            self._copies[kind].clear()
-
-    def _set_aside(self, rejected: list[Rejection]) -> None:
-        """Groups the model cannot train: logged with their field and counted; the rest trains."""
-        for r in rejected:
-            log.warning("group %s set aside: %s: %s", r.group.group_id, r.field, r.reason)
-            self.metrics.groups_rejected.labels(field=field_label(r.field)).inc()
-
-    def _on_written(self, kind: Kind, version: int, result: object, seconds: float) -> None:
-        """Writer thread: a job became durable (weights announced to the actors, or a checkpoint)."""
-        self.metrics.write_seconds.labels(kind=kind).observe(seconds)
-        if kind == "weights":
-            self.published_version = version
-            self.metrics.publishes.inc()
-        else:
-            self.durable_checkpoint_version = version
-            self.metrics.checkpoints.inc()
-
-    def _ours(self, weights_uri: str) -> bool:
-        return Path(weights_uri).parent.resolve() == self.config.weights_path.resolve()
-
     def _trainables(self) -> Trainables:
         return Trainables(self.model, self.optimizer, self.scheduler, self.critic, self.critic_optimizer)
 
     def _checkpoint(self) -> Path:
-        """Snapshot everything a checkpoint holds and queue the write; return the folder it will have."""
-        root = self.config.checkpoint_path
-        if root is None:
-            raise CheckpointsDisabled("checkpoints are disabled: checkpoint.checkpoint_dir is null")
+        """Snapshot a checkpoint and queue its write; return the folder it will have."""
         stats = self.buffer.stats()
-        snap = snapshot_checkpoint(
-            self._trainables(),
-            version=self.version,
-            step=self.step_count,
-            run_id=self.config.run_id,
-            config={**self.config.model_dump(mode="json"), "redis_url": redact_url(self.config.redis_url)},
-            buffer_position={"inserted_total": stats.inserted_total, "sampled_total": stats.sampled_total},
-        )
-        keep = self.config.checkpoint.keep_checkpoints
-        self._copies["checkpoint"].append(snap)
-        self.writer.submit("checkpoint", self.version, lambda: write_checkpoint(root, snap, keep))
-        return root / f"ckpt-{self.version:010d}"
+        position = {"inserted_total": stats.inserted_total, "sampled_total": stats.sampled_total}
+        leases = self.delivery.checkpointed(self.version)
+        return self.persist.checkpoint(self._trainables(), self.version, self.step_count, position, leases)
 
-    def _resume(self) -> None:
-        """Load the newest checkpoint of this run, if any. The version is always that of the weights we
-        hold: versions published after that checkpoint are superseded (the actors follow the record,
-        which `__init__` then re-publishes at this version)."""
-        cdir = self.config.checkpoint_path
-        path = latest_checkpoint(cdir) if cdir else None
-        if path is None:
-            return
-        meta = load_checkpoint(path, self._trainables(), self.config.run_id)
+    def _on_durable(self, kind: str, version: int) -> None:
+        """Writer thread: a write became durable; a checkpoint's leases are acked by the next step."""
+        if kind == "checkpoint":
+            self.delivery.durable(version)
+
+    def _resumed(self, meta: dict[str, Any]) -> None:
+        """Take the resumed checkpoint's counters. The version is always that of the weights we hold:
+        versions published after that checkpoint are superseded (`ensure_published` re-publishes ours)."""
         self.version, self.step_count = int(meta["version"]), int(meta["step"])
-        self.durable_checkpoint_version = self.version
         record = self.store.read()
         if record is not None and record.version > self.version:
             log.warning(
                 "published v%d is newer than checkpoint v%d: its weights are lost; re-publishing v%d",
                 record.version, self.version, self.version,
             )  # fmt: skip
-        log.info("resumed from %s at version %d", path, self.version)
 
     def _write_jsonl(self, metrics: dict[str, float]) -> None:
         if self.config.metrics_jsonl is None:
@@ -489,8 +430,10 @@ class Learner:
             fh.write(json.dumps({"time": time.time(), **metrics}) + "\n")
 
     def close(self) -> None:
-        """Finish the background writes, then close the Redis connections."""
-        self._fence()
-        self.writer.close()
+        """Finish the background writes and acknowledge what they made durable, give back the leases whose
+        updates are in no durable checkpoint, then close the Redis connections."""
+        self.persist.close()
+        self.delivery.ack_durable()
+        self.delivery.close(release=True)
         self.buffer.close()
         self.store.close()

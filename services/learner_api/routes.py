@@ -21,6 +21,7 @@ from services.learner_api.schemas import (
     ConfigHistory,
     ConfigPatch,
     ConfigValidation,
+    DeadLetterList,
     LearnerStatus,
     Preset,
     PresetList,
@@ -142,6 +143,19 @@ def get_preset(runtime: Runtime, name: str) -> Preset:
 @router.get("/status", response_model=LearnerStatus, tags=["control"], summary="What the learner is doing")
 def status(runtime: Runtime) -> LearnerStatus:
     return runtime.status()
+
+
+@router.get(
+    "/dead_letters",
+    response_model=DeadLetterList,
+    tags=["buffer"],
+    summary="Groups set aside as poison (newest first)",
+    responses=error_responses(503),
+)
+def dead_letters(
+    runtime: Runtime, limit: Annotated[int, Query(ge=1, le=1000, description="most entries")] = 100
+) -> DeadLetterList:
+    return runtime.dead_letters(limit)
 
 
 @_mutating("POST", "/pause", LearnerStatus, "control", "Pause at the next step boundary", errors=(401, 503))

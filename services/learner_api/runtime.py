@@ -16,12 +16,24 @@ from services.common.errors import NotReady
 from services.common.loop import BackgroundLoop, FailureHook
 from services.learner_api.control import ConfigControl
 from services.learner_api.presets import get_preset, list_presets
-from services.learner_api.schemas import CheckpointResult, LearnerStatus, Preset
+from services.learner_api.schemas import (
+    CheckpointResult,
+    DeadLetter,
+    DeadLetterList,
+    LearnerStatus,
+    Preset,
+)
 
 log = logging.getLogger(__name__)
 
 ConfigApplied = Callable[[int, int], None]
 """`(config_version, step)`: the learner calls it at the step boundary where a config took effect."""
+
+
+class DeadLetterSource(Protocol):
+    """What the service uses of the learner's buffer (`buffer.replay_buffer.ReplayBuffer`)."""
+
+    def dead_letters(self, limit: int = 100) -> list[dict[str, Any]]: ...
 
 
 class LearnerLike(Protocol):
@@ -31,6 +43,7 @@ class LearnerLike(Protocol):
     """`running`, `waiting_for_data`, `waiting_for_redis`, `paused`, `finished`, `stopped`, ..."""
     retrying: str | None
     """Why the loop is retrying transient trouble (Redis unreachable) right now; None when it is not."""
+    buffer: DeadLetterSource
 
     def run(self, stop_event: threading.Event) -> None: ...
     def apply_config(self, new_config: LearnerConfig, config_version: int | None = None) -> None: ...
@@ -135,6 +148,10 @@ class LearnerRuntime:
             last_step={k: float(v) for k, v in (raw.get("last_step") or {}).items()},
             error=error,
         )
+
+    def dead_letters(self, limit: int) -> DeadLetterList:
+        entries = self.require().buffer.dead_letters(limit)
+        return DeadLetterList(entries=[DeadLetter(**e) for e in entries])
 
     def pause(self) -> LearnerStatus:
         self.require().pause()

@@ -107,3 +107,26 @@ class CheckpointResult(BaseModel):
 
     path: str
     policy_version: int
+
+
+class DeadLetter(BaseModel):
+    """A group set aside because it could not be decoded or trained (`ReplayBuffer.dead_letter`)."""
+
+    group_id: str
+    """The group's id (its payload is deleted; the dedupe window still refuses it)."""
+    reason: str
+    """Why, e.g. `decode: ...` for a payload that failed to decode, or the learner's message."""
+    field: str
+    """The offending field, e.g. `payload` or `trajectories[2].response_ids`."""
+    time_ms: int
+    """When it was set aside, Unix milliseconds (Redis clock)."""
+    consumer: str
+    """The consumer whose lease it was; empty when it was set aside by group id (a consuming sample)."""
+    lease_id: str
+    """The lease it was set aside under; empty likewise."""
+
+
+class DeadLetterList(BaseModel):
+    """The newest dead letters, newest first (the list keeps at most `buffer.dead_letter_max`)."""
+
+    entries: list[DeadLetter]

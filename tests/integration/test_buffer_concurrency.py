@@ -128,7 +128,7 @@ def test_kill_9_mid_insert_keeps_every_acknowledged_insert(tmp_path: Path, run_i
         with redis.Redis.from_url(server.url) as c:
             stored = [k.decode() for k in c.zrange(keys.order, 0, -1)]
             inserted = int(c.hget(keys.counters, "inserted"))
-            seen = c.scard(keys.seen)
+            seen = c.zcard(keys.seen)
             payloads = [k.decode() for k in c.scan_iter(match=keys.payload_prefix + "*", count=1000)]
             out = list(c.scan_iter(match=keys.out_prefix + "*", count=1000))
             ttls = {c.pttl(keys.payload(gid)) for gid in stored}

@@ -237,7 +237,8 @@ def test_buffer_change_reconfigures_the_same_buffer_at_the_boundary(tiny_dir, gr
         assert (status["config_version"], status["config_applied_at_step"], status["step"]) == (7, 1, 1)
         assert registry.get_sample_value("offpolicy_learner_config_version") == 7.0
         assert registry.get_sample_value("offpolicy_learner_max_staleness_steps") == 0.0
-        assert registry.get_sample_value("offpolicy_buffer_samples_total") == 2.0
+        assert registry.get_sample_value("offpolicy_buffer_leased_total") == 2.0
+        assert registry.get_sample_value("offpolicy_buffer_acked_total") == 2.0  # delivery: step
         assert registry.get_sample_value("offpolicy_buffer_drops_total", {"reason": "stale"}) == 2.0
     finally:
         learner.close()

@@ -18,12 +18,13 @@ from buffer.types import SamplingParams, Trajectory, TrajectoryGroup
 from tests.conftest import build_group
 
 _ids = st.lists(st.integers(0, 2**31 - 1), max_size=40)
+_response_ids = st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=40)  # a completion has >= 1 token
 _text = st.text(max_size=12)
 
 
 @st.composite
 def trajectories(draw: st.DrawFn) -> Trajectory:
-    ids = np.array(draw(_ids), dtype=np.int32)
+    ids = np.array(draw(_response_ids), dtype=np.int32)
     lps = draw(
         st.lists(
             st.floats(-1e30, 0.0, allow_nan=False, allow_infinity=False).map(

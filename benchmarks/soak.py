@@ -1,0 +1,127 @@
+"""Soak: the quickstart's stack (embedded Redis, learner and actor services) run for minutes; is anything
+growing? Samples Redis `used_memory` and key count, and the learner process's resident set, every
+`--every` seconds; after a warm-up (the first `--warmup` share of the run) each must stay within 10 % of
+its value at the end of the warm-up. Not part of CI (10 minutes by default).
+
+    python benchmarks/soak.py [--minutes 10] [--every 10] [--warmup 0.2] [--json]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# `python benchmarks/soak.py` puts benchmarks/ first on sys.path, where buffer.py would shadow the
+# package: put the repository root there instead.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import httpx  # noqa: E402
+import redis  # noqa: E402
+import yaml  # noqa: E402
+
+from actors.toy import write_target_token_dataset  # noqa: E402
+from buffer.embedded import EmbeddedRedis  # noqa: E402
+from learner.model import make_tiny_model  # noqa: E402
+from services.children import start_service  # noqa: E402
+from services.quickstart import actor_config, learner_config  # noqa: E402
+
+TARGET_GROWTH = 0.10
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set of a process (VmRSS), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def growth(samples: list[dict], key: str, warmup_end: float) -> float:
+    """Mean of the last 20 % of samples over the value at the end of the warm-up, minus 1."""
+    base = next(s[key] for s in samples if s["t"] >= warmup_end)
+    tail = samples[-max(1, len(samples) // 5) :]
+    return statistics.mean(s[key] for s in tail) / max(base, 1) - 1.0
+
+
+def soak(minutes: float, every: float, warmup: float) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp)
+        with EmbeddedRedis.start(run_dir / "redis") as server:
+            model = str(make_tiny_model(run_dir / "model"))
+            dataset = write_target_token_dataset(run_dir / "dataset.jsonl")
+            lcfg = learner_config(run_dir, model, server.url, "soak")
+            lcfg["checkpoint"]["checkpoint_every"] = 5
+            lcfg["metrics_jsonl"] = None
+            (run_dir / "learner.yaml").write_text(yaml.safe_dump(lcfg))
+            (run_dir / "actor.yaml").write_text(
+                yaml.safe_dump(actor_config(model, dataset, server.url, "soak"))
+            )
+            learner = start_service("learner", run_dir / "learner.yaml", run_dir / "learner.log")
+            actor = start_service("actor", run_dir / "actor.yaml", run_dir / "actor.log")
+            client = redis.Redis.from_url(server.url)
+            samples: list[dict] = []
+            try:
+                learner.wait_ready(180)
+                actor.wait_ready(300)
+                t0 = time.monotonic()
+                while time.monotonic() - t0 < minutes * 60:
+                    for child in (learner, actor):
+                        if child.proc.poll() is not None:
+                            raise RuntimeError(f"{child.name} exited:\n{child.log_tail()}")
+                    status = httpx.get(f"{learner.url}/v1/status", timeout=10).json()
+                    samples.append({
+                        "t": time.monotonic() - t0,
+                        "redis_used_memory": int(client.info("memory")["used_memory"]),
+                        "redis_keys": int(client.dbsize()),
+                        "learner_rss": rss_bytes(learner.proc.pid),
+                        "step": int(status.get("step", 0)),
+                    })  # fmt: skip
+                    time.sleep(every)
+            finally:
+                actor.stop()
+                learner.stop()
+                client.close()
+    warmup_end = warmup * minutes * 60
+    out = {
+        "minutes": minutes,
+        "samples": len(samples),
+        "steps": samples[-1]["step"] - next(s["step"] for s in samples if s["t"] >= warmup_end),
+        "redis_used_memory_growth": growth(samples, "redis_used_memory", warmup_end),
+        "redis_keys_growth": growth(samples, "redis_keys", warmup_end),
+        "learner_rss_growth": growth(samples, "learner_rss", warmup_end),
+        "target_growth_max": TARGET_GROWTH,
+        "first": samples[0],
+        "last": samples[-1],
+    }
+    out["ok"] = all(out[k] < TARGET_GROWTH for k in ("redis_used_memory_growth", "redis_keys_growth",
+                                                      "learner_rss_growth"))  # fmt: skip
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--every", type=float, default=10.0, help="seconds between samples")
+    ap.add_argument("--warmup", type=float, default=0.2, help="share of the run before the baseline sample")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    out = soak(args.minutes, args.every, args.warmup)
+    if args.json:
+        print(json.dumps(out))
+        return
+    print(
+        f"soak {args.minutes:.0f} min, {out['samples']} samples, {out['steps']} learner steps after warm-up"
+    )
+    for key in ("redis_used_memory_growth", "redis_keys_growth", "learner_rss_growth"):
+        print(f"  {key:<26} {out[key]:+7.1%}  (target < {TARGET_GROWTH:.0%})")
+    print("  ok" if out["ok"] else "  NOT ok")
+
+
+if __name__ == "__main__":
+    main()

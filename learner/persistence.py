@@ -1,0 +1,174 @@
+"""What a learner makes durable: published weights and checkpoints, off the critical path, and resume.
+
+`Persistence` owns the background writer (learner/writer.py) and the host snapshots (learner/weights.py,
+learner/checkpoint.py). At a step boundary `publish` / `checkpoint` start host copies that overlap the next
+step's forward and backward passes and queue their writes; `fence` (called just before the next optimizer
+step changes the weights) waits for the copies. `on_durable(kind, version)` tells the learner when a write
+is durable: weights announced to the actors, or a checkpoint on disk (what delivery acknowledgements wait
+for). `resume` loads the newest checkpoint of this run and refuses another run's or model's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from config.secrets import redact_url
+from learner.checkpoint import (
+    CheckpointSnapshot,
+    Trainables,
+    latest_checkpoint,
+    load_checkpoint,
+    snapshot_checkpoint,
+    write_checkpoint,
+)
+from learner.errors import CheckpointsDisabled
+from learner.update import timed
+from learner.weights import HostCopy, WeightsSnapshot, publish_snapshot, remove_leftovers, unique_state
+from learner.writer import BackgroundWriter, Kind, WeightsBuffers
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from buffer.policy import PolicyStore
+    from learner.config import LearnerConfig
+    from learner.metrics import LearnerMetrics
+
+log = logging.getLogger(__name__)
+
+
+class Persistence:
+    """Published weights and checkpoints of one learner process."""
+
+    def __init__(
+        self,
+        config: LearnerConfig,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        publish_dtype: torch.dtype,
+        store: PolicyStore,
+        metrics: LearnerMetrics,
+        on_durable: Callable[[Kind, int], None] | None = None,
+    ) -> None:
+        self.config, self.model, self.tokenizer, self.publish_dtype = config, model, tokenizer, publish_dtype
+        self.store, self.metrics, self._on_durable = store, metrics, on_durable
+        self.writer = BackgroundWriter(on_done=self._written)
+        self._weights_buffers = WeightsBuffers(self.writer)
+        self._copies: dict[Kind, list[HostCopy | CheckpointSnapshot]] = {"weights": [], "checkpoint": []}
+        self._coalesced_seen = 0
+        self.published_version: int | None = None  # newest version announced to the actors
+        self.durable_checkpoint_version: int | None = None  # newest checkpoint on disk
+        for folder in (config.weights_path, config.checkpoint_path):
+            if folder is not None and (gone := remove_leftovers(folder)):
+                log.warning("removed %d partial write(s) left by a killed learner in %s", len(gone), folder)
+
+    # --- weights
+
+    def publish(self, version: int) -> None:
+        """Start the host snapshot of the weights (cast to the publish dtype) and queue their write."""
+        self.fence()  # the buffers about to be reused must not be mid-copy (normally long finished)
+        copy = HostCopy(unique_state(self.model), self.publish_dtype, into=self._weights_buffers.acquire())
+        self._weights_buffers.keep(copy.tensors)
+        self._copies["weights"].append(copy)
+        pc, store, wdir = self.config.publish, self.store, self.config.weights_path
+        model, tokenizer, dtype = self.model, self.tokenizer, self.publish_dtype
+
+        def write() -> object:
+            snap = WeightsSnapshot(
+                version=version,
+                tensors=copy.wait(),
+                config=model.config,
+                tokenizer=tokenizer,
+                dtype=dtype,
+                generation_config=getattr(model, "generation_config", None),
+            )
+            return publish_snapshot(snap, wdir, store=store, keep_versions=pc.keep_versions)
+
+        self.writer.submit("weights", version, write, buffers=copy.tensors)
+        self.metrics.writes_coalesced.inc(self.writer.coalesced - self._coalesced_seen)
+        self._coalesced_seen = self.writer.coalesced
+
+    def ensure_published(self, version: int) -> None:
+        """At start: publish `version` unless the policy record already names it, in our folder, and
+        wait until it is announced (actors start from it; this is not a training step)."""
+        record = self.store.read()
+        ours = (
+            record is not None
+            and Path(record.weights_uri).parent.resolve() == self.config.weights_path.resolve()
+        )
+        if record is None or record.version != version or not ours:
+            self.publish(version)
+            self.writer.flush()
+        else:
+            self.published_version = record.version
+
+    # --- checkpoints
+
+    def checkpoint(
+        self,
+        parts: Trainables,
+        version: int,
+        step: int,
+        buffer_position: dict[str, Any],
+        lease_ids: list[str] | None = None,
+    ) -> Path:
+        """Snapshot everything a checkpoint holds and queue the write; return the folder it will have.
+        `lease_ids`: the leases whose updates it holds (acked once it is durable: learner/delivery.py)."""
+        root = self.config.checkpoint_path
+        if root is None:
+            raise CheckpointsDisabled("checkpoints are disabled: checkpoint.checkpoint_dir is null")
+        snap = snapshot_checkpoint(
+            parts,
+            version=version,
+            step=step,
+            run_id=self.config.run_id,
+            config=self.config.model_dump(mode="json") | {"redis_url": redact_url(self.config.redis_url)},
+            buffer_position=buffer_position,
+            lease_ids=lease_ids or [],
+        )
+        keep = self.config.checkpoint.keep_checkpoints
+        self._copies["checkpoint"].append(snap)
+        self.writer.submit("checkpoint", version, lambda: write_checkpoint(root, snap, keep))
+        return root / f"ckpt-{version:010d}"
+
+    def resume(self, parts: Trainables) -> dict[str, Any] | None:
+        """Load the newest checkpoint of this run into `parts`; its meta, or None when there is none."""
+        cdir = self.config.checkpoint_path
+        path = latest_checkpoint(cdir) if cdir else None
+        if path is None:
+            return None
+        meta = load_checkpoint(path, parts, self.config.run_id)
+        self.durable_checkpoint_version = int(meta["version"])
+        log.info("resumed from %s at version %d", path, int(meta["version"]))
+        return meta
+
+    # --- the critical path and the writer thread
+
+    def fence(self, phases: dict[str, float] | None = None) -> None:
+        """Wait until the host snapshots taken at the last step boundary are complete (timed as the
+        `publish` / `checkpoint` phases): called before the optimizer changes the weights."""
+        for kind, phase in (("weights", "publish"), ("checkpoint", "checkpoint")):
+            with timed(phases if phases is not None else {}, phase):
+                for copy in self._copies[kind]:
+                    copy.wait()
+            self._copies[kind].clear()
+
+    def _written(self, kind: Kind, version: int, result: object, seconds: float) -> None:
+        self.metrics.write_seconds.labels(kind=kind).observe(seconds)
+        if kind == "weights":
+            self.published_version = version
+            self.metrics.publishes.inc()
+        else:
+            self.durable_checkpoint_version = version
+            self.metrics.checkpoints.inc()
+        if self._on_durable is not None:
+            self._on_durable(kind, version)
+
+    def close(self) -> None:
+        """Finish the copies and the queued writes, then stop the writer."""
+        self.fence()
+        self.writer.close()
