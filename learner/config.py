@@ -18,7 +18,7 @@ from config.base import ConfigModel, IdStr, PathStr
 from config.loader import env_overrides as env_overrides
 from config.loader import load_layered
 from config.loader import merge as merge
-from learner.correction_config import RolloutCorrectionConfig
+from learner.correction.config import RolloutCorrectionConfig
 from learner.precision import PrecisionName
 
 FROZEN = {"frozen_while_running": True}

@@ -1,9 +1,9 @@
-"""The rollout-correction preset catalogue (learner/correction_presets.py) as the API's `Preset` models."""
+"""The rollout-correction preset catalogue (learner/correction/presets.py) as the API's `Preset` models."""
 
 from __future__ import annotations
 
-from learner.correction_config import RolloutCorrectionConfig
-from learner.correction_presets import ALIASES, canonical_preset_name
+from learner.correction.config import RolloutCorrectionConfig
+from learner.correction.presets import ALIASES, canonical_preset_name
 from services.learner_api.schemas import Preset
 
 

@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from learner.config import LearnerConfig
-from learner.correction_config import RolloutCorrectionConfig
+from learner.correction.config import RolloutCorrectionConfig
 
 ConfigSource = Literal["initial", "put", "patch", "resume"]
 

@@ -14,7 +14,7 @@ from buffer.config import BufferConfig
 from config.base import MAX_STR, ConfigModel, _mentions_bool
 from config.secrets import Redactor, redact_url, url_secrets
 from learner.config import LearnerConfig
-from learner.correction_config import RolloutCorrectionConfig
+from learner.correction.config import RolloutCorrectionConfig
 
 MODELS: dict[type[BaseModel], dict[str, Any]] = {
     LearnerConfig: {"model_path": "/models/tiny"},

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from learner.correction_config import (
+from learner.correction.config import (
     RolloutCorrectionConfig,
     RSOption,
     parse_is_threshold,
     parse_rs_options,
     parse_rs_thresholds,
 )
-from learner.correction_presets import ALIASES, CANONICAL_PRESETS, canonical_preset_name
+from learner.correction.presets import ALIASES, CANONICAL_PRESETS, canonical_preset_name
 from learner.errors import UnknownPreset
 
 C = RolloutCorrectionConfig

@@ -15,7 +15,7 @@ from learner.config import (
     frozen_field_paths,
     load_config,
 )
-from learner.correction_config import RolloutCorrectionConfig
+from learner.correction.config import RolloutCorrectionConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

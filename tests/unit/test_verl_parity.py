@@ -106,6 +106,69 @@ def test_matches_verl_with_large_log_ratios_and_mask_dtypes(mask_dtype):
     assert_same(ours, verl_call(train, rollout, mask, **cfg))
 
 
+def extreme_batch(train_dtype, rollout_dtype, seed=21):
+    """A ragged batch whose log-ratios reach ~90-130: exp(lr) is past float32's range, k3_kl is not."""
+    train, rollout, mask = random_batch(seed, scale=3.0)
+    train[0, 0] = rollout[0, 0] + 90.0  # e^90 ~ 1.2e39 > float32 max; / valid tokens ~ 1e37 fits
+    train[2, :3] = rollout[2, :3] + torch.tensor([100.0, -40.0, 130.0])
+    mask[2, :3] = 1
+    return train.to(train_dtype), rollout.to(rollout_dtype), mask
+
+
+F32, F64 = torch.float32, torch.float64
+
+
+@pytest.mark.parametrize("dtypes", [(F64, F64), (F32, F64), (F64, F32)], ids=["64-64", "32-64", "64-32"])
+@pytest.mark.parametrize("option", ["token_k2", "token_k3", "seq_mean_k3", "seq_max_k2"])
+def test_extreme_log_ratios_keep_float64_diagnostics_finite_as_verl(dtypes, option):
+    # A float64 input makes verl compute k3_kl (and the perplexities) in float64: finite where
+    # exp(lr) overflows float32. Ours used to compute them in float32 and report inf.
+    train, rollout, mask = extreme_batch(*dtypes)
+    cfg = {
+        "rollout_is": "token",
+        "rollout_is_threshold": 2.0,
+        "rollout_rs": option,
+        "rollout_rs_threshold": 0.5,
+    }
+    ours = compute_rollout_correction(train, rollout, mask, RolloutCorrectionConfig(**cfg))
+    theirs = verl_call(train, rollout, mask, **cfg)
+    assert math.isfinite(theirs[2]["rollout_corr/k3_kl"])
+    assert math.isfinite(ours.metrics["rollout_corr/k3_kl"])
+    assert_same(ours, theirs)
+
+
+@pytest.mark.parametrize("dtypes", [(F64, F64), (F32, F64), (F32, F32)], ids=["64-64", "32-64", "32-32"])
+def test_sequence_is_min_past_float32_range_as_verl(dtypes):
+    # verl's rollout_is_min at sequence level is exp(min row sum of log rho), unclamped, in the input
+    # dtype: every row's sum here is ~120, so it is ~1e52 with a float64 input and inf in float32.
+    gen = torch.Generator().manual_seed(3)
+    rollout = -torch.rand(4, 6, generator=gen) * 3
+    train, mask = rollout + 20.0 + torch.rand(4, 6, generator=gen), torch.ones(4, 6)
+    train, rollout = train.to(dtypes[0]), rollout.to(dtypes[1])
+    cfg = {"rollout_is": "sequence", "rollout_is_threshold": 2.0}
+    ours = compute_rollout_correction(train, rollout, mask, RolloutCorrectionConfig(**cfg))
+    theirs = verl_call(train, rollout, mask, **cfg)
+    expect_finite = F64 in dtypes
+    assert math.isfinite(theirs[2]["rollout_corr/rollout_is_min"]) == expect_finite
+    assert math.isfinite(ours.metrics["rollout_corr/rollout_is_min"]) == expect_finite
+    assert_same(ours, theirs)
+
+
+def test_extreme_log_ratios_in_float32_overflow_as_verl():
+    # Both float32: verl computes exp(lr) in float32 too, so both report inf (no float64 promotion).
+    train, rollout, mask = extreme_batch(F32, F32)
+    cfg = {
+        "rollout_is": "token",
+        "rollout_is_threshold": 2.0,
+        "rollout_rs": "token_k3",
+        "rollout_rs_threshold": 0.5,
+    }
+    ours = compute_rollout_correction(train, rollout, mask, RolloutCorrectionConfig(**cfg))
+    theirs = verl_call(train, rollout, mask, **cfg)
+    assert math.isinf(theirs[2]["rollout_corr/k3_kl"]) and math.isinf(ours.metrics["rollout_corr/k3_kl"])
+    assert_same(ours, theirs)
+
+
 @pytest.mark.parametrize("option", ["token_k1", "seq_sum_k1", "seq_mean_k1"])
 def test_ported_asymmetric_k1_spec_matches_verl(option):
     train, rollout, mask = random_batch(7, scale=0.3)

@@ -6,9 +6,11 @@
 the seed-era veto, no NaN on empty batches, and all metrics moved to the host in one transfer.
 
 Deliberate simplifications: masks are 0/1 (a float mask's values other than 0 and 1 are not used as
-token weights); everything is computed in float32 whatever the input dtype; the weights come back in
-float32. In decoupled mode call it once per batch with pi_old; in bypass mode `learner/losses.py` calls it
-per micro-batch with the current log-probs.
+token weights); weights, masks and the IS / RS metrics are computed in float32 whatever the input
+dtype, and the weights come back in float32. The off-policy diagnostics and the sequence-level
+`rollout_is_min` follow verl's type promotion when an input is float64, so that they stay finite where
+exp(log rho) overflows float32. In decoupled mode call it once per batch with pi_old; in bypass mode
+`learner/losses.py` calls it per micro-batch with the current log-probs.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from learner.correction_config import (
+from learner.correction.config import (
     TOKEN_LEVEL_ROLLOUT_RS_OPTIONS,
     RolloutCorrectionConfig,
     RSOption,
 )
-from learner.correction_metrics import (
+from learner.correction.metrics import (
     EPS,
     SAFETY_BOUND,
     Batch,
@@ -103,16 +105,23 @@ def compute_rollout_correction(
 def _correct(
     lp_train: Tensor, lp_roll: Tensor, mask: Tensor, config: RolloutCorrectionConfig
 ) -> CorrectionResult:
-    lp_train = lp_train.detach().float()
+    lp_train, lp_roll = lp_train.detach(), lp_roll.detach()
     mb = mask if mask.dtype == torch.bool else mask != 0  # (B, T)
     m = mask.float()  # (B, T); no copy for a float32 mask
-    lr = torch.where(mb, lp_train - lp_roll.detach().float(), 0.0)  # (B, T) 0 on padding
+    lr = torch.where(mb, lp_train.float() - lp_roll.float(), 0.0)  # (B, T) 0 on padding
+    # Where verl exponentiates an unclamped log-ratio (k3_kl, rollout_is_min at sequence level) it does so
+    # in the dtype its inputs promote to: a float64 input keeps exp(lr) finite past float32's ~88.7.
+    lr_dtype, all_dtype = _metric_dtype(lp_train, lp_roll), _metric_dtype(lp_train, lp_roll, mask)
+    lr_v = lr if lr_dtype == torch.float32 else torch.where(mb, lp_train.to(lr_dtype) - lp_roll, 0.0)
+    s_row = lr.sum(dim=-1)  # (B,)
+    s_row_v = s_row if all_dtype == torch.float32 else lr_v.to(all_dtype).sum(dim=-1)  # (B,)
     cnt = m.sum(dim=-1)  # (B,)
     row_valid = cnt > 0
-    b = Batch(mb, m, lr, cnt, cnt.sum(), row_valid, row_valid.sum().float(), lr.sum(dim=-1))
+    b = Batch(mb, m, lr, cnt, cnt.sum(), row_valid, row_valid.sum().float(), s_row, s_row_v)
     lc = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (B, T)
     e_unclamped = torch.exp(lr)  # (B, T), 1 on padding
-    k3_sum = (e_unclamped - lr).sub_(1.0).sum()  # padding adds exp(0) - 0 - 1 = 0
+    e_v = e_unclamped if lr_v is lr else torch.exp(lr_v)
+    k3_sum = (e_v - lr_v).sub_(1.0).sum()  # padding adds exp(0) - 0 - 1 = 0
     rho = e_unclamped.clamp_(_EXP_LO, _EXP_HI)  # (B, T) exp(clampS(lr)), in place
     rho_m = rho * m  # (B, T) token-level raw IS weights, 0 on padding
     sink = MetricSink()
@@ -131,9 +140,23 @@ def _correct(
             keep = keep_tok & keep_row.unsqueeze(-1)
         new_mask = mask.masked_fill(~keep, 0)
 
-    train_row_sum = torch.where(mb, lp_train, 0.0).sum(dim=-1)  # (B,)
-    add_offpolicy_metrics(sink, b, train_row_sum, k3_sum, torch.dot(rho_m.view(-1), rho_m.view(-1)))
+    rho2_sum = torch.dot(rho_m.view(-1), rho_m.view(-1))
+    train_row_sum = torch.where(mb, lp_train.to(_metric_dtype(lp_train, mask)), 0.0).sum(dim=-1)  # (B,)
+    if all_dtype == torch.float32:  # one (B, T) pass less
+        roll_row_sum = train_row_sum - s_row
+    else:
+        roll_row_sum = torch.where(mb, lp_roll.to(_metric_dtype(lp_roll, mask)), 0.0).sum(dim=-1)  # (B,)
+    add_offpolicy_metrics(sink, b.cnt, s_row_v, train_row_sum, roll_row_sum, k3_sum, rho2_sum)
     return weights, new_mask, sink
+
+
+def _metric_dtype(*tensors: Tensor) -> torch.dtype:
+    """The dtype verl computes in by type promotion, at least float32 (a bool mask adds none)."""
+    dtype = torch.float32
+    for x in tensors:
+        if x.is_floating_point():
+            dtype = torch.promote_types(dtype, x.dtype)
+    return dtype
 
 
 # --- importance sampling (spec 3, DECISION 5)
@@ -201,7 +224,7 @@ def _sequence_is(
         row_mean_w=w_row * share,
         row_mean_raw=raw_row * share,
         w_max=torch.exp(level_log.amax().clamp(max=SAFETY_BOUND)),
-        w_min=torch.exp(level_log.amin()),
+        w_min=torch.exp((b.s_row_v / (b.cnt + EPS) if geometric else b.s_row_v).amin()),  # unclamped
         n_high=(level_log > math.log(upper)).sum().float(),
         n_low=(level_log < math.log(lower)).sum().float(),
         frac_denominator=torch.tensor(n_rows, device=w_row.device),

@@ -3,7 +3,7 @@
 verl 0.9.1's `_parse_rollout_is_threshold` / `_parse_rollout_rs_thresholds` with the same wording, every
 error a ValueError (so pydantic turns it into a ValidationError naming the field). k1 bounds apply to
 rho = pi_train / pi_rollout (DECISION 3). `RolloutCorrectionConfig` validates with these functions and
-`learner/correction.py` reads its numbers from them: the single source of both.
+`learner/correction/compute.py` reads its numbers from them: the single source of both.
 """
 
 from __future__ import annotations

@@ -40,8 +40,9 @@ class MetricSink:
         }
 
     def to_host(self, prefix: str = "") -> dict[str, float]:
-        """One device-to-host transfer for every tensor value; keys get `prefix`."""
-        tensors = [v.reshape(()).float() for v in self.values if isinstance(v, Tensor)]
+        """One device-to-host transfer for every tensor value; keys get `prefix`. Stacked as float64, so
+        that float32 values are exact and float64 diagnostics past float32's range stay finite."""
+        tensors = [v.reshape(()).double() for v in self.values if isinstance(v, Tensor)]
         host = iter(torch.stack(tensors).tolist() if tensors else [])
         return {
             prefix + name: (next(host) if isinstance(value, Tensor) else float(value))
@@ -65,6 +66,7 @@ class Batch:
     row_valid: Tensor  # (B,) bool, row has >= 1 valid token
     n_rows: Tensor  # () number of valid rows, float32
     s_row: Tensor  # (B,) unclamped row sums of lr
+    s_row_v: Tensor  # (B,) the same in verl's dtype (float64 when an input is): where it is exponentiated
 
 
 def mmean_total(total: Tensor, b: Batch) -> Tensor:
@@ -95,8 +97,11 @@ def add_seq_stats(
 ) -> None:
     """`_seq_mean/_seq_std/_seq_max/_seq_min/_seq_max_deviation` of `q` over rows where `valid`.
 
-    std is unbiased (torch.std) and 0 for a single row; every value is 0 over an empty set.
+    std is unbiased (torch.std) and 0 for a single row; every value is 0 over an empty set. Computed in
+    float64 ((B,) values, no cost): a float32 mean of nearly equal large values (k3 at the e^20 clamp,
+    ~4.85e8) would leave a std of float32 rounding noise (~30) where verl's float64 gives ~0.
     """
+    q = q.double()
     zero = torch.zeros((), dtype=q.dtype, device=q.device)
     qv = torch.where(valid, q, zero)
     mean = qv.sum() / n_valid.clamp(min=1.0)
@@ -115,7 +120,7 @@ def add_seq_stats(
 
 @dataclass(slots=True)
 class ISStats:
-    """What the IS metrics need, already reduced; produced by learner/correction.py for one level."""
+    """What the IS metrics need, already reduced; produced by learner/correction/compute.py for one level."""
 
     sum_w: Tensor  # () sum of applied weights over valid tokens
     sum_w2: Tensor  # () sum of squared applied weights over valid tokens
@@ -161,7 +166,7 @@ def add_is_metrics(sink: MetricSink, st: ISStats, b: Batch, upper: float, lower:
 
 @dataclass(slots=True)
 class RSStats:
-    """One RS option's reduced statistics, from learner/correction.py."""
+    """One RS option's reduced statistics, from learner/correction/compute.py."""
 
     name: str
     is_k1: bool
@@ -211,17 +216,27 @@ def add_rs_metrics(sink: MetricSink, st: RSStats, b: Batch) -> None:
 
 
 def add_offpolicy_metrics(
-    sink: MetricSink, b: Batch, train_row_sum: Tensor, k3_sum: Tensor, rho2_sum: Tensor
+    sink: MetricSink,
+    cnt: Tensor,
+    s_row: Tensor,
+    train_row_sum: Tensor,
+    roll_row_sum: Tensor,
+    k3_sum: Tensor,
+    rho2_sum: Tensor,
 ) -> None:
-    """The 13 diagnostics. `train_row_sum`: (B,) masked row sums of log pi_train; `k3_sum`: sum of
+    """The 13 diagnostics, each in the dtype of its inputs (float32, or float64 where verl's is).
+
+    `cnt`: (B,) valid tokens per row; `s_row`: (B,) unclamped row sums of log rho; `train_row_sum` /
+    `roll_row_sum`: (B,) masked row sums of log pi_train / log pi_rollout; `k3_sum`: sum of
     exp(lr) - lr - 1 over valid tokens (unclamped); `rho2_sum`: sum of exp(2 clampS(lr)) over valid tokens."""
-    denom = b.cnt + EPS
+    n = cnt.sum()
+    denom = cnt + EPS
     mu_train = train_row_sum / denom  # (B,)
-    mu_roll = (train_row_sum - b.s_row) / denom  # (B,)
+    mu_roll = roll_row_sum / denom  # (B,)
     sink.add("training_ppl", torch.exp(-mu_train).mean())
     sink.add("training_log_ppl", (-mu_train).mean())
-    sink.add("kl", mmean_total(-b.s_row.sum(), b))
-    sink.add("k3_kl", mmean_total(k3_sum, b))
+    sink.add("kl", -s_row.sum() / (n + EPS))
+    sink.add("k3_kl", k3_sum / (n + EPS))
     sink.add("rollout_ppl", torch.exp(-mu_roll).mean())
     sink.add("rollout_log_ppl", (-mu_roll).mean())
     diff = mu_roll - mu_train  # (B,)
@@ -230,5 +245,5 @@ def add_offpolicy_metrics(
     sink.add("log_ppl_diff_max", diff.max())
     sink.add("log_ppl_diff_min", diff.min())
     sink.add("ppl_ratio", torch.exp(diff).mean())
-    sink.add("chi2_token", mmean_total(rho2_sum, b) - 1.0)
-    sink.add("chi2_seq", torch.exp(2.0 * b.s_row.clamp(-SAFETY_BOUND, SAFETY_BOUND)).mean() - 1.0)
+    sink.add("chi2_token", rho2_sum / (n + EPS) - 1.0)
+    sink.add("chi2_seq", torch.exp(2.0 * s_row.clamp(-SAFETY_BOUND, SAFETY_BOUND)).mean() - 1.0)

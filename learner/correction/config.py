@@ -4,8 +4,8 @@ Fields and error wording follow verl 0.9.1 (`verl/trainer/config/algorithm.py`, 
 with the project's DECISIONS (../shared/spec/rollout_correction.md): every error is raised at
 construction (a pydantic ValidationError naming field and value), the default is metrics only, k1 bounds
 apply to rho = pi_train / pi_rollout as documented, `geometric` is an IS level, and the seed-era veto is
-back as `rollout_token_veto_threshold`. The threshold parsers (`learner/correction_thresholds.py`, also
-importable from here) are the single source of the numbers that `learner/correction.py` uses.
+back as `rollout_token_veto_threshold`. The threshold parsers (`learner/correction/thresholds.py`, also
+importable from here) are the single source of the numbers that `learner/correction/compute.py` uses.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from config.base import ConfigModel
-from learner.correction_thresholds import (
+from learner.correction.presets import CANONICAL_PRESETS, build_preset
+from learner.correction.thresholds import (
     SUPPORTED_ROLLOUT_RS_OPTIONS,
     TOKEN_LEVEL_ROLLOUT_RS_OPTIONS,
     RSOption,
@@ -24,7 +25,7 @@ from learner.correction_thresholds import (
     parse_rs_thresholds,
 )
 
-__all__ = [  # the parsers live in learner/correction_thresholds.py; these names stay importable from here
+__all__ = [  # the parsers live in learner/correction/thresholds.py; these names stay importable from here
     "SUPPORTED_ROLLOUT_RS_OPTIONS",
     "TOKEN_LEVEL_ROLLOUT_RS_OPTIONS",
     "RSOption",
@@ -147,7 +148,7 @@ class RolloutCorrectionConfig(ConfigModel):
             )
         return value
 
-    # --- derived values used by learner/correction.py
+    # --- derived values used by learner/correction/compute.py
 
     @property
     def is_enabled(self) -> bool:
@@ -164,7 +165,7 @@ class RolloutCorrectionConfig(ConfigModel):
             return []
         return parse_rs_thresholds(parse_rs_options(self.rollout_rs), self.rollout_rs_threshold)
 
-    # --- presets (verl 0.9.1, spec section 2; aliases in learner/correction_presets.py)
+    # --- presets (verl 0.9.1, spec section 2; aliases in learner/correction/presets.py)
 
     @classmethod
     def decoupled_token_is(cls, threshold: float = 2.0) -> RolloutCorrectionConfig:
@@ -328,13 +329,9 @@ class RolloutCorrectionConfig(ConfigModel):
     @classmethod
     def from_preset(cls, name: str, **params: Any) -> RolloutCorrectionConfig:
         """Build a preset by canonical name or seed-era alias (DESIGN.md), passing `params` through."""
-        from learner.correction_presets import build_preset
-
         return build_preset(cls, name, params)
 
     @classmethod
     def presets(cls) -> dict[str, dict[str, Any]]:
         """Canonical preset names, each with the fields of its default configuration."""
-        from learner.correction_presets import CANONICAL_PRESETS
-
         return {name: getattr(cls, name)().model_dump() for name in CANONICAL_PRESETS}

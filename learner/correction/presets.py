@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from learner.errors import UnknownPreset
 
 if TYPE_CHECKING:
-    from learner.correction_config import RolloutCorrectionConfig
+    from learner.correction.config import RolloutCorrectionConfig
 
 # verl 0.9.1 has these 19 preset classmethods (the spec's "20" miscounts its own table).
 CANONICAL_PRESETS: tuple[str, ...] = (
