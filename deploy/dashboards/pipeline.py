@@ -86,6 +86,38 @@ BUFFER = DashboardSpec(
                 ),
             ),
         ),
+        (
+            "Delivery",
+            (
+                Panel(
+                    "Leases",
+                    (
+                        q(f"sum(rate(offpolicy_buffer_leased_total[{RATE}]))", "leased/s"),
+                        q(f"sum(rate(offpolicy_buffer_acked_total[{RATE}]))", "acked/s"),
+                        q(f"sum(rate(offpolicy_buffer_redelivered_total[{RATE}]))", "redelivered/s"),
+                    ),
+                    unit="ops",
+                    description="Acked: the use counts. Redelivered: a lease released or expired.",
+                    width=12,
+                ),
+                Panel(
+                    "Set aside (dead letters)",
+                    (
+                        q(
+                            "sum by (reason) (increase(offpolicy_buffer_drops_total"
+                            f'{{reason=~"invalid.*"}}[{RATE}]))',
+                            "{{reason}}",
+                        ),
+                        q(
+                            f"sum by (field) (increase(offpolicy_learner_groups_rejected_total[{RATE}]))",
+                            "learner: {{field}}",
+                        ),
+                    ),
+                    description="Groups that could not be trained (GET /v1/dead_letters lists them).",
+                    width=12,
+                ),
+            ),
+        ),
     ),
 )
 

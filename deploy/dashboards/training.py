@@ -260,5 +260,33 @@ LEARNER = DashboardSpec(
                 ),
             ),
         ),
+        (
+            "Background writes",
+            (
+                Panel(
+                    "Published version lag",
+                    (q("max(offpolicy_learner_published_lag_versions)", "lag (versions)"),),
+                    description="Trained policy version minus the newest version announced to the actors.",
+                ),
+                Panel(
+                    "Background write time p90",
+                    (
+                        q(
+                            "histogram_quantile(0.9, sum by (le, kind) "
+                            f"(rate(offpolicy_learner_background_write_seconds_bucket[{RATE}])))",
+                            "{{kind}}",
+                        ),
+                    ),
+                    unit="s",
+                ),
+                Panel(
+                    "Coalesced snapshots and lost leases",
+                    (
+                        q(f"sum(increase(offpolicy_learner_writes_coalesced_total[{RATE}]))", "coalesced"),
+                        q(f"sum(increase(offpolicy_learner_leases_lost_total[{RATE}]))", "leases lost"),
+                    ),
+                ),
+            ),
+        ),
     ),
 )
