@@ -67,6 +67,10 @@ SCALARS = {  # step-dict key -> (metric name suffix, help)
         "Trained policy version minus the newest version published to the actors (background writer lag).",
     ),
 }
+REJECTION_FIELDS = (
+    "sampling.temperature", "prompt_ids", "trajectories.response_ids", "trajectories.behavior_logprobs",
+)  # fmt: skip
+"""The `field` labels of `groups_rejected_total` (learner/screening.py, list indices dropped)."""
 WRITE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 IS_WEIGHT_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0)
 STALENESS_HIST_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
@@ -162,6 +166,8 @@ class LearnerMetrics:
             PREFIX + "groups_rejected", "Sampled groups the model cannot train (set aside), by field.",
             ["field"], registry=registry,
         )  # fmt: skip
+        for field in REJECTION_FIELDS:  # declared at 0 so that dashboards have a series before the first one
+            self.groups_rejected.labels(field=field)
         self.leases_lost = Counter(
             PREFIX + "leases_lost", "Trained groups whose lease expired before its ack (they train again).",
             registry=registry,

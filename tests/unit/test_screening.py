@@ -53,6 +53,17 @@ def test_each_kind_of_untrainable_group_is_named_and_the_neighbours_pass():
     assert "exceed the model's 16 positions" in bad[3].reason
 
 
+def test_every_field_screening_names_is_a_declared_metric_label():
+    from learner.metrics import REJECTION_FIELDS
+
+    groups = [
+        _group("vocab", responses=((4, 100),)), _group("p", prompt=(1, -1)), _group("e", responses=((),)),
+        _group("greedy", temperature=0.0), _group("lengths", lp_len=3),
+    ]  # fmt: skip
+    _, bad = screen(groups, LIMITS)
+    assert {field_label(r.field) for r in bad} == set(REJECTION_FIELDS)
+
+
 def test_field_labels_drop_list_indices():
     assert field_label("trajectories[12].response_ids") == "trajectories.response_ids"
     assert field_label("prompt_ids") == "prompt_ids"
