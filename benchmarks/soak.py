@@ -115,7 +115,7 @@ def main() -> None:
     ap.add_argument("--every", type=float, default=10.0, help="seconds between samples")
     ap.add_argument("--warmup", type=float, default=0.2, help="share of the run before the baseline sample")
     ap.add_argument("--dedupe-window", type=int, default=2000,
-                    help="the buffer's dedupe window (ids): small enough to fill during the warm-up")  # fmt: skip
+                    help="the dedupe window (ids): small enough to fill during the warm-up")  # fmt: skip
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     out = soak(args.minutes, args.every, args.warmup, args.dedupe_window)
