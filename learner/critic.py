@@ -20,9 +20,19 @@ from learner.batching import Batch
 class ValueModel(nn.Module):
     """Backbone (`AutoModel`) + `Linear(hidden, 1)`: V(s_t) at every response position."""
 
-    def __init__(self, path_or_id: str | Path, device: torch.device | str, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        path_or_id: str | Path,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        gradient_checkpointing: bool = False,
+    ) -> None:
         super().__init__()
         self.backbone = AutoModel.from_pretrained(str(path_or_id), dtype=dtype)
+        if gradient_checkpointing:
+            self.backbone.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         self.head = nn.Linear(self.backbone.config.hidden_size, 1, dtype=dtype)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)

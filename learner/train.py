@@ -124,7 +124,10 @@ class Learner:
         self.critic_optimizer: torch.optim.Optimizer | None = None
         if config.adv_estimator == "gae":
             self.critic = ValueModel(
-                config.critic.model_path or config.model_path, self.device, self.precision.param_dtype
+                config.critic.model_path or config.model_path,
+                self.device,
+                self.precision.param_dtype,
+                gradient_checkpointing=config.gradient_checkpointing,
             )
             self.critic_optimizer = torch.optim.AdamW(
                 self.critic.parameters(), lr=config.critic.lr, fused=True
