@@ -198,6 +198,8 @@ class VLLMEngine:
         self.llm.shutdown()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        # AsyncLLM.__del__ shuts down again: let it run now, not at interpreter exit (where it fails)
+        del self.llm
 
 
 def _versions(c, n_tokens: int) -> np.ndarray | None:
