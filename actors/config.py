@@ -1,7 +1,8 @@
 """The actor's configuration as data: one frozen model per concern, loaded from YAML + `OFFPOLICY_` env.
 
 `ActorConfig` nests `EngineConfig` (vLLM), `SamplingConfig`, `DatasetConfig`, `RewardConfig`,
-`ReloadConfig` and `RetryConfig`, plus the run's Redis URL, run id and `BufferConfig` (the same one the
+`ReloadConfig` (`mode`: drain | abort | inflight, `verify`: manifest | full | none) and `RetryConfig`,
+plus `max_inflight_prompts`, the run's Redis URL, run id and `BufferConfig` (the same one the
 learner uses: the insert script applies its `max_size` and rate limiter). Nothing reads the environment
 at import time: `load_config(path, environ)` reads only the mapping it is given.
 """
@@ -238,6 +239,7 @@ class ActorConfig(BaseModel):
             "sampling": SamplingConfig(temperature=0.7, max_tokens=32, n=4),
             "dataset": DatasetConfig(path=dataset, prompts_per_batch=8),
             "reward": RewardConfig(name="target_token_share"),
+            "max_inflight_prompts": 8,
         }
         return cls(**(base | overrides))
 
