@@ -177,9 +177,10 @@ class Actor:
         if mode == "abort":
             await self.engine.abort(list(self._inflight))
         if mode in ("drain", "abort"):
-            while self._inflight and not self._fatal:  # drain even when stopping: it is bounded
+            while self._inflight and not stop.is_set():
                 await self._sleep_until_woken()
-            self._raise_fatal()
+            if stop.is_set():
+                return  # the in-flight requests are cancelled on the way out; nothing to load for
         if await self.sync.load(record):
             self.metrics.reload_pause.observe(time.perf_counter() - t0)
 
