@@ -40,6 +40,7 @@ from buffer.types import TrajectoryGroup
 log = logging.getLogger(__name__)
 _WAKE_S = 0.05  # longest the admission loop sleeps without re-checking stop and the policy record
 _RATE_WINDOW_S = 2.0  # tokens/s is measured over windows at least this long
+_PUSH_LINGER_S = 0.05  # a group waits at most this long for others to share its insert (Redis round trip)
 
 
 class Actor:
@@ -151,7 +152,8 @@ class Actor:
             # --- 2. weights: apply a newer published version (drain / abort / inflight)
             await self._update_weights(stop)
             # --- 3. pacing: wait while the buffer holds max_ahead fresh groups
-            await wait_for_room(buffer, self.engine.loaded_version, cfg.retry, self.metrics, stop)
+            if cfg.buffer.max_ahead is not None:
+                await wait_for_room(buffer, self.engine.loaded_version, cfg.retry, self.metrics, stop)
             if stop.is_set():
                 return
             # --- 4. admit the next prompt (aborted ones first); at the end, wait for the last ones
@@ -238,6 +240,8 @@ class Actor:
                 self._push_wake.clear()
                 await self._push_wake.wait()
                 continue
+            if len(self._pending) < self.config.max_inflight_prompts // 2 and not closing.is_set():
+                await asyncio.sleep(_PUSH_LINGER_S)  # let a few groups gather: one round trip for them
             batch, self._pending = self._pending, []
             self.groups_pushed += await push_groups(buffer, batch, self.config.retry, self.metrics, stop)
             self._wake.set()

@@ -7,7 +7,7 @@ update cadence.
 
 Workloads (completion lengths fixed per prompt by `max_tokens` with `ignore_eos`, drawn once, seeded):
 `uniform` = every prompt `--max-tokens`; `longtail` = lognormal(sigma 1) with mean `--max-tokens`, capped
-at `--tail-max`. Arms, alternated within each round on one machine load, medians of tokens/s:
+at `--tail-max`. Arms, in a rotating order within each round (the machine is shared), medians of tokens/s:
 - `stream`: `actors.worker.Actor` (AsyncLLM, `--batch` prompts in flight, rewards, Redis inserts);
 - `batch`: the old actor's loop (actors/worker.py before the streaming engine): `--batch` prompts per engine
   call, wait for all, score, push while the next batch generates;
@@ -57,7 +57,7 @@ def _stream(engine, config, params, run_id: str | None = None) -> tuple[int, flo
 
     registry = CollectorRegistry()
     actor = BenchActor(
-        config.model_copy(update={"run_id": f"bench-{uuid.uuid4().hex[:8]}"}), registry, engine
+        config.model_copy(update={"run_id": run_id or f"bench-{uuid.uuid4().hex[:8]}"}), registry, engine
     )
     t0 = time.perf_counter()
     asyncio.run(actor.arun(threading.Event()))
@@ -218,14 +218,17 @@ def run(args) -> dict:
                 }
                 _bare(llm, ids[: args.batch], params["uniform"], args.batch)  # warm-up both engines
                 _batch(engine, config, prompts[: args.batch], ids, params["uniform"])
-                for _ in range(args.rounds):
+                arms = {
+                    "bare": lambda w: _bare(llm, ids, params[w], args.batch),
+                    "batch": lambda w: _batch(engine, config, prompts, ids, params[w]),
+                    "stream": lambda w: _stream(engine, config, params[w])[:2],
+                }
+                order = list(arms)
+                for r in range(args.rounds):
                     for w in lengths:
-                        tok, sec = _bare(llm, ids, params[w], args.batch)
-                        figures[w]["bare"].append(tok / sec)
-                        tok, sec = _batch(engine, config, prompts, ids, params[w])
-                        figures[w]["batch"].append(tok / sec)
-                        tok, sec, _ = _stream(engine, config, params[w])
-                        figures[w]["stream"].append(tok / sec)
+                        for arm in order[r % 3 :] + order[: r % 3]:  # each arm first in some round
+                            tok, sec = arms[arm](w)
+                            figures[w][arm].append(tok / sec)
                 modes = {
                     m: _with_updates(
                         engine,
@@ -266,7 +269,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4, help="completions per prompt")
     ap.add_argument("--max-tokens", type=int, default=64, help="uniform length = long-tail mean")
     ap.add_argument("--tail-max", type=int, default=512, help="longest long-tail completion")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--update-interval-s", type=float, default=1.0, help="seconds between weight updates")
     args = ap.parse_args()
     r = run(args)
