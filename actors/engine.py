@@ -162,8 +162,13 @@ class VLLMEngine:
 
     @contextlib.asynccontextmanager
     async def paused(self) -> AsyncIterator[None]:
-        """Hold the scheduler (running requests are frozen, not aborted) for the block; resume after."""
-        await self.acall(self.llm.pause_generation(mode="keep", clear_cache=False))
+        """Hold the scheduler (running requests are frozen, not aborted) for the block; resume after.
+
+        `AsyncLLM.pause_generation(mode="keep")` is the engine-core call below plus a 20 ms sleep that only
+        orders log lines (its docstring: "not required for correctness"); tokens carry the version of the
+        step that sampled them whenever their output is processed, so the sleep is skipped.
+        """
+        await self.acall(self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False))
         try:
             yield
         finally:
