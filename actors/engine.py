@@ -15,7 +15,8 @@ sampled by exactly one policy version, conditioned on a KV cache computed by tha
 learner's log-prob under the token's recorded version equals its behaviour log-prob.
 
 The `AsyncLLM` lives on a private event-loop thread, so any thread or event loop can use the engine
-(`await engine.generate_group(...)` from the actor's loop, `engine.generate(...)` from plain code).
+(`engine.generate(...)` from plain code, `await engine.acall(coro)` from any loop). The actor runs its
+whole loop on that thread (`acall`), so requests go to the engine without a thread hop.
 """
 
 from __future__ import annotations
@@ -93,7 +94,10 @@ class VLLMEngine:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
     async def acall(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Await `coro` on the engine's loop from any event loop (cancelling it cancels the coroutine)."""
+        """Await `coro` on the engine's loop from any event loop (cancelling it cancels the coroutine);
+        on the engine's loop itself, just await it."""
+        if asyncio.get_running_loop() is self._loop:
+            return await coro
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
 
     # --- generation

@@ -102,7 +102,11 @@ class Actor:
     # --- the loop
 
     async def arun(self, stop: threading.Event) -> None:
-        """The rollout loop (asyncio); `run` is its synchronous entry point."""
+        """The rollout loop (asyncio); `run` is its synchronous entry point. It runs on the engine's event
+        loop (one thread for the engine's output handling and the actor: no thread hop per request)."""
+        await self.engine.acall(self._arun(stop))
+
+    async def _arun(self, stop: threading.Event) -> None:
         cfg = self.config
         buffer = AsyncReplayBuffer(cfg.redis_url, cfg.run_id, cfg.buffer, self.registry)
         store = AsyncPolicyStore(cfg.redis_url, cfg.run_id, cfg.buffer.storage_timeout_s)

@@ -47,6 +47,9 @@ class FakeEngine:
         self.fail_prompt_len = fail_prompt_len
         self.long_len = -1  # prompt length of LONG (set by `_actor`)
 
+    async def acall(self, coro):
+        return await coro
+
     def sampling_params(self, sampling, n=None, **overrides):
         return SimpleNamespace(n=sampling.n if n is None else n, max_tokens=sampling.max_tokens)
 
