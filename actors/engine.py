@@ -81,7 +81,8 @@ class VLLMEngine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-async", daemon=True)
         self._thread.start()
-        self.llm = AsyncLLM.from_engine_args(args)
+        self.llm = self.call(_start(AsyncLLM, args))  # built on its own loop, even when the caller runs
+        # one (the service's lifespan): AsyncLLM binds its output handler to the loop it is built in
         self.tokenizer = self.llm.get_tokenizer()
         self.loaded_version = initial_version
         self.loaded_path = config.model  # the weights the engine holds now (for restoring after a failure)
@@ -209,6 +210,10 @@ class VLLMEngine:
         self._thread.join(10)
         # AsyncLLM.__del__ shuts down again: let it run now, not at interpreter exit (where it fails)
         del self.llm
+
+
+async def _start(async_llm_cls, args):
+    return async_llm_cls.from_engine_args(args)
 
 
 def _versions(c, n_tokens: int) -> np.ndarray | None:
