@@ -1,7 +1,8 @@
 """The actor's configuration as data: one frozen model per concern, loaded from YAML + `OFFPOLICY_` env.
 
 `ActorConfig` nests `EngineConfig` (vLLM), `SamplingConfig`, `DatasetConfig`, `RewardConfig`,
-`ReloadConfig` and `RetryConfig`, plus the run's Redis URL, run id and `BufferConfig` (the same one the
+`ReloadConfig` (`mode`: drain | abort | inflight, `verify`: manifest | full | none) and `RetryConfig`,
+plus `max_inflight_prompts`, the run's Redis URL, run id and `BufferConfig` (the same one the
 learner uses: the insert script applies its `max_size` and rate limiter). Nothing reads the environment
 at import time: `load_config(path, environ)` reads only the mapping it is given.
 """
@@ -94,7 +95,8 @@ class DatasetConfig(ConfigModel):
     seed: int = Field(0, ge=0, lt=2**63)
     """Seed of the per-epoch shuffle."""
     prompts_per_batch: int = Field(8, ge=1)
-    """Prompts generated together in one engine call (each gives one group of `sampling.n`)."""
+    """Unused by the streaming actor (kept so that older configs still load): prompts are admitted one at
+    a time up to `ActorConfig.max_inflight_prompts`."""
     max_epochs: int | None = Field(None, ge=1)
     """Stop after this many passes over the shard; None = run until stopped."""
 
@@ -126,7 +128,18 @@ class ReloadConfig(ConfigModel):
     max_attempts: int = Field(3, ge=1)
     """Loads tried for one published version before the actor gives up on it (until a newer one)."""
     verify_sha256: bool = True
-    """Check the published sha256 over the `*.safetensors` files before loading them."""
+    """False = `verify: none` whatever `verify` says (the older switch, kept for existing configs)."""
+    mode: Literal["drain", "abort", "inflight"] = "inflight"
+    """How a newer version reaches the engine. `drain`: stop admitting, let in-flight requests finish,
+    load, resume. `abort`: abort in-flight requests, load, re-admit their prompts (their tokens are
+    counted as aborted). `inflight`: pause the scheduler, load, reset the prefix cache (running sequences
+    recompute their KV cache), resume: sequences continue under the new weights and every token records
+    the version that sampled it (`Trajectory.versions`). docs/actor.md has the measurements."""
+    verify: Literal["manifest", "full", "none"] = "manifest"
+    """What is checked before loading a folder. `manifest`: the folder's `manifest.json` names the
+    record's sha256 and every listed file has its listed size (no hashing; a folder without a manifest
+    falls back to `full`, logged). `full`: re-hash the `*.safetensors` (the record's sha256) and, when a
+    manifest exists, every listed file against it. `none`: check nothing."""
 
 
 class RetryConfig(ConfigModel):
@@ -169,6 +182,9 @@ class ActorConfig(ConfigModel):
     """The reward function."""
     buffer: BufferConfig = BufferConfig()
     """The replay buffer's config; must equal the learner's (the insert script applies it)."""
+    max_inflight_prompts: int = Field(16, ge=1)
+    """Prompts in the engine at once (each one request of `sampling.n` completions); a finished prompt's
+    group is pushed and the next prompt admitted at once, so the engine's batch stays full."""
     reload: ReloadConfig = ReloadConfig()
     """Following the learner's weights."""
     retry: RetryConfig = RetryConfig()
@@ -209,6 +225,7 @@ class ActorConfig(ConfigModel):
             "sampling": SamplingConfig(temperature=0.7, max_tokens=32, n=4),
             "dataset": DatasetConfig(path=dataset, prompts_per_batch=8),
             "reward": RewardConfig(name="target_token_share"),
+            "max_inflight_prompts": 8,
         }
         return cls(**(base | overrides))
 

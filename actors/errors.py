@@ -26,3 +26,8 @@ class WeightLoadError(ActorError):
 
 class EngineError(ActorError):
     """vLLM returned something the actor cannot turn into trajectories (e.g. missing log-probs)."""
+
+
+class PromptFailed(EngineError):
+    """vLLM refused or failed one prompt's request (validation, a request-level error); the engine is
+    fine: the actor counts it (`engine_error`), skips the prompt and goes on."""

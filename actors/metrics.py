@@ -10,6 +10,7 @@ FAILURE_REASONS = (
     "invalid_group",  # the buffer rejected a group as invalid (a bug: logged with the field)
     "redis_unavailable",  # an insert / pacing check / policy read could not reach Redis (retried)
     "dropped_on_stop",  # generated groups not pushed because the actor was stopped while Redis was down
+    "engine_error",  # vLLM refused or failed one prompt's request: the prompt is skipped, the loop goes on
 )
 RELOAD_FAILURE_REASONS = ("missing", "checksum", "timeout", "engine", "restore")
 WAIT_REASONS = ("pacing", "rate_limited", "redis_unavailable")
@@ -17,6 +18,7 @@ WAIT_REASONS = ("pacing", "rate_limited", "redis_unavailable")
 # rewards (length penalty) all land in the `le="0.0"` bucket.
 _REWARD_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 2.0)
 _RELOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_PAUSE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
 _BATCH_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -29,10 +31,12 @@ class ActorMetrics:
             "offpolicy_actor_generated_tokens_total", "Completion tokens generated", registry=r
         )
         self.tokens_per_s = Gauge(
-            "offpolicy_actor_tokens_per_second", "Completion tokens per second of the last batch", registry=r
+            "offpolicy_actor_tokens_per_second",
+            "Completion tokens per second over the last few seconds",
+            registry=r,
         )
         self.batch_seconds = Histogram(
-            "offpolicy_actor_generate_seconds", "Wall time of one engine call (a batch of prompts)",
+            "offpolicy_actor_generate_seconds", "Wall time of one prompt's request (its n completions)",
             buckets=_BATCH_BUCKETS, registry=r,
         )  # fmt: skip
         self.groups_pushed = Counter(
@@ -62,6 +66,18 @@ class ActorMetrics:
         self.reload_seconds = Histogram(
             "offpolicy_actor_reload_seconds", "Duration of successful weight reloads (checksum + load)",
             buckets=_RELOAD_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.reload_pause = Histogram(
+            "offpolicy_actor_reload_pause_seconds",
+            "Generation held back by one weight update: engine pause (inflight), abort + load (abort), "
+            "drain + load (drain)", buckets=_PAUSE_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.aborted_tokens = Counter(
+            "offpolicy_actor_aborted_tokens_total", "Tokens thrown away by reload.mode=abort", registry=r
+        )
+        self.inflight = Gauge(
+            "offpolicy_actor_inflight_prompts", "Prompts in the engine now (requests of n completions)",
+            registry=r,
         )  # fmt: skip
         self.reload_failures = Counter(
             "offpolicy_actor_reload_failures_total", "Failed weight loads by reason", ["reason"], registry=r

@@ -1,12 +1,12 @@
-"""Follow the learner's policy record and load newer weights into the engine between batches.
+"""Follow the learner's policy record and load newer weights into the running engine.
 
 `follow()` runs beside the rollout loop and keeps `latest` up to date (pub/sub with polling fallback,
-from `AsyncPolicyStore.watch`; Redis outages are waited out, bounded and counted). `maybe_reload()` is
-called by the loop between batches: when `latest` is newer than the engine's version it checks the
-sha256 of the published `*.safetensors`, loads them in place, and only then moves `loaded_version`.
-A failed load is logged and counted by reason, tried again at the next batch boundaries up to
-`max_attempts` per version, and the actor keeps stamping the version the engine really holds. After an
-engine-side failure (the weights may be half loaded) the last good folder is loaded back.
+from `AsyncPolicyStore.watch`; Redis outages are waited out, bounded and counted). The loop asks
+`pending()` whether a newer version waits, `prepare()` checks its folder (`reload.verify`, outside any
+engine pause: actors/manifest.py), and `load()` loads it in place while the engine's scheduler is paused,
+and only then moves `loaded_version`. A failed load is logged and counted by reason, tried again later up
+to `max_attempts` per version, and the engine keeps the version it really holds. After an engine-side
+failure (the weights may be half loaded) the last good folder is loaded back before the engine resumes.
 """
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from actors.errors import WeightLoadError
+from actors.manifest import verify_folder
 from buffer.errors import InvalidTrajectory, StorageUnavailable
 from buffer.policy import weights_sha256
 
@@ -35,7 +37,8 @@ class ReloadableEngine(Protocol):
     loaded_version: int
     loaded_path: str
 
-    def reload_weights(self, path: str, version: int, timeout_s: float | None = None) -> None: ...
+    def paused(self) -> AbstractAsyncContextManager[None]: ...
+    async def reload_weights(self, path: str, version: int, timeout_s: float | None = None) -> None: ...
 
 
 safetensors_sha256 = weights_sha256
@@ -100,55 +103,70 @@ class WeightSync:
     def _update_lag(self) -> None:
         self.metrics.policy_lag.set(self.lag)
 
-    async def maybe_reload(self) -> bool:
-        """Load `latest` if it is newer than the engine's weights; True when the engine moved forward."""
+    def pending(self) -> PolicyRecord | None:
+        """The newer record to load, or None (nothing newer, or given up on this version)."""
         record = self.latest
         if record is None or record.version <= self.engine.loaded_version:
-            return False
+            return None
         if self._failed.get(record.version, 0) >= self.config.max_attempts:
-            return False  # given up on this version (logged); a newer one is tried as it comes
-        t0 = time.perf_counter()
+            return None  # given up on this version (logged); a newer one is tried as it comes
+        return record
+
+    def _fail(self, record: PolicyRecord, e: WeightLoadError) -> None:
+        attempts = self._failed[record.version] = self._failed.get(record.version, 0) + 1
+        self.metrics.reload_failures.labels(e.reason).inc()
+        final = attempts >= self.config.max_attempts
+        log.error(
+            "weight reload failed (attempt %d/%d%s): %s; still generating with v%d",
+            attempts, self.config.max_attempts, ", giving up on this version" if final else "",
+            e, self.engine.loaded_version,
+        )  # fmt: skip
+
+    async def prepare(self, record: PolicyRecord) -> bool:
+        """Check `record`'s folder (`reload.verify`) in a thread; False (counted) when it fails."""
+        mode = self.config.verify if self.config.verify_sha256 else "none"
+        folder = weights_path(record.weights_uri)
         try:
-            await asyncio.to_thread(self._load, record)
+            if not folder.is_dir() or not any(folder.glob("*.safetensors")):
+                raise WeightLoadError(record.version, "missing", f"no *.safetensors in {folder}")
+            await asyncio.to_thread(verify_folder, folder, record.sha256, record.version, mode)
         except WeightLoadError as e:
-            attempts = self._failed[record.version] = self._failed.get(record.version, 0) + 1
-            self.metrics.reload_failures.labels(e.reason).inc()
-            final = attempts >= self.config.max_attempts
-            log.error(
-                "weight reload failed (attempt %d/%d%s): %s; still generating with v%d",
-                attempts, self.config.max_attempts, ", giving up on this version" if final else "",
-                e, self.engine.loaded_version,
-            )  # fmt: skip
-            if e.reason in ("timeout", "engine"):
-                await asyncio.to_thread(self._restore)
+            self._fail(record, e)
             return False
+        return True
+
+    async def load(self, record: PolicyRecord) -> bool:
+        """Load a prepared record with the engine paused; True when the engine moved forward."""
+        t0 = time.perf_counter()
+        async with self.engine.paused():
+            try:
+                await self.engine.reload_weights(
+                    str(weights_path(record.weights_uri)), record.version, self.config.timeout_s
+                )
+            except WeightLoadError as e:
+                self._fail(record, e)
+                await self._restore()
+                return False
         self.reloads += 1
         self.metrics.reloads.inc()
         self.metrics.reload_seconds.observe(time.perf_counter() - t0)
         self.metrics.policy_version.set(self.engine.loaded_version)
         self._update_lag()
-        log.info("loaded policy v%d in %.2f s", record.version, time.perf_counter() - t0)
+        log.info("loaded policy v%d in %.3f s", record.version, time.perf_counter() - t0)
         return True
 
-    def _load(self, record: PolicyRecord) -> None:
-        folder = weights_path(record.weights_uri)
-        if not folder.is_dir() or not any(folder.glob("*.safetensors")):
-            raise WeightLoadError(record.version, "missing", f"no *.safetensors in {folder}")
-        if self.config.verify_sha256:
-            got = weights_sha256(folder)
-            if got != record.sha256:
-                raise WeightLoadError(
-                    record.version,
-                    "checksum",
-                    f"sha256 of {folder} is {got}, the record says {record.sha256}",
-                )
-        self.engine.reload_weights(str(folder), record.version, self.config.timeout_s)
+    async def maybe_reload(self) -> bool:
+        """`prepare` and `load` the pending record, if any; True when the engine moved forward."""
+        record = self.pending()
+        if record is None or not await self.prepare(record):
+            return False
+        return await self.load(record)
 
-    def _restore(self) -> None:
+    async def _restore(self) -> None:
         """Load back the last good weights after an engine-side failure; if that fails too, stop loudly."""
         path, version = self.engine.loaded_path, self.engine.loaded_version
         try:
-            self.engine.reload_weights(path, version, self.config.timeout_s)
+            await self.engine.reload_weights(path, version, self.config.timeout_s)
         except WeightLoadError as e:
             self.metrics.reload_failures.labels("restore").inc()
             raise WeightLoadError(

@@ -43,7 +43,9 @@ class Batch:
     rollout_log_probs: torch.Tensor  # (B, R) float: behaviour log-probs (0 on padding)
     rewards: torch.Tensor  # (B,) float: one scalar reward per completion
     group_index: torch.Tensor  # (B,) long: 0..G-1, which group each row belongs to
-    policy_versions: torch.Tensor  # (B,) long: the group's policy_version
+    policy_versions: (
+        torch.Tensor
+    )  # (B,) long: the row's oldest token version (its staleness is measured from it)
     behavior_versions: torch.Tensor  # (B, R) long: per-token version (the group's, unless it spans a reload)
     temperatures: torch.Tensor  # (B,) float: the sampling temperature of each row's group
     prompt_width: int  # P: column where every response starts
@@ -112,6 +114,10 @@ def collate(groups: Sequence[TrajectoryGroup], pad_token_id: int) -> Batch:
         attn[b, P - p : P + r] = 1
         lp[b, :r] = t.behavior_logprobs
         bver[b, :r] = g.policy_version if t.versions is None else t.versions
+    oldest = [  # a completion's staleness counts from its oldest token (what max_staleness bounds)
+        g.policy_version if t.versions is None or len(t.versions) == 0 else int(t.versions.min())
+        for _, g, t in rows
+    ]
     input_ids, attention_mask = torch.from_numpy(ids), torch.from_numpy(attn)
     response_mask = attention_mask[:, P:].float()  # (B, R)
     return Batch(
@@ -124,7 +130,7 @@ def collate(groups: Sequence[TrajectoryGroup], pad_token_id: int) -> Batch:
         rollout_log_probs=torch.from_numpy(lp) * response_mask,
         rewards=torch.tensor([float(t.reward) for _, _, t in rows], dtype=torch.float32),
         group_index=torch.tensor([gi for gi, _, _ in rows], dtype=torch.long),
-        policy_versions=torch.tensor([g.policy_version for _, g, _ in rows], dtype=torch.long),
+        policy_versions=torch.tensor(oldest, dtype=torch.long),
         behavior_versions=torch.from_numpy(bver),
         temperatures=torch.tensor([g.sampling.temperature for _, g, _ in rows], dtype=torch.float32),
         prompt_width=P,
@@ -179,5 +185,10 @@ def token_logprobs(model: PreTrainedModel, batch: Batch, chunk_tokens: int = 409
 
 
 def staleness(batch: Batch, consumer_version: int) -> torch.Tensor:
-    """Per-row staleness in optimizer steps: consumer_version - the group's policy_version, (B,)."""
+    """Per-row staleness in optimizer steps: consumer_version - the row's oldest token version, (B,)."""
     return consumer_version - batch.policy_versions
+
+
+def token_staleness(batch: Batch, consumer_version: int) -> torch.Tensor:
+    """Per-token age in optimizer steps: consumer_version - the version that sampled each token, (B, R)."""
+    return consumer_version - batch.behavior_versions

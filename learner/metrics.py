@@ -113,7 +113,7 @@ class BulkHistogram(Collector):
 
 
 def staleness_bucket_index(staleness: torch.Tensor) -> torch.Tensor:
-    """(B,) staleness in steps → (B,) index into STALENESS_BUCKETS."""
+    """Staleness in steps, any shape → index into STALENESS_BUCKETS, same shape."""
     edges = torch.tensor(STALENESS_EDGES, device=staleness.device, dtype=staleness.dtype)
     return torch.bucketize(staleness, edges, right=False)
 
@@ -128,12 +128,16 @@ class StalenessKL:
     def add(
         self, train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor, staleness: torch.Tensor
     ):
-        """Rows (B, R) with their (B,) staleness; everything stays on the tensors' device until `result`."""
-        bucket = staleness_bucket_index(staleness)  # (B,)
-        row_kl = ((rollout_lp - train_lp.detach()) * mask).sum(-1).double()  # (B,)
-        dev = row_kl.device
-        self.sums = self.sums.to(dev).index_add(0, bucket, row_kl)
-        self.counts = self.counts.to(dev).index_add(0, bucket, mask.sum(-1).double())
+        """Rows (B, R) with their staleness: per token (B, R) (`batching.token_staleness`: tokens of a
+        completion that spans a weight update land in their own buckets) or per row (B,). Everything
+        stays on the tensors' device until `result`."""
+        if staleness.dim() == 1:
+            staleness = staleness[:, None].expand_as(mask)  # (B, R)
+        bucket = staleness_bucket_index(staleness).flatten()  # (B*R,)
+        tok_kl = ((rollout_lp - train_lp.detach()) * mask).flatten().double()  # (B*R,)
+        dev = tok_kl.device
+        self.sums = self.sums.to(dev).index_add(0, bucket, tok_kl)
+        self.counts = self.counts.to(dev).index_add(0, bucket, mask.flatten().double())
 
     def result(self) -> dict[str, float]:
         """{bucket: KL} for the buckets that saw tokens (one host transfer)."""

@@ -172,8 +172,11 @@ ACTORS = DashboardSpec(
                     (q(f"max by (instance) (offpolicy_actor_policy_lag_versions{A})", "{{instance}}"),),
                 ),
                 Panel(
-                    "Reload duration p90",
-                    (q(p90("offpolicy_actor_reload_seconds", "instance", A), "{{instance}}"),),
+                    "Reload duration p90 and generation pause per update p90",
+                    (
+                        q(p90("offpolicy_actor_reload_seconds", "instance", A), "load {{instance}}"),
+                        q(p90("offpolicy_actor_reload_pause_seconds", "instance", A), "pause {{instance}}"),
+                    ),
                     unit="s",
                 ),
                 Panel(

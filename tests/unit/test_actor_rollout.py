@@ -39,3 +39,23 @@ def test_groups_are_stamped_scored_and_a_failing_reward_drops_only_its_group():
     assert registry.get_sample_value("offpolicy_actor_reward_count") == 3
     assert registry.get_sample_value("offpolicy_actor_reward_sum") == 2 / 3 + 0.0 + 0.5
     decode_group(encode_group(g))  # valid for the buffer's codec
+
+
+def test_a_group_spanning_versions_is_stamped_with_its_oldest_token_and_per_token_versions():
+    from actors.rollout import make_group
+
+    def comp(versions):
+        v = np.asarray(versions, np.int32)
+        return Completion(
+            np.arange(len(v), dtype=np.int32), np.full(len(v), -0.1, np.float32), "length", "a", v
+        )
+
+    sampling = stamped_sampling(SamplingConfig(temperature=0.7, max_tokens=4, n=2))
+    prompt, ids = Prompt(0, "p0", "x", "a"), np.array([1], np.int32)
+    g = make_group(prompt, ids, [comp([3, 3, 4]), comp([4, 4])], target_token_share, 3, "a0", sampling)
+    assert g.policy_version == 3
+    assert [t.versions.tolist() for t in g.trajectories] == [[3, 3, 4], [4, 4]]
+    decode_group(encode_group(g))
+    # one version only (here newer than at admission): no per-token versions, the version is the tokens'
+    g = make_group(prompt, ids, [comp([5, 5]), comp([5])], target_token_share, 4, "a0", sampling)
+    assert g.policy_version == 5 and all(t.versions is None for t in g.trajectories)

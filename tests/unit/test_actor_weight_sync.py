@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 
 import pytest
@@ -21,8 +22,20 @@ class FakeEngine:
         self.loaded_version, self.loaded_path = 0, "/initial"
         self.calls: list[tuple[str, int]] = []
         self.fail, self.reason = fail, reason
+        self.pauses = 0
+        self.is_paused = False
 
-    def reload_weights(self, path, version, timeout_s=None):
+    @contextlib.asynccontextmanager
+    async def paused(self):
+        self.pauses += 1
+        self.is_paused = True
+        try:
+            yield
+        finally:
+            self.is_paused = False
+
+    async def reload_weights(self, path, version, timeout_s=None):
+        assert self.is_paused, "weights are loaded only while the engine is paused"
         self.calls.append((path, version))
         if self.fail > 0 and path != self.loaded_path:
             self.fail -= 1
@@ -106,6 +119,7 @@ async def test_engine_failure_restores_then_a_retry_succeeds(tmp_path):
     assert await sync.maybe_reload() is False
     folder = str(weights_path(record.weights_uri))
     assert engine.calls == [(folder, 5), ("/initial", 0)]  # failed load, then the old weights back
+    assert engine.pauses == 1  # restored within the same pause: nothing ran on half-loaded weights
     assert engine.loaded_version == 0
     assert _value(reg, "offpolicy_actor_reload_failures_total", reason="timeout") == 1
     assert await sync.maybe_reload() is True
@@ -114,7 +128,7 @@ async def test_engine_failure_restores_then_a_retry_succeeds(tmp_path):
 
 async def test_failed_restore_stops_loudly(tmp_path):
     class Broken(FakeEngine):
-        def reload_weights(self, path, version, timeout_s=None):
+        async def reload_weights(self, path, version, timeout_s=None):
             raise WeightLoadError(version, "engine", "dead")
 
     sync, reg = _sync(Broken())
@@ -122,3 +136,73 @@ async def test_failed_restore_stops_loudly(tmp_path):
     with pytest.raises(WeightLoadError, match="could not restore"):
         await sync.maybe_reload()
     assert _value(reg, "offpolicy_actor_reload_failures_total", reason="restore") == 1
+
+
+# --- reload.verify: manifest | full | none
+
+
+def _published(tmp_path, version: int = 1) -> PolicyRecord:
+    from actors.manifest import write_manifest
+
+    record = _publish(tmp_path, version, b"weights-" + bytes([version]) * 1000)
+    folder = weights_path(record.weights_uri)
+    (folder / "config.json").write_text("{}")
+    write_manifest(folder, version)
+    return record
+
+
+def test_write_manifest_covers_every_file_with_the_records_checksum(tmp_path):
+    import json
+
+    record = _published(tmp_path)
+    folder = weights_path(record.weights_uri)
+    doc = json.loads((folder / "manifest.json").read_text())
+    assert (doc["format"], doc["version"], doc["sha256"]) == (1, 1, record.sha256)
+    assert sorted(doc["files"]) == ["config.json", "model.safetensors"]
+    entry = doc["files"]["model.safetensors"]
+    data = (folder / "model.safetensors").read_bytes()
+    assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def test_verify_modes_catch_what_they_promise(tmp_path, monkeypatch):
+    import actors.manifest as manifest
+
+    record = _published(tmp_path)
+    folder = weights_path(record.weights_uri)
+    hashed = []
+    monkeypatch.setattr(manifest, "weights_sha256", lambda f: hashed.append(f) or weights_sha256(f))
+    assert manifest.verify_folder(folder, record.sha256, 1, "manifest") == "manifest" and hashed == []
+    assert manifest.verify_folder(folder, record.sha256, 1, "full") == "full" and len(hashed) == 1
+    # same size, other bytes: only a full check sees it
+    data = bytearray((folder / "model.safetensors").read_bytes())
+    data[-1] ^= 1
+    (folder / "model.safetensors").write_bytes(bytes(data))
+    assert manifest.verify_folder(folder, record.sha256, 1, "manifest") == "manifest"
+    with pytest.raises(WeightLoadError, match="checksum"):
+        manifest.verify_folder(folder, record.sha256, 1, "full")
+    assert manifest.verify_folder(folder, "0" * 64, 1, "none") == "none"
+    # a truncated file, or a manifest for other weights: caught without hashing
+    (folder / "model.safetensors").write_bytes(bytes(data[:-1]))
+    with pytest.raises(WeightLoadError, match="bytes"):
+        manifest.verify_folder(folder, record.sha256, 1, "manifest")
+    with pytest.raises(WeightLoadError, match=r"manifest\.json says sha256"):
+        manifest.verify_folder(folder, "0" * 64, 1, "manifest")
+
+
+def test_a_folder_without_manifest_falls_back_to_a_full_check(tmp_path, caplog):
+    from actors.manifest import verify_folder
+
+    record = _publish(tmp_path, 2)
+    folder = weights_path(record.weights_uri)
+    assert verify_folder(folder, record.sha256, 2, "manifest") == "full"
+    assert "no manifest.json" in caplog.text
+    with pytest.raises(WeightLoadError, match="checksum"):
+        verify_folder(folder, "0" * 64, 2, "manifest")
+
+
+async def test_verify_none_loads_without_checking(tmp_path):
+    engine = FakeEngine()
+    sync, _ = _sync(engine, verify="none")
+    record = _publish(tmp_path, 1)
+    sync.see(PolicyRecord(1, record.weights_uri, "0" * 64, 0.0))
+    assert await sync.maybe_reload() is True and engine.loaded_version == 1

