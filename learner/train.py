@@ -30,7 +30,7 @@ from buffer.errors import BufferNotReady, RateLimited, StorageUnavailable
 from buffer.policy import PolicyStore
 from buffer.replay_buffer import ReplayBuffer
 from learner.advantages import compute_advantages, gae, grpo
-from learner.batching import Batch, collate
+from learner.batching import Batch, collate, token_staleness
 from learner.checkpoint import Trainables
 from learner.config import LearnerConfig, frozen_field_changes
 from learner.correction import compute_rollout_correction
@@ -308,7 +308,8 @@ class Learner:
                 batch.old_log_probs = batch.rollout_log_probs
             else:
                 batch.old_log_probs = no_grad_logprobs(self.model, batch, cfg, self.precision)  # (B, R)
-                kl.add(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, staleness)
+                ages = token_staleness(batch, self.version)  # (B, R): each token's own age
+                kl.add(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, ages)
                 corr = compute_rollout_correction(
                     batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, rc
                 )

@@ -171,7 +171,7 @@ def optimizer_step(
             loss.backward()
             step_loss += loss.detach()
             if kl is not None:
-                kl[0].add(log_prob, mb.rollout_log_probs, mb.response_mask, kl[1] - mb.policy_versions)
+                kl[0].add(log_prob, mb.rollout_log_probs, mb.response_mask, kl[1] - mb.behavior_versions)
             if t.critic is not None:
                 with precision.autocast():
                     values = t.critic(mb)  # (b, r) fp32

@@ -167,3 +167,22 @@ def test_weights_buffers_never_hand_out_the_set_being_written():
     assert third["w"].data_ptr() == second["w"].data_ptr() and writer.coalesced == 1
     release.set()
     writer.close(10)
+
+
+def test_the_actors_verify_the_learners_manifest_without_and_with_hashing(tiny, tmp_path):
+    """The manifest the learner writes is the one the actors read (actors/manifest.py): `manifest` mode
+    accepts it by sizes and checksum, `full` by re-hashing; a changed byte is caught by `full`."""
+    from actors.errors import WeightLoadError
+    from actors.manifest import verify_folder
+
+    folder, model = tiny
+    record = publish_weights(model, tmp_path, 4, tokenizer=load_tokenizer(folder))
+    out = Path(record.weights_uri)
+    assert verify_folder(out, record.sha256, 4, "manifest") == "manifest"
+    assert verify_folder(out, record.sha256, 4, "full") == "full"
+    data = bytearray((out / "model.safetensors").read_bytes())
+    data[-1] ^= 0xFF  # same size: only hashing sees it
+    (out / "model.safetensors").write_bytes(bytes(data))
+    assert verify_folder(out, record.sha256, 4, "manifest") == "manifest"
+    with pytest.raises(WeightLoadError, match="sha256"):
+        verify_folder(out, record.sha256, 4, "full")
