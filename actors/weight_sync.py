@@ -70,8 +70,15 @@ class WeightSync:
     # --- watching
 
     def see(self, record: PolicyRecord) -> None:
-        """Note a record from the store (only ever moves forward)."""
-        if self.latest is None or record.version > self.latest.version:
+        """Note a record from the store: the most recently published one wins. Its version may be lower
+        than the last one's: a learner that resumed from an older checkpoint re-publishes the weights it
+        holds under their own version, and the actor follows it back (a late announcement of an older
+        publish, with an older `published_at`, is ignored)."""
+        newer = self.latest is None or (record.published_at, record.version) > (
+            self.latest.published_at,
+            self.latest.version,
+        )
+        if newer:
             self.latest = record
             self.metrics.learner_version.set(record.version)
             self._update_lag()
@@ -104,9 +111,10 @@ class WeightSync:
         self.metrics.policy_lag.set(self.lag)
 
     def pending(self) -> PolicyRecord | None:
-        """The newer record to load, or None (nothing newer, or given up on this version)."""
+        """The record to load (its version differs from the engine's: newer, or older after a learner's
+        rollback), or None (nothing to load, or given up on this version)."""
         record = self.latest
-        if record is None or record.version <= self.engine.loaded_version:
+        if record is None or record.version == self.engine.loaded_version:
             return None
         if self._failed.get(record.version, 0) >= self.config.max_attempts:
             return None  # given up on this version (logged); a newer one is tried as it comes

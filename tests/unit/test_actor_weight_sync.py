@@ -87,8 +87,21 @@ async def test_reload_moves_version_and_lag(tmp_path):
     assert engine.loaded_version == 3 and sync.lag == 0 and sync.reloads == 1
     assert _value(reg, "offpolicy_actor_policy_version") == 3
     assert _value(reg, "offpolicy_actor_policy_lag_versions") == 0
-    sync.see(PolicyRecord(2, "/old", "x", 0.0))  # never moves backwards
+    sync.see(PolicyRecord(2, "/old", "x", 0.0))  # a late announcement of an older publish: ignored
     assert sync.latest.version == 3 and await sync.maybe_reload() is False
+
+
+async def test_a_rolled_back_learner_is_followed_back(tmp_path):
+    """The learner resumed from its v2 checkpoint after publishing v3: it re-publishes v2 (later), and
+    the actor loads it, so the versions it stamps are those of the weights the learner holds."""
+    engine = FakeEngine()
+    sync, _ = _sync(engine)
+    sync.see(_publish(tmp_path, 3))
+    assert await sync.maybe_reload() is True and engine.loaded_version == 3
+    rolled_back = _publish(tmp_path, 2, b"checkpoint v2")
+    sync.see(PolicyRecord(2, rolled_back.weights_uri, rolled_back.sha256, 10.0))
+    assert await sync.maybe_reload() is True
+    assert engine.loaded_version == 2 and engine.loaded_path.endswith("v2")
 
 
 async def test_checksum_mismatch_is_loud_and_bounded(tmp_path):
