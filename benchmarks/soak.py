@@ -79,14 +79,25 @@ def soak(minutes: float, every: float, warmup: float, dedupe_window: int) -> dic
                         if child.proc.poll() is not None:
                             raise RuntimeError(f"{child.name} exited:\n{child.log_tail()}")
                     status = httpx.get(f"{learner.url}/v1/status", timeout=10).json()
+                    memory = client.info("memory")
                     samples.append({
                         "t": time.monotonic() - t0,
-                        "redis_used_memory": int(client.info("memory")["used_memory"]),
+                        "redis_used_memory": int(memory["used_memory"]),
+                        "redis_dataset": int(memory.get("used_memory_dataset", 0)),
+                        "redis_overhead": int(memory.get("used_memory_overhead", 0)),
+                        "redis_scripts": int(memory.get("used_memory_scripts", 0)),
                         "redis_keys": int(client.dbsize()),
                         "learner_rss": rss_bytes(learner.proc.pid),
                         "step": int(status.get("step", 0)),
                     })  # fmt: skip
                     time.sleep(every)
+                memory = client.info("memory")
+                breakdown = {k: int(memory[k]) for k in ("used_memory_dataset", "used_memory_overhead",
+                                                         "used_memory_scripts") if k in memory}  # fmt: skip
+                biggest = sorted(
+                    ((k.decode(), int(client.memory_usage(k) or 0)) for k in client.scan_iter(count=1000)),
+                    key=lambda kv: -kv[1],
+                )[:8]
             finally:
                 actor.stop()
                 learner.stop()
@@ -98,9 +109,14 @@ def soak(minutes: float, every: float, warmup: float, dedupe_window: int) -> dic
         "samples": len(samples),
         "steps": samples[-1]["step"] - next(s["step"] for s in samples if s["t"] >= warmup_end),
         "redis_used_memory_growth": growth(samples, "redis_used_memory", warmup_end),
+        "redis_dataset_growth": growth(samples, "redis_dataset", warmup_end),
+        "redis_overhead_growth": growth(samples, "redis_overhead", warmup_end),
+        "redis_scripts_growth": growth(samples, "redis_scripts", warmup_end),
         "redis_keys_growth": growth(samples, "redis_keys", warmup_end),
         "learner_rss_growth": growth(samples, "learner_rss", warmup_end),
         "target_growth_max": TARGET_GROWTH,
+        "memory_at_end": breakdown,
+        "largest_keys_at_end": biggest,
         "first": samples[0],
         "last": samples[-1],
     }

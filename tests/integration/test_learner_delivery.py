@@ -18,8 +18,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 
 from buffer.errors import BufferNotReady
+from buffer.keys import BufferKeys
 from buffer.replay_buffer import ReplayBuffer
 from buffer.types import SamplingParams, Trajectory, TrajectoryGroup
 from learner.checkpoint import checkpoint_versions
@@ -111,9 +113,16 @@ def test_kill_9_five_times_trains_every_group_exactly_once_in_the_resumed_histor
     assert stats.size == 0 and stats.redelivered_total > 0  # the kills did lose updates, and they came back
 
 
-def test_an_untrainable_group_is_dead_lettered_and_its_neighbours_train(tiny_dir, redis_url, tmp_path):  # noqa: F811
-    cfg = config(tiny_dir, redis_url, tmp_path, groups_per_step=3, checkpoint={"checkpoint_dir": None})
-    good = covering_groups(2, seed=8)
+def test_poison_groups_in_a_batch_are_dead_lettered_and_their_neighbours_train(
+    tiny_dir,  # noqa: F811
+    redis_url,
+    tmp_path,
+):
+    """One sampled batch holds two valid groups, a group with a token id past the model's vocabulary, and
+    two whose stored payloads were corrupted behind the buffer's back (garbage bytes, a truncated frame):
+    the step trains the two valid ones, the three others are in the dead-letter list with their field."""
+    cfg = config(tiny_dir, redis_url, tmp_path, groups_per_step=5, checkpoint={"checkpoint_dir": None})
+    good = covering_groups(4, seed=8)
     rng = np.random.default_rng(0)
     bad = TrajectoryGroup(
         group_id=uuid.uuid4().hex, prompt_id="bad", prompt_ids=np.asarray([1, 2, 3], dtype=np.int32),
@@ -123,13 +132,21 @@ def test_an_untrainable_group_is_dead_lettered_and_its_neighbours_train(tiny_dir
                                  finish_reason="stop")],
     )  # fmt: skip
     with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:
-        assert buf.insert_many([good[0], bad, good[1]]).ok
+        assert buf.insert_many([good[0], bad, good[1], good[2], good[3]]).ok
+    keys, raw = BufferKeys.for_run(cfg.run_id), redis.Redis.from_url(redis_url)
+    raw.set(keys.payload(good[2].group_id), b"garbage")
+    raw.set(keys.payload(good[3].group_id), b"OPTG\x02\x00\xff\xff\xff\xff")  # a truncated frame
+    raw.close()
     learner = Learner(cfg)
     try:
         metrics = learner.step()
-        dead = learner.buffer.dead_letters()
+        dead = {d["group_id"]: d for d in learner.buffer.dead_letters()}
+        stats = learner.buffer.stats()
     finally:
         learner.close()
-    assert metrics["groups"] == 2.0
-    assert [(d["group_id"], d["field"]) for d in dead] == [(bad.group_id, "trajectories[0].response_ids")]
-    assert "[0, 101)" in dead[0]["reason"]
+    assert metrics["groups"] == 2.0  # the loop survived; the valid neighbours trained
+    assert set(dead) == {bad.group_id, good[2].group_id, good[3].group_id}
+    assert dead[bad.group_id]["field"] == "trajectories[0].response_ids"
+    assert "[0, 101)" in dead[bad.group_id]["reason"]
+    assert all(dead[g.group_id]["reason"] for g in good[2:])
+    assert stats.size == 0 and stats.leases_outstanding == 0
