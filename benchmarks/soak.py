@@ -2,7 +2,7 @@
 growing? Samples Redis `used_memory` and key count, and the learner process's resident set, every
 `--every` seconds; after a warm-up (the first `--warmup` share of the run) each must stay within 10 % of
 its mean right after the warm-up. The buffer's dedupe set is bounded by a window of ids (default 100,000,
-~10 MB of Redis): it grows until full, by design; the soak uses a 2,000-id window so that it fills during
+~10 MB of Redis): it grows until full, by design; the soak uses a 500-id window so that it fills during
 the warm-up (`--dedupe-window`). Not part of CI (10 minutes by default).
 
     python benchmarks/soak.py [--minutes 10] [--every 10] [--warmup 0.2] [--json]
@@ -130,7 +130,7 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--every", type=float, default=10.0, help="seconds between samples")
     ap.add_argument("--warmup", type=float, default=0.2, help="share of the run before the baseline sample")
-    ap.add_argument("--dedupe-window", type=int, default=2000,
+    ap.add_argument("--dedupe-window", type=int, default=500,
                     help="the dedupe window (ids): small enough to fill during the warm-up")  # fmt: skip
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
