@@ -29,6 +29,7 @@ import yaml  # noqa: E402
 
 from actors.toy import write_target_token_dataset  # noqa: E402
 from buffer.embedded import EmbeddedRedis  # noqa: E402
+from buffer.keys import BufferKeys  # noqa: E402
 from learner.model import make_tiny_model  # noqa: E402
 from services.children import start_service  # noqa: E402
 from services.quickstart import actor_config, learner_config  # noqa: E402
@@ -62,10 +63,11 @@ def soak(minutes: float, every: float, warmup: float, dedupe_window: int) -> dic
             lcfg = learner_config(run_dir, model, server.url, "soak")
             lcfg["checkpoint"]["checkpoint_every"] = 5
             lcfg["metrics_jsonl"] = None
+            lcfg["buffer"]["dedupe_window"] = dedupe_window
+            acfg = actor_config(model, dataset, server.url, "soak")
+            acfg["buffer"]["dedupe_window"] = dedupe_window
             (run_dir / "learner.yaml").write_text(yaml.safe_dump(lcfg))
-            (run_dir / "actor.yaml").write_text(
-                yaml.safe_dump(actor_config(model, dataset, server.url, "soak"))
-            )
+            (run_dir / "actor.yaml").write_text(yaml.safe_dump(acfg))
             learner = start_service("learner", run_dir / "learner.yaml", run_dir / "learner.log")
             actor = start_service("actor", run_dir / "actor.yaml", run_dir / "actor.log")
             client = redis.Redis.from_url(server.url)
@@ -87,6 +89,7 @@ def soak(minutes: float, every: float, warmup: float, dedupe_window: int) -> dic
                         "redis_overhead": int(memory.get("used_memory_overhead", 0)),
                         "redis_scripts": int(memory.get("used_memory_scripts", 0)),
                         "redis_keys": int(client.dbsize()),
+                        "dedupe_entries": int(client.zcard(BufferKeys.for_run("soak").seen)),
                         "learner_rss": rss_bytes(learner.proc.pid),
                         "step": int(status.get("step", 0)),
                     })  # fmt: skip
