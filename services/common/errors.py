@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from actors.errors import ActorError, DatasetError, EngineError, RewardError, WeightLoadError
+from actors.errors import ActorError, DatasetError, EngineError, PromptFailed, RewardError, WeightLoadError
 from buffer.errors import BufferError, BufferNotReady, InvalidTrajectory, RateLimited, StorageUnavailable
 from config.secrets import Redactor
 from learner.errors import (
@@ -160,6 +160,7 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
     RewardError: (500, "reward_error"),
     WeightLoadError: (503, "weight_load_failed"),
     EngineError: (500, "engine_error"),
+    PromptFailed: (500, "prompt_failed"),
 }
 """(status, code) per error class; a subclass without a row inherits its nearest parent's (MRO order)."""
 
