@@ -8,7 +8,7 @@ of the same weights (what the learner did before), timed on its own: `sync_publi
 a step it would take. Shapes:
 
     cpu-ref        hidden 512 x 8 layers, 16 rows x (64 + 128) tokens, fp32 (CPU)
-    publish-heavy  hidden 1024 x 2 layers, vocab 65,536 (160M parameters), 2 rows x (16 + 16) tokens:
+    publish-heavy  hidden 1024 x 2 layers, vocab 65,536 (160M parameters), 4 rows x (16 + 32) tokens:
                    a CPU shape whose synchronous publish costs >= 1/3 of the step
     0.4b           hidden 1024 x 24 layers, vocab 32k, 128 rows x (256 + 768) tokens (CUDA)
     1.3b           hidden 1536 x 28 layers, vocab 152k (2 KV heads), 64 rows x (256 + 768) tokens (CUDA)
@@ -58,7 +58,7 @@ SHAPES = {  # model sizes, then the batch: groups x n rows of prompt + response 
     "publish-heavy": {
         "model": {"hidden_size": 1024, "num_layers": 2, "num_heads": 16, "intermediate_size": 2816,
                   "vocab_size": 65536},
-        "groups": 1, "n": 2, "prompt": 16, "resp": 16, "micro": 2,
+        "groups": 2, "n": 2, "prompt": 16, "resp": 32, "micro": 4,
     },
     "0.4b": {
         "model": {"hidden_size": 1024, "num_layers": 24, "num_heads": 16, "intermediate_size": 2816,
@@ -112,7 +112,7 @@ def sync_publish_seconds(learner: Learner, folder: Path, reps: int) -> float:
     for i in range(reps):
         t0 = time.perf_counter()
         publish_weights(learner.model, folder, 10_000 + i, tokenizer=learner.tokenizer,
-                        dtype=learner.publish_dtype, keep_versions=1)  # fmt: skip
+                        dtype=learner.persist.publish_dtype, keep_versions=1)  # fmt: skip
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

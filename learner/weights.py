@@ -267,13 +267,15 @@ def write_version(snap: WeightsSnapshot, weights_dir: str | Path, max_shard_byte
     tmp = final.parent / f".tmp-v{snap.version}-{uuid.uuid4().hex}"
     tmp.mkdir()
     files: dict[str, dict[str, Any]] = {}
-    record_sha = hashlib.sha256()  # = weights_sha256(folder): the safetensors files in name order
+    # The record's checksum = weights_sha256(folder): one digest over the safetensors files in name order.
+    # With one file it is that file's own digest: no second hasher over the same bytes.
     shards = _shards(snap.tensors, max_shard_bytes)
     names = (
         ["model.safetensors"]
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
+    record_sha = hashlib.sha256() if len(shards) > 1 else None
     for name, shard in zip(names, shards, strict=True):  # names sort in write order
         files[name] = write_safetensors(tmp / name, shard, record_sha)
     if len(shards) > 1:
@@ -298,7 +300,7 @@ def write_version(snap: WeightsSnapshot, weights_dir: str | Path, max_shard_byte
     manifest = {
         "format": MANIFEST_FORMAT,
         "version": snap.version,
-        "sha256": record_sha.hexdigest(),
+        "sha256": record_sha.hexdigest() if record_sha is not None else files[names[0]]["sha256"],
         "files": files,
     }
     _write_small(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
