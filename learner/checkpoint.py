@@ -45,6 +45,7 @@ class Trainables:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     critic: torch.nn.Module | None = None
     critic_optimizer: torch.optim.Optimizer | None = None
+    policy: torch.nn.Module | None = None  # what the loop calls for log-probs (`sharding.LogProbs` of model)
 
 
 def _optimizer_to_files(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -112,6 +113,31 @@ def _host(tensors: dict[str, torch.Tensor]) -> HostCopy:
     return HostCopy(tensors, None, pin=False)
 
 
+def base_meta(
+    parts: Trainables,
+    *,
+    version: int,
+    step: int,
+    run_id: str,
+    config: dict[str, Any],
+    buffer_position: dict[str, Any],
+    lease_ids: list[str] | None = None,
+) -> dict[str, Any]:
+    """What every checkpoint's `meta.json` holds, whatever its layout: identity, counters, config, buffer
+    position, the leases it holds, the scheduler and the Python RNG."""
+    return {
+        "identity": identity(parts, run_id),
+        "version": version,
+        "step": step,
+        "saved_at": time.time(),
+        "config": config,
+        "buffer_position": buffer_position,
+        "lease_ids": list(lease_ids or []),
+        "scheduler": parts.scheduler.state_dict(),
+        "python_rng": random.getstate(),
+    }
+
+
 def snapshot_checkpoint(
     parts: Trainables,
     *,
@@ -126,19 +152,15 @@ def snapshot_checkpoint(
     files = {"model": _host(unique_state(parts.model))}
     opt_tensors, opt_meta = _optimizer_to_files(parts.optimizer)
     files["optimizer"] = _host(opt_tensors)
-    meta: dict[str, Any] = {
-        "format": FORMAT,
-        "identity": identity(parts, run_id),
-        "version": version,
-        "step": step,
-        "saved_at": time.time(),
-        "config": config,
-        "buffer_position": buffer_position,
-        "lease_ids": list(lease_ids or []),
-        "optimizer": opt_meta,
-        "scheduler": parts.scheduler.state_dict(),
-        "python_rng": random.getstate(),
-    }
+    meta = base_meta(
+        parts,
+        version=version,
+        step=step,
+        run_id=run_id,
+        config=config,
+        buffer_position=buffer_position,
+        lease_ids=lease_ids,
+    ) | {"format": FORMAT, "optimizer": opt_meta}
     if parts.critic is not None and parts.critic_optimizer is not None:
         files["critic"] = _host(unique_state(parts.critic))
         c_tensors, meta["critic_optimizer"] = _optimizer_to_files(parts.critic_optimizer)
@@ -198,15 +220,14 @@ def _load_module(module: torch.nn.Module, file: Path, device: torch.device) -> N
         raise CheckpointMismatch(f"{file}: missing {sorted(set(missing) - tied)}, unexpected {unexpected}")
 
 
-def load_checkpoint(path: str | Path, parts: Trainables, run_id: str = "default") -> dict[str, Any]:
-    """Restore `parts` and the RNGs from the checkpoint folder `path`; return its meta (version, ...).
-
-    Raises `CheckpointMismatch` when the checkpoint belongs to another run or another model."""
+def read_meta(path: str | Path, parts: Trainables, run_id: str = "default") -> dict[str, Any]:
+    """The meta of the checkpoint folder `path`, after checking it is one this learner may resume: a
+    format it reads (2: one process; 3: sharded, learner/sharded_checkpoint.py), this run, this model."""
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in (FORMAT, 3):
         raise CheckpointMismatch(
-            f"{path}: checkpoint format {meta.get('format')!r}, this learner reads {FORMAT}"
+            f"{path}: checkpoint format {meta.get('format')!r}, this learner reads {FORMAT} and 3"
         )
     want, got = identity(parts, run_id), meta["identity"]
     if got != want:
@@ -215,6 +236,22 @@ def load_checkpoint(path: str | Path, parts: Trainables, run_id: str = "default"
             f"{want['run_id']!r}, model {want['model']}: point checkpoint.checkpoint_dir elsewhere or "
             "remove the folder"
         )
+    return meta
+
+
+def restore_python_rng(meta: dict[str, Any]) -> None:
+    version_, state, gauss = meta["python_rng"]
+    random.setstate((version_, tuple(state), gauss))
+
+
+def load_checkpoint(path: str | Path, parts: Trainables, run_id: str = "default") -> dict[str, Any]:
+    """Restore `parts` and the RNGs from the one-process checkpoint folder `path`; return its meta.
+
+    Raises `CheckpointMismatch` when the checkpoint belongs to another run or another model."""
+    path = Path(path)
+    meta = read_meta(path, parts, run_id)
+    if meta["format"] != FORMAT:
+        raise CheckpointMismatch(f"{path} is sharded (format 3): learner/sharded_checkpoint.py reads it")
     device = next(parts.model.parameters()).device
     _load_module(parts.model, path / "model.safetensors", device)
     _optimizer_from_files(parts.optimizer, load_file(str(path / "optimizer.safetensors")), meta["optimizer"])
@@ -229,6 +266,5 @@ def load_checkpoint(path: str | Path, parts: Trainables, run_id: str = "default"
         cuda = [rng[k] for k in sorted(k for k in rng if k.startswith("cuda."))]
         if cuda:
             torch.cuda.set_rng_state_all(cuda)
-    version_, state, gauss = meta["python_rng"]
-    random.setstate((version_, tuple(state), gauss))
+    restore_python_rng(meta)
     return meta

@@ -98,6 +98,14 @@ class CheckpointConfig(ConfigModel):
     """How many checkpoints stay on disk."""
 
 
+class FsdpConfig(ConfigModel):
+    """How a learner on N ranks (`offpolicy learner --nproc-per-node N`) shards; ignored on one process."""
+
+    cpu_offload: bool = Field(False, json_schema_extra=FROZEN)
+    """FSDP2's `CPUOffloadPolicy`: sharded parameters, gradients and AdamW state live in host memory and
+    the optimizer steps on the CPU (fits larger models, slower steps)."""
+
+
 class LearnerConfig(ConfigModel):
     """Everything the learner loop reads; applied at step boundaries (DESIGN.md "Learner")."""
 
@@ -112,6 +120,8 @@ class LearnerConfig(ConfigModel):
     opt-in only). None = `bf16_mixed` on CUDA, `fp32` on CPU (learner/precision.py)."""
     gradient_checkpointing: bool = Field(False, json_schema_extra=FROZEN)
     """Recompute each decoder layer's activations in the backward pass (less memory, ~30 % more compute)."""
+    fsdp: FsdpConfig = FsdpConfig()
+    """Sharding across the ranks of a multi-GPU learner (learner/sharding.py)."""
     logprob_chunk_tokens: int = Field(4096, ge=1)
     """Tokens of a micro-batch whose fp32 logits exist at once when computing log-probs (the LM head runs
     on chunks of response positions; `learner/batching.py` `token_logprobs`)."""

@@ -59,15 +59,22 @@ def token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.T
 
 
 def value_loss(
-    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip: float
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float,
+    denominator: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped value loss, token-mean over `mask`; returns (loss, metrics as 0-d tensors)."""
+    """PPO clipped value loss summed over `mask` and divided by `denominator` (the mini-batch's sampled
+    tokens, so micro-batch losses add up to the mini-batch's token-mean whatever the split; default: this
+    call's own tokens); returns (loss, metrics as 0-d tensors, this call's token-means)."""
     clipped = old_values + (values - old_values).clamp(-clip, clip)
     l1, l2 = (values - returns) ** 2, (clipped - returns) ** 2
     n = mask.sum().clamp(min=1.0)
-    loss = 0.5 * (torch.maximum(l1, l2) * mask).sum() / n
+    loss = 0.5 * (torch.maximum(l1, l2) * mask).sum() / (n if denominator is None else denominator)
     metrics = {
-        "critic/vf_loss": loss.detach(),
+        "critic/vf_loss": 0.5 * (torch.maximum(l1, l2) * mask).sum().detach() / n,
         "critic/vf_clipfrac": ((l2 > l1).float() * mask).sum() / n,
         "critic/values_mean": (values.detach() * mask).sum() / n,
     }

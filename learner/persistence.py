@@ -18,15 +18,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from config.secrets import redact_url
+from learner import sharded_checkpoint
 from learner.checkpoint import (
     CheckpointSnapshot,
     Trainables,
+    base_meta,
     latest_checkpoint,
     load_checkpoint,
+    read_meta,
     snapshot_checkpoint,
     write_checkpoint,
 )
-from learner.errors import CheckpointsDisabled
+from learner.distributed import SINGLE, Ranks
+from learner.errors import CheckpointMismatch, CheckpointsDisabled
 from learner.update import timed
 from learner.weights import HostCopy, WeightsSnapshot, publish_snapshot, remove_leftovers, unique_state
 from learner.writer import BackgroundWriter, Kind, WeightsBuffers
@@ -50,28 +54,37 @@ class Persistence:
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         publish_dtype: torch.dtype,
-        store: PolicyStore,
+        store: PolicyStore | None,
         metrics: LearnerMetrics,
         on_durable: Callable[[Kind, int], None] | None = None,
+        ranks: Ranks = SINGLE,
     ) -> None:
         self.config, self.model, self.tokenizer, self.publish_dtype = config, model, tokenizer, publish_dtype
-        self.store, self.metrics, self._on_durable = store, metrics, on_durable
+        self.store, self.metrics, self._on_durable, self.ranks = store, metrics, on_durable, ranks
         self.writer = BackgroundWriter(on_done=self._written)
         self._weights_buffers = WeightsBuffers(self.writer)
         self._copies: dict[Kind, list[HostCopy | CheckpointSnapshot]] = {"weights": [], "checkpoint": []}
         self._coalesced_seen = 0
         self.published_version: int | None = None  # newest version announced to the actors
         self.durable_checkpoint_version: int | None = None  # newest checkpoint on disk
-        for folder in (config.weights_path, config.checkpoint_path):
+        for folder in (config.weights_path, config.checkpoint_path) if ranks.is_leader else ():
             if folder is not None and (gone := remove_leftovers(folder)):
                 log.warning("removed %d partial write(s) left by a killed learner in %s", len(gone), folder)
+        self.sharded: sharded_checkpoint.ShardedCheckpoints | None = None  # N ranks: DCP checkpoints
+        if ranks.distributed and config.checkpoint_path is not None:
+            keep = config.checkpoint.keep_checkpoints
+            self.sharded = sharded_checkpoint.ShardedCheckpoints(
+                config.checkpoint_path, ranks, keep, lambda v: self._written("checkpoint", v, None, 0.0)
+            )
 
     # --- weights
 
-    def publish(self, version: int) -> None:
-        """Start the host snapshot of the weights (cast to the publish dtype) and queue their write."""
+    def publish(self, version: int, state: dict[str, torch.Tensor] | None = None) -> None:
+        """Start the host snapshot of the weights (cast to the publish dtype) and queue their write.
+        `state`: the full weights gathered from N ranks (learner/sharding.py), instead of the model's."""
         self.fence()  # the buffers about to be reused must not be mid-copy (normally long finished)
-        copy = HostCopy(unique_state(self.model), self.publish_dtype, into=self._weights_buffers.acquire())
+        source = state if state is not None else unique_state(self.model)
+        copy = HostCopy(source, self.publish_dtype, into=self._weights_buffers.acquire())
         self._weights_buffers.keep(copy.tensors)
         self._copies["weights"].append(copy)
         pc, store, wdir = self.config.publish, self.store, self.config.weights_path
@@ -92,19 +105,25 @@ class Persistence:
         self.metrics.writes_coalesced.inc(self.writer.coalesced - self._coalesced_seen)
         self._coalesced_seen = self.writer.coalesced
 
-    def ensure_published(self, version: int) -> None:
-        """At start: publish `version` unless the policy record already names it, in our folder, and
-        wait until it is announced (actors start from it; this is not a training step)."""
-        record = self.store.read()
+    def needs_publish(self, version: int) -> bool:
+        """At start: whether `version` must be published (the policy record does not name it, in our
+        folder); actors start from it. When it need not, it counts as published."""
+        record = self.store.read() if self.store is not None else None
         ours = (
             record is not None
             and Path(record.weights_uri).parent.resolve() == self.config.weights_path.resolve()
         )
-        if record is None or record.version != version or not ours:
+        if record is not None and record.version == version and ours:
+            self.published_version = record.version
+            return False
+        return True
+
+    def ensure_published(self, version: int) -> None:
+        """At start (one process): publish `version` unless the policy record already names it, and wait
+        until it is announced (this is not a training step)."""
+        if self.needs_publish(version):
             self.publish(version)
             self.writer.flush()
-        else:
-            self.published_version = record.version
 
     # --- checkpoints
 
@@ -121,12 +140,24 @@ class Persistence:
         root = self.config.checkpoint_path
         if root is None:
             raise CheckpointsDisabled("checkpoints are disabled: checkpoint.checkpoint_dir is null")
+        config = self.config.model_dump(mode="json") | {"redis_url": redact_url(self.config.redis_url)}
+        if self.sharded is not None:  # every rank: DCP, sharded and asynchronous
+            meta = base_meta(
+                parts,
+                version=version,
+                step=step,
+                run_id=self.config.run_id,
+                config=config,
+                buffer_position=buffer_position,
+                lease_ids=lease_ids,
+            )
+            return self.sharded.save(parts, version, meta)
         snap = snapshot_checkpoint(
             parts,
             version=version,
             step=step,
             run_id=self.config.run_id,
-            config=self.config.model_dump(mode="json") | {"redis_url": redact_url(self.config.redis_url)},
+            config=config,
             buffer_position=buffer_position,
             lease_ids=lease_ids or [],
         )
@@ -141,7 +172,16 @@ class Persistence:
         path = latest_checkpoint(cdir) if cdir else None
         if path is None:
             return None
-        meta = load_checkpoint(path, parts, self.config.run_id)
+        meta = read_meta(path, parts, self.config.run_id)
+        if meta["format"] == sharded_checkpoint.FORMAT:
+            meta = sharded_checkpoint.load(path, parts, self.ranks)  # whatever world size wrote it
+        elif self.ranks.distributed:
+            raise CheckpointMismatch(
+                f"{path} was written by a one-process learner; a learner on {self.ranks.world_size} ranks "
+                "reads sharded checkpoints only: resume it with --nproc-per-node 1"
+            )
+        else:
+            meta = load_checkpoint(path, parts, self.config.run_id)
         self.durable_checkpoint_version = int(meta["version"])
         log.info("resumed from %s at version %d", path, int(meta["version"]))
         return meta
@@ -168,7 +208,20 @@ class Persistence:
         if self._on_durable is not None:
             self._on_durable(kind, version)
 
+    def poll(self) -> None:
+        """Step boundary: a sharded checkpoint whose write completed becomes durable."""
+        if self.sharded is not None:
+            self.sharded.poll()
+
+    def flush(self) -> None:
+        """Wait until every queued publish and checkpoint is durable."""
+        if self.sharded is not None:
+            self.sharded.finish()
+        self.writer.flush()
+
     def close(self) -> None:
         """Finish the copies and the queued writes, then stop the writer."""
         self.fence()
+        if self.sharded is not None:
+            self.sharded.finish()
         self.writer.close()

@@ -10,6 +10,10 @@ optimizer step over a mini-batch's micro-batches, is `learner/update.py`):
 
 In bypass mode pi_old := pi_rollout and the correction runs per micro-batch inside the loss. Config
 changes land only between steps; `checkpoint()` from another thread waits for the running step to end.
+
+On N ranks (torchrun; learner/distributed.py) the rank-0 `Learner` (leader) samples, screens and sends
+each step boundary's `Command` to the others (followers), which run `follow()`; from there every rank runs
+the same `_execute`: the same config, the same batch, its own share of it, FSDP2 (learner/sharding.py).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 import torch
 from prometheus_client import CollectorRegistry
 
+from buffer.codec import decode_group, encode_group
 from buffer.errors import BufferNotReady, RateLimited, StorageUnavailable
 from buffer.policy import PolicyStore
 from buffer.replay_buffer import ReplayBuffer
@@ -36,23 +41,34 @@ from learner.config import LearnerConfig, frozen_field_changes
 from learner.correction import compute_rollout_correction
 from learner.critic import ValueModel, token_rewards
 from learner.delivery import Delivery
+from learner.distributed import (
+    HEARTBEAT_S,
+    Command,
+    Ranks,
+    all_reduce_sum,
+    broadcast_command,
+    current,
+    local_device,
+    reduce_means,
+)
 from learner.errors import FrozenFieldChange, WriteFailed
 from learner.metrics import LearnerMetrics, StalenessKL
 from learner.model import checkpoint_dtype, load_model, load_tokenizer
 from learner.persistence import Persistence
 from learner.precision import Precision, pick_device
 from learner.screening import ModelLimits, field_label, screen
+from learner.sharding import LogProbs, full_state, shard
 from learner.update import (
     lr_lambda,
-    mean_metrics,
-    micro_batches,
+    metric_sums,
     mini_batches,
     no_grad_logprobs,
     optimizer_step,
-    pad_cols,
+    rows_forward,
     set_optimizer_hparams,
     timed,
 )
+from learner.weights import unique_state
 from learner.writer import BackgroundWriter
 
 log = logging.getLogger(__name__)
@@ -74,15 +90,21 @@ config took effect; `step` = learner steps completed before it (step + 1 is the 
 
 
 class Learner:
-    """One training process: holds model, optimizer, buffer and policy store; `run` loops `step`."""
+    """One training process: holds model, optimizer, buffer and policy store; `run` loops `step`.
+
+    `ranks`: this process's place among N (default `distributed.current()`: the only one without
+    torchrun). Followers (rank > 0) hold no buffer, policy store or delivery: they train on what the
+    leader sends, in `follow()`."""
 
     def __init__(
         self,
         config: LearnerConfig,
         registry: CollectorRegistry | None = None,
         on_config_applied: ConfigApplied | None = None,
+        ranks: Ranks | None = None,
     ) -> None:
-        self.config = config
+        ranks = ranks if ranks is not None else current()  # torchrun: the group joined at start
+        self.config, self.ranks = config, ranks
         self.config_version = 0
         self.config_applied_at_step = 0
         self._on_config_applied = on_config_applied
@@ -93,14 +115,19 @@ class Learner:
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
         # --- model (master weights in the precision's dtype), tokenizer, optimizer, schedule
-        self.device = pick_device(config.device)
+        self.device = local_device(ranks, pick_device(config.device))
         self.precision = Precision.resolve(config.precision, self.device)
-        self.model = load_model(
+        sharded, offload = ranks.distributed, config.fsdp.cpu_offload
+        self.model = load_model(  # N ranks: loaded in host memory, each layer moved to the GPU as sharded
             config.model_path,
-            self.device,
+            "cpu" if sharded else self.device,
             self.precision.param_dtype,
             gradient_checkpointing=config.gradient_checkpointing,
         )
+        self._publish_keys = set(unique_state(self.model))  # tied names dropped, as save_pretrained does
+        self.policy = LogProbs(self.model)  # what the loop calls for log-probs
+        if sharded:
+            shard(self.policy, self.model.config.num_hidden_layers, self.precision, offload)
         publish_dtype = checkpoint_dtype(config.model_path)  # published weights = masters cast to this
         self.tokenizer = load_tokenizer(config.model_path)
         self.limits = ModelLimits(
@@ -111,7 +138,7 @@ class Learner:
         oc = config.optimizer
         # fused: one kernel over all parameters (5x faster than foreach for 160M fp32 parameters on CPU)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            self.policy.parameters(),
             lr=oc.lr,
             betas=oc.betas,
             eps=oc.eps,
@@ -125,16 +152,21 @@ class Learner:
         if config.adv_estimator == "gae":
             self.critic = ValueModel(
                 config.critic.model_path or config.model_path,
-                self.device,
+                "cpu" if sharded else self.device,
                 self.precision.param_dtype,
                 gradient_checkpointing=config.gradient_checkpointing,
             )
+            if sharded:
+                shard(self.critic, self.critic.backbone.config.num_hidden_layers, self.precision, offload)
             self.critic_optimizer = torch.optim.AdamW(
                 self.critic.parameters(), lr=config.critic.lr, fused=True
             )
-        # --- buffer and policy record
-        self.buffer = ReplayBuffer(config.redis_url, config.run_id, config.buffer, registry)
-        self.store = PolicyStore(config.redis_url, config.run_id)
+        # --- buffer and policy record (the leader's alone)
+        leader = ranks.is_leader
+        self.buffer = (
+            ReplayBuffer(config.redis_url, config.run_id, config.buffer, registry) if leader else None
+        )
+        self.store = PolicyStore(config.redis_url, config.run_id) if leader else None
         # --- state shared with the control thread
         self.version = 0  # optimizer steps taken = policy version
         self.step_count = 0  # learner steps taken
@@ -146,18 +178,43 @@ class Learner:
         self._running = threading.Event()
         self._running.set()
         self._tokens_per_s: float | None = None
+        self._checkpoint_asked = threading.Event()  # N ranks: a checkpoint() waiting for the loop
+        self._checkpoint_done = threading.Condition()
+        self._checkpoints_done = 0
+        self._stopped = False  # N ranks: the followers were sent `stop`
+        self._last_checkpoint: tuple[Path, int] | None = None
+        self._unsent_config: tuple[LearnerConfig, int] | None = None  # leader: applied, not yet sent
         # --- published weights and checkpoints (off the critical path); resume, then publish what we hold
         self.persist = Persistence(
-            config, self.model, self.tokenizer, publish_dtype, self.store, self.metrics, self._on_durable
+            config,
+            self.model,
+            self.tokenizer,
+            publish_dtype,
+            self.store,
+            self.metrics,
+            self._on_durable,
+            ranks,
         )
-        self.delivery = Delivery(
-            self.buffer, config.run_id, config.delivery_mode, config.lease_s, self.metrics
+        self.delivery = (
+            Delivery(self.buffer, config.run_id, config.delivery_mode, config.lease_s, self.metrics)
+            if self.buffer is not None
+            else None
         )
+        if ranks.distributed:
+            all_reduce_sum(ranks, torch.zeros(1))  # the leader has removed leftover partial writes
         meta = self.persist.resume(self._trainables())
         if meta is not None:
             self._resumed(meta)
-        self.delivery.recover(meta.get("lease_ids", []) if meta is not None else [])
-        self.persist.ensure_published(self.version)
+        if self.delivery is not None:
+            self.delivery.recover(meta.get("lease_ids", []) if meta is not None else [])
+        # the weights the actors start from: published unless the record already names them (a collective)
+        need = self.persist.needs_publish(self.version) if leader else False
+        if (
+            broadcast_command(ranks, Command("publish" if need else "noop") if leader else None).op
+            == "publish"
+        ):
+            self._publish()
+            self.persist.flush()
         self.state = "running"
 
     # --- control (called from other threads)
@@ -187,7 +244,18 @@ class Learner:
 
     def checkpoint(self) -> tuple[Path, int]:
         """Checkpoint now (after the running step, if any) and wait until it is durable; training goes on
-        meanwhile. Returns (folder, version)."""
+        meanwhile. Returns (folder, version). On N ranks the loop takes it at its next step boundary (every
+        rank checkpoints its shards) and this waits for that."""
+        if self.ranks.distributed:
+            if self.config.checkpoint_path is None:
+                self.persist.checkpoint(self._trainables(), 0, 0, {})  # raises CheckpointsDisabled
+            with self._checkpoint_done:
+                target = self._checkpoints_done + 1
+                self._checkpoint_asked.set()
+                self._checkpoint_done.wait_for(lambda: self._checkpoints_done >= target or self._stopped)
+                if self._checkpoints_done < target or self._last_checkpoint is None:
+                    raise WriteFailed("the learner stopped before it took the checkpoint")
+                return self._last_checkpoint
         with self._step_lock:
             path, version = self._checkpoint(), self.version
         self.persist.writer.flush()
@@ -208,8 +276,8 @@ class Learner:
             "config_version": self.config_version,
             "config_applied_at_step": self.config_applied_at_step,
             "tokens_per_s": self._tokens_per_s,
-            "leases_unacked": len(self.delivery.unacked),
-            "buffer": self.buffer.stats(),
+            "leases_unacked": len(self.delivery.unacked) if self.delivery is not None else 0,
+            "buffer": self.buffer.stats() if self.buffer is not None else None,
             "last_step": dict(self.metrics.last),
         }
 
@@ -220,9 +288,16 @@ class Learner:
         Redis unreachable) is retried with capped exponential backoff for as long as it lasts: state
         `waiting_for_redis` and `retrying` (the reason) until a step gets through again, then stepping
         resumes by itself. Any other error propagates (the loop is dead)."""
+        try:
+            self._run(stop_event)
+        finally:
+            self._stop_followers()
+
+    def _run(self, stop_event: threading.Event) -> None:
         delay = RETRY_INITIAL_S
         while not stop_event.is_set():
-            if not self._running.wait(timeout=0.2):
+            if not self._running.wait(timeout=HEARTBEAT_S if self.ranks.distributed else 0.2):
+                self._heartbeat()  # paused: the followers hear from us, a checkpoint() is still served
                 continue
             if self.config.max_steps is not None and self.step_count >= self.config.max_steps:
                 self.state = "finished"
@@ -232,6 +307,7 @@ class Learner:
             except (BufferNotReady, RateLimited) as exc:  # no data yet: wait and retry, bounded by the loop
                 self.state, self.retrying, delay = "waiting_for_data", None, RETRY_INITIAL_S
                 log.info("no groups to train on yet: %s", exc)
+                self._heartbeat()
                 stop_event.wait(0.5)
             except (
                 *TRANSIENT_ERRORS,
@@ -241,7 +317,10 @@ class Learner:
                     raise
                 self.state, self.retrying = "waiting_for_redis", f"{type(exc).__name__}: {exc}"
                 log.warning("redis unavailable, retrying in %.1f s: %s", delay, exc)
-                stop_event.wait(delay)
+                for _ in range(max(1, round(delay / HEARTBEAT_S))):  # heartbeats while it lasts
+                    self._heartbeat()
+                    if stop_event.wait(min(delay, HEARTBEAT_S)):
+                        break
                 delay = min(2 * delay, RETRY_MAX_S)
             else:
                 self.retrying, delay = None, RETRY_INITIAL_S
@@ -251,7 +330,9 @@ class Learner:
 
     def step(self) -> dict[str, float]:
         """Sample, train, publish, checkpoint: one learner step. Returns its metrics."""
+        assert self.buffer is not None and self.delivery is not None, "followers run follow(), not step()"
         self.persist.writer.raise_if_failed()  # a failed background write ends the loop (or is retried)
+        self.persist.poll()
         self.delivery.ack_durable()  # leases of checkpoints that became durable since the last step
         self._apply_pending()
         cfg, phases = self.config, {}
@@ -268,18 +349,12 @@ class Learner:
             log.warning("group %s set aside: %s: %s", r.group.group_id, r.field, r.reason)
             self.metrics.groups_rejected.labels(field=field_label(r.field)).inc()
         if not groups:  # nothing trainable in this sample: no update, the loop samples again
+            self._heartbeat()
             return {"groups_rejected": float(len(rejected))}
+        command = self._command("step", groups)
         with self._step_lock:
-            metrics = self._train_on(groups, phases)
-            self.delivery.trained([lease_of[id(g)] for g in groups])
-            self.step_count += 1
-            if self.step_count % cfg.publish.publish_every == 0:
-                with timed(phases, "publish"):
-                    self.persist.publish(self.version)
-            every = cfg.checkpoint.checkpoint_every
-            if cfg.checkpoint_path is not None and every and self.step_count % every == 0:
-                with timed(phases, "checkpoint"):
-                    self._checkpoint()
+            trained = [lease_of[id(g)] for g in groups]
+            metrics = self._execute(command, groups, phases, lambda: self.delivery.trained(trained))
         total = sum(phases.values())
         self._tokens_per_s = metrics["tokens"] / total if total > 0 else None
         metrics |= {
@@ -292,6 +367,99 @@ class Learner:
         self.metrics.record_step(metrics, phases)
         self._write_jsonl(metrics | {"group_ids": [g.group_id for g in groups]})
         return metrics
+
+    # --- N ranks: the leader's commands, the followers' loop
+
+    def _command(self, op: str, groups: list) -> Command:
+        """Leader: tell every rank what this step boundary does, with the config the leader applied since
+        the last command (a no-op on one process)."""
+        if not self.ranks.distributed:
+            return Command(op)
+        ask = self._checkpoint_asked.is_set()
+        self._checkpoint_asked.clear()
+        change, self._unsent_config = self._unsent_config, None
+        cfg_json, cfg_version = (change[0].model_dump_json(), change[1]) if change else (None, 0)
+        limits = self.config.buffer.limits
+        frames = [encode_group(g, limits) for g in groups]
+        return broadcast_command(self.ranks, Command(op, frames, cfg_json, cfg_version, checkpoint=ask))
+
+    def _heartbeat(self) -> None:
+        """Leader with nothing to train: N ranks hear from it (a config change, a checkpoint request)."""
+        if not self.ranks.distributed:
+            return
+        self._apply_pending()
+        self.persist.poll()
+        command = self._command("noop", [])
+        if command.checkpoint:
+            with self._step_lock:
+                self._execute(command, [], {})
+
+    def follow(self, stop_event: threading.Event | None = None) -> None:
+        """Follower: run the leader's commands until it sends `stop`."""
+        while stop_event is None or not stop_event.is_set():
+            command = broadcast_command(self.ranks, None)
+            if command.op == "stop":
+                return
+            if command.config is not None:
+                new = LearnerConfig.model_validate_json(command.config)
+                with self._lock:
+                    self._pending = (new, command.config_version)
+                self._apply_pending()
+            limits = self.config.buffer.limits
+            self.persist.poll()
+            self._execute(command, [decode_group(f, limits) for f in command.groups], {})
+            if command.op == "step":
+                self.state = "running"
+
+    def _execute(
+        self,
+        command: Command,
+        groups: list,
+        phases: dict[str, float],
+        on_trained: Callable[[], None] | None = None,
+    ) -> dict[str, float]:
+        """Every rank, same step boundary: train on `groups` (op `step`; then `on_trained()`: the leader
+        marks their leases, which a checkpoint of this step then holds), publish, checkpoint when due."""
+        cfg, metrics = self.config, {}
+        if command.op == "step":
+            metrics = self._train_on(groups, phases)
+            if on_trained is not None:
+                on_trained()
+            self.step_count += 1
+            if self.step_count % cfg.publish.publish_every == 0:
+                with timed(phases, "publish"):
+                    self._publish()
+        every = cfg.checkpoint.checkpoint_every
+        due = (
+            command.op == "step"
+            and cfg.checkpoint_path is not None
+            and every
+            and self.step_count % every == 0
+        )
+        if due or command.checkpoint:
+            with timed(phases, "checkpoint"):
+                path = self._checkpoint()
+            if command.checkpoint:  # asked for through checkpoint(): durable before the caller hears back
+                self.persist.flush()
+                with self._checkpoint_done:
+                    self._last_checkpoint = (path, self.version)
+                    self._checkpoints_done += 1
+                    self._checkpoint_done.notify_all()
+        return metrics
+
+    def _publish(self) -> None:
+        """Publish the current weights (N ranks: every rank joins the gather to rank 0's host memory)."""
+        state = full_state(self.model, self._publish_keys) if self.ranks.distributed else None
+        if self.ranks.is_leader:
+            self.persist.publish(self.version, state)
+
+    def _stop_followers(self) -> None:
+        """Leader: send `stop` once (the followers return from `follow`)."""
+        if self.ranks.distributed and self.ranks.is_leader and not self._stopped:
+            self._stopped = True
+            broadcast_command(self.ranks, Command("stop"))
+            with self._checkpoint_done:
+                self._checkpoint_done.notify_all()
 
     def _train_on(self, groups: list, phases: dict[str, float]) -> dict[str, float]:
         cfg, rc = self.config, self.config.rollout_correction
@@ -307,7 +475,7 @@ class Learner:
             if rc.bypass_mode:
                 batch.old_log_probs = batch.rollout_log_probs
             else:
-                batch.old_log_probs = no_grad_logprobs(self.model, batch, cfg, self.precision)  # (B, R)
+                batch.old_log_probs = no_grad_logprobs(self.policy, batch, cfg, self.precision, self.ranks)
                 ages = token_staleness(batch, self.version)  # (B, R): each token's own age
                 kl.add(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, ages)
                 corr = compute_rollout_correction(
@@ -318,8 +486,9 @@ class Learner:
             self._advantages(batch)
         # --- PPO epochs × mini-batches × micro-batches
         acc: dict[str, list[torch.Tensor]] = {}
+        order = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step_count)  # same on every rank
         for epoch in range(cfg.ppo_epochs):
-            for mini in mini_batches(batch, cfg.mini_batch_groups):
+            for mini in mini_batches(batch, cfg.mini_batch_groups, order):
                 bypass_kl = (kl, self.version) if epoch == 0 and rc.bypass_mode else None
                 optimizer_step(
                     self._trainables(),
@@ -331,13 +500,16 @@ class Learner:
                     self.precision,
                     bypass_kl,
                     self.persist.fence,
+                    self.ranks,
                 )
                 self.version += 1  # the policy version counts optimizer steps
         if batch.is_weights is not None:
             self.metrics.is_weight_hist.observe_many(batch.is_weights[batch.response_mask > 0].cpu().numpy())
         self.metrics.staleness_hist.observe_many(staleness.cpu().numpy())
-        host |= mean_metrics(acc)
+        host |= reduce_means(self.ranks, metric_sums(acc))  # means over every rank's micro-batches
         host["actor/pg_loss"] = host["loss"]
+        if rc.bypass_mode:  # pi_theta's KL was taken on each rank's own rows
+            kl.sums, kl.counts = (all_reduce_sum(self.ranks, t.to(self.device)) for t in (kl.sums, kl.counts))
         host |= {f"offpolicy_kl/{b}": v for b, v in kl.result().items()}
         scalars = torch.stack([tokens, batch.rewards.mean(), staleness.float().mean()]).cpu().tolist()
         host |= {
@@ -364,9 +536,7 @@ class Learner:
             )
             return
         with torch.no_grad(), self.precision.autocast():
-            width = batch.response_mask.shape[1]
-            rows = micro_batches(torch.arange(batch.num_rows, device=self.device), cfg.micro_batch_size)
-            batch.values = torch.cat([pad_cols(self.critic(batch.select(r)), width) for r in rows])
+            batch.values = rows_forward(self.critic, batch, cfg.micro_batch_size, self.ranks)  # (B, R)
         # The episode is every sampled token: the reward sits on the last one, whatever rejection sampling
         # masked out of the loss (`response_mask`); values and returns cover all sampled tokens.
         rewards = token_rewards(batch.rewards, batch.sampled_mask)  # (B, R)
@@ -388,7 +558,7 @@ class Learner:
         if new.critic.lr != self.config.critic.lr and self.critic_optimizer is not None:
             for g in self.critic_optimizer.param_groups:
                 g["lr"] = new.critic.lr
-        if new.buffer != self.config.buffer:
+        if new.buffer != self.config.buffer and self.buffer is not None:
             self.buffer.reconfigure(new.buffer)  # same buffer object, connections and metrics registry
         self.config, self.config_version, self.config_applied_at_step = new, version, self.step_count
         with self._lock:
@@ -398,15 +568,21 @@ class Learner:
         log.info("applied config version %d at step %d", version, self.step_count)
         if self._on_config_applied is not None:
             self._on_config_applied(version, self.step_count)
+        if self.ranks.distributed and self.ranks.is_leader:
+            self._unsent_config = pending  # the next command carries it to every rank
 
     def _trainables(self) -> Trainables:
-        return Trainables(self.model, self.optimizer, self.scheduler, self.critic, self.critic_optimizer)
+        return Trainables(
+            self.model, self.optimizer, self.scheduler, self.critic, self.critic_optimizer, self.policy
+        )
 
     def _checkpoint(self) -> Path:
         """Snapshot a checkpoint and queue its write; return the folder it will have."""
-        stats = self.buffer.stats()
-        position = {"inserted_total": stats.inserted_total, "sampled_total": stats.sampled_total}
-        leases = self.delivery.checkpointed(self.version)
+        position, leases = {}, []
+        if self.buffer is not None and self.delivery is not None:  # the leader's (its meta is the one kept)
+            stats = self.buffer.stats()
+            position = {"inserted_total": stats.inserted_total, "sampled_total": stats.sampled_total}
+            leases = self.delivery.checkpointed(self.version)
         return self.persist.checkpoint(self._trainables(), self.version, self.step_count, position, leases)
 
     def _on_durable(self, kind: str, version: int) -> None:
@@ -418,7 +594,7 @@ class Learner:
         """Take the resumed checkpoint's counters. The version is always that of the weights we hold:
         versions published after that checkpoint are superseded (`ensure_published` re-publishes ours)."""
         self.version, self.step_count = int(meta["version"]), int(meta["step"])
-        record = self.store.read()
+        record = self.store.read() if self.store is not None else None
         if record is not None and record.version > self.version:
             log.warning(
                 "published v%d is newer than checkpoint v%d: its weights are lost; re-publishing v%d",
@@ -435,9 +611,11 @@ class Learner:
 
     def close(self) -> None:
         """Finish the background writes and acknowledge what they made durable, give back the leases whose
-        updates are in no durable checkpoint, then close the Redis connections."""
+        updates are in no durable checkpoint, then close the Redis connections (leader)."""
+        self._stop_followers()
         self.persist.close()
-        self.delivery.ack_durable()
-        self.delivery.close(release=True)
-        self.buffer.close()
-        self.store.close()
+        if self.delivery is not None and self.buffer is not None and self.store is not None:
+            self.delivery.ack_durable()
+            self.delivery.close(release=True)
+            self.buffer.close()
+            self.store.close()

@@ -9,6 +9,7 @@ the phase timer the train loop uses.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -17,13 +18,15 @@ from typing import Any
 
 import torch
 
-from learner.batching import Batch, token_logprobs
+from learner.batching import Batch
 from learner.checkpoint import Trainables
 from learner.config import LearnerConfig, OptimizerConfig
 from learner.critic import value_loss
+from learner.distributed import SINGLE, Ranks, all_reduce_sum, shares
 from learner.losses import ClipConfig, compute_policy_loss
 from learner.metrics import StalenessKL
 from learner.precision import Precision
+from learner.sharding import clip_grad_norm, loss_scale
 
 # --- schedule and timing
 
@@ -76,15 +79,36 @@ def micro_batches(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
     return list(torch.split(rows, size))
 
 
-def mini_batches(batch: Batch, groups_per_mini_batch: int | None) -> list[torch.Tensor]:
-    """Row indices of each mini-batch: groups shuffled, `groups_per_mini_batch` at a time (None = all)."""
+def mini_batches(
+    batch: Batch, groups_per_mini_batch: int | None, generator: torch.Generator
+) -> list[torch.Tensor]:
+    """Row indices of each mini-batch: groups shuffled by `generator` (every rank draws the same order),
+    `groups_per_mini_batch` at a time (None = all)."""
     n_groups = int(batch.group_index.max()) + 1
     per = groups_per_mini_batch or n_groups
-    order = torch.randperm(n_groups).to(batch.group_index.device)
+    order = torch.randperm(n_groups, generator=generator).to(batch.group_index.device)
     return [
         torch.isin(batch.group_index, order[i : i + per]).nonzero().squeeze(-1)
         for i in range(0, n_groups, per)
     ]
+
+
+def rank_micro_batches(
+    batch: Batch, rows: torch.Tensor, size: int, ranks: Ranks
+) -> list[torch.Tensor | None]:
+    """This rank's micro-batches of the global rows `rows` (its share: whole groups, balanced by tokens),
+    padded with `None` to the micro-batch count of the busiest rank: every rank runs as many forward and
+    backward passes (FSDP's collectives pair up), a `None` being a pass that contributes nothing."""
+    parts = shares(rows, batch.group_index, batch.attention_mask.sum(-1), ranks.world_size)
+    count = max(math.ceil(len(p) / size) for p in parts)
+    mine: list[torch.Tensor | None] = list(micro_batches(parts[ranks.rank], size))
+    return mine + [None] * (count - len(mine))
+
+
+def idle_rows(batch: Batch, rows: torch.Tensor) -> Batch:
+    """A pass that contributes nothing: the first row of `rows`, every mask cleared."""
+    mb = batch.select(rows[:1])
+    return dataclasses.replace(mb, response_mask=mb.response_mask * 0, sampled_mask=mb.sampled_mask * 0)
 
 
 def pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -93,24 +117,41 @@ def pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
 
 
 @torch.no_grad()
+def rows_forward(
+    fn: Callable[[Batch], torch.Tensor], batch: Batch, size: int, ranks: Ranks = SINGLE
+) -> torch.Tensor:
+    """`fn` (a (b, r) result per micro-batch: log-probs, values) over the whole batch, (B, R): each rank
+    runs its share, the results are summed across ranks (exact: the other rows are zeros)."""
+    width = batch.response_ids.shape[1]
+    rows = torch.arange(batch.num_rows, device=batch.response_ids.device)
+    out = torch.zeros(batch.num_rows, width, device=rows.device)
+    for mb_rows in rank_micro_batches(batch, rows, size, ranks):
+        if mb_rows is None:
+            fn(idle_rows(batch, rows))  # the other ranks' collectives need this pass
+            continue
+        part = fn(batch.select(mb_rows))
+        out[mb_rows, : part.shape[1]] = part
+    return all_reduce_sum(ranks, out)
+
+
 def no_grad_logprobs(
-    model: torch.nn.Module, batch: Batch, cfg: LearnerConfig, precision: Precision
+    policy: torch.nn.Module, batch: Batch, cfg: LearnerConfig, precision: Precision, ranks: Ranks = SINGLE
 ) -> torch.Tensor:
     """pi_old: log-probs of the whole batch under the current weights, micro-batched, (B, R)."""
-    width = batch.response_ids.shape[1]
-    rows = micro_batches(torch.arange(batch.num_rows, device=batch.response_ids.device), cfg.micro_batch_size)
     with precision.autocast():
-        parts = [token_logprobs(model, batch.select(r), cfg.logprob_chunk_tokens) for r in rows]
-    return torch.cat([pad_cols(p, width) for p in parts])
+        return rows_forward(
+            lambda mb: policy(mb, cfg.logprob_chunk_tokens), batch, cfg.micro_batch_size, ranks
+        )
 
 
-def mean_metrics(acc: dict[str, list[torch.Tensor]]) -> dict[str, float]:
-    """Mean of each metric's 0-d tensors, moved to the host in one transfer."""
+def metric_sums(acc: dict[str, list[torch.Tensor]]) -> dict[str, tuple[float, int]]:
+    """(sum, count) of each metric's 0-d tensors, moved to the host in one transfer (their means, reduced
+    across ranks: `distributed.reduce_means`)."""
     if not acc:
         return {}
     names = list(acc)
-    values = torch.stack([torch.stack([v.float().reshape(()) for v in acc[n]]).mean() for n in names])
-    return dict(zip(names, values.cpu().tolist(), strict=True))
+    sums = torch.stack([torch.stack([v.float().reshape(()) for v in acc[n]]).sum() for n in names])
+    return {n: (s, len(acc[n])) for n, s in zip(names, sums.cpu().tolist(), strict=True)}
 
 
 # --- the loss of one micro-batch, one optimizer step
@@ -153,22 +194,34 @@ def optimizer_step(
     precision: Precision,
     kl: tuple[StalenessKL, int] | None = None,
     before_update: Callable[[dict[str, float]], None] | None = None,
+    ranks: Ranks = SINGLE,
 ) -> None:
     """Gradient accumulation over the micro-batches of rows `mini`, then one AdamW step. Metrics (0-d
     tensors) are appended to `acc`; `kl = (accumulator, policy version)` adds pi_theta's off-policy KL.
     Forward passes run under the precision's autocast; backward passes and the optimizer outside it.
     `before_update(phases)` runs just before the weights change (the learner waits there for host
-    snapshots of the previous step boundary, which read the weights while this step's passes ran)."""
+    snapshots of the previous step boundary, which read the weights while this step's passes ran).
+    On N ranks each runs its share of the mini-batch's groups with the global denominators: the reduced
+    gradient is that of one process on the whole mini-batch."""
     mask = batch.response_mask[mini]  # (b, R)
     denominators = {"tokens": mask.sum(), "rows": (mask.sum(-1) > 0).sum(), "width": mask.shape[1]}
+    value_tokens = batch.sampled_mask[mini].sum().clamp(min=1.0)  # the critic's token-mean denominator
+    scale = loss_scale(ranks)  # FSDP averages gradients over ranks; each loss is a share of the global one
     step_loss = torch.zeros((), device=mask.device)
     with timed(phases, "forward_backward"):
-        for rows in micro_batches(mini, cfg.micro_batch_size):
-            mb = batch.select(rows)
+        for rows in rank_micro_batches(batch, mini, cfg.micro_batch_size, ranks):
+            mb = batch.select(rows) if rows is not None else idle_rows(batch, mini)
             with precision.autocast():
-                log_prob = token_logprobs(t.model, mb, cfg.logprob_chunk_tokens)  # (b, r) fp32
+                log_prob = t.policy(mb, cfg.logprob_chunk_tokens)  # (b, r) fp32
+            if rows is None:  # same passes as the other ranks, zero gradient
+                idle = log_prob.sum() * 0.0
+                if t.critic is not None:
+                    with precision.autocast():
+                        idle = idle + t.critic(mb).sum() * 0.0
+                idle.backward()
+                continue
             loss, m = policy_loss_terms(log_prob, mb, cfg, denominators)
-            loss.backward()
+            (loss * scale).backward()
             step_loss += loss.detach()
             if kl is not None:
                 kl[0].add(log_prob, mb.rollout_log_probs, mb.response_mask, kl[1] - mb.behavior_versions)
@@ -176,9 +229,9 @@ def optimizer_step(
                 with precision.autocast():
                     values = t.critic(mb)  # (b, r) fp32
                 v_loss, vm = value_loss(
-                    values, mb.values, mb.returns, mb.sampled_mask, cfg.critic.cliprange_value
+                    values, mb.values, mb.returns, mb.sampled_mask, cfg.critic.cliprange_value, value_tokens
                 )
-                (v_loss * cfg.critic.loss_coef * len(rows) / len(mini)).backward()
+                (v_loss * cfg.critic.loss_coef * scale).backward()
                 m |= vm
             for k, v in m.items():
                 acc.setdefault(k, []).append(v)
@@ -186,12 +239,12 @@ def optimizer_step(
         before_update(phases)
     with timed(phases, "optimizer"):
         limit = cfg.grad_clip if cfg.grad_clip is not None else float("inf")
-        acc.setdefault("grad_norm", []).append(torch.nn.utils.clip_grad_norm_(t.model.parameters(), limit))
-        acc.setdefault("loss", []).append(step_loss)
+        acc.setdefault("grad_norm", []).append(clip_grad_norm(list(t.policy.parameters()), limit))
+        acc.setdefault("loss", []).append(all_reduce_sum(ranks, step_loss))
         t.optimizer.step()
         t.scheduler.step()
         t.optimizer.zero_grad(set_to_none=True)
         if t.critic is not None and t.critic_optimizer is not None:
-            torch.nn.utils.clip_grad_norm_(t.critic.parameters(), limit)
+            clip_grad_norm(list(t.critic.parameters()), limit)
             t.critic_optimizer.step()
             t.critic_optimizer.zero_grad(set_to_none=True)

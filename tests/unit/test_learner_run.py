@@ -13,6 +13,7 @@ import pytest
 
 from buffer.errors import BufferNotReady, StorageUnavailable
 from learner.config import LearnerConfig
+from learner.distributed import SINGLE
 from learner.errors import WriteFailed
 from learner.train import RETRY_INITIAL_S, Learner
 
@@ -22,6 +23,7 @@ class ScriptedLearner(Learner):
 
     def __init__(self, script: list[BaseException | None]) -> None:  # no model, no Redis: `run` only
         self.config = LearnerConfig(model_path="/m", max_steps=sum(s is None for s in script))
+        self.ranks = SINGLE
         self.step_count, self.state, self.retrying = 0, "running", None
         self._running = threading.Event()
         self._running.set()

@@ -1,0 +1,175 @@
+"""Checkpoints of a learner on N ranks: torch.distributed.checkpoint (sharded, asynchronous), no pickle.
+
+A sharded checkpoint is a folder `ckpt-<version>/` holding `state/` (each rank's shards of the model,
+AdamW moments and, with GAE, the critic and its optimizer, written by DCP's `HuggingFaceStorageWriter`:
+safetensors files whose headers carry DCP's sharding metadata as JSON; DCP's default writer would pickle
+its metadata) and rank 0's `meta.json` (format 3: everything of a single-process checkpoint's meta but the
+tensors) and `rng.safetensors`.
+
+`save` runs on every rank at the same step boundary: `dcp.async_save` copies this rank's shards to host
+memory (the only part on the critical path), then writes them on a background thread, collectives on a
+process group of their own. Once rank 0's save completes (DCP's finish step runs after every rank has
+written), rank 0 writes the meta, fsyncs and renames the temporary folder: a learner killed mid-write
+(any rank) leaves the previous checkpoint intact, and the leftover `.tmp-*` folder is removed at the next
+start. `load` reads a checkpoint back into the sharded (or, on one process, plain) model and optimizer
+whatever world size wrote it: DCP reshards.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from learner.checkpoint import checkpoint_versions, restore_python_rng
+from learner.weights import write_safetensors
+
+if TYPE_CHECKING:
+    from learner.checkpoint import Trainables
+    from learner.distributed import Ranks
+
+log = logging.getLogger(__name__)
+
+FORMAT = 3
+STATE_DIR = "state"
+
+
+def _pairs(parts: Trainables) -> list[tuple[str, torch.nn.Module, torch.optim.Optimizer]]:
+    out = [("policy", parts.model, parts.optimizer)]
+    if parts.critic is not None and parts.critic_optimizer is not None:
+        out.append(("critic", parts.critic, parts.critic_optimizer))
+    return out
+
+
+def flat_state(parts: Trainables) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Every tensor of the checkpoint under a flat name (`policy.model.<fqn>`, `policy.optim.<fqn>.<state>`,
+    `critic....`: sharded DTensors on N ranks) and the optimizers' param groups (JSON, params by name)."""
+    tensors: dict[str, torch.Tensor] = {}
+    groups: dict[str, Any] = {}
+    for prefix, module, opt in _pairs(parts):
+        model_sd, optim_sd = get_state_dict(module, opt)  # initialises AdamW's state if it has none yet
+        tensors |= {f"{prefix}.model.{k}": v for k, v in model_sd.items()}
+        for fqn, state in optim_sd["state"].items():
+            tensors |= {f"{prefix}.optim.{fqn}.{name}": v for name, v in state.items()}
+        groups[prefix] = optim_sd["param_groups"]
+    return tensors, groups
+
+
+def _restore(parts: Trainables, tensors: dict[str, torch.Tensor], groups: dict[str, Any]) -> None:
+    for prefix, module, opt in _pairs(parts):
+        model_sd = {k[len(prefix) + 7 :]: v for k, v in tensors.items() if k.startswith(f"{prefix}.model.")}
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for k, v in tensors.items():
+            if k.startswith(f"{prefix}.optim."):
+                fqn, name = k[len(prefix) + 7 :].rsplit(".", 1)
+                state.setdefault(fqn, {})[name] = v
+        saved = groups[prefix]
+        param_groups = [{**g, "betas": tuple(g["betas"])} if "betas" in g else dict(g) for g in saved]
+        set_state_dict(
+            module,
+            opt,
+            model_state_dict=model_sd,
+            optim_state_dict={"state": state, "param_groups": param_groups},
+        )
+
+
+@dataclass(slots=True)
+class _InFlight:
+    future: Future
+    tmp: Path
+    final: Path
+    meta: dict[str, Any]
+    rng: dict[str, torch.Tensor]
+    version: int
+
+
+class ShardedCheckpoints:
+    """The sharded checkpoints of one learner rank (at most one in flight)."""
+
+    def __init__(
+        self, root: Path, ranks: Ranks, keep: int | None, on_durable: Callable[[int], None] | None = None
+    ) -> None:
+        self.root, self.ranks, self.keep, self._on_durable = root, ranks, keep, on_durable
+        self._inflight: _InFlight | None = None
+        self._group = dist.new_group(backend="gloo") if ranks.distributed else None  # checkpoints only
+
+    def save(self, parts: Trainables, version: int, meta: dict[str, Any]) -> Path:
+        """Every rank, same step boundary: stage this rank's shards in host memory, write in the background.
+        `meta` (rank 0's) is written once every rank's shards are on disk. Returns the final folder."""
+        self.finish()  # one at a time: the previous one is normally long done
+        tmp, final = self.root / f".tmp-ckpt-{version:010d}", self.root / f"ckpt-{version:010d}"
+        if self.ranks.is_leader:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+        if self.ranks.distributed:
+            dist.barrier(group=self._group)  # the folder is clean before any rank writes into it
+        tensors, groups = flat_state(parts)
+        writer = HuggingFaceStorageWriter(str(tmp / STATE_DIR), save_distributed=True)
+        future = dcp.async_save(tensors, storage_writer=writer, process_group=self._group)
+        rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng |= {f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
+        meta = meta | {"format": FORMAT, "world_size": self.ranks.world_size, "param_groups": groups}
+        self._inflight = _InFlight(future, tmp, final, meta, rng, version)
+        return final
+
+    def poll(self) -> None:
+        """Step boundary: finalise the checkpoint in flight if its write has completed."""
+        if self._inflight is not None and self._inflight.future.done():
+            self.finish()
+
+    def finish(self) -> None:
+        """Wait for the checkpoint in flight (if any) and make it durable (rank 0: meta, fsync, rename)."""
+        job, self._inflight = self._inflight, None
+        if job is None:
+            return
+        t0 = time.perf_counter()
+        job.future.result()  # raises what the background write raised
+        if not self.ranks.is_leader:
+            return
+        write_safetensors(job.tmp / "rng.safetensors", job.rng)
+        (job.tmp / "meta.json").write_text(json.dumps(job.meta, indent=1))
+        with (job.tmp / "meta.json").open("rb") as fh:
+            os.fsync(fh.fileno())
+        if job.final.exists():
+            shutil.rmtree(job.final)
+        job.tmp.rename(job.final)
+        if self.keep is not None:
+            for v in checkpoint_versions(self.root)[: -self.keep]:
+                shutil.rmtree(self.root / f"ckpt-{v:010d}")
+        log.info("checkpoint v%d durable (%.2f s after its last step)", job.version, time.perf_counter() - t0)
+        if self._on_durable is not None:
+            self._on_durable(job.version)
+
+
+def load(path: Path, parts: Trainables, ranks: Ranks) -> dict[str, Any]:
+    """Every rank: read the sharded checkpoint `path` into `parts` (any world size wrote it, one process
+    reads it too); its meta, checked by `checkpoint.read_meta` before."""
+    meta = json.loads((path / "meta.json").read_text())
+    tensors, _ = flat_state(parts)
+    reader = HuggingFaceStorageReader(str(path / STATE_DIR))
+    dcp.load(tensors, storage_reader=reader, process_group=ranks.control if ranks.distributed else None)
+    _restore(parts, tensors, meta["param_groups"])
+    parts.scheduler.load_state_dict(meta["scheduler"])
+    rng = load_file(str(path / "rng.safetensors"))
+    torch.set_rng_state(rng["torch"])
+    if torch.cuda.is_available() and (
+        cuda := [rng[k] for k in sorted(k for k in rng if k.startswith("cuda."))]
+    ):
+        torch.cuda.set_rng_state_all(cuda)
+    restore_python_rng(meta)
+    return meta
