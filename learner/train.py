@@ -271,6 +271,7 @@ class Learner:
         state = "paused" if not self._running.is_set() and self.state == "running" else self.state
         return {
             "state": state,
+            "world_size": self.ranks.world_size,
             "policy_version": self.version,
             "step": self.step_count,
             "config_version": self.config_version,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -26,9 +27,34 @@ def _service_overrides(args: argparse.Namespace) -> dict:
 
 
 def _learner(args: argparse.Namespace) -> int:
+    nproc = args.nproc_per_node
+    if nproc > 1 and "LOCAL_RANK" not in os.environ:  # start torchrun; every rank comes back here
+        return _torchrun(args, nproc)
     from services.learner_api.main import serve
 
     return serve(**_service_overrides(args))
+
+
+def _torchrun(args: argparse.Namespace, nproc: int) -> int:
+    """Replace this process by torchrun running the learner service on `nproc` ranks (one per GPU): its
+    elastic agent forwards SIGTERM to the ranks and ends the job when one dies (or restarts them all,
+    up to `--max-restarts`)."""
+    import torch
+
+    if torch.cuda.is_available() and nproc > torch.cuda.device_count():
+        print(f"--nproc-per-node {nproc}: only {torch.cuda.device_count()} GPU(s) visible", file=sys.stderr)
+        return 2
+    service = [
+        flag
+        for name, value in _service_overrides(args).items()
+        for flag in (f"--{name.replace('_', '-').replace('config-path', 'config')}", str(value))
+    ]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        f"--max-restarts={args.max_restarts}", "-m", "services.learner_api", *service,
+    ]  # fmt: skip
+    os.execv(sys.executable, cmd)
+    return 0  # not reached
 
 
 def _actor(args: argparse.Namespace) -> int:
@@ -76,7 +102,7 @@ def _add_service_parser(
     func: Callable[[argparse.Namespace], int],
     help: str,
     description: str,
-) -> None:
+) -> argparse.ArgumentParser:
     """The `learner` / `actor` subcommand: the service's config file, bind address and log level."""
     parser = sub.add_parser(name, help=help, description=description)
     parser.set_defaults(func=func)
@@ -84,6 +110,7 @@ def _add_service_parser(
     parser.add_argument("--host", help="interface to bind (default 127.0.0.1; env OFFPOLICY_HOST)")
     parser.add_argument("--port", type=int, help="TCP port (env OFFPOLICY_PORT)")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log level")
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     quick.add_argument("--timeout-s", type=float, default=540.0, help="give up after this many seconds")
     quick.set_defaults(func=_quickstart)
 
-    _add_service_parser(
+    learner = _add_service_parser(
         sub,
         "learner",
         "LearnerConfig",
@@ -117,6 +144,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="the learner service: train loop + REST control plane (/v1/config, /v1/status, ...)",
         description="Run the learner loop in a background thread behind its REST API (uvicorn). "
         "SIGTERM / Ctrl-C finish the current step and stop.",
+    )
+    learner.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        metavar="N",
+        help="train on N processes, one per GPU (torchrun + FSDP2); rank 0 serves the API (default 1)",
+    )
+    learner.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="with N > 1: times torchrun restarts every rank after one fails (they resume from the newest "
+        "checkpoint; default 0: the job ends)",
     )
     _add_service_parser(
         sub,

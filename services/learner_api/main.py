@@ -55,5 +55,17 @@ def create_app(
 
 
 def serve(**overrides: Any) -> int:
-    """Run the learner service in this process until SIGTERM / Ctrl-C (settings: env, then `overrides`)."""
-    return serve_app(LearnerServiceSettings.from_env(os.environ, **overrides), create_app)
+    """Run the learner service in this process until SIGTERM / Ctrl-C (settings: env, then `overrides`).
+
+    Under torchrun (`offpolicy learner --nproc-per-node N`) every rank joins the process group; rank 0
+    serves the API around the loop, the other ranks run the leader's commands (learner/launch.py)."""
+    settings = LearnerServiceSettings.from_env(os.environ, **overrides)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from learner.distributed import current
+        from learner.launch import follow, join
+
+        config = load_config(settings.config_path, os.environ)
+        join(config)
+        if not current().is_leader:
+            return follow(config)
+    return serve_app(settings, create_app)

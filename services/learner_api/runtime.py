@@ -83,6 +83,10 @@ class LearnerRuntime:
         """Stop the loop at its next step boundary (waits for a running step)."""
         if self.loop is not None and not self.loop.stop(timeout_s):
             log.error("the learner loop did not stop within %.0f s", timeout_s)
+            return
+        close = getattr(self.learner, "close", None)
+        if close is not None:  # queued publishes and checkpoints made durable, leases settled
+            close()
 
     def require(self) -> LearnerLike:
         if self.learner is None:
@@ -144,6 +148,7 @@ class LearnerRuntime:
             config_version=running,
             pending_config_version=pending,
             tokens_per_s=raw.get("tokens_per_s"),
+            world_size=int(raw.get("world_size", 1)),
             buffer=dataclasses.asdict(buffer) if dataclasses.is_dataclass(buffer) else dict(buffer or {}),
             last_step={k: float(v) for k, v in (raw.get("last_step") or {}).items()},
             error=error,

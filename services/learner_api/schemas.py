@@ -92,6 +92,8 @@ class LearnerStatus(BaseModel):
     """Version of the config the loop is running now."""
     pending_config_version: int | None
     """A newer accepted config that waits for the next step boundary; null when none."""
+    world_size: int = 1
+    """Processes (GPUs) the learner trains on (`offpolicy learner --nproc-per-node N`); rank 0 answers."""
     tokens_per_s: float | None
     """Trained response tokens per second over the last step; null before the first step."""
     buffer: dict[str, Any]
