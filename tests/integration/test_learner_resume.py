@@ -43,14 +43,20 @@ def test_resume_after_kill_9(tiny_dir, redis_url, tmp_path):  # noqa: F811
     assert cfg.buffer.max_times_sampled == 1
     behaviour = load_model(tiny_dir, "cpu").eval()
     buf = ReplayBuffer(redis_url, cfg.run_id, cfg.buffer)
-    buf.insert_many(make_groups(behaviour, 16, version=0, temperature=0.9))
+    buf.insert_many(make_groups(behaviour, 24, version=0, temperature=0.9))
     (tmp_path / "cfg.json").write_text(cfg.model_dump_json())
     store = PolicyStore(redis_url, cfg.run_id)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path / "cfg.json")], cwd=ROOT, env=env)
     try:
         deadline = time.monotonic() + 120
-        while (rec := store.read()) is None or rec.version < 3:
+        # Checkpoints are written in the background and may trail the published version: wait for both.
+        def ready() -> bool:
+            rec = store.read()
+            ckpts = checkpoint_versions(tmp_path / "ckpt")
+            return rec is not None and rec.version >= 3 and bool(ckpts) and ckpts[-1] >= 2
+
+        while not ready():
             assert child.poll() is None, "the learner subprocess died"
             assert time.monotonic() < deadline, "the learner subprocess made no progress"
             time.sleep(0.1)
