@@ -50,7 +50,6 @@ def test_resume_after_kill_9(tiny_dir, redis_url, tmp_path):  # noqa: F811
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path / "cfg.json")], cwd=ROOT, env=env)
     try:
         deadline = time.monotonic() + 120
-
         # Checkpoints are written in the background and may trail the published version: wait for both.
         def ready() -> bool:
             rec = store.read()
