@@ -60,8 +60,10 @@ def strip_tags(value: Any) -> Any:
 
 
 # Sequences that compose merges by a key (the container path of a volume, the name of a network),
-# the others are unioned; `command`-like sequences are replaced (compose-spec's merge rules).
-_REPLACED = {"command", "entrypoint", "test", "capabilities", "devices"}
+# the others are unioned; `command`-like sequences are replaced (compose-spec's merge rules). GPU
+# reservations (`deploy.resources.reservations.devices`) are appended: an override or an `extends` that
+# names other GPUs adds them to the base's unless it says `!override`.
+_REPLACED = {"command", "entrypoint", "test"}
 
 
 def _volume_target(entry: Any) -> str:
@@ -87,6 +89,51 @@ def merge_compose(base: Any, over: Any, key: str = "") -> Any:
             return list(merged.values())
         return base + [e for e in over if e not in base]
     return strip_tags(over)
+
+
+def resolve_extends(doc: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """Apply `extends: {file, service}` within one compose file, as compose does before it merges files:
+    the referenced service (itself resolved) merged with the local definition, tags honoured."""
+    services = dict(doc.get("services", {}))
+    for name, service in services.items():
+        extends = service.get("extends") if isinstance(service, Mapping) else None
+        if extends is None:
+            continue
+        if isinstance(extends, str) or "file" not in extends:
+            raise ValueError(f"{name}: only `extends: {{file, service}}` is modelled")
+        source = folder / extends["file"]
+        base = resolve_extends(load_compose(source), source.parent)["services"][extends["service"]]
+        local = {k: v for k, v in service.items() if k != "extends"}
+        services[name] = merge_compose(base, local)
+    return {**doc, "services": services}
+
+
+def load_compose_resolved(path: Path) -> dict[str, Any]:
+    """One compose file with its `extends` applied (tags of the file itself kept for `merge_compose`)."""
+    return resolve_extends(load_compose(path), path.parent)
+
+
+def gpu_ids(service: Mapping[str, Any]) -> list[str]:
+    """The host GPU ids a service reserves: every `device_ids` entry split at commas (Docker joins them
+    with commas into NVIDIA_VISIBLE_DEVICES); `count: n` reads as `count:n` (it means GPUs 0..n-1)."""
+    devices = service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+    out: list[str] = []
+    for device in devices:
+        if "count" in device:
+            out.append(f"count:{device['count']}")
+        for entry in device.get("device_ids", []):
+            out += [part.strip() for part in str(entry).split(",")]
+    return out
+
+
+def nproc_per_node(args: list[str]) -> int | None:
+    """The value of `--nproc-per-node N` / `--nproc-per-node=N` in a command line, None when absent."""
+    for i, arg in enumerate(args):
+        if arg == "--nproc-per-node" and i + 1 < len(args):
+            return int(args[i + 1])
+        if arg.startswith("--nproc-per-node="):
+            return int(arg.partition("=")[2])
+    return None
 
 
 _VAR = re.compile(r"\$(?:(?P<escaped>\$)|\{(?P<braced>[^}]+)\}|(?P<named>[A-Za-z_][A-Za-z0-9_]*))")

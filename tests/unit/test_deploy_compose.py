@@ -1,4 +1,4 @@
-"""docker-compose.yml and the CPU override: compose-spec schema, secrets, Redis, GPUs, health, scaling."""
+"""docker-compose.yml and its CPU and 8-GPU overrides: compose-spec schema, secrets, Redis, GPUs, health."""
 
 from __future__ import annotations
 
@@ -6,20 +6,27 @@ import re
 
 import jsonschema
 import pytest
+import yaml
 from check_jsonschema.builtin_schemas import get_builtin_schema
 
 from deploy.checks import (
     ROOT,
+    ComposeLoader,
     MissingVariable,
+    gpu_ids,
     interpolate,
     load_compose,
+    load_compose_resolved,
     merge_compose,
+    nproc_per_node,
     read_env_file,
+    resolve_extends,
     strip_tags,
 )
 
 BASE = ROOT / "docker-compose.yml"
 CPU = ROOT / "docker-compose.cpu.yml"
+GPU8 = ROOT / "docker-compose.8gpu.yml"
 SECRETS = ("OFFPOLICY_API_TOKEN", "REDIS_PASSWORD", "GRAFANA_ADMIN_PASSWORD")
 
 
@@ -43,7 +50,11 @@ def merged_cpu() -> dict:
     return interpolate(merge_compose(load_compose(BASE), load_compose(CPU)), env())
 
 
-@pytest.mark.parametrize("path", [BASE, CPU], ids=lambda p: p.name)
+def merged_8gpu() -> dict:
+    return interpolate(merge_compose(load_compose(BASE), load_compose_resolved(GPU8)), env())
+
+
+@pytest.mark.parametrize("path", [BASE, CPU, GPU8], ids=lambda p: p.name)
 def test_each_file_as_written_validates_against_the_compose_spec(path):
     validate(strip_tags(load_compose(path)))
 
@@ -51,6 +62,7 @@ def test_each_file_as_written_validates_against_the_compose_spec(path):
 def test_interpolated_and_merged_files_validate_against_the_compose_spec():
     validate(base())
     validate(merged_cpu())
+    validate(merged_8gpu())
 
 
 @pytest.mark.parametrize("secret", SECRETS)
@@ -66,7 +78,7 @@ def test_each_secret_is_required(secret):
 
 def test_every_variable_is_in_env_example():
     used: set[str] = set()
-    for path in (BASE, CPU):
+    for path in (BASE, CPU, GPU8):
         interpolate(strip_tags(load_compose(path)), env(), used)
     documented = set(read_env_file(ROOT / ".env.example"))
     assert used - documented == set()
@@ -100,7 +112,9 @@ def gpu_devices(service: dict) -> list:
 
 def test_learner_and_actor_reserve_a_gpu_and_the_cpu_override_drops_it():
     services = base()["services"]
-    assert gpu_devices(services["learner"]) == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert gpu_devices(services["learner"]) == [
+        {"driver": "nvidia", "device_ids": ["0"], "capabilities": ["gpu"]}
+    ]
     # the actor's own GPU, by id (not `count`, which gives every reservation the first GPU)
     assert gpu_devices(services["actor"]) == [
         {"driver": "nvidia", "device_ids": ["1"], "capabilities": ["gpu"]}
@@ -114,6 +128,112 @@ def test_learner_and_actor_reserve_a_gpu_and_the_cpu_override_drops_it():
         assert cpu[name]["depends_on"]["model-init"] == {"condition": "service_completed_successfully"}
     assert cpu["model-init"]["command"] == ["make-tiny-model", "/var/lib/offpolicy/models/tiny"]
     assert cpu["actor"]["environment"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+def gpu_plan(services: dict) -> dict[str, list[str]]:
+    """Service -> the host GPU ids it reserves, for the services that reserve any."""
+    return {name: gpu_ids(service) for name, service in services.items() if gpu_devices(service)}
+
+
+def assert_one_rank_per_gpu_and_no_gpu_shared(services: dict) -> None:
+    plan = gpu_plan(services)
+    for name, ids in plan.items():
+        assert not any(i.startswith("count:") for i in ids), (
+            f"{name}: `count` gives every service GPUs 0..n-1; reserve GPUs by device_ids"
+        )
+        assert ids and all(i.isdigit() for i in ids) and len(set(ids)) == len(ids), (name, ids)
+    learner = services["learner"]
+    nproc = nproc_per_node(learner["command"])
+    assert nproc == len(plan["learner"]), f"learner: {nproc} ranks on GPUs {plan['learner']}"
+    owners: dict[str, str] = {}
+    for name, ids in plan.items():
+        for gpu in ids:
+            assert gpu not in owners, f"GPU {gpu} is reserved by {owners[gpu]} and {name}"
+            owners[gpu] = name
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"LEARNER_GPU_IDS": "0,1,2,3", "LEARNER_NPROC": "4", "ACTOR_GPU_ID": "4"}],
+    ids=["env-example", "learner-on-4-gpus"],
+)
+def test_learner_gpus_by_id_one_rank_each_and_none_shared_with_the_actor(settings):
+    services = interpolate(strip_tags(load_compose(BASE)), env() | settings)["services"]
+    assert_one_rank_per_gpu_and_no_gpu_shared(services)
+    expected = settings.get("LEARNER_GPU_IDS", "0")
+    assert gpu_devices(services["learner"])[0]["device_ids"] == [expected]
+    assert services["learner"]["command"][-2:] == ["--nproc-per-node", settings.get("LEARNER_NPROC", "1")]
+
+
+def test_defaults_without_env_file_keep_the_learner_and_the_actor_apart():
+    only_secrets = {name: "x" for name in SECRETS}
+    services = interpolate(strip_tags(load_compose(BASE)), only_secrets)["services"]
+    assert_one_rank_per_gpu_and_no_gpu_shared(services)
+    assert gpu_plan(services) == {"learner": ["0"], "actor": ["1"]}
+    assert read_env_file(ROOT / ".env.example")["LEARNER_GPU_IDS"] == "0"
+    assert read_env_file(ROOT / ".env.example")["ACTOR_GPU_ID"] == "1"
+
+
+def test_a_mismatched_rank_count_or_a_shared_gpu_is_caught():
+    """The check above can fail: 2 ranks on 1 GPU, the actor on a learner GPU, `count` reservations."""
+    for settings in ({"LEARNER_NPROC": "2"}, {"LEARNER_GPU_IDS": "0,1"}):
+        services = interpolate(strip_tags(load_compose(BASE)), env() | settings)["services"]
+        with pytest.raises(AssertionError):
+            assert_one_rank_per_gpu_and_no_gpu_shared(services)
+    services = base()["services"]
+    services["learner"]["deploy"]["resources"]["reservations"]["devices"] = [
+        {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
+    ]
+    with pytest.raises(AssertionError, match="count"):
+        assert_one_rank_per_gpu_and_no_gpu_shared(services)
+
+
+def shm_bytes(size: str) -> int:
+    number, unit = re.fullmatch(r"(\d+)\s*([kmg]?)b?", str(size).lower()).groups()
+    return int(number) * {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}[unit]
+
+
+def test_learner_has_shared_memory_for_its_ranks():
+    learner = base()["services"]["learner"]
+    assert learner.get("ipc") == "host" or shm_bytes(learner["shm_size"]) >= 2**30, "NCCL needs /dev/shm"
+    assert learner["ulimits"]["memlock"] == -1
+    cpu = merged_cpu()["services"]["learner"]
+    assert shm_bytes(cpu["shm_size"]) <= shm_bytes(cpu["deploy"]["resources"]["limits"]["memory"])
+
+
+def test_8gpu_override_one_gpu_per_actor_four_learner_ranks_own_seeds():
+    services = merged_8gpu()["services"]
+    assert_one_rank_per_gpu_and_no_gpu_shared(services)
+    plan = gpu_plan(services)
+    assert plan["learner"] == ["0", "1", "2", "3"]
+    actors = {name: s for name, s in services.items() if name == "actor" or name.startswith("actor-")}
+    assert sorted(gpu for name in actors for gpu in plan[name]) == ["4", "5", "6", "7"]
+    seeds, ids = set(), set()
+    for name, actor in actors.items():
+        assert actor["deploy"]["replicas"] == 1, name  # a second replica would share the service's GPU
+        assert actor["command"] == ["actor", "--config", "/etc/offpolicy/actor.yaml"], name
+        environment = actor["environment"]
+        assert environment["OFFPOLICY_REDIS_URL"] == "redis://:test-redis_password@redis:6379/0", name
+        # `actor` gets index 0 from its replica name (deploy/docker/entrypoint.py); the others are fixed
+        seeds.add(environment.get("OFFPOLICY_DATASET__SEED", "0"))
+        ids.add(environment.get("OFFPOLICY_ACTOR_ID", "actor-0"))
+        if name != "actor":
+            assert environment["OFFPOLICY_ENGINE__SEED"] == environment["OFFPOLICY_DATASET__SEED"], name
+            # Prometheus finds actors by the DNS name `actor` (deploy/prometheus/prometheus.yml)
+            for network in ("backend", "monitoring"):
+                assert "actor" in actor["networks"][network]["aliases"], (name, network)
+            assert "weights:/var/lib/offpolicy/weights:ro" in actor["volumes"], name
+    assert seeds == {"0", "1", "2", "3"} and len(ids) == 4
+
+
+def test_extending_the_actor_without_override_would_add_its_gpu_to_the_base_one():
+    """Why the 8-GPU file says `!override`: compose appends device reservations on merge and extends."""
+    text = GPU8.read_text().replace("devices: !override", "devices:")
+    without = resolve_extends(yaml.load(text, Loader=ComposeLoader), ROOT)
+    services = interpolate(merge_compose(load_compose(BASE), without), env())["services"]
+    assert gpu_ids(services["actor-gpu5"]) == ["1", "5"]
+    with pytest.raises(AssertionError):
+        assert_one_rank_per_gpu_and_no_gpu_shared(services)
 
 
 def test_actor_scales_no_fixed_name_no_host_port_one_shard_no_fixed_seed():

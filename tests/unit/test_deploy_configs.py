@@ -17,6 +17,7 @@ from deploy.checks import (
     interpolate,
     kustomize,
     load_compose,
+    load_compose_resolved,
     merge_compose,
     pod_environment,
     read_env_file,
@@ -141,3 +142,23 @@ def test_scaled_actors_share_one_shard_with_their_own_seeds():
             assert (actor.actor_index, actor.num_actors) == (0, 1)
             assert (actor.dataset.seed, actor.engine.seed, actor.actor_id) == (k, k, f"actor-{k}")
             assert actor.dataset.shuffle, "one shard read in the same order by every actor would repeat it"
+
+
+def test_the_8gpu_override_gives_each_actor_a_valid_config_and_its_own_seeds():
+    """docker-compose.8gpu.yml: four actor services, each the whole dataset with seeds 0-3."""
+    values = read_env_file(ROOT / ".env.example") | {name: f"test-{name.lower()}" for name in SECRETS}
+    doc = merge_compose(
+        load_compose(ROOT / "docker-compose.yml"), load_compose_resolved(ROOT / "docker-compose.8gpu.yml")
+    )
+    services = interpolate(doc, values)["services"]
+    learner = load_learner_config(SERVICE_CONFIGS["learner"], compose_env(services["learner"]))
+    seen = set()
+    for name in ("actor", "actor-gpu5", "actor-gpu6", "actor-gpu7"):
+        env = compose_env(services[name])
+        set_replica_seeds(env, lambda: ["offpolicy-actor-1.offpolicy_backend"])  # only `actor` consults it
+        actor = load_actor_config(SERVICE_CONFIGS["actor"], env)
+        assert actor.engine.model == learner.model_path and actor.run_id == learner.run_id, name
+        assert (actor.actor_index, actor.num_actors) == (0, 1), name
+        assert actor.dataset.seed == actor.engine.seed, name
+        seen.add((actor.dataset.seed, actor.actor_id))
+    assert seen == {(k, f"actor-{k}") for k in range(4)}

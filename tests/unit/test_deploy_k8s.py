@@ -5,12 +5,13 @@ from __future__ import annotations
 import functools
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
 from kubernetes_validate import utils as kv
 
-from deploy.checks import ALERTS_FILE, ROOT
+from deploy.checks import ALERTS_FILE, ROOT, nproc_per_node
 
 OVERLAYS = ("dev", "gpu")
 K8S_VERSION = kv.latest_version()  # the newest Kubernetes the installed kubernetes-validate knows
@@ -19,15 +20,14 @@ K8S_VERSION = kv.latest_version()  # the newest Kubernetes the installed kuberne
 @functools.cache
 def build(overlay: str) -> tuple[dict, ...]:
     """`kubectl kustomize` (kustomize v5, built into kubectl) of one overlay, as parsed documents."""
+    return build_dir(ROOT / "k8s" / "overlays" / overlay)
+
+
+def build_dir(folder: Path) -> tuple[dict, ...]:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.fail("kubectl (with its built-in kustomize) is needed: apt-get install kubectl")
-    out = subprocess.run(
-        [kubectl, "kustomize", str(ROOT / "k8s" / "overlays" / overlay)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    out = subprocess.run([kubectl, "kustomize", str(folder)], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
     return tuple(doc for doc in yaml.safe_load_all(out.stdout) if doc)
 
@@ -129,13 +129,64 @@ def test_learner_and_actor_probes_and_seeds_from_ordinal(overlay):
 
 def test_gpu_overlay_requests_gpus_and_scales_actors():
     specs = pod_specs("gpu")
-    for name in ("learner", "actor"):
-        resources = specs[name]["containers"][0]["resources"]
-        assert resources["limits"]["nvidia.com/gpu"] == "1", name
+    assert specs["learner"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    resources = specs["actor"]["containers"][0]["resources"]
+    assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == "1"
     assert by_kind("gpu", "StatefulSet")["actor"]["spec"]["replicas"] == 4
     hpa = build("gpu")[[d["kind"] for d in build("gpu")].index("HorizontalPodAutoscaler")]
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "actor"}
     assert not any(d["kind"] == "Secret" for d in build("gpu")), "gpu secrets are created out of band"
+
+
+def learner_container(docs: tuple[dict, ...]) -> tuple[dict, dict]:
+    """(the learner's pod spec, its learner container) in a build."""
+    (deployment,) = (d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "learner")
+    spec = deployment["spec"]["template"]["spec"]
+    return spec, next(c for c in spec["containers"] if c["name"] == "learner")
+
+
+def quantity_bytes(quantity: str) -> int:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    suffix = quantity[-2:]
+    return int(quantity[:-2]) * units[suffix] if suffix in units else int(quantity)
+
+
+def assert_one_rank_per_gpu(docs: tuple[dict, ...]) -> int:
+    """The learner's GPU request, limit and `--nproc-per-node` agree; its /dev/shm is memory. Returns N."""
+    spec, container = learner_container(docs)
+    resources = container["resources"]
+    gpus = resources["limits"]["nvidia.com/gpu"]
+    assert resources["requests"]["nvidia.com/gpu"] == gpus
+    assert container["args"][:3] == ["learner", "--config", "/etc/offpolicy/learner.yaml"]
+    assert nproc_per_node(container["args"]) == int(gpus), f"{container['args']} on {gpus} GPUs"
+    (shm,) = (m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm")
+    (volume,) = (v for v in spec["volumes"] if v["name"] == shm["name"])
+    assert volume["emptyDir"]["medium"] == "Memory"
+    size = quantity_bytes(volume["emptyDir"]["sizeLimit"])
+    assert 2**30 <= size < quantity_bytes(resources["limits"]["memory"]), "shm counts against the limit"
+    return int(gpus)
+
+
+def test_gpu_learner_runs_one_rank_per_gpu_with_shared_memory():
+    assert assert_one_rank_per_gpu(build("gpu")) == 2
+
+
+def test_gpu_learner_rank_count_follows_its_gpu_limit(tmp_path):
+    """Change only the GPU limit: kustomize's replacements carry it to the request and `--nproc-per-node`."""
+    shutil.copytree(ROOT / "k8s", tmp_path / "k8s")
+    patch = tmp_path / "k8s" / "overlays" / "gpu" / "learner-gpu.yaml"
+    head, limits, tail = patch.read_text().partition("limits:")
+    assert 'nvidia.com/gpu: "2"' in tail
+    patch.write_text(head + limits + tail.replace('nvidia.com/gpu: "2"', 'nvidia.com/gpu: "4"', 1))
+    assert assert_one_rank_per_gpu(build_dir(tmp_path / "k8s" / "overlays" / "gpu")) == 4
+
+
+def test_a_learner_whose_ranks_differ_from_its_gpus_is_caught():
+    docs = tuple(yaml.safe_load(yaml.safe_dump(d)) for d in build("gpu"))  # a deep copy
+    _, container = learner_container(docs)
+    container["args"][-1] = "1"
+    with pytest.raises(AssertionError):
+        assert_one_rank_per_gpu(docs)
 
 
 def test_dev_overlay_runs_the_tiny_model_on_cpu_with_a_generated_secret():
@@ -143,6 +194,8 @@ def test_dev_overlay_runs_the_tiny_model_on_cpu_with_a_generated_secret():
     for name in ("learner", "actor"):
         assert "nvidia.com/gpu" not in specs[name]["containers"][0]["resources"].get("limits", {})
         assert specs[name]["initContainers"][0]["args"][0] == "make-tiny-model"
+    # one learner process: no torchrun ranks on the CPU overlay
+    assert nproc_per_node(specs["learner"]["containers"][0]["args"]) in (None, 1)
     (secret,) = by_kind("dev", "Secret").values()
     assert set(secret["data"]) == {"redis-password", "api-token"}
     refs = {e["valueFrom"]["secretKeyRef"]["name"] for spec in specs.values()
