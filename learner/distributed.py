@@ -10,8 +10,8 @@ longer than that and a config or checkpoint request still reaches them.
 
 Every rank collates the whole batch (identical tensors everywhere: the correction, the advantages and
 the loss denominators are global), then trains on its own share of the groups: `assign_groups` balances
-token counts, a group is never split. N = 1 (no torchrun) is the single-process learner: no process
-group, no commands.
+token counts, a group is never split. Without torchrun (`--nproc-per-node 1`) the learner is one plain
+process: no process group, no FSDP, no commands.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ class Ranks:
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1
+        """Joined a process group (torchrun): FSDP2, commands, sharded checkpoints, even on one rank."""
+        return self.control is not None
 
 
 SINGLE = Ranks(rank=0, world_size=1, local_rank=0)
@@ -62,13 +63,13 @@ def current() -> Ranks:
 
 
 def init_from_env(device_type: str) -> Ranks:
-    """Join the process group torchrun describes in the environment (`WORLD_SIZE` > 1); else `SINGLE`.
+    """Join the process group torchrun describes in the environment (also with one rank: FSDP2 on one
+    GPU); `SINGLE` without torchrun (the one-process learner, no FSDP).
 
     NCCL on CUDA (each rank on GPU `LOCAL_RANK`), gloo on CPU; commands and checkpoints use a second,
     gloo group so they never queue behind (or deadlock with) the training collectives."""
     global _current
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
+    if "LOCAL_RANK" not in os.environ or "WORLD_SIZE" not in os.environ:  # not started by torchrun
         return SINGLE
     if _current.distributed:
         return _current

@@ -11,6 +11,7 @@ the service does) and exits; without torchrun it is the one-process learner. `of
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import threading
 
@@ -27,9 +28,14 @@ def join(config: LearnerConfig) -> None:
 
 
 def follow(config: LearnerConfig) -> int:
-    """A follower rank: build its share of the learner, run the leader's commands until `stop`."""
+    """A follower rank: build its share of the learner, run the leader's commands until `stop`.
+
+    SIGTERM is left to the leader: torchrun signals every rank at once, and a follower that died at once
+    would fail the leader's last step, publish or checkpoint; the leader stops at its step boundary and
+    sends `stop` (a leader that is gone fails the follower's next collective, which ends it)."""
     from learner.train import Learner
 
+    signal.signal(signal.SIGTERM, lambda *_: log.info("SIGTERM: stopping when the leader says so"))
     learner = Learner(config)
     try:
         learner.follow()

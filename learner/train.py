@@ -566,7 +566,7 @@ class Learner:
             if self._pending is pending:  # a newer config queued meanwhile stays queued
                 self._pending = None
         self.metrics.record_config(version, new.buffer.max_staleness)
-        log.info("applied config version %d at step %d", version, self.step_count)
+        log.info("rank %d applied config version %d at step %d", self.ranks.rank, version, self.step_count)
         if self._on_config_applied is not None:
             self._on_config_applied(version, self.step_count)
         if self.ranks.distributed and self.ranks.is_leader:

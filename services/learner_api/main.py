@@ -7,8 +7,10 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from config.secrets import Redactor, url_secrets
 from learner.config import LearnerConfig, load_config
 from services.common.app import create_runtime_app, serve_app
+from services.common.logging import configure_logging
 from services.common.metrics import make_registry
 from services.common.settings import LearnerServiceSettings
 from services.learner_api import routes
@@ -60,12 +62,14 @@ def serve(**overrides: Any) -> int:
     Under torchrun (`offpolicy learner --nproc-per-node N`) every rank joins the process group; rank 0
     serves the API around the loop, the other ranks run the leader's commands (learner/launch.py)."""
     settings = LearnerServiceSettings.from_env(os.environ, **overrides)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if "LOCAL_RANK" in os.environ:  # started by torchrun
         from learner.distributed import current
         from learner.launch import follow, join
 
         config = load_config(settings.config_path, os.environ)
         join(config)
         if not current().is_leader:
+            redactor = Redactor(url_secrets(config.redis_url))
+            configure_logging(settings.log_level, settings.log_json, redactor)
             return follow(config)
     return serve_app(settings, create_app)
