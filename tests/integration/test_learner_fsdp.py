@@ -84,13 +84,19 @@ def make_config(tiny2, redis_url, tmp_path, name: str, **kw):
 
 
 @pytest.mark.parametrize(
-    ("preset", "estimator"),
-    [("decoupled_token_is", "grpo"), ("bypass_ppo_clip", "grpo"), ("decoupled_token_is", "gae")],
+    ("preset", "estimator", "extra"),
+    [
+        ("decoupled_token_is", "grpo", {}),
+        ("bypass_ppo_clip", "grpo", {}),
+        ("decoupled_token_is", "gae", {}),
+        ("decoupled_token_is", "grpo", {"gradient_checkpointing": True, "fsdp": {"cpu_offload": True}}),
+    ],
+    ids=["decoupled-grpo", "bypass-grpo", "decoupled-gae", "checkpointing-offload"],
 )
-def test_two_ranks_train_like_one_process(preset, estimator, tiny2, groups, redis_url, tmp_path):
+def test_two_ranks_train_like_one_process(preset, estimator, extra, tiny2, groups, redis_url, tmp_path):
     kw = {"rollout_correction": preset, "adv_estimator": estimator}
     one = make_config(tiny2, redis_url, tmp_path, "one", **kw)
-    two = make_config(tiny2, redis_url, tmp_path, "two", **kw)
+    two = make_config(tiny2, redis_url, tmp_path, "two", **kw, **extra)
     for cfg in (one, two):
         with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:
             buf.insert_many(groups)
