@@ -138,29 +138,13 @@ def base_meta(
     }
 
 
-def snapshot_checkpoint(
-    parts: Trainables,
-    *,
-    version: int,
-    step: int,
-    run_id: str,
-    config: dict[str, Any],
-    buffer_position: dict[str, Any],
-    lease_ids: list[str] | None = None,
-) -> CheckpointSnapshot:
-    """Copy everything a checkpoint holds to host memory (the critical-path part of a checkpoint)."""
+def snapshot_checkpoint(parts: Trainables, meta: dict[str, Any]) -> CheckpointSnapshot:
+    """Copy everything a checkpoint holds to host memory (the critical-path part of a checkpoint); `meta`
+    is `base_meta(...)`."""
     files = {"model": _host(unique_state(parts.model))}
     opt_tensors, opt_meta = _optimizer_to_files(parts.optimizer)
     files["optimizer"] = _host(opt_tensors)
-    meta = base_meta(
-        parts,
-        version=version,
-        step=step,
-        run_id=run_id,
-        config=config,
-        buffer_position=buffer_position,
-        lease_ids=lease_ids,
-    ) | {"format": FORMAT, "optimizer": opt_meta}
+    meta = meta | {"format": FORMAT, "optimizer": opt_meta}
     if parts.critic is not None and parts.critic_optimizer is not None:
         files["critic"] = _host(unique_state(parts.critic))
         c_tensors, meta["critic_optimizer"] = _optimizer_to_files(parts.critic_optimizer)
@@ -169,7 +153,7 @@ def snapshot_checkpoint(
     if torch.cuda.is_available():
         rng |= {f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
     files["rng"] = _host(rng)
-    return CheckpointSnapshot(version, files, meta)
+    return CheckpointSnapshot(int(meta["version"]), files, meta)
 
 
 def write_checkpoint(checkpoint_dir: str | Path, snap: CheckpointSnapshot, keep: int | None = None) -> Path:
@@ -205,9 +189,10 @@ def save_checkpoint(
     keep: int | None = None,
 ) -> Path:
     """Snapshot and write a checkpoint in the calling thread (the learner writes in the background)."""
-    snap = snapshot_checkpoint(
+    meta = base_meta(
         parts, version=version, step=step, run_id=run_id, config=config, buffer_position=buffer_position
     )
+    snap = snapshot_checkpoint(parts, meta)
     return write_checkpoint(checkpoint_dir, snap, keep)
 
 

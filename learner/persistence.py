@@ -141,26 +141,18 @@ class Persistence:
         if root is None:
             raise CheckpointsDisabled("checkpoints are disabled: checkpoint.checkpoint_dir is null")
         config = self.config.model_dump(mode="json") | {"redis_url": redact_url(self.config.redis_url)}
-        if self.sharded is not None:  # every rank: DCP, sharded and asynchronous
-            meta = base_meta(
-                parts,
-                version=version,
-                step=step,
-                run_id=self.config.run_id,
-                config=config,
-                buffer_position=buffer_position,
-                lease_ids=lease_ids,
-            )
-            return self.sharded.save(parts, version, meta)
-        snap = snapshot_checkpoint(
+        meta = base_meta(
             parts,
             version=version,
             step=step,
             run_id=self.config.run_id,
             config=config,
             buffer_position=buffer_position,
-            lease_ids=lease_ids or [],
+            lease_ids=lease_ids,
         )
+        if self.sharded is not None:  # every rank: DCP, sharded and asynchronous
+            return self.sharded.save(parts, version, meta)
+        snap = snapshot_checkpoint(parts, meta)
         keep = self.config.checkpoint.keep_checkpoints
         self._copies["checkpoint"].append(snap)
         self.writer.submit("checkpoint", version, lambda: write_checkpoint(root, snap, keep))
