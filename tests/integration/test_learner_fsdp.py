@@ -9,6 +9,7 @@ ranks, micro-batches of 3 rows: what matches is the global loss, not a per-rank 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import replace
@@ -57,14 +58,21 @@ def groups(tiny2):
     return out
 
 
-def torchrun(nproc: int, cfg_file: Path, log: Path, *, timeout: float = 300) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, cfg_file: Path, log: Path, *, timeout: float = 300) -> int:
+    """Run `learner.launch` on `nproc` ranks; its return code. Its own session: a timeout kills every rank."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     with log.open("w") as fh:
-        return subprocess.run(
+        proc = subprocess.Popen(
             [*cmd, "-m", "learner.launch", str(cfg_file)],
-            cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout,
+            cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
+        try:
+            return proc.wait(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def make_config(tiny2, redis_url, tmp_path, name: str, **kw):
@@ -112,8 +120,7 @@ def test_two_ranks_train_like_one_process(preset, estimator, extra, tiny2, group
 
     (tmp_path / "two.yaml").write_text(yaml.safe_dump(two.model_dump(mode="json")))
     log = tmp_path / "two.log"
-    result = torchrun(2, tmp_path / "two.yaml", log)
-    assert result.returncode == 0, log.read_text()[-4000:]
+    assert torchrun(2, tmp_path / "two.yaml", log) == 0, log.read_text()[-4000:]
 
     assert version == 2 * STEPS and published_versions(two.weights_path)[-1] == version
     got = load_model(version_dir(two.weights_path, version), "cpu").state_dict()

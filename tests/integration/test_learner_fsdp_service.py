@@ -55,6 +55,16 @@ def status(port: int) -> dict | None:
     return r.json() if r.status_code == 200 else None
 
 
+def kill_tree(agent: subprocess.Popen) -> None:
+    """SIGKILL torchrun and its ranks (a test that failed must not leave ranks behind)."""
+    if agent.poll() is not None:
+        return
+    for child in psutil.Process(agent.pid).children(recursive=True):
+        child.kill()
+    agent.kill()
+    agent.wait(timeout=30)
+
+
 def rank_pid(agent: subprocess.Popen, rank: int) -> int:
     for child in psutil.Process(agent.pid).children(recursive=True):
         try:
@@ -109,8 +119,7 @@ def test_service_on_two_ranks_patch_kill_rank_1_and_resume(tiny2, redis_url, tmp
         os.kill(rank_pid(agent, 1), signal.SIGKILL)  # mid-run
         assert agent.wait(timeout=120) != 0  # torchrun ended the job: rank 0 did not hang
     finally:
-        if agent.poll() is None:
-            agent.kill()
+        kill_tree(agent)
     killed = buf.stats()
     resumed_from = checkpoint_versions(cfg.checkpoint_path)[-1]
 
@@ -125,8 +134,7 @@ def test_service_on_two_ranks_patch_kill_rank_1_and_resume(tiny2, redis_url, tmp
         agent.send_signal(signal.SIGTERM)  # torchrun signals both ranks; the leader stops them in step
         agent.wait(timeout=120)  # torchrun itself exits non-zero after a signal, whatever its ranks did
     finally:
-        if agent.poll() is None:
-            agent.kill()
+        kill_tree(agent)
     second = log.read_text()[offset:]
     assert "SIGTERM: stopping when the leader says so" in second  # rank 1 waited for the leader
     assert "Application shutdown complete" in second and "the loop died" not in second, second[-3000:]
