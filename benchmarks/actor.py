@@ -33,12 +33,13 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
+
 MODES = ("drain", "abort", "inflight")
 
 
 def _lengths(num: int, mean: int, cap: int, seed: int = 0) -> dict[str, list[int]]:
     """Per-prompt completion lengths: `uniform` and `longtail` (lognormal, sigma 1, mean ~`mean`)."""
-    import numpy as np
 
     rng = np.random.default_rng(seed)
     tail = np.clip(rng.lognormal(np.log(mean) - 0.5, 1.0, num).round(), 1, cap).astype(int)
@@ -89,7 +90,7 @@ async def _batch_loop(engine, config, prompts, ids, params) -> int:
             if pushing is not None:
                 await pushing
             groups = make_groups(
-                [prompts[i] for i in batch], [ids[i] for i in batch], comps, reward,
+                [prompts[i] for i in batch], [np.asarray(ids[i], np.int32) for i in batch], comps, reward,
                 engine.loaded_version, "bench", stamp, metrics,
             )  # fmt: skip
             pushing = asyncio.create_task(push_groups(buffer, groups, config.retry, metrics, stop))
@@ -135,9 +136,8 @@ def _weight_folders(model_dir: Path, root: Path) -> list[tuple[str, str]]:
     """Two perturbed copies of the model, each with its manifest: [(folder, sha256)]."""
     import torch
 
-    from actors.manifest import write_manifest
-    from learner.model import load_model
-    from learner.weights import write_version
+    from learner.model import load_model, load_tokenizer
+    from learner.weights import publish_weights
 
     out = []
     for k in (1, 2):
@@ -145,9 +145,8 @@ def _weight_folders(model_dir: Path, root: Path) -> list[tuple[str, str]]:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.01 * k)
-        folder, sha = write_version(model, root / "weights", k)
-        write_manifest(folder, k)
-        out.append((str(folder), sha))
+        record = publish_weights(model, root / "weights", k, tokenizer=load_tokenizer(model_dir))
+        out.append((record.weights_uri, record.sha256))
     return out
 
 
