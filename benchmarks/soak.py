@@ -1,9 +1,12 @@
 """Soak: the quickstart's stack (embedded Redis, learner and actor services) run for minutes; is anything
 growing? Samples Redis `used_memory` and key count, and the learner process's resident set, every
 `--every` seconds; after a warm-up (the first `--warmup` share of the run) each must stay within 10 % of
-its mean right after the warm-up. The buffer's dedupe set is bounded by a window of ids (default 100,000,
-~10 MB of Redis): it grows until full, by design; the soak uses a 500-id window so that it fills during
-the warm-up (`--dedupe-window`). Not part of CI (10 minutes by default).
+its mean right after the warm-up. Keys are split: one payload key per stored group (bounded by
+`max_size`; their number moves with the buffer's fill, and the total key count with it) and the rest
+(indexes, dedupe, leases, the policy record), whose count is the one that must stay flat; payload keys
+must never outnumber the stored groups (orphaned payloads). The buffer's dedupe set is bounded by a
+window of ids (default 100,000, ~10 MB of Redis): it grows until full, by design; the soak uses a 500-id
+window so that it fills during the warm-up (`--dedupe-window`). Not part of CI (10 minutes by default).
 
     python benchmarks/soak.py [--minutes 10] [--every 10] [--warmup 0.2] [--json]
 """
@@ -45,6 +48,9 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+LEAK_KEYS = ("redis_used_memory_growth", "bookkeeping_keys_growth", "learner_rss_growth")
+
+
 def growth(samples: list[dict], key: str, warmup_end: float) -> float:
     """Mean of the last 20 % of the samples over the mean of the 20 % right after the warm-up, minus 1
     (means, since the buffer's fill, and so its key count, moves from one sample to the next)."""
@@ -71,6 +77,7 @@ def soak(minutes: float, every: float, warmup: float, dedupe_window: int) -> dic
             learner = start_service("learner", run_dir / "learner.yaml", run_dir / "learner.log")
             actor = start_service("actor", run_dir / "actor.yaml", run_dir / "actor.log")
             client = redis.Redis.from_url(server.url)
+            payload_pattern = BufferKeys.for_run("soak").payload_prefix + "*"
             samples: list[dict] = []
             try:
                 learner.wait_ready(180)
@@ -82,13 +89,18 @@ def soak(minutes: float, every: float, warmup: float, dedupe_window: int) -> dic
                             raise RuntimeError(f"{child.name} exited:\n{child.log_tail()}")
                     status = httpx.get(f"{learner.url}/v1/status", timeout=10).json()
                     memory = client.info("memory")
+                    keys = int(client.dbsize())
+                    payloads = sum(1 for _ in client.scan_iter(match=payload_pattern, count=1000))
                     samples.append({
                         "t": time.monotonic() - t0,
                         "redis_used_memory": int(memory["used_memory"]),
                         "redis_dataset": int(memory.get("used_memory_dataset", 0)),
                         "redis_overhead": int(memory.get("used_memory_overhead", 0)),
                         "redis_scripts": int(memory.get("used_memory_scripts", 0)),
-                        "redis_keys": int(client.dbsize()),
+                        "redis_keys": keys,
+                        "payload_keys": payloads,  # one per stored group: bounded by max_size
+                        "bookkeeping_keys": keys - payloads,  # indexes, dedupe, leases, policy record...
+                        "stored_groups": int(status.get("buffer", {}).get("size", 0)),
                         "dedupe_entries": int(client.zcard(BufferKeys.for_run("soak").seen)),
                         "learner_rss": rss_bytes(learner.proc.pid),
                         "step": int(status.get("step", 0)),
@@ -116,6 +128,9 @@ def soak(minutes: float, every: float, warmup: float, dedupe_window: int) -> dic
         "redis_overhead_growth": growth(samples, "redis_overhead", warmup_end),
         "redis_scripts_growth": growth(samples, "redis_scripts", warmup_end),
         "redis_keys_growth": growth(samples, "redis_keys", warmup_end),
+        "bookkeeping_keys_growth": growth(samples, "bookkeeping_keys", warmup_end),
+        "stored_groups_growth": growth(samples, "stored_groups", warmup_end),
+        "payload_keys_over_stored_max": max(s["payload_keys"] - s["stored_groups"] for s in samples),
         "learner_rss_growth": growth(samples, "learner_rss", warmup_end),
         "target_growth_max": TARGET_GROWTH,
         "memory_at_end": breakdown,
@@ -123,8 +138,10 @@ def soak(minutes: float, every: float, warmup: float, dedupe_window: int) -> dic
         "first": samples[0],
         "last": samples[-1],
     }
-    out["ok"] = all(out[k] < TARGET_GROWTH for k in ("redis_used_memory_growth", "redis_keys_growth",
-                                                      "learner_rss_growth"))  # fmt: skip
+    # A leak is memory or keys that nothing bounds: the payload keys are the stored groups (bounded by
+    # max_size; their number moves with the buffer's fill, as does the total key count), so the key test
+    # is on the other keys, and payload keys must never outnumber the stored groups (orphans).
+    out["ok"] = all(out[k] < TARGET_GROWTH for k in LEAK_KEYS) and out["payload_keys_over_stored_max"] <= 0
     return out
 
 
@@ -144,8 +161,13 @@ def main() -> None:
     print(
         f"soak {args.minutes:.0f} min, {out['samples']} samples, {out['steps']} learner steps after warm-up"
     )
-    for key in ("redis_used_memory_growth", "redis_keys_growth", "learner_rss_growth"):
+    for key in ("redis_used_memory_growth", "bookkeeping_keys_growth", "learner_rss_growth"):
         print(f"  {key:<26} {out[key]:+7.1%}  (target < {TARGET_GROWTH:.0%})")
+    print(
+        f"  redis_keys_growth          {out['redis_keys_growth']:+7.1%}  (stored groups "
+        f"{out['stored_groups_growth']:+.1%}; payload keys over stored groups, max: "
+        f"{out['payload_keys_over_stored_max']})"
+    )
     print("  ok" if out["ok"] else "  NOT ok")
 
 

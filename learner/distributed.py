@@ -184,6 +184,12 @@ def shares(
     return out
 
 
+def barrier(ranks: Ranks) -> None:
+    """Every rank waits for the others (control group: CPU, whatever the training backend)."""
+    if ranks.distributed:
+        dist.barrier(group=ranks.control)
+
+
 def all_reduce_sum(ranks: Ranks, tensor: torch.Tensor) -> torch.Tensor:
     """Sum of `tensor` over the ranks (in place; returned). A no-op on one process."""
     if ranks.distributed:

@@ -1,8 +1,8 @@
 """The learner loop: sample groups, correct, compute advantages, take PPO steps, publish weights.
 
 Reads top to bottom like a CleanRL file: `Learner.__init__` (model, optimizer, buffer, resume), the
-control API other threads call, then `step()` in the order of spec §5.1 (the update phase itself, one
-optimizer step over a mini-batch's micro-batches, is `learner/update.py`):
+control API other threads call, then `step()` in the order of spec §5.1 (the training of a step is
+`learner/train_step.py`; one optimizer step over a mini-batch's micro-batches is `learner/update.py`):
 
     sample k groups (consumer_version = version) → collate → [decoupled] pi_old once, correction, the
     RS mask replaces the response mask → advantages → ppo_epochs × mini-batches (groups) × micro-batches
@@ -34,37 +34,29 @@ from buffer.codec import decode_group, encode_group
 from buffer.errors import BufferNotReady, RateLimited, StorageUnavailable
 from buffer.policy import PolicyStore
 from buffer.replay_buffer import ReplayBuffer
-from learner.advantages import compute_advantages, gae, grpo
-from learner.batching import Batch, collate, token_staleness
 from learner.checkpoint import Trainables
 from learner.config import LearnerConfig, frozen_field_changes
-from learner.correction import compute_rollout_correction
-from learner.critic import ValueModel, token_rewards
+from learner.critic import ValueModel
 from learner.delivery import Delivery
 from learner.distributed import (
     HEARTBEAT_S,
     Command,
     Ranks,
-    all_reduce_sum,
+    barrier,
     broadcast_command,
     current,
     local_device,
-    reduce_means,
 )
 from learner.errors import FrozenFieldChange, WriteFailed
-from learner.metrics import LearnerMetrics, StalenessKL
+from learner.metrics import LearnerMetrics
 from learner.model import checkpoint_dtype, load_model, load_tokenizer
 from learner.persistence import Persistence
 from learner.precision import Precision, pick_device
 from learner.screening import ModelLimits, field_label, screen
 from learner.sharding import LogProbs, full_state, shard
+from learner.train_step import train_on
 from learner.update import (
     lr_lambda,
-    metric_sums,
-    mini_batches,
-    no_grad_logprobs,
-    optimizer_step,
-    rows_forward,
     set_optimizer_hparams,
     timed,
 )
@@ -201,8 +193,8 @@ class Learner:
             else None
         )
         if ranks.distributed:
-            all_reduce_sum(ranks, torch.zeros(1))  # the leader has removed leftover partial writes
-        meta = self.persist.resume(self._trainables())
+            barrier(ranks)  # the leader has removed leftover partial writes
+        meta = self.persist.resume(self.trainables())
         if meta is not None:
             self._resumed(meta)
         if self.delivery is not None:
@@ -248,7 +240,7 @@ class Learner:
         rank checkpoints its shards) and this waits for that."""
         if self.ranks.distributed:
             if self.config.checkpoint_path is None:
-                self.persist.checkpoint(self._trainables(), 0, 0, {})  # raises CheckpointsDisabled
+                self.persist.checkpoint(self.trainables(), 0, 0, {})  # raises CheckpointsDisabled
             with self._checkpoint_done:
                 target = self._checkpoints_done + 1
                 self._checkpoint_asked.set()
@@ -423,7 +415,7 @@ class Learner:
         marks their leases, which a checkpoint of this step then holds), publish, checkpoint when due."""
         cfg, metrics = self.config, {}
         if command.op == "step":
-            metrics = self._train_on(groups, phases)
+            metrics = train_on(self, groups, phases)
             if on_trained is not None:
                 on_trained()
             self.step_count += 1
@@ -462,88 +454,6 @@ class Learner:
             with self._checkpoint_done:
                 self._checkpoint_done.notify_all()
 
-    def _train_on(self, groups: list, phases: dict[str, float]) -> dict[str, float]:
-        cfg, rc = self.config, self.config.rollout_correction
-        # --- collate
-        with timed(phases, "collate"):
-            batch = collate(groups, self.pad_id).to(self.device)
-            staleness = self.version - batch.policy_versions  # (B,)
-            tokens = batch.response_mask.sum()
-        host: dict[str, float] = {}
-        kl = StalenessKL()
-        # --- pi_old and the correction (decoupled: once per batch; its mask replaces the response mask)
-        with timed(phases, "old_logprob"):
-            if rc.bypass_mode:
-                batch.old_log_probs = batch.rollout_log_probs
-            else:
-                batch.old_log_probs = no_grad_logprobs(self.policy, batch, cfg, self.precision, self.ranks)
-                ages = token_staleness(batch, self.version)  # (B, R): each token's own age
-                kl.add(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, ages)
-                corr = compute_rollout_correction(
-                    batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, rc
-                )
-                batch.response_mask, batch.is_weights = corr.response_mask.float(), corr.weights
-                host |= corr.metrics
-            self._advantages(batch)
-        # --- PPO epochs × mini-batches × micro-batches
-        acc: dict[str, list[torch.Tensor]] = {}
-        order = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step_count)  # same on every rank
-        for epoch in range(cfg.ppo_epochs):
-            for mini in mini_batches(batch, cfg.mini_batch_groups, order):
-                bypass_kl = (kl, self.version) if epoch == 0 and rc.bypass_mode else None
-                optimizer_step(
-                    self._trainables(),
-                    batch,
-                    mini,
-                    cfg,
-                    acc,
-                    phases,
-                    self.precision,
-                    bypass_kl,
-                    self.persist.fence,
-                    self.ranks,
-                )
-                self.version += 1  # the policy version counts optimizer steps
-        if batch.is_weights is not None:
-            self.metrics.is_weight_hist.observe_many(batch.is_weights[batch.response_mask > 0].cpu().numpy())
-        self.metrics.staleness_hist.observe_many(staleness.cpu().numpy())
-        host |= reduce_means(self.ranks, metric_sums(acc))  # means over every rank's micro-batches
-        host["actor/pg_loss"] = host["loss"]
-        if rc.bypass_mode:  # pi_theta's KL was taken on each rank's own rows
-            kl.sums, kl.counts = (all_reduce_sum(self.ranks, t.to(self.device)) for t in (kl.sums, kl.counts))
-        host |= {f"offpolicy_kl/{b}": v for b, v in kl.result().items()}
-        scalars = torch.stack([tokens, batch.rewards.mean(), staleness.float().mean()]).cpu().tolist()
-        host |= {
-            "tokens": scalars[0],
-            "groups": float(len(groups)),
-            "reward_mean": scalars[1],
-            "staleness_mean": scalars[2],
-            "response_length_mean": scalars[0] / batch.num_rows,
-            "version": float(self.version),
-            "lr": self.scheduler.get_last_lr()[0],
-        }
-        return host
-
-    def _advantages(self, batch: Batch) -> None:
-        cfg = self.config
-        if cfg.adv_estimator == "grpo":
-            batch.advantages = grpo(
-                batch.rewards, batch.group_index, batch.response_mask, norm_by_std=cfg.norm_adv_by_std_in_grpo
-            )
-            return
-        if self.critic is None:
-            batch.advantages = compute_advantages(
-                cfg.adv_estimator, batch.rewards, batch.group_index, batch.response_mask
-            )
-            return
-        with torch.no_grad(), self.precision.autocast():
-            batch.values = rows_forward(self.critic, batch, cfg.micro_batch_size, self.ranks)  # (B, R)
-        # The episode is every sampled token: the reward sits on the last one, whatever rejection sampling
-        # masked out of the loss (`response_mask`); values and returns cover all sampled tokens.
-        rewards = token_rewards(batch.rewards, batch.sampled_mask)  # (B, R)
-        batch.advantages, batch.returns = gae(rewards, batch.values, batch.sampled_mask, cfg.gamma, cfg.lam)
-        batch.advantages = batch.advantages * batch.response_mask  # the loss sees only kept tokens
-
     # --- plumbing
 
     def _apply_pending(self) -> None:
@@ -572,7 +482,7 @@ class Learner:
         if self.ranks.distributed and self.ranks.is_leader:
             self._unsent_config = pending  # the next command carries it to every rank
 
-    def _trainables(self) -> Trainables:
+    def trainables(self) -> Trainables:
         return Trainables(
             self.model, self.optimizer, self.scheduler, self.critic, self.critic_optimizer, self.policy
         )
@@ -584,7 +494,7 @@ class Learner:
             stats = self.buffer.stats()
             position = {"inserted_total": stats.inserted_total, "sampled_total": stats.sampled_total}
             leases = self.delivery.checkpointed(self.version)
-        return self.persist.checkpoint(self._trainables(), self.version, self.step_count, position, leases)
+        return self.persist.checkpoint(self.trainables(), self.version, self.step_count, position, leases)
 
     def _on_durable(self, kind: str, version: int) -> None:
         """Writer thread: a write became durable; a checkpoint's leases are acked by the next step."""
