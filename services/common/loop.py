@@ -44,11 +44,11 @@ class BackgroundLoop:
     def _main(self) -> None:
         try:
             self._target(self._stop)
-        except Exception as exc:  # translated: kept for /healthz and /v1/status, logged, handed to the hook
+        except Exception as exc:  # translated: handed to the hook, kept for /healthz and /v1/status, logged
+            if self._on_failure is not None:
+                self._on_failure(exc)  # first: once /healthz sees the error, the exit is already scheduled
             self.error = exc
             log.exception("%s loop stopped with an error", self._thread.name)
-            if self._on_failure is not None:
-                self._on_failure(exc)
 
     def start(self) -> None:
         self._thread.start()
