@@ -205,7 +205,8 @@ def all_gather_bytes(ranks: Ranks, data: bytes) -> list[bytes]:
     dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.long), group=ranks.control)
     width = max(1, max(int(n) for n in sizes))
     mine = torch.zeros(width, dtype=torch.uint8)
-    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     parts = [torch.empty(width, dtype=torch.uint8) for _ in range(ranks.world_size)]
     dist.all_gather(parts, mine, group=ranks.control)
     return [p.numpy().tobytes()[: int(n)] for p, n in zip(parts, sizes, strict=True)]
@@ -215,9 +216,8 @@ def reduce_means(ranks: Ranks, sums: dict[str, tuple[float, int]]) -> dict[str, 
     """Metrics as (sum, count) per rank -> the mean over every rank's values (keys may differ by rank: a
     rank whose share of a mini-batch was empty took no values)."""
     total: dict[str, list[float]] = {}
-    for blob in all_gather_bytes(ranks, msgpack.packb(sums)) if ranks.distributed else [None]:
-        part = sums if blob is None else msgpack.unpackb(blob, raw=False)
-        for k, (s, n) in part.items():
+    for blob in all_gather_bytes(ranks, msgpack.packb(sums)):
+        for k, (s, n) in msgpack.unpackb(blob, raw=False).items():
             acc = total.setdefault(k, [0.0, 0])
             acc[0], acc[1] = acc[0] + s, acc[1] + n
     return {k: s / n for k, (s, n) in total.items() if n}

@@ -74,7 +74,10 @@ class Persistence:
         if ranks.distributed and config.checkpoint_path is not None:
             keep = config.checkpoint.keep_checkpoints
             self.sharded = sharded_checkpoint.ShardedCheckpoints(
-                config.checkpoint_path, ranks, keep, lambda v: self._written("checkpoint", v, None, 0.0)
+                config.checkpoint_path,
+                ranks,
+                keep,
+                lambda v, seconds: self._written("checkpoint", v, None, seconds),
             )
 
     # --- weights

@@ -95,13 +95,18 @@ class _InFlight:
     meta: dict[str, Any]
     rng: dict[str, torch.Tensor]
     version: int
+    started: float  # perf_counter at the step boundary
 
 
 class ShardedCheckpoints:
     """The sharded checkpoints of one learner rank (at most one in flight)."""
 
     def __init__(
-        self, root: Path, ranks: Ranks, keep: int | None, on_durable: Callable[[int], None] | None = None
+        self,
+        root: Path,
+        ranks: Ranks,
+        keep: int | None,
+        on_durable: Callable[[int, float], None] | None = None,
     ) -> None:
         self.root, self.ranks, self.keep, self._on_durable = root, ranks, keep, on_durable
         self._inflight: _InFlight | None = None
@@ -117,6 +122,7 @@ class ShardedCheckpoints:
             shutil.rmtree(tmp, ignore_errors=True)
         if self.ranks.distributed:
             dist.barrier(group=self._group)  # the folder is clean before any rank writes into it
+        started = time.perf_counter()
         tensors, groups = flat_state(parts)
         writer = HuggingFaceStorageWriter(str(tmp / STATE_DIR), save_distributed=True)
         future = dcp.async_save(tensors, storage_writer=writer, process_group=self._group)
@@ -124,7 +130,7 @@ class ShardedCheckpoints:
         if torch.cuda.is_available():
             rng |= {f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
         meta = meta | {"format": FORMAT, "world_size": self.ranks.world_size, "param_groups": groups}
-        self._inflight = _InFlight(future, tmp, final, meta, rng, version)
+        self._inflight = _InFlight(future, tmp, final, meta, rng, version, started)
         return final
 
     def poll(self) -> None:
@@ -137,7 +143,6 @@ class ShardedCheckpoints:
         job, self._inflight = self._inflight, None
         if job is None:
             return
-        t0 = time.perf_counter()
         job.future.result()  # raises what the background write raised
         if not self.ranks.is_leader:
             return
@@ -151,9 +156,10 @@ class ShardedCheckpoints:
         if self.keep is not None:
             for v in checkpoint_versions(self.root)[: -self.keep]:
                 shutil.rmtree(self.root / f"ckpt-{v:010d}")
-        log.info("checkpoint v%d durable (%.2f s after its last step)", job.version, time.perf_counter() - t0)
+        seconds = time.perf_counter() - job.started
+        log.info("checkpoint v%d durable %.2f s after its step boundary", job.version, seconds)
         if self._on_durable is not None:
-            self._on_durable(job.version)
+            self._on_durable(job.version, seconds)
 
 
 def load(path: Path, parts: Trainables, ranks: Ranks) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from buffer.errors import BufferNotReady, RateLimited, StorageUnavailable
 from buffer.policy import PolicyStore
 from buffer.replay_buffer import ReplayBuffer
 from learner.checkpoint import Trainables
+from learner.commands import LeaderChannel
 from learner.config import LearnerConfig, frozen_field_changes
 from learner.critic import ValueModel
 from learner.delivery import Delivery
@@ -170,12 +171,7 @@ class Learner:
         self._running = threading.Event()
         self._running.set()
         self._tokens_per_s: float | None = None
-        self._checkpoint_asked = threading.Event()  # N ranks: a checkpoint() waiting for the loop
-        self._checkpoint_done = threading.Condition()
-        self._checkpoints_done = 0
-        self._stopped = False  # N ranks: the followers were sent `stop`
-        self._last_checkpoint: tuple[Path, int] | None = None
-        self._unsent_config: tuple[LearnerConfig, int] | None = None  # leader: applied, not yet sent
+        self.channel = LeaderChannel(ranks) if ranks.distributed and leader else None  # N ranks: rank 0
         # --- published weights and checkpoints (off the critical path); resume, then publish what we hold
         self.persist = Persistence(
             config,
@@ -241,13 +237,8 @@ class Learner:
         if self.ranks.distributed:
             if self.config.checkpoint_path is None:
                 self.persist.checkpoint(self.trainables(), 0, 0, {})  # raises CheckpointsDisabled
-            with self._checkpoint_done:
-                target = self._checkpoints_done + 1
-                self._checkpoint_asked.set()
-                self._checkpoint_done.wait_for(lambda: self._checkpoints_done >= target or self._stopped)
-                if self._checkpoints_done < target or self._last_checkpoint is None:
-                    raise WriteFailed("the learner stopped before it took the checkpoint")
-                return self._last_checkpoint
+            assert self.channel is not None, "checkpoint() is the leader's"
+            return self.channel.request_checkpoint()
         with self._step_lock:
             path, version = self._checkpoint(), self.version
         self.persist.writer.flush()
@@ -366,19 +357,13 @@ class Learner:
     def _command(self, op: str, groups: list) -> Command:
         """Leader: tell every rank what this step boundary does, with the config the leader applied since
         the last command (a no-op on one process)."""
-        if not self.ranks.distributed:
+        if self.channel is None:
             return Command(op)
-        ask = self._checkpoint_asked.is_set()
-        self._checkpoint_asked.clear()
-        change, self._unsent_config = self._unsent_config, None
-        cfg_json, cfg_version = (change[0].model_dump_json(), change[1]) if change else (None, 0)
-        limits = self.config.buffer.limits
-        frames = [encode_group(g, limits) for g in groups]
-        return broadcast_command(self.ranks, Command(op, frames, cfg_json, cfg_version, checkpoint=ask))
+        return self.channel.send(op, [encode_group(g, self.config.buffer.limits) for g in groups])
 
     def _heartbeat(self) -> None:
         """Leader with nothing to train: N ranks hear from it (a config change, a checkpoint request)."""
-        if not self.ranks.distributed:
+        if self.channel is None:
             return
         self._apply_pending()
         self.persist.poll()
@@ -434,10 +419,8 @@ class Learner:
                 path = self._checkpoint()
             if command.checkpoint:  # asked for through checkpoint(): durable before the caller hears back
                 self.persist.flush()
-                with self._checkpoint_done:
-                    self._last_checkpoint = (path, self.version)
-                    self._checkpoints_done += 1
-                    self._checkpoint_done.notify_all()
+                if self.channel is not None:
+                    self.channel.checkpoint_taken(path, self.version)
         return metrics
 
     def _publish(self) -> None:
@@ -448,11 +431,8 @@ class Learner:
 
     def _stop_followers(self) -> None:
         """Leader: send `stop` once (the followers return from `follow`)."""
-        if self.ranks.distributed and self.ranks.is_leader and not self._stopped:
-            self._stopped = True
-            broadcast_command(self.ranks, Command("stop"))
-            with self._checkpoint_done:
-                self._checkpoint_done.notify_all()
+        if self.channel is not None:
+            self.channel.stop()
 
     # --- plumbing
 
@@ -479,8 +459,8 @@ class Learner:
         log.info("rank %d applied config version %d at step %d", self.ranks.rank, version, self.step_count)
         if self._on_config_applied is not None:
             self._on_config_applied(version, self.step_count)
-        if self.ranks.distributed and self.ranks.is_leader:
-            self._unsent_config = pending  # the next command carries it to every rank
+        if self.channel is not None:
+            self.channel.config_applied(*pending)  # the next command carries it to every rank
 
     def trainables(self) -> Trainables:
         return Trainables(

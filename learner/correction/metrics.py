@@ -166,7 +166,7 @@ def add_is_metrics(sink: MetricSink, st: ISStats, b: Batch, upper: float, lower:
 
 @dataclass(slots=True)
 class RSStats:
-    """One RS option's reduced statistics, from learner/correction/compute.py."""
+    """One RS option's reduced statistics, from learner/correction/rejection.py."""
 
     name: str
     is_k1: bool

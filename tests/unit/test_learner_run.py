@@ -23,7 +23,7 @@ class ScriptedLearner(Learner):
 
     def __init__(self, script: list[BaseException | None]) -> None:  # no model, no Redis: `run` only
         self.config = LearnerConfig(model_path="/m", max_steps=sum(s is None for s in script))
-        self.ranks = SINGLE
+        self.ranks, self.channel = SINGLE, None
         self.step_count, self.state, self.retrying = 0, "running", None
         self._running = threading.Event()
         self._running.set()
