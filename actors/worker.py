@@ -133,8 +133,7 @@ class Actor:
             self._push_wake.set()
             await pusher
             if follower is not None:
-                follower.cancel()
-                await asyncio.gather(follower, return_exceptions=True)
+                await cancel_and_wait([follower])
             await store.close()
             await buffer.close()
             self.state = "stopped"
@@ -294,7 +293,15 @@ class Actor:
 
     async def _cancel_inflight(self) -> None:
         """Stop every in-flight request (cancelling a request aborts it in the engine)."""
-        tasks = list(self._inflight.values())
-        for task in tasks:
+        await cancel_and_wait(list(self._inflight.values()))
+
+
+async def cancel_and_wait(tasks: list[asyncio.Task]) -> None:
+    """Cancel `tasks` and wait for them to end. A task that swallowed the cancel (on Python 3.11 a
+    library's own read timeout can turn an outside cancel into its timeout and carry on) is cancelled
+    again each second, so shutting down never hangs on it."""
+    while pending := [t for t in tasks if not t.done()]:
+        for task in pending:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.wait(pending, timeout=1.0)
+    await asyncio.gather(*tasks, return_exceptions=True)  # retrieve their errors: ended, not lost

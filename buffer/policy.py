@@ -134,6 +134,8 @@ class AsyncPolicyStore(_PolicyHandle):
             pubsub = await self._subscribe()
             record = await self.read()  # after subscribing, so nothing published in between is missed
             while True:
+                if asyncio.current_task().cancelling():  # redis-py's read timeout can swallow a cancel
+                    raise asyncio.CancelledError
                 if record is not None and record.version != last:
                     last = record.version
                     yield record
