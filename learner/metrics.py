@@ -9,9 +9,13 @@ sight. Token-level histograms (IS weights, staleness) are filled from whole arra
 
 from __future__ import annotations
 
+import json
 import re
 import threading
+import time
 from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -245,3 +249,10 @@ class LearnerMetrics:
             if f"offpolicy_kl/{bucket}" in step_metrics:
                 self.offpolicy_kl.labels(staleness=bucket).set(step_metrics[f"offpolicy_kl/{bucket}"])
         self.last = dict(step_metrics)
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """Append `record`, stamped with the wall time, as one JSON line to `path` (its folder made)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        fh.write(json.dumps({"time": time.time(), **record}) + "\n")

@@ -31,6 +31,7 @@ from learner.checkpoint import (
 )
 from learner.distributed import SINGLE, Ranks
 from learner.errors import CheckpointMismatch, CheckpointsDisabled
+from learner.sharding import GatheredWeights
 from learner.update import timed
 from learner.weights import HostCopy, WeightsSnapshot, publish_snapshot, remove_leftovers, unique_state
 from learner.writer import BackgroundWriter, Kind, WeightsBuffers
@@ -63,7 +64,10 @@ class Persistence:
         self.store, self.metrics, self._on_durable, self.ranks = store, metrics, on_durable, ranks
         self.writer = BackgroundWriter(on_done=self._written)
         self._weights_buffers = WeightsBuffers(self.writer)
-        self._copies: dict[Kind, list[HostCopy | CheckpointSnapshot]] = {"weights": [], "checkpoint": []}
+        self._copies: dict[Kind, list[HostCopy | GatheredWeights | CheckpointSnapshot]] = {
+            "weights": [],
+            "checkpoint": [],
+        }
         self._coalesced_seen = 0
         self.published_version: int | None = None  # newest version announced to the actors
         self.durable_checkpoint_version: int | None = None  # newest checkpoint on disk
@@ -82,12 +86,20 @@ class Persistence:
 
     # --- weights
 
-    def publish(self, version: int, state: dict[str, torch.Tensor] | None = None) -> None:
+    def publish(self, version: int, gather: set[str] | None = None) -> None:
         """Start the host snapshot of the weights (cast to the publish dtype) and queue their write.
-        `state`: the full weights gathered from N ranks (learner/sharding.py), instead of the model's."""
+        `gather`: on N ranks every rank calls this (a collective) with the names to publish, and the full
+        weights are gathered from every rank's shards into the leader's host buffers (learner/sharding.py)."""
+        if gather is not None and not self.ranks.is_leader:
+            GatheredWeights(self.model, gather, self.publish_dtype, leader=False)
+            return
         self.fence()  # the buffers about to be reused must not be mid-copy (normally long finished)
-        source = state if state is not None else unique_state(self.model)
-        copy = HostCopy(source, self.publish_dtype, into=self._weights_buffers.acquire())
+        into = self._weights_buffers.acquire()
+        copy: HostCopy | GatheredWeights = (
+            GatheredWeights(self.model, gather, self.publish_dtype, leader=True, into=into)
+            if gather is not None
+            else HostCopy(unique_state(self.model), self.publish_dtype, into=into)
+        )
         self._weights_buffers.keep(copy.tensors)
         self._copies["weights"].append(copy)
         pc, store, wdir = self.config.publish, self.store, self.config.weights_path

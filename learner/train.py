@@ -18,11 +18,9 @@ the same `_execute`: the same config, the same batch, its own share of it, FSDP2
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,10 +32,10 @@ from buffer.codec import decode_group, encode_group
 from buffer.errors import BufferNotReady, RateLimited, StorageUnavailable
 from buffer.policy import PolicyStore
 from buffer.replay_buffer import ReplayBuffer
+from learner.build import build_trainables
 from learner.checkpoint import Trainables
 from learner.commands import LeaderChannel
 from learner.config import LearnerConfig, frozen_field_changes
-from learner.critic import ValueModel
 from learner.delivery import Delivery
 from learner.distributed import (
     HEARTBEAT_S,
@@ -49,19 +47,13 @@ from learner.distributed import (
     local_device,
 )
 from learner.errors import FrozenFieldChange, WriteFailed
-from learner.metrics import LearnerMetrics
-from learner.model import checkpoint_dtype, load_model, load_tokenizer
+from learner.metrics import LearnerMetrics, append_jsonl
+from learner.model import checkpoint_dtype, load_tokenizer
 from learner.persistence import Persistence
 from learner.precision import Precision, pick_device
 from learner.screening import ModelLimits, field_label, screen
-from learner.sharding import LogProbs, full_state, shard
 from learner.train_step import train_on
-from learner.update import (
-    lr_lambda,
-    set_optimizer_hparams,
-    timed,
-)
-from learner.weights import unique_state
+from learner.update import set_optimizer_hparams, timed
 from learner.writer import BackgroundWriter
 
 log = logging.getLogger(__name__)
@@ -107,53 +99,19 @@ class Learner:
         torch.manual_seed(config.seed)
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
-        # --- model (master weights in the precision's dtype), tokenizer, optimizer, schedule
+        # --- model (master weights in the precision's dtype), optimizer, schedule, critic; tokenizer
         self.device = local_device(ranks, pick_device(config.device))
         self.precision = Precision.resolve(config.precision, self.device)
-        sharded, offload = ranks.distributed, config.fsdp.cpu_offload
-        self.model = load_model(  # N ranks: loaded in host memory, each layer moved to the GPU as sharded
-            config.model_path,
-            "cpu" if sharded else self.device,
-            self.precision.param_dtype,
-            gradient_checkpointing=config.gradient_checkpointing,
-        )
-        self._publish_keys = set(unique_state(self.model))  # tied names dropped, as save_pretrained does
-        self.policy = LogProbs(self.model)  # what the loop calls for log-probs
-        if sharded:
-            shard(self.policy, self.model.config.num_hidden_layers, self.precision, offload)
-        publish_dtype = checkpoint_dtype(config.model_path)  # published weights = masters cast to this
+        parts, self._publish_keys = build_trainables(config, self.device, self.precision, ranks.distributed)
+        self.model, self.policy = parts.model, parts.policy
+        self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
+        self.critic, self.critic_optimizer = parts.critic, parts.critic_optimizer
         self.tokenizer = load_tokenizer(config.model_path)
         self.limits = ModelLimits(
             vocab_size=self.model.get_input_embeddings().num_embeddings,
             max_positions=self.model.config.max_position_embeddings,
         )
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        oc = config.optimizer
-        # fused: one kernel over all parameters (5x faster than foreach for 160M fp32 parameters on CPU)
-        self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(),
-            lr=oc.lr,
-            betas=oc.betas,
-            eps=oc.eps,
-            weight_decay=oc.weight_decay,
-            fused=True,
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(oc))
-        # --- critic (GAE only)
-        self.critic: ValueModel | None = None
-        self.critic_optimizer: torch.optim.Optimizer | None = None
-        if config.adv_estimator == "gae":
-            self.critic = ValueModel(
-                config.critic.model_path or config.model_path,
-                "cpu" if sharded else self.device,
-                self.precision.param_dtype,
-                gradient_checkpointing=config.gradient_checkpointing,
-            )
-            if sharded:
-                shard(self.critic, self.critic.backbone.config.num_hidden_layers, self.precision, offload)
-            self.critic_optimizer = torch.optim.AdamW(
-                self.critic.parameters(), lr=config.critic.lr, fused=True
-            )
         # --- buffer and policy record (the leader's alone)
         leader = ranks.is_leader
         self.buffer = (
@@ -177,7 +135,7 @@ class Learner:
             config,
             self.model,
             self.tokenizer,
-            publish_dtype,
+            checkpoint_dtype(config.model_path),  # published weights = masters cast to this
             self.store,
             self.metrics,
             self._on_durable,
@@ -188,6 +146,13 @@ class Learner:
             if self.buffer is not None
             else None
         )
+        self._start()
+        self.state = "running"
+
+    def _start(self) -> None:
+        """Resume from the newest checkpoint (if any), settle its leases, and publish the weights the actors
+        start from unless the policy record already names them (every rank joins: a collective)."""
+        ranks = self.ranks
         if ranks.distributed:
             barrier(ranks)  # the leader has removed leftover partial writes
         meta = self.persist.resume(self.trainables())
@@ -195,15 +160,11 @@ class Learner:
             self._resumed(meta)
         if self.delivery is not None:
             self.delivery.recover(meta.get("lease_ids", []) if meta is not None else [])
-        # the weights the actors start from: published unless the record already names them (a collective)
-        need = self.persist.needs_publish(self.version) if leader else False
-        if (
-            broadcast_command(ranks, Command("publish" if need else "noop") if leader else None).op
-            == "publish"
-        ):
+        need = self.persist.needs_publish(self.version) if ranks.is_leader else False
+        command = Command("publish" if need else "noop") if ranks.is_leader else None
+        if broadcast_command(ranks, command).op == "publish":
             self._publish()
             self.persist.flush()
-        self.state = "running"
 
     # --- control (called from other threads)
 
@@ -349,7 +310,8 @@ class Learner:
         }
         metrics |= {f"time/{k}": v for k, v in phases.items()}
         self.metrics.record_step(metrics, phases)
-        self._write_jsonl(metrics | {"group_ids": [g.group_id for g in groups]})
+        if cfg.metrics_jsonl is not None:
+            append_jsonl(Path(cfg.metrics_jsonl), metrics | {"group_ids": [g.group_id for g in groups]})
         return metrics
 
     # --- N ranks: the leader's commands, the followers' loop
@@ -425,9 +387,7 @@ class Learner:
 
     def _publish(self) -> None:
         """Publish the current weights (N ranks: every rank joins the gather to rank 0's host memory)."""
-        state = full_state(self.model, self._publish_keys) if self.ranks.distributed else None
-        if self.ranks.is_leader:
-            self.persist.publish(self.version, state)
+        self.persist.publish(self.version, self._publish_keys if self.ranks.distributed else None)
 
     def _stop_followers(self) -> None:
         """Leader: send `stop` once (the followers return from `follow`)."""
@@ -491,14 +451,6 @@ class Learner:
                 "published v%d is newer than checkpoint v%d: its weights are lost; re-publishing v%d",
                 record.version, self.version, self.version,
             )  # fmt: skip
-
-    def _write_jsonl(self, metrics: dict[str, float]) -> None:
-        if self.config.metrics_jsonl is None:
-            return
-        path = Path(self.config.metrics_jsonl)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as fh:
-            fh.write(json.dumps({"time": time.time(), **metrics}) + "\n")
 
     def close(self) -> None:
         """Finish the background writes and acknowledge what they made durable, give back the leases whose

@@ -1,0 +1,48 @@
+"""Run by torchrun from test_gathered_weights.py: shard a tiny model over the ranks (FSDP2, gloo) and
+gather its full weights to rank 0's host memory in `dtype`; rank 0 writes how they compare with the
+unsharded model's weights cast the same way. Arguments: MODEL_DIR DTYPE OUT_JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from learner.model import load_model
+from learner.precision import Precision
+from learner.sharding import GatheredWeights, LogProbs, shard
+from learner.weights import unique_state
+
+
+def main(model_dir: str, dtype_name: str, out: str) -> None:
+    dist.init_process_group("gloo")
+    dtype = getattr(torch, dtype_name)
+    model = load_model(model_dir, "cpu", torch.float32)
+    keys = set(unique_state(model))
+    shard(
+        LogProbs(model), model.config.num_hidden_layers, Precision.resolve("fp32", torch.device("cpu")), False
+    )
+    leader = dist.get_rank() == 0
+    first = GatheredWeights(model, keys, dtype, leader).wait()
+    again = GatheredWeights(model, keys, dtype, leader, into=first).wait()  # reuses the buffers
+    if leader:
+        want = {
+            k: v.to(dtype) if v.is_floating_point() else v
+            for k, v in unique_state(load_model(model_dir, "cpu", torch.float32)).items()
+        }
+        result = {
+            "names_match": sorted(first) == sorted(want),
+            "max_abs_diff": max(float((first[k].float() - want[k].float()).abs().max()) for k in want),
+            "dtypes": sorted({str(t.dtype) for t in first.values()}),
+            "buffers_reused": all(again[k] is first[k] for k in first),
+            "shapes_match": all(first[k].shape == want[k].shape for k in want),
+        }
+        with open(out, "w") as fh:
+            json.dump(result, fh)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
