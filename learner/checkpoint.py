@@ -19,7 +19,6 @@ import json
 import os
 import random
 import re
-import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 from learner.errors import CheckpointMismatch
-from learner.weights import HostCopy, unique_state, write_safetensors
+from learner.weights import HostCopy, remove_folder, unique_state, write_safetensors
 
 FORMAT = 2
 CKPT_DIR = re.compile(r"^ckpt-(\d+)$")
@@ -169,11 +168,11 @@ def write_checkpoint(checkpoint_dir: str | Path, snap: CheckpointSnapshot, keep:
         os.fsync(fh.fileno())
     final = root / f"ckpt-{snap.version:010d}"
     if final.exists():
-        shutil.rmtree(final)
+        remove_folder(final)
     tmp.rename(final)
     if keep is not None:
         for v in checkpoint_versions(root)[:-keep]:
-            shutil.rmtree(root / f"ckpt-{v:010d}")
+            remove_folder(root / f"ckpt-{v:010d}")
     return final
 
 

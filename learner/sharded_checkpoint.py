@@ -36,7 +36,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from learner.checkpoint import checkpoint_versions, restore_python_rng
-from learner.weights import write_safetensors
+from learner.weights import remove_folder, write_safetensors
 
 if TYPE_CHECKING:
     from learner.checkpoint import Trainables
@@ -151,11 +151,11 @@ class ShardedCheckpoints:
         with (job.tmp / "meta.json").open("rb") as fh:
             os.fsync(fh.fileno())
         if job.final.exists():
-            shutil.rmtree(job.final)
+            remove_folder(job.final)
         job.tmp.rename(job.final)
         if self.keep is not None:
             for v in checkpoint_versions(self.root)[: -self.keep]:
-                shutil.rmtree(self.root / f"ckpt-{v:010d}")
+                remove_folder(self.root / f"ckpt-{v:010d}")
         seconds = time.perf_counter() - job.started
         log.info("checkpoint v%d durable %.2f s after its step boundary", job.version, seconds)
         if self._on_durable is not None:

@@ -212,7 +212,8 @@ class Learner:
 
     def status(self) -> dict[str, Any]:
         """State, version, step, tokens/s, buffer stats and the last step's key metrics (JSON-safe)."""
-        state = "paused" if not self._running.is_set() and self.state == "running" else self.state
+        idle = self.state in ("running", "waiting_for_data", "waiting_for_redis")  # states a pause overrides
+        state = "paused" if not self._running.is_set() and idle else self.state
         return {
             "state": state,
             "world_size": self.ranks.world_size,
@@ -309,9 +310,9 @@ class Learner:
             "published_lag": float(self.version - (self.persist.published_version or 0)),
         }
         metrics |= {f"time/{k}": v for k, v in phases.items()}
-        self.metrics.record_step(metrics, phases)
-        if cfg.metrics_jsonl is not None:
+        if cfg.metrics_jsonl is not None:  # before the metrics are visible: a reader of one finds the other
             append_jsonl(Path(cfg.metrics_jsonl), metrics | {"group_ids": [g.group_id for g in groups]})
+        self.metrics.record_step(metrics, phases)
         return metrics
 
     # --- N ranks: the leader's commands, the followers' loop

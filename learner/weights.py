@@ -85,6 +85,15 @@ def remove_leftovers(folder: str | Path) -> list[str]:
     return [p.name for p in doomed]
 
 
+def remove_folder(path: Path) -> None:
+    """Delete a visible folder so that a kill -9 midway never leaves a half-deleted one under its name:
+    renamed to a hidden `.old-` name first (atomic), then deleted (`remove_leftovers` finishes the job
+    after a crash)."""
+    trash = path.parent / f".old-{path.name}-{uuid.uuid4().hex}"
+    path.rename(trash)
+    shutil.rmtree(trash)
+
+
 # --- the snapshot (critical path)
 
 
@@ -306,9 +315,7 @@ def write_version(snap: WeightsSnapshot, weights_dir: str | Path, max_shard_byte
     _write_small(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
     _fsync_dir(tmp)
     if final.exists():
-        trash = final.parent / f".old-v{snap.version}-{uuid.uuid4().hex}"
-        final.rename(trash)
-        shutil.rmtree(trash)
+        remove_folder(final)
     tmp.rename(final)
     _fsync_dir(final.parent)
     return final
@@ -324,7 +331,7 @@ def prune_versions(weights_dir: str | Path, keep: int, protect: int | None = Non
     versions = published_versions(weights_dir)
     doomed = [v for v in versions[:-keep] if v != protect] if keep > 0 else []
     for v in doomed:
-        shutil.rmtree(version_dir(weights_dir, v))
+        remove_folder(version_dir(weights_dir, v))
     return doomed
 
 

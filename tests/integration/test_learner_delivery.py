@@ -1,5 +1,5 @@
 """At-least-once delivery end to end: a learner killed -9 at random points of its steps, five times in a
-row, restarted each time on the same folders, on 300 groups of a queue buffer. Every inserted group ends
+row, restarted each time on the same folders, on 600 groups of a queue buffer. Every inserted group ends
 trained exactly once in the history the final weights descend from, or still stored; none is lost and
 none is trained twice. An untrainable group is set aside in the dead-letter list and its neighbours train."""
 
@@ -59,7 +59,7 @@ def test_kill_9_five_times_trains_every_group_exactly_once_in_the_resumed_histor
     )  # fmt: skip
     assert cfg.delivery_mode == "checkpoint"
     with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:
-        groups = covering_groups(300, seed=7, n=2, tokens=4)
+        groups = covering_groups(600, seed=7, n=2, tokens=4)  # more than 5 incarnations use on a fast machine
         assert buf.insert_many(groups).ok
     inserted = {g.group_id for g in groups}
     incarnations: list[tuple[Path, int]] = []  # (its steps file, the checkpoint version it resumed)

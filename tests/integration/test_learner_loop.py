@@ -131,7 +131,10 @@ def test_every_preset_family_trains_and_publishes(preset, tiny_dir, groups_v0, r
     loaded = AutoModelForCausalLM.from_pretrained(record.weights_uri)
     for (name, p), q in zip(learner.model.named_parameters(), loaded.parameters(), strict=True):
         assert torch.equal(p.detach(), q), name
-    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v1", "v2"]  # keep_versions=2
+    # keep_versions=2: v0 pruned; v1 too may never have been written (a publish still waiting when the next
+    # one came is replaced by it, as the actors want the newest weights)
+    names = sorted(p.name for p in (tmp_path / "weights").iterdir())
+    assert names[-1] == "v2" and set(names) <= {"v1", "v2"}
     assert (tmp_path / "ckpt" / "ckpt-0000000002" / "meta.json").exists()
     lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [(r["step"], r["version"], r["config_version"]) for r in lines] == [

@@ -43,7 +43,8 @@ def test_resume_after_kill_9(tiny_dir, redis_url, tmp_path):  # noqa: F811
     assert cfg.buffer.max_times_sampled == 1
     behaviour = load_model(tiny_dir, "cpu").eval()
     buf = ReplayBuffer(redis_url, cfg.run_id, cfg.buffer)
-    buf.insert_many(make_groups(behaviour, 24, version=0, temperature=0.9))
+    # more than the child can train before it is killed, however fast the machine (2 groups a step)
+    buf.insert_many(make_groups(behaviour, 96, version=0, temperature=0.9))
     (tmp_path / "cfg.json").write_text(cfg.model_dump_json())
     store = PolicyStore(redis_url, cfg.run_id)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

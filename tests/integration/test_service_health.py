@@ -72,6 +72,9 @@ def test_redis_outage_is_not_ready_but_alive_and_the_loop_resumes(tiny: Path, tm
             for i in range(2):
                 producer.insert(random_group(0, i))
             wait_for(lambda: learner.step_count >= 1)
+            # v1's policy record reaches Redis in the background; the outage starts after it (else the
+            # loop's reason would be the failed write of v1, also retried, but another message)
+            wait_for(lambda: learner.persist.published_version == learner.version)
             assert client.get("/readyz").status_code == 200
 
             redis.stop()

@@ -150,8 +150,19 @@ def test_steps_config_patch_history_metrics_checkpoint(
     assert "offpolicy_learner_max_staleness_steps 4.0" in metrics
     assert "offpolicy_learner_rollout_corr_rollout_is_seq_mean" in metrics
 
-    # on-demand checkpoint
+    # on-demand checkpoint, with no step in flight (else one may finish between it and the status read)
+    wait_for(
+        lambda: (
+            (s := client.get("/v1/status").json())["state"] == "waiting_for_data" and s["buffer"]["size"] == 0
+        )
+    )
     ckpt = client.post("/v1/checkpoints", headers=AUTH)
     assert ckpt.status_code == 201
     assert Path(ckpt.json()["path"]).exists()
     assert ckpt.json()["policy_version"] == client.get("/v1/status").json()["policy_version"]
+
+    # a learner waiting for data is paused all the same when asked (and says so), then resumes
+    assert client.get("/v1/status").json()["state"] == "waiting_for_data"
+    assert client.post("/v1/pause", headers=AUTH).json()["state"] == "paused"
+    assert client.get("/v1/status").json()["state"] == "paused"
+    assert client.post("/v1/resume", headers=AUTH).json()["state"] in ("running", "waiting_for_data")

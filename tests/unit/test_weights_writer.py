@@ -14,11 +14,14 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from buffer.policy import weights_sha256
+from learner import weights as weights_mod
 from learner.errors import WriteFailed
 from learner.model import load_tokenizer, make_tiny_model
 from learner.weights import (
     WeightsSnapshot,
+    prune_versions,
     publish_weights,
+    published_versions,
     read_manifest,
     remove_leftovers,
     snapshot_to_host,
@@ -186,3 +189,22 @@ def test_the_actors_verify_the_learners_manifest_without_and_with_hashing(tiny, 
     assert verify_folder(out, record.sha256, 4, "manifest") == "manifest"
     with pytest.raises(WeightLoadError, match="sha256"):
         verify_folder(out, record.sha256, 4, "full")
+
+
+def test_pruning_never_leaves_a_half_deleted_version_visible(tmp_path, monkeypatch):
+    """A crash in the middle of deleting an old version (here: rmtree fails after the rename) leaves no
+    visible `vN` with missing files, only a hidden `.old-` folder, which the next start removes."""
+    for v in (1, 2, 3):
+        (tmp_path / f"v{v}").mkdir()
+        (tmp_path / f"v{v}" / "model.safetensors").write_bytes(b"x")
+
+    def crash(path, *a, **k):
+        raise OSError("killed midway")
+
+    monkeypatch.setattr(weights_mod.shutil, "rmtree", crash)
+    with pytest.raises(OSError):
+        prune_versions(tmp_path, keep=2)
+    assert published_versions(tmp_path) == [2, 3]  # v1 is gone from view at once
+    monkeypatch.undo()
+    assert [n.startswith(".old-v1-") for n in remove_leftovers(tmp_path)] == [True]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v2", "v3"]
