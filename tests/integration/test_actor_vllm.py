@@ -1,8 +1,8 @@
 """The actor on real vLLM (CPU, tiny float32 model) and real embedded Redis; one engine for the module.
 
-Order matters only for speed: the engine starts once (~45 s) and the tests share it; the reload test
-leaves the engine on the weights it loaded, and later tests read the engine's version instead of
-assuming 0.
+The engine starts once (~45 s) and the tests share it, in any order: the reload test leaves the engine on
+the weights it loaded; a test that needs the starting weights asks for `original_engine` (it reloads
+`model_dir` as version 0 when the engine holds anything else), the others read the engine's version.
 """
 
 from __future__ import annotations
@@ -50,6 +50,19 @@ def engine(model_dir: Path) -> VLLMEngine:
     eng = VLLMEngine(EngineConfig.cpu_tiny(str(model_dir), max_model_len=256))
     yield eng
     eng.shutdown()
+
+
+@pytest.fixture
+def original_engine(engine: VLLMEngine, model_dir: Path) -> VLLMEngine:
+    """The module's engine holding `model_dir` as version 0, whatever an earlier test loaded into it."""
+    if (engine.loaded_version, engine.loaded_path) != (0, str(model_dir)):
+
+        async def restore() -> None:
+            async with engine.paused():
+                await engine.reload_weights(str(model_dir), 0)
+
+        engine.call(restore())
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +128,8 @@ def _wait_until(cond, timeout_s: float, what: str) -> None:
 # --- the tests
 
 
-def test_behaviour_logprobs_match_the_learner_at_temperature(engine, model_dir):
+def test_behaviour_logprobs_match_the_learner_at_temperature(original_engine, model_dir):
+    engine = original_engine
     tok = engine.tokenizer
     prompts = [np.asarray(tok(t)["input_ids"], np.int32) for t in ("hello world", "abc", "Only a: aaa")]
     sampling = SamplingConfig(temperature=TEMPERATURE, max_tokens=24, n=3)
@@ -176,12 +190,13 @@ async def test_one_epoch_pushes_every_prompt_as_a_valid_group(engine, model_dir,
 
 
 def test_inflight_reload_mid_completion_matches_the_learner_token_by_token(
-    engine, model_dir, dataset, redis_url, run_id, tmp_path
+    original_engine, model_dir, dataset, redis_url, run_id, tmp_path
 ):
     """reload.mode=inflight: sequences continue under the new weights; the learner's log-prob of each token
     under the version the actor recorded for it equals the behaviour log-prob (the correction stays exact)."""
+    engine = original_engine
     start_version = engine.loaded_version
-    assert start_version == 0, "runs before any other reload: the engine holds `model_dir`"
+    assert start_version == 0  # the engine holds `model_dir` (`original_engine`)
     cfg = _config(
         model_dir,
         dataset,

@@ -53,13 +53,34 @@ def test_a_retrying_loop_is_alive_but_not_ready() -> None:
         assert client.get("/readyz").json()["error"]["detail"]["checks"]["learner"] == "ok"  # redis: down
 
 
+Exits = list[tuple[int, float | None, float]]
+
+
+def _record_exits(fatal: ExitAfterGrace) -> Exits:
+    """Install `fatal`'s exit hook (as `serve_app` does, before the app starts): each requested exit is
+    recorded with the seconds then left until the deadline (0.0 once it has passed) and the time."""
+    exits: Exits = []
+    fatal.request_exit = lambda code: exits.append((code, fatal.exit_in_s(), time.monotonic()))
+    return exits
+
+
+def _check_exit_after_the_deadline(fatal: ExitAfterGrace, exits: Exits, started: float) -> None:
+    """`started`: a time before the app started, so before the loop died."""
+    assert exits == [] or fatal.exit_in_s() == 0.0  # not before the deadline
+    wait_for(lambda: exits != [], timeout_s=5)
+    assert [code for code, _, _ in exits] == [EXIT_LOOP_FAILED]
+    _, left, at = exits[0]
+    assert left == 0.0  # requested once the deadline (death + grace) had passed, not before
+    assert at >= started + fatal.grace_s  # and that deadline was a grace after the death
+
+
 def test_a_dead_loop_fails_healthz_with_its_reason_and_asks_to_exit_after_the_grace() -> None:
-    exits: list[tuple[int, float]] = []
-    with _learner_client(DyingLearner, grace_s=0.3) as client:
-        fatal = client.app.state.fatal_exit
-        fatal.request_exit = lambda code: exits.append((code, time.monotonic()))
+    client = _learner_client(DyingLearner, grace_s=0.3)
+    fatal = client.app.state.fatal_exit
+    exits = _record_exits(fatal)
+    started = time.monotonic()
+    with client:
         wait_for(lambda: client.app.state.runtime.loop.error is not None)
-        died = time.monotonic()
         r = client.get("/healthz")
         assert r.status_code == 503
         assert r.json()["error"]["code"] == "loop_failed"
@@ -69,10 +90,7 @@ def test_a_dead_loop_fails_healthz_with_its_reason_and_asks_to_exit_after_the_gr
         status = client.get("/v1/status").json()
         assert (status["state"], status["error"]) == ("failed", "RuntimeError: checkpoint folder vanished")
         assert client.get("/readyz").status_code == 503
-        assert exits == []  # not before the grace
-        wait_for(lambda: exits != [], timeout_s=3)
-        assert exits[0][0] == EXIT_LOOP_FAILED
-        assert exits[0][1] - died >= 0.25
+        _check_exit_after_the_deadline(fatal, exits, started)
 
 
 def test_a_loop_that_returns_by_itself_stays_healthy() -> None:
@@ -120,9 +138,9 @@ def test_the_actor_service_honours_the_same_contract() -> None:
     app = create_actor_app(
         ActorServiceSettings(fatal_exit_grace_s=0.2), config=config, actor_factory=DyingActor
     )
-    exits: list[int] = []
+    exits = _record_exits(app.state.fatal_exit)
+    started = time.monotonic()
     with TestClient(app) as client:
-        app.state.fatal_exit.request_exit = exits.append
         wait_for(lambda: app.state.runtime.loop.error is not None)
         r = client.get("/healthz")
         assert r.status_code == 503
@@ -130,4 +148,4 @@ def test_the_actor_service_honours_the_same_contract() -> None:
             r.json()["error"]["detail"]["reason"] == "actor loop failed: ValueError: reward function crashed"
         )
         assert client.get("/v1/status").json()["state"] == "failed"
-        wait_for(lambda: exits == [EXIT_LOOP_FAILED], timeout_s=3)
+        _check_exit_after_the_deadline(app.state.fatal_exit, exits, started)
