@@ -29,7 +29,6 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from buffer.codec import decode_group, encode_group
-from buffer.errors import BufferNotReady, RateLimited, StorageUnavailable
 from buffer.policy import PolicyStore
 from buffer.replay_buffer import ReplayBuffer
 from learner.build import build_trainables
@@ -38,7 +37,6 @@ from learner.commands import LeaderChannel
 from learner.config import LearnerConfig, frozen_field_changes
 from learner.delivery import Delivery
 from learner.distributed import (
-    HEARTBEAT_S,
     Command,
     Ranks,
     barrier,
@@ -46,11 +44,12 @@ from learner.distributed import (
     current,
     local_device,
 )
-from learner.errors import FrozenFieldChange, WriteFailed
+from learner.errors import FrozenFieldChange
 from learner.metrics import LearnerMetrics, append_jsonl
 from learner.model import checkpoint_dtype, load_tokenizer
 from learner.persistence import Persistence
 from learner.precision import Precision, pick_device
+from learner.run_loop import run_steps
 from learner.screening import ModelLimits, field_label, screen
 from learner.train_step import train_on
 from learner.update import set_optimizer_hparams, timed
@@ -60,14 +59,6 @@ log = logging.getLogger(__name__)
 
 # --- the learner
 
-
-TRANSIENT_ERRORS = (StorageUnavailable,)
-"""Errors `run` retries for as long as they last (Redis unreachable, after the buffer's own bounded
-retries), raised by the step itself or as the cause of a failed background write (the policy record's
-publish: the weights are on disk, the next publish supersedes it); any other error ends `run` (the service
-then reports the loop dead and exits after a grace)."""
-RETRY_INITIAL_S, RETRY_MAX_S = 0.5, 10.0
-"""`run`'s backoff between steps while transient errors last: doubles from the first to the cap, seconds."""
 
 ConfigApplied = Callable[[int, int], None]
 """`on_config_applied(config_version, step)`: called from the loop's thread at the step boundary where a
@@ -191,6 +182,10 @@ class Learner:
         self._running.set()
         self.metrics.paused.set(0)
 
+    def wait_unpaused(self, timeout_s: float) -> bool:
+        """Whether the learner is not paused, waiting up to `timeout_s` for a `resume()`."""
+        return self._running.wait(timeout_s)
+
     def checkpoint(self) -> tuple[Path, int]:
         """Checkpoint now (after the running step, if any) and wait until it is durable; training goes on
         meanwhile. Returns (folder, version). On N ranks the loop takes it at its next step boundary (every
@@ -230,47 +225,12 @@ class Learner:
     def run(self, stop_event: threading.Event) -> None:
         """Loop `step()` until `stop_event` is set or `max_steps` is reached; waits while paused.
 
-        No data yet: state `waiting_for_data`, retry every 0.5 s. Transient trouble (`TRANSIENT_ERRORS`:
-        Redis unreachable) is retried with capped exponential backoff for as long as it lasts: state
-        `waiting_for_redis` and `retrying` (the reason) until a step gets through again, then stepping
-        resumes by itself. Any other error propagates (the loop is dead)."""
+        No data yet, or Redis unreachable: waited out (learner/run_loop.py); any other error propagates
+        (the loop is dead)."""
         try:
-            self._run(stop_event)
+            run_steps(self, stop_event)
         finally:
             self._stop_followers()
-
-    def _run(self, stop_event: threading.Event) -> None:
-        delay = RETRY_INITIAL_S
-        while not stop_event.is_set():
-            if not self._running.wait(timeout=HEARTBEAT_S if self.ranks.distributed else 0.2):
-                self._heartbeat()  # paused: the followers hear from us, a checkpoint() is still served
-                continue
-            if self.config.max_steps is not None and self.step_count >= self.config.max_steps:
-                self.state = "finished"
-                return
-            try:
-                self.step()
-            except (BufferNotReady, RateLimited) as exc:  # no data yet: wait and retry, bounded by the loop
-                self.state, self.retrying, delay = "waiting_for_data", None, RETRY_INITIAL_S
-                log.info("no groups to train on yet: %s", exc)
-                self._heartbeat()
-                stop_event.wait(0.5)
-            except (
-                *TRANSIENT_ERRORS,
-                WriteFailed,
-            ) as exc:  # retried for as long as it lasts, the wait capped
-                if isinstance(exc, WriteFailed) and not isinstance(exc.__cause__, TRANSIENT_ERRORS):
-                    raise
-                self.state, self.retrying = "waiting_for_redis", f"{type(exc).__name__}: {exc}"
-                log.warning("redis unavailable, retrying in %.1f s: %s", delay, exc)
-                for _ in range(max(1, round(delay / HEARTBEAT_S))):  # heartbeats while it lasts
-                    self._heartbeat()
-                    if stop_event.wait(min(delay, HEARTBEAT_S)):
-                        break
-                delay = min(2 * delay, RETRY_MAX_S)
-            else:
-                self.retrying, delay = None, RETRY_INITIAL_S
-        self.state = "stopped"
 
     # --- one learner step
 
@@ -295,7 +255,7 @@ class Learner:
             log.warning("group %s set aside: %s: %s", r.group.group_id, r.field, r.reason)
             self.metrics.groups_rejected.labels(field=field_label(r.field)).inc()
         if not groups:  # nothing trainable in this sample: no update, the loop samples again
-            self._heartbeat()
+            self.heartbeat()
             return {"groups_rejected": float(len(rejected))}
         command = self._command("step", groups)
         with self._step_lock:
@@ -324,7 +284,7 @@ class Learner:
             return Command(op)
         return self.channel.send(op, [encode_group(g, self.config.buffer.limits) for g in groups])
 
-    def _heartbeat(self) -> None:
+    def heartbeat(self) -> None:
         """Leader with nothing to train: N ranks hear from it (a config change, a checkpoint request)."""
         if self.channel is None:
             return

@@ -15,7 +15,8 @@ from buffer.errors import BufferNotReady, StorageUnavailable
 from learner.config import LearnerConfig
 from learner.distributed import SINGLE
 from learner.errors import WriteFailed
-from learner.train import RETRY_INITIAL_S, Learner
+from learner.run_loop import RETRY_INITIAL_S
+from learner.train import Learner
 
 
 class ScriptedLearner(Learner):
