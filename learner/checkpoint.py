@@ -176,25 +176,6 @@ def write_checkpoint(checkpoint_dir: str | Path, snap: CheckpointSnapshot, keep:
     return final
 
 
-def save_checkpoint(
-    checkpoint_dir: str | Path,
-    parts: Trainables,
-    *,
-    version: int,
-    step: int,
-    config: dict[str, Any],
-    buffer_position: dict[str, Any],
-    run_id: str = "default",
-    keep: int | None = None,
-) -> Path:
-    """Snapshot and write a checkpoint in the calling thread (the learner writes in the background)."""
-    meta = base_meta(
-        parts, version=version, step=step, run_id=run_id, config=config, buffer_position=buffer_position
-    )
-    snap = snapshot_checkpoint(parts, meta)
-    return write_checkpoint(checkpoint_dir, snap, keep)
-
-
 def _load_module(module: torch.nn.Module, file: Path, device: torch.device) -> None:
     """Load a module's tensors; only the second names of tied tensors may be absent from the file."""
     state = load_file(str(file), device=str(device))

@@ -36,8 +36,9 @@ class LeaderChannel:
 
     def send(self, op: str, frames: list[bytes]) -> Command:
         """Broadcast this boundary's command: `op`, the groups' frames, the unsent config, a request."""
-        ask = self._asked.is_set()
-        self._asked.clear()
+        with self._done:  # read and cleared together: a request set in between is never lost
+            ask = self._asked.is_set()
+            self._asked.clear()
         change, self._unsent = self._unsent, None
         cfg_json, cfg_version = (change[0].model_dump_json(), change[1]) if change else (None, 0)
         return broadcast_command(self.ranks, Command(op, frames, cfg_json, cfg_version, checkpoint=ask))

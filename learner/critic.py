@@ -64,17 +64,18 @@ def value_loss(
     returns: torch.Tensor,
     mask: torch.Tensor,
     clip: float,
-    denominator: torch.Tensor | None = None,
+    denominator: torch.Tensor,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped value loss summed over `mask` and divided by `denominator` (the mini-batch's sampled
-    tokens, so micro-batch losses add up to the mini-batch's token-mean whatever the split; default: this
-    call's own tokens); returns (loss, metrics as 0-d tensors, this call's token-means)."""
+    tokens, so micro-batch losses add up to the mini-batch's token-mean whatever the split); returns
+    (loss, metrics: 0-d tensors, this call's token-means)."""
     clipped = old_values + (values - old_values).clamp(-clip, clip)
     l1, l2 = (values - returns) ** 2, (clipped - returns) ** 2
     n = mask.sum().clamp(min=1.0)
-    loss = 0.5 * (torch.maximum(l1, l2) * mask).sum() / (n if denominator is None else denominator)
+    total = 0.5 * (torch.maximum(l1, l2) * mask).sum()
+    loss = total / denominator
     metrics = {
-        "critic/vf_loss": 0.5 * (torch.maximum(l1, l2) * mask).sum().detach() / n,
+        "critic/vf_loss": total.detach() / n,
         "critic/vf_clipfrac": ((l2 > l1).float() * mask).sum() / n,
         "critic/values_mean": (values.detach() * mask).sum() / n,
     }

@@ -133,13 +133,6 @@ class Persistence:
             return False
         return True
 
-    def ensure_published(self, version: int) -> None:
-        """At start (one process): publish `version` unless the policy record already names it, and wait
-        until it is announced (this is not a training step)."""
-        if self.needs_publish(version):
-            self.publish(version)
-            self.writer.flush()
-
     # --- checkpoints
 
     def checkpoint(

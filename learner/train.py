@@ -404,7 +404,7 @@ class Learner:
 
     def _resumed(self, meta: dict[str, Any]) -> None:
         """Take the resumed checkpoint's counters. The version is always that of the weights we hold:
-        versions published after that checkpoint are superseded (`ensure_published` re-publishes ours)."""
+        versions published after that checkpoint are superseded (`_start` re-publishes ours)."""
         self.version, self.step_count = int(meta["version"]), int(meta["step"])
         record = self.store.read() if self.store is not None else None
         if record is not None and record.version > self.version:

@@ -69,9 +69,11 @@ def train_on(learner: Learner, groups: list, phases: dict[str, float]) -> dict[s
                 learner.ranks,
             )
             learner.version += 1  # the policy version counts optimizer steps
-    if batch.is_weights is not None:
-        learner.metrics.is_weight_hist.observe_many(batch.is_weights[batch.response_mask > 0].cpu().numpy())
-    learner.metrics.staleness_hist.observe_many(staleness.cpu().numpy())
+    if learner.ranks.is_leader:  # the histograms are exported by rank 0 alone
+        if batch.is_weights is not None:
+            kept = batch.is_weights[batch.response_mask > 0]
+            learner.metrics.is_weight_hist.observe_many(kept.cpu().numpy())
+        learner.metrics.staleness_hist.observe_many(staleness.cpu().numpy())
     host |= reduce_means(learner.ranks, metric_sums(acc))  # means over every rank's micro-batches
     host["actor/pg_loss"] = host["loss"]
     if rc.bypass_mode:  # pi_theta's KL was taken on each rank's own rows

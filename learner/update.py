@@ -75,8 +75,9 @@ def timed(phases: dict[str, float], name: str) -> Iterator[None]:
 
 
 def micro_batches(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
-    """Split a (n,) row index into chunks of at most `size`."""
-    return list(torch.split(rows, size))
+    """Split a (n,) row index into chunks of at most `size` (none for no rows: `torch.split` would give
+    one empty chunk, a pass over zero rows)."""
+    return list(torch.split(rows, size)) if rows.numel() else []
 
 
 def mini_batches(
@@ -109,11 +110,6 @@ def idle_rows(batch: Batch, rows: torch.Tensor) -> Batch:
     """A pass that contributes nothing: the first row of `rows`, every mask cleared."""
     mb = batch.select(rows[:1])
     return dataclasses.replace(mb, response_mask=mb.response_mask * 0, sampled_mask=mb.sampled_mask * 0)
-
-
-def pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
-    """Right-pad a (b, r) tensor with zeros to (b, width) (micro-batches trim their padding columns)."""
-    return torch.nn.functional.pad(x, (0, width - x.shape[1]))
 
 
 @torch.no_grad()
@@ -213,12 +209,14 @@ def optimizer_step(
             mb = batch.select(rows) if rows is not None else idle_rows(batch, mini)
             with precision.autocast():
                 log_prob = t.policy(mb, cfg.logprob_chunk_tokens)  # (b, r) fp32
-            if rows is None:  # same passes as the other ranks, zero gradient
-                idle = log_prob.sum() * 0.0
+            if (
+                rows is None
+            ):  # the busy ranks' passes, in their order (FSDP's collectives pair up); no gradient
+                (log_prob.sum() * 0.0).backward()
                 if t.critic is not None:
                     with precision.autocast():
-                        idle = idle + t.critic(mb).sum() * 0.0
-                idle.backward()
+                        idle_values = t.critic(mb)
+                    (idle_values.sum() * 0.0).backward()
                 continue
             loss, m = policy_loss_terms(log_prob, mb, cfg, denominators)
             (loss * scale).backward()

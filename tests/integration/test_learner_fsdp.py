@@ -136,3 +136,28 @@ def test_two_ranks_train_like_one_process(preset, estimator, extra, tiny2, group
     assert (stats.acked_total, stats.redelivered_total, stats.leases_outstanding) == (8, 4, 0)
     assert checkpoint_versions(two.checkpoint_path) == [4]  # sharded (DCP): after step 2
     assert (two.checkpoint_path / "ckpt-0000000004" / "state").is_dir()
+
+
+def test_a_rank_with_nothing_to_train_runs_idle_passes_in_step_with_gae(tiny2, groups, redis_url, tmp_path):
+    """Mini-batches of one group: one rank trains it, the other runs idle passes (policy, then critic,
+    forward and backward, as the busy rank does), so FSDP's collectives pair up; the result is still the
+    one-process learner's."""
+    kw = {"adv_estimator": "gae", "groups_per_step": 2, "mini_batch_groups": 1}
+    one = make_config(tiny2, redis_url, tmp_path, "one", **kw)
+    two = make_config(tiny2, redis_url, tmp_path, "two", **kw)
+    for cfg in (one, two):
+        with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:
+            buf.insert_many(groups)
+    learner = Learner(one)
+    try:
+        for _ in range(STEPS):
+            learner.step()
+        expected = {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
+        version = learner.version
+    finally:
+        learner.close()
+    (tmp_path / "two.yaml").write_text(yaml.safe_dump(two.model_dump(mode="json")))
+    log = tmp_path / "two.log"
+    assert torchrun(2, tmp_path / "two.yaml", log, timeout=180) == 0, log.read_text()[-4000:]
+    got = load_model(version_dir(two.weights_path, version), "cpu").state_dict()
+    assert max(float((got[k] - v).abs().max()) for k, v in expected.items()) <= TOLERANCE
