@@ -118,7 +118,10 @@ def run(args: argparse.Namespace) -> dict:
             for g in synthetic_groups(shape["groups"], shape["n"], shape["prompt"], shape["resp"], vocab, i)
         ]
         runs = {}
-        for name, nproc in (("single", None), ("fsdp_1", 1), (f"fsdp_{args.nproc}", args.nproc)):
+        plan = [("single", None), ("fsdp_1", 1)] + (
+            [(f"fsdp_{args.nproc}", args.nproc)] if args.nproc > 1 else []
+        )
+        for name, nproc in plan:  # --nproc 1: fsdp_1 once (a second run of it would find its groups used)
             cfg = LearnerConfig(
                 model_path=str(model_dir), device=device, precision=args.precision, redis_url=redis.url,
                 run_id=name, groups_per_step=shape["groups"], micro_batch_size=shape["micro"],
@@ -131,7 +134,8 @@ def run(args: argparse.Namespace) -> dict:
             with ReplayBuffer(redis.url, cfg.run_id, cfg.buffer) as buf:
                 buf.insert_many(groups)
             runs[name] = train(name, nproc, cfg, tmp, args.threads)
-    single, one, many = runs["single"], runs["fsdp_1"], runs[f"fsdp_{args.nproc}"]
+    single, one = runs["single"], runs["fsdp_1"]
+    many = runs.get(f"fsdp_{args.nproc}", one)
     out = {
         "shape": args.shape,
         "device": device if device == "cpu" else torch.cuda.get_device_name(),

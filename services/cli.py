@@ -10,7 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS = ("correction", "buffer", "learner", "learner_fsdp", "actor", "e2e", "staleness")
+BENCHMARKS = (
+    "correction", "buffer", "learner", "learner_fsdp", "publish_gather", "actor", "e2e", "staleness",
+)  # fmt: skip
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:

@@ -47,7 +47,7 @@ def tiny2(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def groups(tiny2):
-    """12 groups of 4 completions, 3 lengths (so padding, the ranks' shares and widths differ)."""
+    """12 groups of 4 completions, 4 lengths (so padding, the ranks' shares and widths differ)."""
     behaviour = load_model(tiny2, "cpu").eval()
     out = []
     for i, tokens in enumerate((4, 9, 6, 3)):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import yaml
 
 from buffer.replay_buffer import ReplayBuffer
 from learner.checkpoint import checkpoint_versions
+from services.children import free_port
 from tests.integration.test_learner_fsdp import tiny2  # noqa: F401
 from tests.integration.test_learner_loop import config
 from tests.integration.test_service_learner import random_group, wait_for
@@ -30,12 +30,6 @@ pytestmark = [pytest.mark.redis, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "fsdp-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(cfg_file: Path, port: int, log: Path) -> subprocess.Popen:

@@ -3,6 +3,7 @@ means over ranks, and the CLI's torchrun launch."""
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 import torch
 
@@ -45,9 +46,19 @@ def test_metric_means_count_every_value_once():
     assert reduce_means(SINGLE, {"a": (6.0, 3), "b": (1.0, 1)}) == {"a": 2.0, "b": 1.0}
 
 
+def test_metric_means_over_ranks_sum_before_dividing_and_keep_keys_of_one_rank(monkeypatch):
+    from learner import distributed
+
+    rank1 = msgpack.packb({"a": (2.0, 1), "b": (1.0, 1)})  # what rank 1 sends (its sums and counts)
+    monkeypatch.setattr(distributed, "all_gather_bytes", lambda ranks, blob: [blob, rank1])
+    two = distributed.Ranks(0, 2, 0, None)
+    assert reduce_means(two, {"a": (6.0, 3)}) == {"a": 2.0, "b": 1.0}  # (6+2)/(3+1); b from rank 1 alone
+
+
 def test_learner_cli_execs_torchrun_for_n_processes(monkeypatch, tmp_path):
     seen = {}
     monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a 1-GPU machine would refuse 2 ranks
     monkeypatch.setattr(cli.os, "execv", lambda exe, argv: seen.update(exe=exe, argv=argv))
     cfg = tmp_path / "learner.yaml"
     args = cli.build_parser().parse_args(
@@ -62,6 +73,12 @@ def test_learner_cli_execs_torchrun_for_n_processes(monkeypatch, tmp_path):
 
 
 def test_one_process_is_the_plain_learner(monkeypatch):
+    from services.learner_api import main as learner_main
+
+    served = []
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.setattr(cli.os, "execv", lambda *a: pytest.fail("no torchrun for one process"))
+    monkeypatch.setattr(learner_main, "serve", lambda **kw: served.append(kw) or 0)
     args = cli.build_parser().parse_args(["learner"])
     assert args.nproc_per_node == 1 and args.max_restarts == 0
+    assert args.func(args) == 0 and len(served) == 1  # the service in this process, no torchrun
