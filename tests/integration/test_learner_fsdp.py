@@ -91,6 +91,26 @@ def make_config(tiny2, redis_url, tmp_path, name: str, **kw):
     return config(tiny2, redis_url, tmp_path, **(base | kw))
 
 
+def one_then_two(one, two, groups, redis_url, tmp_path, timeout: float = 300):
+    """Train `one` in this process for STEPS steps, then `two` on 2 ranks, each on its own copy of
+    `groups`; return (the one-process weights, its version, the 2-rank run's published weights)."""
+    for cfg in (one, two):
+        with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:
+            buf.insert_many(groups)
+    learner = Learner(one)
+    try:
+        for _ in range(STEPS):
+            learner.step()
+        expected = {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
+        version = learner.version
+    finally:
+        learner.close()
+    (tmp_path / "two.yaml").write_text(yaml.safe_dump(two.model_dump(mode="json")))
+    log = tmp_path / "two.log"
+    assert torchrun(2, tmp_path / "two.yaml", log, timeout=timeout) == 0, log.read_text()[-4000:]
+    return expected, version, load_model(version_dir(two.weights_path, version), "cpu").state_dict()
+
+
 @pytest.mark.parametrize(
     ("preset", "estimator", "extra"),
     [
@@ -105,25 +125,9 @@ def test_two_ranks_train_like_one_process(preset, estimator, extra, tiny2, group
     kw = {"rollout_correction": preset, "adv_estimator": estimator}
     one = make_config(tiny2, redis_url, tmp_path, "one", **kw)
     two = make_config(tiny2, redis_url, tmp_path, "two", **kw, **extra)
-    for cfg in (one, two):
-        with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:
-            buf.insert_many(groups)
-
-    learner = Learner(one)
-    try:
-        for _ in range(STEPS):
-            learner.step()
-        expected = {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
-        version = learner.version
-    finally:
-        learner.close()
-
-    (tmp_path / "two.yaml").write_text(yaml.safe_dump(two.model_dump(mode="json")))
-    log = tmp_path / "two.log"
-    assert torchrun(2, tmp_path / "two.yaml", log) == 0, log.read_text()[-4000:]
+    expected, version, got = one_then_two(one, two, groups, redis_url, tmp_path)
 
     assert version == 2 * STEPS and published_versions(two.weights_path)[-1] == version
-    got = load_model(version_dir(two.weights_path, version), "cpu").state_dict()
     diffs = {k: float((got[k] - v).abs().max()) for k, v in expected.items()}
     moved = max(float((got[k] - v).abs().max()) for k, v in load_model(tiny2, "cpu").state_dict().items())
     assert moved > 20 * TOLERANCE  # the weights did move (6 AdamW steps of lr 1e-4): not vacuous
@@ -145,19 +149,5 @@ def test_a_rank_with_nothing_to_train_runs_idle_passes_in_step_with_gae(tiny2, g
     kw = {"adv_estimator": "gae", "groups_per_step": 2, "mini_batch_groups": 1}
     one = make_config(tiny2, redis_url, tmp_path, "one", **kw)
     two = make_config(tiny2, redis_url, tmp_path, "two", **kw)
-    for cfg in (one, two):
-        with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:
-            buf.insert_many(groups)
-    learner = Learner(one)
-    try:
-        for _ in range(STEPS):
-            learner.step()
-        expected = {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
-        version = learner.version
-    finally:
-        learner.close()
-    (tmp_path / "two.yaml").write_text(yaml.safe_dump(two.model_dump(mode="json")))
-    log = tmp_path / "two.log"
-    assert torchrun(2, tmp_path / "two.yaml", log, timeout=180) == 0, log.read_text()[-4000:]
-    got = load_model(version_dir(two.weights_path, version), "cpu").state_dict()
+    expected, _, got = one_then_two(one, two, groups, redis_url, tmp_path, timeout=180)
     assert max(float((got[k] - v).abs().max()) for k, v in expected.items()) <= TOLERANCE
