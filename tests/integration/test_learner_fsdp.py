@@ -9,13 +9,13 @@ ranks, micro-batches of 3 rows: what matches is the global loss, not a per-rank 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import yaml
 
@@ -59,20 +59,29 @@ def groups(tiny2):
 
 
 def torchrun(nproc: int, cfg_file: Path, log: Path, *, timeout: float = 300) -> int:
-    """Run `learner.launch` on `nproc` ranks; its return code. Its own session: a timeout kills every rank."""
+    """Run `learner.launch` on `nproc` ranks; its return code. A timeout kills torchrun and every rank."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     with log.open("w") as fh:
         proc = subprocess.Popen(
             [*cmd, "-m", "learner.launch", str(cfg_file)],
-            cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
         )  # fmt: skip
         try:
             return proc.wait(timeout=timeout)
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            kill_tree(proc)
+
+
+def kill_tree(agent: subprocess.Popen) -> None:
+    """SIGKILL torchrun and its ranks (they run in sessions of their own: a killed process group would
+    leave them behind, hung in a collective)."""
+    if agent.poll() is not None:
+        return
+    for child in psutil.Process(agent.pid).children(recursive=True):
+        child.kill()
+    agent.kill()
+    agent.wait(timeout=30)
 
 
 def make_config(tiny2, redis_url, tmp_path, name: str, **kw):

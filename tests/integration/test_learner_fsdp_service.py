@@ -22,7 +22,7 @@ import yaml
 from buffer.replay_buffer import ReplayBuffer
 from learner.checkpoint import checkpoint_versions
 from services.children import free_port
-from tests.integration.test_learner_fsdp import tiny2  # noqa: F401
+from tests.integration.test_learner_fsdp import kill_tree, tiny2  # noqa: F401
 from tests.integration.test_learner_loop import config
 from tests.integration.test_service_learner import random_group, wait_for
 
@@ -47,16 +47,6 @@ def status(port: int) -> dict | None:
     except httpx.HTTPError:
         return None
     return r.json() if r.status_code == 200 else None
-
-
-def kill_tree(agent: subprocess.Popen) -> None:
-    """SIGKILL torchrun and its ranks (a test that failed must not leave ranks behind)."""
-    if agent.poll() is not None:
-        return
-    for child in psutil.Process(agent.pid).children(recursive=True):
-        child.kill()
-    agent.kill()
-    agent.wait(timeout=30)
 
 
 def rank_pid(agent: subprocess.Popen, rank: int) -> int:
