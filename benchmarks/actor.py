@@ -137,7 +137,7 @@ def _weight_folders(model_dir: Path, root: Path) -> list[tuple[str, str]]:
     import torch
 
     from learner.model import load_model, load_tokenizer
-    from learner.weights import publish_weights
+    from learner.persist.weights import publish_weights
 
     out = []
     for k in (1, 2):

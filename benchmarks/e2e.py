@@ -75,8 +75,8 @@ def run_sync(root: Path, model: str, dataset: Path, redis_url: str, steps: int) 
     from actors.rollout import make_groups, stamped_sampling
     from buffer.replay_buffer import ReplayBuffer
     from learner.config import LearnerConfig
-    from learner.train import Learner
-    from learner.weights import version_dir
+    from learner.persist.weights import version_dir
+    from learner.trainer import Learner
 
     run = root / "sync"
     # The sync loop alternates generation and training, so its learner takes every core (torch's default).

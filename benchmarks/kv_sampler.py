@@ -1,8 +1,8 @@
 """A batched, KV-cached torch sampler for the staleness benchmark: many prompts x n completions at once.
 
-`learner/model.py`'s `sample_completions` re-runs the whole sequence per token, one prompt at a time;
+`learner/model/tiny.py`'s `sample_completions` re-runs the whole sequence per token, one prompt at a time;
 this one left-pads every prompt of a step into one batch and decodes with the model's KV cache. Position
-ids restart at 0 on each row's first real prompt token, as in `learner/batching.py`, so the log-probs it
+ids restart at 0 on each row's first real prompt token, as in `learner/batch.py`, so the log-probs it
 reports are those the learner recomputes (up to float32 rounding). Deliberately simplified: plain
 temperature sampling (no top-p / top-k), rows keep decoding after their EOS (the tail is cut off).
 """

@@ -46,8 +46,8 @@ from buffer.types import SamplingParams, Trajectory, TrajectoryGroup  # noqa: E4
 from learner.config import LearnerConfig  # noqa: E402
 from learner.metrics import PHASES  # noqa: E402
 from learner.model import make_tiny_model  # noqa: E402
-from learner.train import Learner  # noqa: E402
-from learner.weights import publish_weights  # noqa: E402
+from learner.persist.weights import publish_weights  # noqa: E402
+from learner.trainer import Learner  # noqa: E402
 
 MODEL_WORK = ("old_logprob", "forward_backward", "optimizer")
 SHAPES = {  # model sizes, then the batch: groups x n rows of prompt + response tokens

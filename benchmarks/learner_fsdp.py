@@ -43,7 +43,7 @@ from buffer.embedded import EmbeddedRedis  # noqa: E402
 from buffer.replay_buffer import ReplayBuffer  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
 from learner.model import load_model, make_tiny_model  # noqa: E402
-from learner.weights import published_versions, version_dir  # noqa: E402
+from learner.persist.weights import published_versions, version_dir  # noqa: E402
 
 SHAPES = {
     "cpu-small": {

@@ -1,7 +1,7 @@
 """Controlled staleness: trained on data exactly eta policy versions old, which corrections keep learning?
 
 The task is the quickstart's (actors/toy.py prompts, reward `target_token_share`: the share of the
-target character in the completion) on the tiny random Llama (learner/model.py), trained by the real
+target character in the completion) on the tiny random Llama (learner/model/tiny.py), trained by the real
 `Learner` (GRPO, one optimizer step per learner step, so policy version = learner step) from a real
 embedded Redis queue buffer (FIFO, each group sampled once).
 
@@ -54,7 +54,7 @@ from buffer.replay_buffer import ReplayBuffer  # noqa: E402
 from buffer.types import SamplingParams, Trajectory, TrajectoryGroup  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
 from learner.model import load_tokenizer, make_tiny_model  # noqa: E402
-from learner.train import Learner  # noqa: E402
+from learner.trainer import Learner  # noqa: E402
 
 CORRECTED = ("decoupled_token_is", "decoupled_geo_rs_token_tis", "bypass_pg_is", "decoupled_token_icepop")
 ARM_CORRECTION = {"sync": "disabled", "naive": "bypass_ppo_clip", **{p: p for p in CORRECTED}}

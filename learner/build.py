@@ -1,22 +1,37 @@
 """What a learner trains, built from its config: the policy (master weights in the precision's dtype),
-its AdamW and schedule, and the critic with its own AdamW under GAE; on N ranks each sharded by FSDP2.
+its AdamW and LR schedule, and the critic with its own AdamW under GAE; on N ranks each sharded by FSDP2.
 
 On N ranks the models load into host memory and each decoder layer moves to the GPU as it is sharded
-(`learner/sharding.py`), so no rank ever holds a whole fp32 copy on its GPU.
+(learner/distributed/fsdp.py), so no rank ever holds a whole fp32 copy on its GPU. `Trainables` is what
+a step trains and a checkpoint saves; `set_optimizer_hparams` applies a new optimizer config in place.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
-from learner.checkpoint import Trainables
-from learner.config import LearnerConfig
-from learner.critic import ValueModel
-from learner.model import load_model
-from learner.precision import Precision
-from learner.sharding import LogProbs, shard
-from learner.update import lr_lambda
-from learner.weights import unique_state
+from learner.config import LearnerConfig, OptimizerConfig
+from learner.distributed.fsdp import shard
+from learner.model.critic import ValueModel
+from learner.model.load import load_model, unique_state
+from learner.model.policy import LogProbs
+from learner.model.precision import Precision
+
+
+@dataclass(slots=True)
+class Trainables:
+    """The stateful objects a checkpoint saves and restores (critic ones are None without GAE)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    critic: torch.nn.Module | None = None
+    critic_optimizer: torch.optim.Optimizer | None = None
+    policy: torch.nn.Module | None = None  # what the loop calls for log-probs (`model.LogProbs` of model)
 
 
 def build_trainables(
@@ -60,3 +75,36 @@ def build_trainables(
             shard(critic, layers, precision, config.fsdp.cpu_offload)
         critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=config.critic.lr, fused=True)
     return Trainables(model, optimizer, scheduler, critic, critic_optimizer, policy), publish_keys
+
+
+# --- the LR schedule
+
+
+def lr_lambda(cfg: OptimizerConfig) -> Callable[[int], float]:
+    """LR multiplier at optimizer step s: linear warm-up, then constant / linear / cosine decay."""
+
+    def factor(s: int) -> float:
+        if s < cfg.warmup_steps:
+            return (s + 1) / cfg.warmup_steps
+        if cfg.decay == "constant" or cfg.decay_steps is None:
+            return 1.0
+        frac = min(1.0, (s - cfg.warmup_steps) / (cfg.decay_steps - cfg.warmup_steps))
+        shape = 1.0 - frac if cfg.decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
+        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+    return factor
+
+
+def set_optimizer_hparams(
+    opt: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, cfg: OptimizerConfig
+) -> None:
+    """Apply a new optimizer config in place (moments and the schedule's step kept). The next optimizer
+    step trains at `cfg.lr` times the new schedule's factor: `LambdaLR` multiplies its own `base_lrs`, so
+    those move too (a PATCH of `optimizer.lr` changing only `initial_lr` would change nothing)."""
+    for g in opt.param_groups:
+        g.update(betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, initial_lr=cfg.lr)
+    scheduler.base_lrs = [cfg.lr for _ in opt.param_groups]
+    scheduler.lr_lambdas = [lr_lambda(cfg) for _ in opt.param_groups]
+    factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
+    for g in opt.param_groups:
+        g["lr"] = cfg.lr * factor

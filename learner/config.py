@@ -19,7 +19,9 @@ from config.loader import env_overrides as env_overrides
 from config.loader import load_layered
 from config.loader import merge as merge
 from learner.correction.config import RolloutCorrectionConfig
-from learner.precision import PrecisionName
+
+PrecisionName = Literal["bf16_mixed", "fp32", "bf16_pure"]
+"""Master weights, optimizer state and compute dtype by one name (learner/model/precision.py)."""
 
 FROZEN = {"frozen_while_running": True}
 WRITABLE = {"writable_path": True}
@@ -117,14 +119,14 @@ class LearnerConfig(ConfigModel):
     precision: PrecisionName | None = Field(None, json_schema_extra=FROZEN)
     """`bf16_mixed` (fp32 master weights and AdamW state, bf16 autocast compute), `fp32`, or `bf16_pure`
     (bf16 weights and optimizer state: loses updates below bf16's rounding step, e.g. most of lr 1e-6;
-    opt-in only). None = `bf16_mixed` on CUDA, `fp32` on CPU (learner/precision.py)."""
+    opt-in only). None = `bf16_mixed` on CUDA, `fp32` on CPU (learner/model/precision.py)."""
     gradient_checkpointing: bool = Field(False, json_schema_extra=FROZEN)
     """Recompute each decoder layer's activations in the backward pass (less memory, ~30 % more compute)."""
     fsdp: FsdpConfig = FsdpConfig()
-    """Sharding across the ranks of a multi-GPU learner (learner/sharding.py)."""
+    """Sharding across the ranks of a multi-GPU learner (learner/distributed/fsdp.py)."""
     logprob_chunk_tokens: int = Field(4096, ge=1)
     """Tokens of a micro-batch whose fp32 logits exist at once when computing log-probs (the LM head runs
-    on chunks of response positions; `learner/batching.py` `token_logprobs`)."""
+    on chunks of response positions; `learner/model/policy.py` `token_logprobs`)."""
     seed: int = Field(0, ge=0, lt=2**63, json_schema_extra=FROZEN)
     """Seed of torch's and Python's generators at start (restored from the checkpoint on resume)."""
     torch_threads: int | None = Field(None, ge=1, json_schema_extra=FROZEN)

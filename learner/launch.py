@@ -17,7 +17,7 @@ import threading
 
 from learner.config import LearnerConfig, load_config_from_process_env
 from learner.distributed import init_from_env
-from learner.precision import pick_device
+from learner.model.precision import pick_device
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def follow(config: LearnerConfig) -> int:
     SIGTERM is left to the leader: torchrun signals every rank at once, and a follower that died at once
     would fail the leader's last step, publish or checkpoint; the leader stops at its step boundary and
     sends `stop` (a leader that is gone fails the follower's next collective, which ends it)."""
-    from learner.train import Learner
+    from learner.trainer import Learner
 
     signal.signal(signal.SIGTERM, lambda *_: log.info("SIGTERM: stopping when the leader says so"))
     learner = Learner(config)
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config_from_process_env(argv[0])
     join(config)
     from learner.distributed import current
-    from learner.train import Learner
+    from learner.trainer import Learner
 
     if not current().is_leader:
         return follow(config)

@@ -4,7 +4,8 @@ Names follow `offpolicy_learner_<what>_<unit>`. Each `rollout_corr/<key>` of the
 gauge `offpolicy_learner_rollout_corr_<key>`, declared up front for every key the correction can emit
 (so dashboards may name them before the first step); a key outside that list still gets a gauge on first
 sight. Token-level histograms (IS weights, staleness) are filled from whole arrays at once by
-`BulkHistogram`, never by one `observe` per token.
+`BulkHistogram`, never by one `observe` per token. Also here: `timed` (a step's critical-path phases) and
+`metric_sums` (a step's metric tensors moved to the host at once).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import json
 import re
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -74,11 +76,37 @@ SCALARS = {  # step-dict key -> (metric name suffix, help)
 REJECTION_FIELDS = (
     "sampling.temperature", "prompt_ids", "trajectories.response_ids", "trajectories.behavior_logprobs",
 )  # fmt: skip
-"""The `field` labels of `groups_rejected_total` (learner/screening.py, list indices dropped)."""
+"""The `field` labels of `groups_rejected_total` (learner/rl/screening.py, list indices dropped)."""
 WRITE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 IS_WEIGHT_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0)
 STALENESS_HIST_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+# --- timing and reduction of a step
+
+
+@contextmanager
+def timed(phases: dict[str, float], name: str) -> Iterator[None]:
+    """Add the wall time of the block to `phases[name]` (seconds); syncs CUDA so GPU time is counted."""
+    t0 = time.perf_counter()
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
+
+
+def metric_sums(acc: dict[str, list[torch.Tensor]]) -> dict[str, tuple[float, int]]:
+    """(sum, count) of each metric's 0-d tensors, moved to the host in one transfer (their means, reduced
+    across ranks: `distributed.reduce_means`)."""
+    if not acc:
+        return {}
+    names = list(acc)
+    sums = torch.stack([torch.stack([v.float().reshape(()) for v in acc[n]]).sum() for n in names])
+    return {n: (s, len(acc[n])) for n, s in zip(names, sums.cpu().tolist(), strict=True)}
+
+
+# --- Prometheus
 
 
 def sanitize(key: str) -> str:

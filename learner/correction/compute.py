@@ -10,7 +10,7 @@ token weights); weights, masks and the IS / RS metrics are computed in float32 w
 dtype, and the weights come back in float32. The off-policy diagnostics and the sequence-level
 `rollout_is_min` follow verl's type promotion when an input is float64, so that they stay finite where
 exp(log rho) overflows float32. In decoupled mode call it once per batch with pi_old; in bypass mode
-`learner/losses.py` calls it per micro-batch with the current log-probs.
+`learner/rl/losses.py` calls it per micro-batch with the current log-probs.
 """
 
 from __future__ import annotations

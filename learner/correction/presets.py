@@ -1,14 +1,20 @@
-"""The rollout-correction preset catalogue: canonical verl 0.9.1 names and seed-era aliases (DESIGN.md)."""
+"""The rollout-correction preset catalogue: canonical verl 0.9.1 names and seed-era aliases (DESIGN.md).
+
+The builders take the config class as `cls` (`RolloutCorrectionConfig`, which imports this module), so
+this module never imports it back, not even for type checking.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from pydantic import BaseModel
 
 from learner.errors import UnknownPreset
 
-if TYPE_CHECKING:
-    from learner.correction.config import RolloutCorrectionConfig
+RolloutCorrectionConfig = BaseModel
+"""The config class the builders receive as `cls` (learner.correction.config.RolloutCorrectionConfig)."""
 
 # verl 0.9.1 has these 19 preset classmethods (the spec's "20" miscounts its own table).
 CANONICAL_PRESETS: tuple[str, ...] = (

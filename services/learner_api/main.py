@@ -26,7 +26,7 @@ service runs with `OFFPOLICY_API_TOKEN`. Errors are `{"error": {"code", "message
 
 
 def _default_factory(config: LearnerConfig, registry: Any, on_config_applied: ConfigApplied):
-    from learner.train import Learner
+    from learner.trainer import Learner
 
     return Learner(config, registry, on_config_applied)
 

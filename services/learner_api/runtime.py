@@ -37,7 +37,7 @@ class DeadLetterSource(Protocol):
 
 
 class LearnerLike(Protocol):
-    """What the service uses of `learner.train.Learner` (docs/architecture.md)."""
+    """What the service uses of `learner.trainer.Learner` (docs/architecture.md)."""
 
     state: str
     """`running`, `waiting_for_data`, `waiting_for_redis`, `paused`, `finished`, `stopped`, ..."""
@@ -55,7 +55,7 @@ class LearnerLike(Protocol):
 
 LearnerFactory = Callable[[LearnerConfig, CollectorRegistry, ConfigApplied], LearnerLike]
 """Builds the learner on the service's registry; it exports `offpolicy_learner_config_version` there and
-reports each applied config through the callback (`learner.train.Learner(config, registry, callback)`)."""
+reports each applied config through the callback (`learner.trainer.Learner(config, registry, callback)`)."""
 
 
 class LearnerRuntime:

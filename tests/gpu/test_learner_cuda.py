@@ -13,10 +13,11 @@ from transformers import AutoModelForCausalLM
 
 from buffer.policy import PolicyStore
 from buffer.replay_buffer import ReplayBuffer
-from learner.batching import collate, token_logprobs
+from learner.batch import collate
 from learner.model import make_tiny_model
-from learner.train import Learner
-from learner.weights import snapshot_to_host
+from learner.model.policy import token_logprobs
+from learner.persist.weights import snapshot_to_host
+from learner.trainer import Learner
 from tests.integration.test_learner_fixes import covering_groups
 from tests.integration.test_learner_loop import config
 

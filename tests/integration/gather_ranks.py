@@ -10,10 +10,12 @@ import sys
 import torch
 import torch.distributed as dist
 
+from learner.distributed.fsdp import shard
+from learner.distributed.gather import GatheredWeights
 from learner.model import load_model
-from learner.precision import Precision
-from learner.sharding import GatheredWeights, LogProbs, shard
-from learner.weights import unique_state
+from learner.model.load import unique_state
+from learner.model.policy import LogProbs
+from learner.model.precision import Precision
 
 
 def main(model_dir: str, dtype_name: str, out: str) -> None:

@@ -30,9 +30,10 @@ from buffer.embedded import EmbeddedRedis
 from buffer.policy import PolicyStore
 from buffer.replay_buffer import ReplayBuffer
 from buffer.types import SamplingParams, Trajectory, TrajectoryGroup
-from learner.batching import collate, token_logprobs
+from learner.batch import collate
 from learner.model import load_model, make_tiny_model
-from learner.weights import publish_weights
+from learner.model.policy import token_logprobs
+from learner.persist.weights import publish_weights
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow]
 

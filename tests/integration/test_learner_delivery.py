@@ -24,8 +24,8 @@ from buffer.errors import BufferNotReady
 from buffer.keys import BufferKeys
 from buffer.replay_buffer import ReplayBuffer
 from buffer.types import SamplingParams, Trajectory, TrajectoryGroup
-from learner.checkpoint import checkpoint_versions
-from learner.train import Learner
+from learner.persist.checkpoint import checkpoint_versions
+from learner.trainer import Learner
 from tests.integration.test_learner_fixes import covering_groups
 from tests.integration.test_learner_loop import config, tiny_dir  # noqa: F401
 
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
 import sys, threading
 from learner.config import LearnerConfig
-from learner.train import Learner
+from learner.trainer import Learner
 cfg = LearnerConfig.model_validate_json(open(sys.argv[1]).read())
 Learner(cfg).run(threading.Event())
 """

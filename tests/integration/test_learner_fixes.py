@@ -14,12 +14,12 @@ import torch
 
 from buffer.replay_buffer import ReplayBuffer
 from buffer.types import SamplingParams, Trajectory, TrajectoryGroup
-from learner.batching import collate
+from learner.batch import collate
 from learner.config import LearnerConfig
 from learner.errors import CheckpointMismatch
 from learner.model import make_tiny_model
-from learner.train import Learner
-from learner.train_step import advantages
+from learner.rl.step import advantages
+from learner.trainer import Learner
 from tests.integration.test_learner_loop import config, tiny_dir  # noqa: F401
 
 pytestmark = pytest.mark.redis
@@ -116,7 +116,7 @@ def test_gae_puts_the_reward_on_the_last_sampled_token_not_the_last_kept_one(
         batch = collate(groups, learner.pad_id)
         batch.response_mask = batch.response_mask.clone()
         batch.response_mask[:, -1] = 0.0  # what a token-level RS mask can do
-        advantages(learner, batch)
+        advantages(learner.step_context(), batch)
     finally:
         learner.close()
     torch.testing.assert_close(batch.returns, batch.rewards[:, None].expand(-1, 5), rtol=0, atol=1e-6)

@@ -21,10 +21,10 @@ import yaml
 
 from buffer.policy import PolicyStore
 from buffer.replay_buffer import ReplayBuffer
-from learner.checkpoint import checkpoint_versions
 from learner.model import load_model, make_tiny_model
-from learner.train import Learner
-from learner.weights import published_versions, version_dir
+from learner.persist.checkpoint import checkpoint_versions
+from learner.persist.weights import published_versions, version_dir
+from learner.trainer import Learner
 from tests.integration.test_learner_loop import config, make_groups
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]

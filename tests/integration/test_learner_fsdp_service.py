@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from buffer.replay_buffer import ReplayBuffer
-from learner.checkpoint import checkpoint_versions
+from learner.persist.checkpoint import checkpoint_versions
 from services.children import free_port
 from tests.integration.test_learner_fsdp import kill_tree, tiny2  # noqa: F401
 from tests.integration.test_learner_loop import config

@@ -18,11 +18,12 @@ from buffer.errors import BufferNotReady
 from buffer.policy import PolicyStore
 from buffer.replay_buffer import ReplayBuffer
 from buffer.types import SamplingParams, Trajectory, TrajectoryGroup
-from learner.batching import collate, token_logprobs
+from learner.batch import collate
 from learner.config import LearnerConfig, load_config
-from learner.losses import ClipConfig, compute_policy_loss
 from learner.model import load_model, make_tiny_model, sample_completions
-from learner.train import Learner
+from learner.model.policy import token_logprobs
+from learner.rl.losses import ClipConfig, compute_policy_loss
+from learner.trainer import Learner
 
 pytestmark = pytest.mark.redis
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -15,10 +15,10 @@ import torch
 
 from buffer.policy import PolicyStore, weights_sha256
 from buffer.replay_buffer import ReplayBuffer
-from learner.checkpoint import checkpoint_versions
 from learner.model import load_model, make_tiny_model
-from learner.train import Learner
-from learner.weights import published_versions, read_manifest
+from learner.persist.checkpoint import checkpoint_versions
+from learner.persist.weights import published_versions, read_manifest
+from learner.trainer import Learner
 from tests.integration.test_learner_loop import config, make_groups, tiny_dir  # noqa: F401
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
 import sys, threading
 from learner.config import LearnerConfig
-from learner.train import Learner
-from learner.weights import published_versions, read_manifest
+from learner.trainer import Learner
+from learner.persist.weights import published_versions, read_manifest
 cfg = LearnerConfig.model_validate_json(open(sys.argv[1]).read())
 Learner(cfg).run(threading.Event())
 """

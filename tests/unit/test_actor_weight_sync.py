@@ -61,7 +61,7 @@ def _value(registry, name, **labels):
 
 
 def test_sha256_matches_the_learners_definition(tmp_path):
-    from learner.weights import safetensors_sha256 as learner_sha
+    from learner.persist.weights import safetensors_sha256 as learner_sha
 
     (tmp_path / "b.safetensors").write_bytes(b"2" * 3_000_000)
     (tmp_path / "a.safetensors").write_bytes(b"1")

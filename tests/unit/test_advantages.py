@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from learner.advantages import compute_advantages, gae, grpo, reinforce, rloo
+from learner.rl.advantages import compute_advantages, gae, grpo, reinforce, rloo
 
 REWARDS = torch.tensor([1.0, 0.0, 1.0, 0.0, 2.0, 4.0, 5.0])
 GROUPS = torch.tensor([7, 7, 7, 7, 3, 3, 9])

@@ -24,7 +24,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 class FakeLearner:
     """Applies handed-over configs when the test calls `boundary()`, as the real loop does between steps:
     the config gauges move and `on_config_applied(version, steps completed)` is called (the contract of
-    `learner.train.Learner`)."""
+    `learner.trainer.Learner`)."""
 
     def __init__(self, config: LearnerConfig, registry: CollectorRegistry, on_config_applied) -> None:
         self.config = config

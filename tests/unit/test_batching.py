@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from buffer.types import SamplingParams, Trajectory, TrajectoryGroup
-from learner.batching import collate, token_logprobs
+from learner.batch import collate
 from learner.errors import BatchError
 from learner.model import load_model, make_tiny_model
+from learner.model.policy import token_logprobs
 
 PAD = 0
 
@@ -136,7 +137,7 @@ def test_chunked_logprobs_and_their_gradients_equal_the_unchunked_ones(tiny, gro
 
 
 def test_staleness_counts_from_each_completions_oldest_token():
-    from learner.batching import staleness, token_staleness
+    from learner.batch import staleness, token_staleness
 
     g = _group(
         [1, 2],

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from learner.correction import RolloutCorrectionConfig, compute_rollout_correction
-from learner.losses import compute_policy_loss
+from learner.rl.losses import compute_policy_loss
 
 finite = st.floats(-30.0, 0.0, allow_nan=False, width=32)
 

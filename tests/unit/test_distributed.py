@@ -47,7 +47,7 @@ def test_metric_means_count_every_value_once():
 
 
 def test_metric_means_over_ranks_sum_before_dividing_and_keep_keys_of_one_rank(monkeypatch):
-    from learner import distributed
+    from learner.distributed import ranks as distributed
 
     rank1 = msgpack.packb({"a": (2.0, 1), "b": (1.0, 1)})  # what rank 1 sends (its sums and counts)
     monkeypatch.setattr(distributed, "all_gather_bytes", lambda ranks, blob: [blob, rank1])

@@ -15,8 +15,7 @@ from buffer.errors import BufferNotReady, StorageUnavailable
 from learner.config import LearnerConfig
 from learner.distributed import SINGLE
 from learner.errors import WriteFailed
-from learner.run_loop import RETRY_INITIAL_S
-from learner.train import Learner
+from learner.trainer import RETRY_INITIAL_S, Learner
 
 
 class ScriptedLearner(Learner):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from learner.correction import RolloutCorrectionConfig, compute_rollout_correction
-from learner.losses import ClipConfig, aggregate_loss, compute_policy_loss
+from learner.rl.losses import ClipConfig, aggregate_loss, compute_policy_loss
 
 L = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from buffer.types import SamplingParams, Trajectory, TrajectoryGroup
-from learner.screening import ModelLimits, field_label, screen
+from learner.rl.screening import ModelLimits, field_label, screen
 
 LIMITS = ModelLimits(vocab_size=100, max_positions=16)
 

@@ -210,7 +210,7 @@ class _ActorConfig(dict):
     ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"],
 )
 def test_aggregate_loss_matches_agg_loss(mode):
-    from learner.losses import aggregate_loss
+    from learner.rl.losses import aggregate_loss
 
     train, _, mask = random_batch(11)
     assert aggregate_loss(train, mask, mode).item() == pytest.approx(
@@ -219,7 +219,7 @@ def test_aggregate_loss_matches_agg_loss(mode):
 
 
 def test_ppo_clip_loss_matches_vanilla_with_weights():
-    from learner.losses import ClipConfig, compute_policy_loss
+    from learner.rl.losses import ClipConfig, compute_policy_loss
 
     old, rollout, mask = random_batch(12)
     new = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1))
@@ -238,7 +238,7 @@ def test_ppo_clip_loss_matches_vanilla_with_weights():
 
 
 def test_gae_matches_compute_gae_advantage_return():
-    from learner.advantages import gae
+    from learner.rl.advantages import gae
 
     values, rewards, mask = random_batch(13)
     mask[1, :3] = 1  # needs valid tokens in most rows
@@ -252,7 +252,7 @@ def test_gae_matches_compute_gae_advantage_return():
 def test_outcome_advantages_match(name):
     import numpy as np
 
-    from learner.advantages import grpo, rloo
+    from learner.rl.advantages import grpo, rloo
 
     gen = torch.Generator().manual_seed(14)
     rewards = torch.randn(10, generator=gen)

@@ -14,10 +14,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from buffer.policy import weights_sha256
-from learner import weights as weights_mod
 from learner.errors import WriteFailed
 from learner.model import load_tokenizer, make_tiny_model
-from learner.weights import (
+from learner.model.load import unique_state
+from learner.persist import weights as weights_mod
+from learner.persist.weights import (
     WeightsSnapshot,
     prune_versions,
     publish_weights,
@@ -25,10 +26,9 @@ from learner.weights import (
     read_manifest,
     remove_leftovers,
     snapshot_to_host,
-    unique_state,
     write_version,
 )
-from learner.writer import BackgroundWriter, WeightsBuffers
+from learner.persist.writer import BackgroundWriter, WeightsBuffers
 
 
 @pytest.fixture(scope="module")

@@ -1,50 +1,82 @@
-"""Resumable learner checkpoints: tensors in safetensors, everything else in JSON, written atomically.
+"""Checkpoints of a one-process learner: whole tensors in safetensors, written by the background writer.
 
-A checkpoint is a folder `ckpt-<version>/` holding `model.safetensors` (+ `critic.safetensors`),
+A checkpoint folder (`FILE_FORMAT`) holds `model.safetensors` (+ `critic.safetensors`),
 `optimizer.safetensors` (+ `critic_optimizer.safetensors`: AdamW moments flattened as `state.<i>.<name>`),
-`rng.safetensors` (torch CPU / CUDA generator states) and `meta.json` (version, step, config, buffer
-position, optimizer param groups, scheduler state, Python RNG, and the identity it was written for: run id
-and model fingerprint). No pickle anywhere.
+`rng.safetensors` (torch CPU / CUDA generator states) and `meta.json`.
 
-`snapshot_checkpoint` copies all of it to host memory at a step boundary (the critical-path part);
-`write_checkpoint` writes it on the background writer (learner/writer.py) into a temporary folder, fsyncs
-and renames it, so a learner killed mid-write leaves the previous checkpoint intact and the leftover
-temporary folder is never resumed. A checkpoint of another run or model is refused (`CheckpointMismatch`).
+`snapshot_checkpoint` copies all of it to host memory at a step boundary (the critical-path part, overlapping
+the next step's passes until `staged()`); `write_checkpoint` writes it on the background writer into a
+temporary folder, fsyncs and renames it. `FileCheckpoints` is the backend; it also reads a sharded
+checkpoint (any world size wrote it) into the one process.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import random
-import re
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file
 
+from learner.distributed.ranks import SINGLE
 from learner.errors import CheckpointMismatch
-from learner.weights import HostCopy, remove_folder, unique_state, write_safetensors
+from learner.model.load import unique_state
+from learner.persist import sharded
+from learner.persist.checkpoint import (
+    FILE_FORMAT,
+    SHARDED_FORMAT,
+    Checkpoints,
+    checkpoint_versions,
+    latest_checkpoint,
+    read_meta,
+    restore_rngs,
+    rng_state,
+)
+from learner.persist.weights import HostCopy, remove_folder, write_safetensors
+from learner.persist.writer import BackgroundWriter
 
-FORMAT = 2
-CKPT_DIR = re.compile(r"^ckpt-(\d+)$")
+if TYPE_CHECKING:
+    from learner.build import Trainables
 
 
-@dataclass(slots=True)
-class Trainables:
-    """The stateful objects a checkpoint saves and restores (critic ones are None without GAE)."""
+class FileCheckpoints(Checkpoints):
+    """The checkpoints of a one-process learner under `root`, written by `writer` (durability is reported
+    by the writer's `on_done`, kind `checkpoint`), the newest `keep` kept."""
 
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    critic: torch.nn.Module | None = None
-    critic_optimizer: torch.optim.Optimizer | None = None
-    policy: torch.nn.Module | None = None  # what the loop calls for log-probs (`sharding.LogProbs` of model)
+    def __init__(self, root: Path, run_id: str, writer: BackgroundWriter, keep: int | None) -> None:
+        self.root, self.run_id, self.writer, self.keep = root, run_id, writer, keep
+        self._snapshots: list[CheckpointSnapshot] = []
+
+    def save(self, parts: Trainables, version: int, meta: dict[str, Any]) -> Path:
+        snap = snapshot_checkpoint(parts, meta)
+        self._snapshots.append(snap)
+        root, keep = self.root, self.keep
+        self.writer.submit("checkpoint", version, lambda: write_checkpoint(root, snap, keep))
+        return root / f"ckpt-{version:010d}"
+
+    def staged(self) -> None:
+        for snap in self._snapshots:
+            snap.wait()
+        self._snapshots.clear()
+
+    def finish(self) -> None:
+        self.writer.flush()
+
+    def latest(self) -> Path | None:
+        return latest_checkpoint(self.root)
+
+    def load(self, path: Path, parts: Trainables) -> dict[str, Any]:
+        meta = read_meta(path, parts, self.run_id)
+        if meta["format"] == SHARDED_FORMAT:
+            return sharded.load_sharded(path, parts, SINGLE)  # whatever world size wrote it
+        return load_checkpoint(path, parts, self.run_id)
+
+
+# --- snapshot and write
 
 
 def _optimizer_to_files(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -70,20 +102,6 @@ def _optimizer_from_files(opt: torch.optim.Optimizer, tensors: dict[str, torch.T
     opt.load_state_dict({"state": state, "param_groups": groups})
 
 
-def checkpoint_versions(checkpoint_dir: str | Path) -> list[int]:
-    """Versions of the complete checkpoints under `checkpoint_dir`, ascending."""
-    root = Path(checkpoint_dir)
-    if not root.is_dir():
-        return []
-    return sorted(int(m.group(1)) for p in root.iterdir() if (m := CKPT_DIR.match(p.name)))
-
-
-def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint folder, or None."""
-    versions = checkpoint_versions(checkpoint_dir)
-    return Path(checkpoint_dir) / f"ckpt-{versions[-1]:010d}" if versions else None
-
-
 @dataclass(frozen=True, slots=True)
 class CheckpointSnapshot:
     """A checkpoint taken at a step boundary: its tensors are being copied to host memory (`copies`, the
@@ -99,42 +117,10 @@ class CheckpointSnapshot:
             copy.wait()
 
 
-def identity(parts: Trainables, run_id: str) -> dict[str, str]:
-    """What a checkpoint must match to be resumed: the run id and a fingerprint of the model's tensors
-    (names, shapes and dtypes of its state dict), so another run's or another model's is refused."""
-    spec = [(k, list(v.shape), str(v.dtype)) for k, v in parts.model.state_dict().items()]
-    return {"run_id": run_id, "model": hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:16]}
-
-
 def _host(tensors: dict[str, torch.Tensor]) -> HostCopy:
     """A background host copy of `tensors` into pageable memory (a checkpoint's optimizer state is ~3x the
     weights: too much to keep pinned between checkpoints)."""
     return HostCopy(tensors, None, pin=False)
-
-
-def base_meta(
-    parts: Trainables,
-    *,
-    version: int,
-    step: int,
-    run_id: str,
-    config: dict[str, Any],
-    buffer_position: dict[str, Any],
-    lease_ids: list[str] | None = None,
-) -> dict[str, Any]:
-    """What every checkpoint's `meta.json` holds, whatever its layout: identity, counters, config, buffer
-    position, the leases it holds, the scheduler and the Python RNG."""
-    return {
-        "identity": identity(parts, run_id),
-        "version": version,
-        "step": step,
-        "saved_at": time.time(),
-        "config": config,
-        "buffer_position": buffer_position,
-        "lease_ids": list(lease_ids or []),
-        "scheduler": parts.scheduler.state_dict(),
-        "python_rng": random.getstate(),
-    }
 
 
 def snapshot_checkpoint(parts: Trainables, meta: dict[str, Any]) -> CheckpointSnapshot:
@@ -143,15 +129,12 @@ def snapshot_checkpoint(parts: Trainables, meta: dict[str, Any]) -> CheckpointSn
     files = {"model": _host(unique_state(parts.model))}
     opt_tensors, opt_meta = _optimizer_to_files(parts.optimizer)
     files["optimizer"] = _host(opt_tensors)
-    meta = meta | {"format": FORMAT, "optimizer": opt_meta}
+    meta = meta | {"format": FILE_FORMAT, "optimizer": opt_meta}
     if parts.critic is not None and parts.critic_optimizer is not None:
         files["critic"] = _host(unique_state(parts.critic))
         c_tensors, meta["critic_optimizer"] = _optimizer_to_files(parts.critic_optimizer)
         files["critic_optimizer"] = _host(c_tensors)
-    rng = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng |= {f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
-    files["rng"] = _host(rng)
+    files["rng"] = _host(rng_state())
     return CheckpointSnapshot(int(meta["version"]), files, meta)
 
 
@@ -176,6 +159,9 @@ def write_checkpoint(checkpoint_dir: str | Path, snap: CheckpointSnapshot, keep:
     return final
 
 
+# --- read back
+
+
 def _load_module(module: torch.nn.Module, file: Path, device: torch.device) -> None:
     """Load a module's tensors; only the second names of tied tensors may be absent from the file."""
     state = load_file(str(file), device=str(device))
@@ -185,38 +171,14 @@ def _load_module(module: torch.nn.Module, file: Path, device: torch.device) -> N
         raise CheckpointMismatch(f"{file}: missing {sorted(set(missing) - tied)}, unexpected {unexpected}")
 
 
-def read_meta(path: str | Path, parts: Trainables, run_id: str = "default") -> dict[str, Any]:
-    """The meta of the checkpoint folder `path`, after checking it is one this learner may resume: a
-    format it reads (2: one process; 3: sharded, learner/sharded_checkpoint.py), this run, this model."""
-    path = Path(path)
-    meta = json.loads((path / "meta.json").read_text())
-    if meta.get("format") not in (FORMAT, 3):
-        raise CheckpointMismatch(
-            f"{path}: checkpoint format {meta.get('format')!r}, this learner reads {FORMAT} and 3"
-        )
-    want, got = identity(parts, run_id), meta["identity"]
-    if got != want:
-        raise CheckpointMismatch(
-            f"{path} was written for run {got['run_id']!r}, model {got['model']}; this learner is run "
-            f"{want['run_id']!r}, model {want['model']}: point checkpoint.checkpoint_dir elsewhere or "
-            "remove the folder"
-        )
-    return meta
-
-
-def restore_python_rng(meta: dict[str, Any]) -> None:
-    version_, state, gauss = meta["python_rng"]
-    random.setstate((version_, tuple(state), gauss))
-
-
 def load_checkpoint(path: str | Path, parts: Trainables, run_id: str = "default") -> dict[str, Any]:
     """Restore `parts` and the RNGs from the one-process checkpoint folder `path`; return its meta.
 
     Raises `CheckpointMismatch` when the checkpoint belongs to another run or another model."""
     path = Path(path)
     meta = read_meta(path, parts, run_id)
-    if meta["format"] != FORMAT:
-        raise CheckpointMismatch(f"{path} is sharded (format 3): learner/sharded_checkpoint.py reads it")
+    if meta["format"] != FILE_FORMAT:
+        raise CheckpointMismatch(f"{path} is sharded (format {SHARDED_FORMAT}): persist/sharded.py reads it")
     device = next(parts.model.parameters()).device
     _load_module(parts.model, path / "model.safetensors", device)
     _optimizer_from_files(parts.optimizer, load_file(str(path / "optimizer.safetensors")), meta["optimizer"])
@@ -225,11 +187,5 @@ def load_checkpoint(path: str | Path, parts: Trainables, run_id: str = "default"
         _load_module(parts.critic, path / "critic.safetensors", device)
         c_tensors = load_file(str(path / "critic_optimizer.safetensors"))
         _optimizer_from_files(parts.critic_optimizer, c_tensors, meta["critic_optimizer"])
-    rng = load_file(str(path / "rng.safetensors"))
-    torch.set_rng_state(rng["torch"])
-    if torch.cuda.is_available():
-        cuda = [rng[k] for k in sorted(k for k in rng if k.startswith("cuda."))]
-        if cuda:
-            torch.cuda.set_rng_state_all(cuda)
-    restore_python_rng(meta)
+    restore_rngs(path, meta)
     return meta

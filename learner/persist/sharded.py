@@ -4,14 +4,14 @@ A sharded checkpoint is a folder `ckpt-<version>/` holding `state/` (each rank's
 AdamW moments and, with GAE, the critic and its optimizer, written by DCP's `HuggingFaceStorageWriter`:
 safetensors files whose headers carry DCP's sharding metadata as JSON; DCP's default writer would pickle
 its metadata) and rank 0's `meta.json` (format 3: everything of a single-process checkpoint's meta but the
-tensors) and `rng.safetensors`.
+tensors) and `rng.safetensors`. `ShardedCheckpoints` is the backend of a learner on N ranks.
 
 `save` runs on every rank at the same step boundary: `dcp.async_save` copies this rank's shards to host
 memory (the only part on the critical path), then writes them on a background thread, collectives on a
 process group of their own. Once rank 0's save completes (DCP's finish step runs after every rank has
 written), rank 0 writes the meta, fsyncs and renames the temporary folder: a learner killed mid-write
 (any rank) leaves the previous checkpoint intact, and the leftover `.tmp-*` folder is removed at the next
-start. `load` reads a checkpoint back into the sharded (or, on one process, plain) model and optimizer
+start. `load_sharded` reads a checkpoint back into the sharded (or, on one process, plain) model and optimizer
 whatever world size wrote it: DCP reshards.
 """
 
@@ -31,20 +31,28 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from learner.checkpoint import checkpoint_versions, restore_python_rng
-from learner.weights import remove_folder, write_safetensors
+from learner.errors import CheckpointMismatch
+from learner.persist.checkpoint import (
+    FILE_FORMAT,
+    SHARDED_FORMAT,
+    Checkpoints,
+    checkpoint_versions,
+    latest_checkpoint,
+    read_meta,
+    restore_rngs,
+    rng_state,
+)
+from learner.persist.weights import remove_folder, write_safetensors
 
 if TYPE_CHECKING:
-    from learner.checkpoint import Trainables
-    from learner.distributed import Ranks
+    from learner.build import Trainables
+    from learner.distributed.ranks import Ranks
 
 log = logging.getLogger(__name__)
 
-FORMAT = 3
 STATE_DIR = "state"
 
 
@@ -98,17 +106,20 @@ class _InFlight:
     started: float  # perf_counter at the step boundary
 
 
-class ShardedCheckpoints:
-    """The sharded checkpoints of one learner rank (at most one in flight)."""
+class ShardedCheckpoints(Checkpoints):
+    """The sharded checkpoints of one learner rank (at most one in flight); `on_durable(version, seconds)`
+    on rank 0 once one is durable."""
 
     def __init__(
         self,
         root: Path,
+        run_id: str,
         ranks: Ranks,
         keep: int | None,
         on_durable: Callable[[int, float], None] | None = None,
     ) -> None:
-        self.root, self.ranks, self.keep, self._on_durable = root, ranks, keep, on_durable
+        self.root, self.run_id, self.ranks, self.keep = root, run_id, ranks, keep
+        self._on_durable = on_durable
         self._inflight: _InFlight | None = None
         self._group = dist.new_group(backend="gloo") if ranks.distributed else None  # checkpoints only
 
@@ -126,10 +137,8 @@ class ShardedCheckpoints:
         tensors, groups = flat_state(parts)
         writer = HuggingFaceStorageWriter(str(tmp / STATE_DIR), save_distributed=True)
         future = dcp.async_save(tensors, storage_writer=writer, process_group=self._group)
-        rng = {"torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng |= {f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
-        meta = meta | {"format": FORMAT, "world_size": self.ranks.world_size, "param_groups": groups}
+        rng = rng_state()
+        meta = meta | {"format": SHARDED_FORMAT, "world_size": self.ranks.world_size, "param_groups": groups}
         self._inflight = _InFlight(future, tmp, final, meta, rng, version, started)
         return final
 
@@ -161,8 +170,21 @@ class ShardedCheckpoints:
         if self._on_durable is not None:
             self._on_durable(job.version, seconds)
 
+    def latest(self) -> Path | None:
+        return latest_checkpoint(self.root)
 
-def load(path: Path, parts: Trainables, ranks: Ranks) -> dict[str, Any]:
+    def load(self, path: Path, parts: Trainables) -> dict[str, Any]:
+        """Every rank: read `path` (whatever world size wrote it); a one-process checkpoint is refused."""
+        meta = read_meta(path, parts, self.run_id)
+        if meta["format"] == FILE_FORMAT:
+            raise CheckpointMismatch(
+                f"{path} was written by a one-process learner; a learner on {self.ranks.world_size} ranks "
+                "reads sharded checkpoints only: resume it with --nproc-per-node 1"
+            )
+        return load_sharded(path, parts, self.ranks)
+
+
+def load_sharded(path: Path, parts: Trainables, ranks: Ranks) -> dict[str, Any]:
     """Every rank: read the sharded checkpoint `path` into `parts` (any world size wrote it, one process
     reads it too); its meta, checked by `checkpoint.read_meta` before."""
     meta = json.loads((path / "meta.json").read_text())
@@ -171,11 +193,5 @@ def load(path: Path, parts: Trainables, ranks: Ranks) -> dict[str, Any]:
     dcp.load(tensors, storage_reader=reader, process_group=ranks.control if ranks.distributed else None)
     _restore(parts, tensors, meta["param_groups"])
     parts.scheduler.load_state_dict(meta["scheduler"])
-    rng = load_file(str(path / "rng.safetensors"))
-    torch.set_rng_state(rng["torch"])
-    if torch.cuda.is_available() and (
-        cuda := [rng[k] for k in sorted(k for k in rng if k.startswith("cuda."))]
-    ):
-        torch.cuda.set_rng_state_all(cuda)
-    restore_python_rng(meta)
+    restore_rngs(path, meta)
     return meta

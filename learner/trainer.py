@@ -1,8 +1,9 @@
-"""The learner loop: sample groups, correct, compute advantages, take PPO steps, publish weights.
+"""The trainer: one `Learner` owns the state, the control API, the step and the loop around it.
 
 Reads top to bottom like a CleanRL file: `Learner.__init__` (model, optimizer, buffer, resume), the
-control API other threads call, then `step()` in the order of spec §5.1 (the training of a step is
-`learner/train_step.py`; one optimizer step over a mini-batch's micro-batches is `learner/update.py`):
+control API other threads call, `run` (the loop), then `step()` in the order of spec §5.1. The training of
+a step is `rl.train_on`, called with a frozen `StepContext`; it returns the step's metrics and optimizer
+steps, and the trainer alone changes its own state (version, step count):
 
     sample k groups (consumer_version = version) → collate → [decoupled] pi_old once, correction, the
     RS mask replaces the response mask → advantages → ppo_epochs × mini-batches (groups) × micro-batches
@@ -11,9 +12,15 @@ control API other threads call, then `step()` in the order of spec §5.1 (the tr
 In bypass mode pi_old := pi_rollout and the correction runs per micro-batch inside the loss. Config
 changes land only between steps; `checkpoint()` from another thread waits for the running step to end.
 
-On N ranks (torchrun; learner/distributed.py) the rank-0 `Learner` (leader) samples, screens and sends
-each step boundary's `Command` to the others (followers), which run `follow()`; from there every rank runs
-the same `_execute`: the same config, the same batch, its own share of it, FSDP2 (learner/sharding.py).
+The loop waits out an empty buffer (state `waiting_for_data`, retry every 0.5 s) and transient trouble
+(`TRANSIENT_ERRORS`: Redis unreachable), retried with capped exponential backoff for as long as it lasts
+(state `waiting_for_redis`, `retrying` the reason), then stepping resumes by itself. Any other error
+propagates (the loop is dead).
+
+On N ranks (torchrun; learner/distributed/) the rank-0 `Learner` (leader) samples, screens and sends each
+step boundary's `Command` to the others (followers), which run `follow()`; from there every rank runs the
+same `_execute`: the same config, the same batch, its own share of it, FSDP2. While paused or waiting the
+leader keeps sending heartbeats, so its followers hear of a config change or a checkpoint request.
 """
 
 from __future__ import annotations
@@ -29,33 +36,37 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from buffer.codec import decode_group, encode_group
+from buffer.errors import BufferNotReady, RateLimited, StorageUnavailable
 from buffer.policy import PolicyStore
 from buffer.replay_buffer import ReplayBuffer
-from learner.build import build_trainables
-from learner.checkpoint import Trainables
-from learner.commands import LeaderChannel
+from learner.build import Trainables, build_trainables, set_optimizer_hparams
 from learner.config import LearnerConfig, frozen_field_changes
 from learner.delivery import Delivery
 from learner.distributed import (
+    HEARTBEAT_S,
     Command,
+    LeaderChannel,
     Ranks,
     barrier,
     broadcast_command,
     current,
     local_device,
 )
-from learner.errors import FrozenFieldChange
-from learner.metrics import LearnerMetrics, append_jsonl
-from learner.model import checkpoint_dtype, load_tokenizer
-from learner.persistence import Persistence
-from learner.precision import Precision, pick_device
-from learner.run_loop import run_steps
-from learner.screening import ModelLimits, field_label, screen
-from learner.train_step import train_on
-from learner.update import set_optimizer_hparams, timed
-from learner.writer import BackgroundWriter
+from learner.errors import FrozenFieldChange, WriteFailed
+from learner.metrics import LearnerMetrics, append_jsonl, timed
+from learner.model import Precision, checkpoint_dtype, load_tokenizer, pick_device
+from learner.persist import BackgroundWriter, Persistence
+from learner.rl import ModelLimits, StepContext, field_label, screen, train_on
 
 log = logging.getLogger(__name__)
+
+TRANSIENT_ERRORS = (StorageUnavailable,)
+"""Errors `run` retries for as long as they last (Redis unreachable, after the buffer's own bounded
+retries), raised by the step itself or as the cause of a failed background write (the policy record's
+publish: the weights are on disk, the next publish supersedes it); any other error ends `run` (the service
+then reports the loop dead and exits after a grace)."""
+RETRY_INITIAL_S, RETRY_MAX_S = 0.5, 10.0
+"""`run`'s backoff between steps while transient errors last: doubles from the first to the cap, seconds."""
 
 # --- the learner
 
@@ -146,7 +157,7 @@ class Learner:
         ranks = self.ranks
         if ranks.distributed:
             barrier(ranks)  # the leader has removed leftover partial writes
-        meta = self.persist.resume(self.trainables())
+        meta = self.persist.restore_latest(self.trainables())
         if meta is not None:
             self._resumed(meta)
         if self.delivery is not None:
@@ -225,12 +236,45 @@ class Learner:
     def run(self, stop_event: threading.Event) -> None:
         """Loop `step()` until `stop_event` is set or `max_steps` is reached; waits while paused.
 
-        No data yet, or Redis unreachable: waited out (learner/run_loop.py); any other error propagates
-        (the loop is dead)."""
+        No data yet, or Redis unreachable: waited out; any other error propagates (the loop is dead)."""
         try:
-            run_steps(self, stop_event)
+            self._loop(stop_event)
         finally:
             self._stop_followers()
+
+    def _loop(self, stop_event: threading.Event) -> None:
+        """The loop of `run`: waits out an empty buffer and transient trouble (module docstring)."""
+        delay = RETRY_INITIAL_S
+        while not stop_event.is_set():
+            if not self.wait_unpaused(HEARTBEAT_S if self.ranks.distributed else 0.2):
+                self.heartbeat()  # paused: the followers hear from us, a checkpoint() is still served
+                continue
+            if self.config.max_steps is not None and self.step_count >= self.config.max_steps:
+                self.state = "finished"
+                return
+            try:
+                self.step()
+            except (BufferNotReady, RateLimited) as exc:  # no data yet: wait and retry, bounded by the loop
+                self.state, self.retrying, delay = "waiting_for_data", None, RETRY_INITIAL_S
+                log.info("no groups to train on yet: %s", exc)
+                self.heartbeat()
+                stop_event.wait(0.5)
+            except (
+                *TRANSIENT_ERRORS,
+                WriteFailed,
+            ) as exc:  # retried for as long as it lasts, the wait capped
+                if isinstance(exc, WriteFailed) and not isinstance(exc.__cause__, TRANSIENT_ERRORS):
+                    raise
+                self.state, self.retrying = "waiting_for_redis", f"{type(exc).__name__}: {exc}"
+                log.warning("redis unavailable, retrying in %.1f s: %s", delay, exc)
+                for _ in range(max(1, round(delay / HEARTBEAT_S))):  # heartbeats while it lasts
+                    self.heartbeat()
+                    if stop_event.wait(min(delay, HEARTBEAT_S)):
+                        break
+                delay = min(2 * delay, RETRY_MAX_S)
+            else:
+                self.retrying, delay = None, RETRY_INITIAL_S
+        self.state = "stopped"
 
     # --- one learner step
 
@@ -323,7 +367,9 @@ class Learner:
         marks their leases, which a checkpoint of this step then holds), publish, checkpoint when due."""
         cfg, metrics = self.config, {}
         if command.op == "step":
-            metrics = train_on(self, groups, phases)
+            result = train_on(self.step_context(), groups, phases)
+            self.version += result.optimizer_steps  # the policy version counts optimizer steps
+            metrics = result.metrics
             if on_trained is not None:
                 on_trained()
             self.step_count += 1
@@ -386,6 +432,21 @@ class Learner:
     def trainables(self) -> Trainables:
         return Trainables(
             self.model, self.optimizer, self.scheduler, self.critic, self.critic_optimizer, self.policy
+        )
+
+    def step_context(self) -> StepContext:
+        """What the next step trains with (frozen: `train_on` reads it, the learner keeps its state)."""
+        return StepContext(
+            config=self.config,
+            device=self.device,
+            precision=self.precision,
+            ranks=self.ranks,
+            pad_id=self.pad_id,
+            version=self.version,
+            step_count=self.step_count,
+            trainables=self.trainables(),
+            before_update=self.persist.fence,
+            metrics=self.metrics if self.ranks.is_leader else None,
         )
 
     def _checkpoint(self) -> Path:

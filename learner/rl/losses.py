@@ -7,6 +7,7 @@
   bypass mode (`correction.bypass_mode`), where the correction is recomputed under no_grad from the
   current log-probs against pi_rollout and the loss is PPO-clip (ratio to pi_rollout, IS weights only as
   metrics) or REINFORCE (-A * w * log pi).
+- `value_loss(...)`: the GAE critic's PPO clipped value loss.
 
 Metrics come back as a dict of detached 0-d tensors, so the train loop can sum them over micro-batches
 and move them to the host once per step (`torch.stack(list(d.values())).tolist()`).
@@ -182,3 +183,30 @@ def _ppo_clip(
             "actor/pg_clipfrac_lower": ((clipped1 > loss3) & negative & m).sum() / denom,
         }
     return loss_mat, {k: v.float() for k, v in metrics.items()}
+
+
+# --- the critic (GAE)
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float,
+    denominator: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped value loss summed over `mask` and divided by `denominator` (the mini-batch's sampled
+    tokens, so micro-batch losses add up to the mini-batch's token-mean whatever the split); returns
+    (loss, metrics: 0-d tensors, this call's token-means)."""
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    l1, l2 = (values - returns) ** 2, (clipped - returns) ** 2
+    n = mask.sum().clamp(min=1.0)
+    total = 0.5 * (torch.maximum(l1, l2) * mask).sum()
+    loss = total / denominator
+    metrics = {
+        "critic/vf_loss": total.detach() / n,
+        "critic/vf_clipfrac": ((l2 > l1).float() * mask).sum() / n,
+        "critic/values_mean": (values.detach() * mask).sum() / n,
+    }
+    return loss, metrics

@@ -1,4 +1,4 @@
-"""The learner's ranks: the process group, the commands rank 0 sends every other rank, the data split.
+"""The learner's ranks: the process group torchrun describes, and the collectives the learner uses.
 
 One learner runs as N processes under torchrun (`offpolicy learner --nproc-per-node N`). Rank 0 (the
 leader) alone talks to Redis, hosts the REST API and `/metrics`, samples the step's groups and screens
@@ -9,9 +9,9 @@ down) it broadcasts a `noop` at least every `HEARTBEAT_S`, so followers never wa
 longer than that and a config or checkpoint request still reaches them.
 
 Every rank collates the whole batch (identical tensors everywhere: the correction, the advantages and
-the loss denominators are global), then trains on its own share of the groups: `assign_groups` balances
-token counts, a group is never split. Without torchrun (`--nproc-per-node 1`) the learner is one plain
-process: no process group, no FSDP, no commands.
+the loss denominators are global), then trains on its own share of the groups (distributed/split.py).
+The commands are distributed/commands.py. Without torchrun (`--nproc-per-node 1`) the learner is one
+plain process: no process group, no FSDP, no commands.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgpack
 import torch
@@ -90,98 +89,6 @@ def local_device(ranks: Ranks, device: torch.device) -> torch.device:
     if device.type == "cuda" and ranks.distributed:
         return torch.device("cuda", ranks.local_rank)
     return device
-
-
-# --- commands
-
-
-@dataclass(frozen=True, slots=True)
-class Command:
-    """What every rank does at this step boundary, in this order: apply `config` (a LearnerConfig as
-    JSON, with its `config_version`), train on `groups` (encoded frames) when `op == "step"`, then
-    checkpoint when `checkpoint`; `op == "stop"` ends the followers."""
-
-    op: str  # "step" | "noop" | "stop"
-    groups: list[bytes] = field(default_factory=list)
-    config: str | None = None
-    config_version: int = 0
-    checkpoint: bool = False
-
-    def encode(self) -> bytes:
-        return msgpack.packb(
-            {
-                "op": self.op,
-                "groups": self.groups,
-                "config": self.config,
-                "config_version": self.config_version,
-                "checkpoint": self.checkpoint,
-            },
-            use_bin_type=True,
-        )
-
-    @classmethod
-    def decode(cls, data: bytes) -> Command:
-        doc = msgpack.unpackb(data, raw=False)
-        return cls(
-            op=str(doc["op"]),
-            groups=list(doc["groups"]),
-            config=doc["config"],
-            config_version=int(doc["config_version"]),
-            checkpoint=bool(doc["checkpoint"]),
-        )
-
-
-def broadcast_command(ranks: Ranks, command: Command | None) -> Command:
-    """Leader: send `command` to every rank (and return it). Follower: pass None, get the leader's."""
-    if not ranks.distributed:
-        assert command is not None
-        return command
-    data = command.encode() if ranks.is_leader and command is not None else b""
-    size = torch.tensor([len(data)], dtype=torch.long)
-    dist.broadcast(size, src=0, group=ranks.control)
-    buf = (
-        torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        if ranks.is_leader
-        else torch.empty(int(size), dtype=torch.uint8)
-    )
-    if int(size):
-        dist.broadcast(buf, src=0, group=ranks.control)
-    return command if ranks.is_leader and command is not None else Command.decode(buf.numpy().tobytes())
-
-
-# --- the data split
-
-
-def assign_groups(token_counts: Sequence[int], world_size: int) -> list[list[int]]:
-    """Group indices per rank, balanced by token count (largest first onto the lightest rank; ties by
-    rank), each rank's list in ascending order. Deterministic: every rank computes the same split."""
-    loads = [0] * world_size
-    out: list[list[int]] = [[] for _ in range(world_size)]
-    for g in sorted(range(len(token_counts)), key=lambda i: (-token_counts[i], i)):
-        r = min(range(world_size), key=lambda k: (loads[k], k))
-        out[r].append(g)
-        loads[r] += token_counts[g]
-    return [sorted(x) for x in out]
-
-
-def shares(
-    rows: torch.Tensor, group_index: torch.Tensor, row_tokens: torch.Tensor, world_size: int
-) -> list[torch.Tensor]:
-    """Split the (global) row indices `rows` over the ranks: whole groups (`group_index` (B,) maps rows to
-    groups), balanced by the groups' token counts (`row_tokens` (B,)). Every rank holds the same batch, so
-    every rank computes the same split (and so knows how many micro-batches the others run)."""
-    if world_size == 1:
-        return [rows]
-    groups, tokens = group_index[rows].tolist(), row_tokens[rows].tolist()
-    ids = sorted(set(groups))
-    per_group = dict.fromkeys(ids, 0)
-    for g, t in zip(groups, tokens, strict=True):
-        per_group[g] += int(t)
-    out = []
-    for picked in assign_groups([per_group[g] for g in ids], world_size):
-        mine = {ids[i] for i in picked}
-        out.append(rows[[i for i, g in enumerate(groups) if g in mine]])
-    return out
 
 
 def barrier(ranks: Ranks) -> None:

@@ -4,7 +4,8 @@ Pure functions. The outcome estimators take one scalar reward per completion (B,
 (B,) (completions of the same prompt share an index) and return per-token advantages (B, T), the
 completion's advantage broadcast over its response mask and 0 on padding. They follow verl 0.9.1's
 `compute_grpo_outcome_advantage` / `compute_rloo_outcome_advantage`; `gae` is its
-`compute_gae_advantage_return` (advantages whitened over the mask, returns = raw advantages + values).
+`compute_gae_advantage_return` (advantages whitened over the mask, returns = raw advantages + values);
+`token_rewards` places each completion's reward on its last sampled token for GAE.
 """
 
 from __future__ import annotations
@@ -114,3 +115,10 @@ def gae(
         mean = (advantages * m).sum() / (count + 1e-8)
         var = ((advantages - mean).square() * m).sum() / (count + 1e-8) * (count / (count - 1))
         return (advantages - mean) * torch.rsqrt(var + 1e-8), returns
+
+
+def token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) rewards placed on each row's last valid response token: (B, R)."""
+    last = (response_mask.cumsum(-1) == response_mask.sum(-1, keepdim=True)) & (response_mask > 0)  # (B, R)
+    first_last = last & (last.cumsum(-1) == 1)
+    return first_last.float() * rewards[:, None]

@@ -1,6 +1,6 @@
 """The background writer: publishes weights and writes checkpoints off the training step's critical path.
 
-At a step boundary the loop takes a host snapshot (learner/weights.py, learner/checkpoint.py) and hands it
+At a step boundary the loop takes a host snapshot (persist/weights.py, persist/single.py) and hands it
 over with `submit(kind, version, write)`; training goes on while one thread writes. The rules:
 
 - at most one write runs at a time;

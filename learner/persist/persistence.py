@@ -1,11 +1,13 @@
 """What a learner makes durable: published weights and checkpoints, off the critical path, and resume.
 
-`Persistence` owns the background writer (learner/writer.py) and the host snapshots (learner/weights.py,
-learner/checkpoint.py). At a step boundary `publish` / `checkpoint` start host copies that overlap the next
-step's forward and backward passes and queue their writes; `fence` (called just before the next optimizer
-step changes the weights) waits for the copies. `on_durable(kind, version)` tells the learner when a write
-is durable: weights announced to the actors, or a checkpoint on disk (what delivery acknowledgements wait
-for). `resume` loads the newest checkpoint of this run and refuses another run's or model's.
+`Persistence` owns the background writer (persist/writer.py), the weights' host snapshots
+(persist/weights.py; on N ranks distributed/gather.py) and one checkpoint backend (persist/checkpoint.py),
+chosen once by `make_checkpoints`. At a step boundary `publish` / `checkpoint` start host copies that
+overlap the next step's forward and backward passes and queue their writes; `fence` (called just before
+the next optimizer step changes the weights) waits for the copies. `on_durable(kind, version)` tells the
+learner when a write is durable: weights announced to the actors, or a checkpoint on disk (what delivery
+acknowledgements wait for). `restore_latest` loads the newest checkpoint of this run and refuses another
+run's or model's.
 """
 
 from __future__ import annotations
@@ -18,32 +20,41 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from config.secrets import redact_url
-from learner import sharded_checkpoint
-from learner.checkpoint import (
-    CheckpointSnapshot,
-    Trainables,
-    base_meta,
-    latest_checkpoint,
-    load_checkpoint,
-    read_meta,
-    snapshot_checkpoint,
-    write_checkpoint,
-)
-from learner.distributed import SINGLE, Ranks
-from learner.errors import CheckpointMismatch, CheckpointsDisabled
-from learner.sharding import GatheredWeights
-from learner.update import timed
-from learner.weights import HostCopy, WeightsSnapshot, publish_snapshot, remove_leftovers, unique_state
-from learner.writer import BackgroundWriter, Kind, WeightsBuffers
+from learner.distributed.gather import GatheredWeights
+from learner.distributed.ranks import SINGLE, Ranks
+from learner.metrics import timed
+from learner.model.load import unique_state
+from learner.persist.checkpoint import Checkpoints, NoCheckpoints, base_meta
+from learner.persist.sharded import ShardedCheckpoints
+from learner.persist.single import FileCheckpoints
+from learner.persist.weights import HostCopy, WeightsSnapshot, publish_snapshot, remove_leftovers
+from learner.persist.writer import BackgroundWriter, Kind, WeightsBuffers
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from buffer.policy import PolicyStore
+    from learner.build import Trainables
     from learner.config import LearnerConfig
     from learner.metrics import LearnerMetrics
 
 log = logging.getLogger(__name__)
+
+
+def make_checkpoints(
+    config: LearnerConfig,
+    ranks: Ranks,
+    writer: BackgroundWriter,
+    on_durable: Callable[[int, float], None],
+) -> Checkpoints:
+    """The checkpoint backend of this learner: none (disabled), sharded (N ranks) or files (one process)."""
+    root = config.checkpoint_path
+    keep = config.checkpoint.keep_checkpoints
+    if root is None:
+        return NoCheckpoints()
+    if ranks.distributed:
+        return ShardedCheckpoints(root, config.run_id, ranks, keep, on_durable)
+    return FileCheckpoints(root, config.run_id, writer, keep)
 
 
 class Persistence:
@@ -64,32 +75,24 @@ class Persistence:
         self.store, self.metrics, self._on_durable, self.ranks = store, metrics, on_durable, ranks
         self.writer = BackgroundWriter(on_done=self._written)
         self._weights_buffers = WeightsBuffers(self.writer)
-        self._copies: dict[Kind, list[HostCopy | GatheredWeights | CheckpointSnapshot]] = {
-            "weights": [],
-            "checkpoint": [],
-        }
+        self._weight_copies: list[HostCopy | GatheredWeights] = []
         self._coalesced_seen = 0
         self.published_version: int | None = None  # newest version announced to the actors
         self.durable_checkpoint_version: int | None = None  # newest checkpoint on disk
         for folder in (config.weights_path, config.checkpoint_path) if ranks.is_leader else ():
             if folder is not None and (gone := remove_leftovers(folder)):
                 log.warning("removed %d partial write(s) left by a killed learner in %s", len(gone), folder)
-        self.sharded: sharded_checkpoint.ShardedCheckpoints | None = None  # N ranks: DCP checkpoints
-        if ranks.distributed and config.checkpoint_path is not None:
-            keep = config.checkpoint.keep_checkpoints
-            self.sharded = sharded_checkpoint.ShardedCheckpoints(
-                config.checkpoint_path,
-                ranks,
-                keep,
-                lambda v, seconds: self._written("checkpoint", v, None, seconds),
-            )
+        self.checkpoints = make_checkpoints(
+            config, ranks, self.writer, lambda v, seconds: self._written("checkpoint", v, None, seconds)
+        )
 
     # --- weights
 
     def publish(self, version: int, gather: set[str] | None = None) -> None:
         """Start the host snapshot of the weights (cast to the publish dtype) and queue their write.
         `gather`: on N ranks every rank calls this (a collective) with the names to publish, and the full
-        weights are gathered from every rank's shards into the leader's host buffers (learner/sharding.py)."""
+        weights are gathered from every rank's shards into the leader's host buffers
+        (distributed/gather.py)."""
         if gather is not None and not self.ranks.is_leader:
             GatheredWeights(self.model, gather, self.publish_dtype, leader=False)
             return
@@ -101,7 +104,7 @@ class Persistence:
             else HostCopy(unique_state(self.model), self.publish_dtype, into=into)
         )
         self._weights_buffers.keep(copy.tensors)
-        self._copies["weights"].append(copy)
+        self._weight_copies.append(copy)
         pc, store, wdir = self.config.publish, self.store, self.config.weights_path
         model, tokenizer, dtype = self.model, self.tokenizer, self.publish_dtype
 
@@ -144,10 +147,8 @@ class Persistence:
         lease_ids: list[str] | None = None,
     ) -> Path:
         """Snapshot everything a checkpoint holds and queue the write; return the folder it will have.
-        `lease_ids`: the leases whose updates it holds (acked once it is durable: learner/delivery.py)."""
-        root = self.config.checkpoint_path
-        if root is None:
-            raise CheckpointsDisabled("checkpoints are disabled: checkpoint.checkpoint_dir is null")
+        `lease_ids`: the leases whose updates it holds (acked once it is durable: learner/delivery.py).
+        Raises `CheckpointsDisabled` without a checkpoint folder."""
         config = self.config.model_dump(mode="json") | {"redis_url": redact_url(self.config.redis_url)}
         meta = base_meta(
             parts,
@@ -158,30 +159,14 @@ class Persistence:
             buffer_position=buffer_position,
             lease_ids=lease_ids,
         )
-        if self.sharded is not None:  # every rank: DCP, sharded and asynchronous
-            return self.sharded.save(parts, version, meta)
-        snap = snapshot_checkpoint(parts, meta)
-        keep = self.config.checkpoint.keep_checkpoints
-        self._copies["checkpoint"].append(snap)
-        self.writer.submit("checkpoint", version, lambda: write_checkpoint(root, snap, keep))
-        return root / f"ckpt-{version:010d}"
+        return self.checkpoints.save(parts, version, meta)
 
-    def resume(self, parts: Trainables) -> dict[str, Any] | None:
+    def restore_latest(self, parts: Trainables) -> dict[str, Any] | None:
         """Load the newest checkpoint of this run into `parts`; its meta, or None when there is none."""
-        cdir = self.config.checkpoint_path
-        path = latest_checkpoint(cdir) if cdir else None
+        path = self.checkpoints.latest()
         if path is None:
             return None
-        meta = read_meta(path, parts, self.config.run_id)
-        if meta["format"] == sharded_checkpoint.FORMAT:
-            meta = sharded_checkpoint.load(path, parts, self.ranks)  # whatever world size wrote it
-        elif self.ranks.distributed:
-            raise CheckpointMismatch(
-                f"{path} was written by a one-process learner; a learner on {self.ranks.world_size} ranks "
-                "reads sharded checkpoints only: resume it with --nproc-per-node 1"
-            )
-        else:
-            meta = load_checkpoint(path, parts, self.config.run_id)
+        meta = self.checkpoints.load(path, parts)
         self.durable_checkpoint_version = int(meta["version"])
         log.info("resumed from %s at version %d", path, int(meta["version"]))
         return meta
@@ -191,11 +176,13 @@ class Persistence:
     def fence(self, phases: dict[str, float] | None = None) -> None:
         """Wait until the host snapshots taken at the last step boundary are complete (timed as the
         `publish` / `checkpoint` phases): called before the optimizer changes the weights."""
-        for kind, phase in (("weights", "publish"), ("checkpoint", "checkpoint")):
-            with timed(phases if phases is not None else {}, phase):
-                for copy in self._copies[kind]:
-                    copy.wait()
-            self._copies[kind].clear()
+        phases = phases if phases is not None else {}
+        with timed(phases, "publish"):
+            for copy in self._weight_copies:
+                copy.wait()
+        self._weight_copies.clear()
+        with timed(phases, "checkpoint"):
+            self.checkpoints.staged()
 
     def _written(self, kind: Kind, version: int, result: object, seconds: float) -> None:
         self.metrics.write_seconds.labels(kind=kind).observe(seconds)
@@ -209,19 +196,16 @@ class Persistence:
             self._on_durable(kind, version)
 
     def poll(self) -> None:
-        """Step boundary: a sharded checkpoint whose write completed becomes durable."""
-        if self.sharded is not None:
-            self.sharded.poll()
+        """Step boundary: a checkpoint whose write completed becomes durable."""
+        self.checkpoints.poll()
 
     def flush(self) -> None:
         """Wait until every queued publish and checkpoint is durable."""
-        if self.sharded is not None:
-            self.sharded.finish()
+        self.checkpoints.finish()
         self.writer.flush()
 
     def close(self) -> None:
         """Finish the copies and the queued writes, then stop the writer."""
         self.fence()
-        if self.sharded is not None:
-            self.sharded.finish()
+        self.checkpoints.finish()
         self.writer.close()

@@ -16,7 +16,7 @@ learner resumed after `kill -9`, never sees half a version. `weights_uri` is the
 
 `HostCopy` takes the snapshot (device -> host copy, cast to the publish dtype, into reused pinned buffers on
 CUDA) on a helper thread that overlaps the next forward/backward; the learner waits for it only before its
-next optimizer step. `write_version` runs on the background writer (learner/writer.py).
+next optimizer step. `write_version` runs on the background writer (persist/writer.py).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from buffer.policy import PolicyRecord, weights_sha256
+from learner.model.load import unique_state
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
@@ -95,18 +96,6 @@ def remove_folder(path: Path) -> None:
 
 
 # --- the snapshot (critical path)
-
-
-def unique_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """`module.state_dict()` without the second name of tied tensors (as `save_pretrained` drops them)."""
-    seen: set[tuple[int, int]] = set()
-    out = {}
-    for name, t in module.state_dict().items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset())
-        if key not in seen:
-            seen.add(key)
-            out[name] = t
-    return out
 
 
 class HostCopy:

@@ -1,8 +1,9 @@
-"""Load any Hugging Face causal LM for training; build the tiny local model of the tests and quickstart.
+"""The tiny local model of the quickstart, tests and benchmarks: a random Llama and a character tokenizer.
 
 The tiny model is a random Llama (hidden 128, 2 layers, 2 heads of head_dim 64, the smallest head size the
 vLLM CPU attention backend accepts) with a character-level tokenizer, saved with `save_pretrained` so that
-transformers and vLLM both load it from disk. Nothing is downloaded.
+transformers and vLLM both load it from disk. Nothing is downloaded. `sample_completions` is a slow plain
+torch sampler for tests and toy runs without vLLM.
 """
 
 from __future__ import annotations
@@ -12,16 +13,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
-)
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
 # Printable ASCII without \r, \v and \f (newline and tab kept): 97 characters.
@@ -94,38 +86,6 @@ def make_tiny_model(
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
-
-
-def load_model(
-    path_or_id: str | Path,
-    device: torch.device | str,
-    dtype: torch.dtype = torch.float32,
-    *,
-    gradient_checkpointing: bool = False,
-) -> PreTrainedModel:
-    """Load a causal LM by local path or hub id with parameters in `dtype` on `device`, in train mode.
-
-    `dtype` is the master weights' dtype (`Precision.param_dtype`), not the checkpoint's: a bf16 release is
-    upcast to fp32 masters under `bf16_mixed`; published weights are cast back to `checkpoint_dtype(path)`.
-    """
-    model = AutoModelForCausalLM.from_pretrained(str(path_or_id), dtype=dtype)
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model.to(device).train()
-
-
-def checkpoint_dtype(path_or_id: str | Path) -> torch.dtype:
-    """The dtype the model's checkpoint declares (`config.dtype`; float32 when it names none): the dtype
-    published weights are written in. Read before loading, which overwrites `model.config.dtype`."""
-    dtype = AutoConfig.from_pretrained(str(path_or_id)).dtype
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    return dtype if isinstance(dtype, torch.dtype) else torch.float32
-
-
-def load_tokenizer(path_or_id: str | Path) -> PreTrainedTokenizerBase:
-    """Load the tokenizer that goes with a model path or hub id."""
-    return AutoTokenizer.from_pretrained(str(path_or_id))
 
 
 @torch.no_grad()

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-PrecisionName = Literal["bf16_mixed", "fp32", "bf16_pure"]
+from learner.config import PrecisionName
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""The value model for GAE: the policy's backbone architecture with a scalar head, and its loss.
+"""The value model for GAE: the policy's backbone architecture with a scalar head (its loss: rl/losses.py).
 
 Deliberately simple: the critic is a separate copy of the backbone (as in verl's PPO critic), trained by its
 own AdamW at a constant LR once per policy optimizer step, on the same micro-batches, in the policy's
@@ -9,12 +9,14 @@ masks out of the policy loss); there is no KL-in-reward penalty.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from transformers import AutoModel
 
-from learner.batching import Batch
+if TYPE_CHECKING:
+    from learner.batch import Batch
 
 
 class ValueModel(nn.Module):
@@ -49,34 +51,3 @@ class ValueModel(nn.Module):
         R = batch.response_ids.shape[1]
         hidden = out.last_hidden_state[:, batch.prompt_width - 1 : batch.prompt_width - 1 + R]  # (B, R, H)
         return self.head(hidden).squeeze(-1).float() * batch.sampled_mask  # (B, R)
-
-
-def token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """(B,) rewards placed on each row's last valid response token: (B, R)."""
-    last = (response_mask.cumsum(-1) == response_mask.sum(-1, keepdim=True)) & (response_mask > 0)  # (B, R)
-    first_last = last & (last.cumsum(-1) == 1)
-    return first_last.float() * rewards[:, None]
-
-
-def value_loss(
-    values: torch.Tensor,
-    old_values: torch.Tensor,
-    returns: torch.Tensor,
-    mask: torch.Tensor,
-    clip: float,
-    denominator: torch.Tensor,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped value loss summed over `mask` and divided by `denominator` (the mini-batch's sampled
-    tokens, so micro-batch losses add up to the mini-batch's token-mean whatever the split); returns
-    (loss, metrics: 0-d tensors, this call's token-means)."""
-    clipped = old_values + (values - old_values).clamp(-clip, clip)
-    l1, l2 = (values - returns) ** 2, (clipped - returns) ** 2
-    n = mask.sum().clamp(min=1.0)
-    total = 0.5 * (torch.maximum(l1, l2) * mask).sum()
-    loss = total / denominator
-    metrics = {
-        "critic/vf_loss": total.detach() / n,
-        "critic/vf_clipfrac": ((l2 > l1).float() * mask).sum() / n,
-        "critic/values_mean": (values.detach() * mask).sum() / n,
-    }
-    return loss, metrics

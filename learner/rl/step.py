@@ -1,36 +1,34 @@
 """One learner step's training, spec §5.1 in order: collate → [decoupled] pi_old once, the correction,
 its mask replacing the response mask → advantages → PPO epochs × mini-batches (one optimizer step each,
-learner/update.py) → the step's metrics. On N ranks every rank runs it on the same batch (its own share of
-each mini-batch's groups); the loop around it is learner/train.py.
+rl/update.py) → the step's metrics. On N ranks every rank runs it on the same batch (its own share of
+each mini-batch's groups). The trainer (learner/trainer.py) calls `train_on` with a frozen `StepContext`
+and advances its own version by the optimizer steps it reports.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from learner.advantages import compute_advantages, gae, grpo
-from learner.batching import Batch, collate, token_staleness
+from learner.batch import Batch, collate, token_staleness
 from learner.correction import compute_rollout_correction
-from learner.critic import token_rewards
-from learner.distributed import all_reduce_sum, reduce_means
-from learner.metrics import StalenessKL
-from learner.update import metric_sums, mini_batches, no_grad_logprobs, optimizer_step, rows_forward, timed
+from learner.distributed.ranks import all_reduce_sum, reduce_means
+from learner.metrics import StalenessKL, metric_sums, timed
+from learner.rl.advantages import compute_advantages, gae, grpo, token_rewards
+from learner.rl.batches import mini_batches, no_grad_logprobs, rows_forward
+from learner.rl.context import StepContext, StepResult
+from learner.rl.update import optimizer_step
 
-if TYPE_CHECKING:
-    from learner.train import Learner
 
-
-def train_on(learner: Learner, groups: list, phases: dict[str, float]) -> dict[str, float]:
+def train_on(ctx: StepContext, groups: list, phases: dict[str, float]) -> StepResult:
     """Train on `groups` (this rank's share on N ranks): collate, pi_old and the correction, advantages,
-    PPO epochs x mini-batches (one optimizer step each: `learner.version` += 1). Returns the step's
-    metrics (host floats); `phases` gets the critical-path time of each phase."""
-    cfg, rc = learner.config, learner.config.rollout_correction
+    PPO epochs x mini-batches (one optimizer step each). Returns the step's metrics (host floats) and its
+    optimizer steps (the policy version advances by as many); `phases` gets the critical-path time of each
+    phase."""
+    cfg, rc = ctx.config, ctx.config.rollout_correction
     # --- collate
     with timed(phases, "collate"):
-        batch = collate(groups, learner.pad_id).to(learner.device)
-        staleness = learner.version - batch.policy_versions  # (B,)
+        batch = collate(groups, ctx.pad_id).to(ctx.device)
+        staleness = ctx.version - batch.policy_versions  # (B,)
         tokens = batch.response_mask.sum()
     host: dict[str, float] = {}
     kl = StalenessKL()
@@ -40,46 +38,34 @@ def train_on(learner: Learner, groups: list, phases: dict[str, float]) -> dict[s
             batch.old_log_probs = batch.rollout_log_probs
         else:
             batch.old_log_probs = no_grad_logprobs(
-                learner.policy, batch, cfg, learner.precision, learner.ranks
+                ctx.trainables.policy, batch, cfg, ctx.precision, ctx.ranks
             )
-            ages = token_staleness(batch, learner.version)  # (B, R): each token's own age
+            ages = token_staleness(batch, ctx.version)  # (B, R): each token's own age
             kl.add(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, ages)
             corr = compute_rollout_correction(
                 batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, rc
             )
             batch.response_mask, batch.is_weights = corr.response_mask.float(), corr.weights
             host |= corr.metrics
-        advantages(learner, batch)
+        advantages(ctx, batch)
     # --- PPO epochs × mini-batches × micro-batches
     acc: dict[str, list[torch.Tensor]] = {}
-    order = torch.Generator().manual_seed(cfg.seed * 1_000_003 + learner.step_count)  # same on every rank
+    order = torch.Generator().manual_seed(cfg.seed * 1_000_003 + ctx.step_count)  # same on every rank
+    steps = 0  # optimizer steps taken: the policy version is ctx.version + steps
     for epoch in range(cfg.ppo_epochs):
         for mini in mini_batches(batch, cfg.mini_batch_groups, order):
-            bypass_kl = (kl, learner.version) if epoch == 0 and rc.bypass_mode else None
-            optimizer_step(
-                learner.trainables(),
-                batch,
-                mini,
-                cfg,
-                acc,
-                phases,
-                learner.precision,
-                bypass_kl,
-                learner.persist.fence,
-                learner.ranks,
-            )
-            learner.version += 1  # the policy version counts optimizer steps
-    if learner.ranks.is_leader:  # the histograms are exported by rank 0 alone
+            bypass_kl = (kl, ctx.version + steps) if epoch == 0 and rc.bypass_mode else None
+            optimizer_step(ctx, batch, mini, acc, phases, bypass_kl)
+            steps += 1
+    if ctx.metrics is not None:  # the histograms are exported by rank 0 alone
         if batch.is_weights is not None:
             kept = batch.is_weights[batch.response_mask > 0]
-            learner.metrics.is_weight_hist.observe_many(kept.cpu().numpy())
-        learner.metrics.staleness_hist.observe_many(staleness.cpu().numpy())
-    host |= reduce_means(learner.ranks, metric_sums(acc))  # means over every rank's micro-batches
+            ctx.metrics.is_weight_hist.observe_many(kept.cpu().numpy())
+        ctx.metrics.staleness_hist.observe_many(staleness.cpu().numpy())
+    host |= reduce_means(ctx.ranks, metric_sums(acc))  # means over every rank's micro-batches
     host["actor/pg_loss"] = host["loss"]
     if rc.bypass_mode:  # pi_theta's KL was taken on each rank's own rows
-        kl.sums, kl.counts = (
-            all_reduce_sum(learner.ranks, t.to(learner.device)) for t in (kl.sums, kl.counts)
-        )
+        kl.sums, kl.counts = (all_reduce_sum(ctx.ranks, t.to(ctx.device)) for t in (kl.sums, kl.counts))
     host |= {f"offpolicy_kl/{b}": v for b, v in kl.result().items()}
     scalars = torch.stack([tokens, batch.rewards.mean(), staleness.float().mean()]).cpu().tolist()
     host |= {
@@ -88,27 +74,27 @@ def train_on(learner: Learner, groups: list, phases: dict[str, float]) -> dict[s
         "reward_mean": scalars[1],
         "staleness_mean": scalars[2],
         "response_length_mean": scalars[0] / batch.num_rows,
-        "version": float(learner.version),
-        "lr": learner.scheduler.get_last_lr()[0],
+        "version": float(ctx.version + steps),
+        "lr": ctx.trainables.scheduler.get_last_lr()[0],
     }
-    return host
+    return StepResult(host, steps)
 
 
-def advantages(learner: Learner, batch: Batch) -> None:
+def advantages(ctx: StepContext, batch: Batch) -> None:
     """`batch.advantages` (and, with GAE, `values` and `returns`) by the configured estimator."""
-    cfg = learner.config
+    cfg, critic = ctx.config, ctx.trainables.critic
     if cfg.adv_estimator == "grpo":
         batch.advantages = grpo(
             batch.rewards, batch.group_index, batch.response_mask, norm_by_std=cfg.norm_adv_by_std_in_grpo
         )
         return
-    if learner.critic is None:
+    if critic is None:
         batch.advantages = compute_advantages(
             cfg.adv_estimator, batch.rewards, batch.group_index, batch.response_mask
         )
         return
-    with torch.no_grad(), learner.precision.autocast():
-        batch.values = rows_forward(learner.critic, batch, cfg.micro_batch_size, learner.ranks)  # (B, R)
+    with torch.no_grad(), ctx.precision.autocast():
+        batch.values = rows_forward(critic, batch, cfg.micro_batch_size, ctx.ranks)  # (B, R)
     # The episode is every sampled token: the reward sits on the last one, whatever rejection sampling
     # masked out of the loss (`response_mask`); values and returns cover all sampled tokens.
     rewards = token_rewards(batch.rewards, batch.sampled_mask)  # (B, R)

@@ -1,0 +1,127 @@
+"""One optimizer step of a learner step: micro-batch losses accumulated into one AdamW step (spec §5.1).
+
+`optimizer_step` runs the mini-batch's micro-batches, each a forward and backward pass with the
+mini-batch's denominators (so the accumulated gradient is the mini-batch loss's gradient), then clips the
+gradient norm and steps AdamW and the LR schedule (the critic too, with GAE). The caller advances the
+policy version.
+
+Two kinds of lines live here, marked so: the algorithm, and `# lock-step:` lines that exist only so that
+every rank of N runs the same passes and collectives in the same order (FSDP pairs them up layer by layer;
+a rank that skipped one would hang the others). Idle passes mirror a busy pass exactly: policy forward and
+backward, then critic forward and backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from learner.batch import Batch
+from learner.config import LearnerConfig
+from learner.distributed.fsdp import clip_grad_norm, loss_scale
+from learner.distributed.ranks import all_reduce_sum
+from learner.metrics import StalenessKL, timed
+from learner.rl.batches import idle_rows, rank_micro_batches
+from learner.rl.context import StepContext
+from learner.rl.losses import ClipConfig, compute_policy_loss, value_loss
+
+
+def policy_loss_terms(
+    log_prob: torch.Tensor, mb: Batch, cfg: LearnerConfig, den: dict[str, Any]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss of one micro-batch, scaled by the mini-batch's denominators `den` so that the micro-batch
+    losses add up to the mini-batch's loss (gradient accumulation); metrics as 0-d tensors."""
+    rc = cfg.rollout_correction
+    out = compute_policy_loss(
+        log_prob,
+        mb.old_log_probs,
+        mb.advantages,
+        mb.response_mask,
+        loss_agg_mode=cfg.loss_agg_mode,
+        clip=ClipConfig(
+            clip_ratio_low=cfg.clip_ratio_low,
+            clip_ratio_high=cfg.clip_ratio_high,
+            clip_ratio_c=cfg.clip_ratio_c,
+        ),
+        rollout_is_weights=None if rc.bypass_mode else mb.is_weights,
+        rollout_log_prob=mb.rollout_log_probs,
+        correction=rc,
+        batch_num_tokens=den["tokens"],
+        global_batch_size=den["rows"],
+        loss_scale_factor=den["width"],  # the mini-batch's T, not the (trimmed) micro-batch's
+    )
+    return out.loss, out.metrics
+
+
+def optimizer_step(
+    ctx: StepContext,
+    batch: Batch,
+    mini: torch.Tensor,
+    acc: dict[str, list[torch.Tensor]],
+    phases: dict[str, float],
+    kl: tuple[StalenessKL, int] | None = None,
+) -> None:
+    """Gradient accumulation over the micro-batches of rows `mini`, then one AdamW step. Metrics (0-d
+    tensors) are appended to `acc`; `kl = (accumulator, policy version)` adds pi_theta's off-policy KL.
+    Forward passes run under the precision's autocast; backward passes and the optimizer outside it.
+    `ctx.before_update(phases)` runs just before the weights change (the learner waits there for host
+    snapshots of the previous step boundary, which read the weights while this step's passes ran).
+    On N ranks each runs its share of the mini-batch's groups with the global denominators: the reduced
+    gradient is that of one process on the whole mini-batch."""
+    cfg, t, precision = ctx.config, ctx.trainables, ctx.precision
+    mask = batch.response_mask[mini]  # (b, R)
+    denominators = {"tokens": mask.sum(), "rows": (mask.sum(-1) > 0).sum(), "width": mask.shape[1]}
+    value_tokens = batch.sampled_mask[mini].sum().clamp(min=1.0)  # the critic's token-mean denominator
+    scale = loss_scale(
+        ctx.ranks
+    )  # FSDP averages gradients over ranks; each loss is a share of the global one
+    step_loss = torch.zeros((), device=mask.device)
+    with timed(phases, "forward_backward"):
+        for rows in rank_micro_batches(batch, mini, cfg.micro_batch_size, ctx.ranks):
+            if rows is None:  # lock-step: the busy ranks' passes, in their order, contributing nothing
+                _idle_pass(ctx, idle_rows(batch, mini))
+                continue
+            mb = batch.select(rows)
+            with precision.autocast():
+                log_prob = t.policy(mb, cfg.logprob_chunk_tokens)  # (b, r) fp32
+            loss, m = policy_loss_terms(log_prob, mb, cfg, denominators)
+            (loss * scale).backward()
+            step_loss += loss.detach()
+            if kl is not None:
+                kl[0].add(log_prob, mb.rollout_log_probs, mb.response_mask, kl[1] - mb.behavior_versions)
+            if t.critic is not None:
+                with precision.autocast():
+                    values = t.critic(mb)  # (b, r) fp32
+                v_loss, vm = value_loss(
+                    values, mb.values, mb.returns, mb.sampled_mask, cfg.critic.cliprange_value, value_tokens
+                )
+                (v_loss * cfg.critic.loss_coef * scale).backward()
+                m |= vm
+            for k, v in m.items():
+                acc.setdefault(k, []).append(v)
+    ctx.before_update(phases)
+    with timed(phases, "optimizer"):
+        limit = cfg.grad_clip if cfg.grad_clip is not None else float("inf")
+        acc.setdefault("grad_norm", []).append(clip_grad_norm(list(t.policy.parameters()), limit))
+        acc.setdefault("loss", []).append(all_reduce_sum(ctx.ranks, step_loss))
+        t.optimizer.step()
+        t.scheduler.step()
+        t.optimizer.zero_grad(set_to_none=True)
+        if t.critic is not None and t.critic_optimizer is not None:
+            clip_grad_norm(list(t.critic.parameters()), limit)
+            t.critic_optimizer.step()
+            t.critic_optimizer.zero_grad(set_to_none=True)
+
+
+def _idle_pass(ctx: StepContext, mb: Batch) -> None:
+    """lock-step: a pass with no gradient that runs the same modules in the same order as a busy one
+    (policy forward and backward, then critic forward and backward), so FSDP's collectives pair up."""
+    t, precision = ctx.trainables, ctx.precision
+    with precision.autocast():
+        log_prob = t.policy(mb, ctx.config.logprob_chunk_tokens)
+    (log_prob.sum() * 0.0).backward()
+    if t.critic is not None:
+        with precision.autocast():
+            values = t.critic(mb)
+        (values.sum() * 0.0).backward()
