@@ -12,6 +12,7 @@ a step it would take. Shapes:
                    a CPU shape whose synchronous publish costs >= 1/3 of the step
     0.4b           hidden 1024 x 24 layers, vocab 32k, 128 rows x (256 + 768) tokens (CUDA)
     1.3b           hidden 1536 x 28 layers, vocab 152k (2 KV heads), 64 rows x (256 + 768) tokens (CUDA)
+    longtail       packed micro-batches vs padded rows, one long-tailed batch (benchmarks/learner_longtail.py)
 
 Targets: publish-heavy: sync_publish_share >= 0.3, publish_share <= 0.05, published_lag_max <= 2;
 cpu-ref: everything outside model work <= 5 % of the step; 1.3b with bf16_mixed: publish_share <= 0.05.
@@ -40,6 +41,7 @@ import uuid  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks import learner_longtail  # noqa: E402
 from buffer.embedded import EmbeddedRedis  # noqa: E402
 from buffer.replay_buffer import ReplayBuffer  # noqa: E402
 from buffer.types import SamplingParams, Trajectory, TrajectoryGroup  # noqa: E402
@@ -192,7 +194,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="cpu-ref")
+    ap.add_argument("--shape", choices=[*sorted(SHAPES), "longtail"], default="cpu-ref")
     ap.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     ap.add_argument("--precision", choices=["bf16_mixed", "fp32", "bf16_pure"], default=None,
                     help="default: bf16_mixed on CUDA, fp32 on CPU")  # fmt: skip
@@ -201,7 +203,12 @@ def main() -> None:
     ap.add_argument("--sync-reps", type=int, default=2, help="synchronous publishes timed for the baseline")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
-    out = run(ap.parse_args())
+    args = ap.parse_args()
+    if args.shape == "longtail":
+        out = learner_longtail.run(args)
+        print(json.dumps(out) if args.json else "\n".join(f"  {k:<28} {v}" for k, v in out.items()))
+        return
+    out = run(args)
     if out["shape"] in ("cpu-ref", "publish-heavy"):
         out["targets"] = {"publish_share": 0.05, "sync_publish_share_min": 0.3, "published_lag_max": 2,
                           "overhead_share": 0.05}  # fmt: skip

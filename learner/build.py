@@ -16,6 +16,7 @@ import torch
 
 from learner.config import LearnerConfig, OptimizerConfig
 from learner.distributed.fsdp import shard
+from learner.model import attention
 from learner.model.critic import ValueModel
 from learner.model.load import load_model, unique_state
 from learner.model.policy import LogProbs
@@ -41,11 +42,14 @@ def build_trainables(
     the names of the weights to publish (the state dict's, tied names dropped as `save_pretrained` does;
     taken before sharding, which hides the ties)."""
     load_on = "cpu" if sharded else device
+    checkpointing = gradient_checkpointing(config, device)
+    attn = attention.resolve(config.attn_implementation, device)
     model = load_model(
         config.model_path,
         load_on,
         precision.param_dtype,
-        gradient_checkpointing=config.gradient_checkpointing,
+        gradient_checkpointing=checkpointing,
+        attn_implementation=attn,
     )
     publish_keys = set(unique_state(model))
     policy = LogProbs(model)  # what the loop calls for log-probs
@@ -68,13 +72,21 @@ def build_trainables(
             config.critic.model_path or config.model_path,
             load_on,
             precision.param_dtype,
-            gradient_checkpointing=config.gradient_checkpointing,
+            gradient_checkpointing=checkpointing,
+            attn_implementation=attn,
         )
         if sharded:
             layers = critic.backbone.config.num_hidden_layers
             shard(critic, layers, precision, config.fsdp.cpu_offload)
         critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=config.critic.lr, fused=True)
     return Trainables(model, optimizer, scheduler, critic, critic_optimizer, policy), publish_keys
+
+
+def gradient_checkpointing(config: LearnerConfig, device: torch.device) -> bool:
+    """`config.gradient_checkpointing`, None resolved: on with CUDA, off elsewhere."""
+    if config.gradient_checkpointing is None:
+        return device.type == "cuda"
+    return config.gradient_checkpointing
 
 
 # --- the LR schedule

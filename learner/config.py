@@ -26,6 +26,9 @@ PrecisionName = Literal["bf16_mixed", "fp32", "bf16_pure"]
 FROZEN = {"frozen_while_running": True}
 WRITABLE = {"writable_path": True}
 
+AttnImplementation = Literal[
+    "auto", "sdpa_varlen", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", "eager"
+]
 AdvEstimator = Literal["grpo", "rloo", "reinforce", "gae"]
 LossAggMode = Literal[
     "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"
@@ -120,8 +123,15 @@ class LearnerConfig(ConfigModel):
     """`bf16_mixed` (fp32 master weights and AdamW state, bf16 autocast compute), `fp32`, or `bf16_pure`
     (bf16 weights and optimizer state: loses updates below bf16's rounding step, e.g. most of lr 1e-6;
     opt-in only). None = `bf16_mixed` on CUDA, `fp32` on CPU (learner/model/precision.py)."""
-    gradient_checkpointing: bool = Field(False, json_schema_extra=FROZEN)
-    """Recompute each decoder layer's activations in the backward pass (less memory, ~30 % more compute)."""
+    gradient_checkpointing: bool | None = Field(None, json_schema_extra=FROZEN)
+    """Recompute each decoder layer's activations in the backward pass (less memory, ~30 % more compute).
+    None = on with CUDA (a 7B model's activations at 16k tokens do not fit otherwise), off on CPU."""
+    attn_implementation: AttnImplementation = Field("auto", json_schema_extra=FROZEN)
+    """The attention kernel of the policy and critic (learner/model/attention.py). `auto` = on CUDA
+    `flash_attention_3` or `flash_attention_2` where that package is installed, else `sdpa_varlen`; on CPU
+    `sdpa_varlen`. `sdpa_varlen` runs PyTorch's SDPA causally on each packed sequence (no mask, no compute
+    across sequences; FlashAttention inside PyTorch on CUDA); `sdpa`, `eager` and `flex_attention` run on
+    the block-diagonal causal mask transformers builds for packed rows."""
     fsdp: FsdpConfig = FsdpConfig()
     """Sharding across the ranks of a multi-GPU learner (learner/distributed/fsdp.py)."""
     logprob_chunk_tokens: int = Field(4096, ge=1)
@@ -142,8 +152,18 @@ class LearnerConfig(ConfigModel):
     mini_batch_groups: int | None = Field(None, ge=1)
     """Groups per optimizer step; None = the whole batch (one optimizer step per epoch). Must divide
     `groups_per_step`. Policy version advances by `ppo_epochs * groups_per_step / mini_batch_groups`."""
+    packing: bool = True
+    """Micro-batches as packed rows: whole sequences (prompt + response) concatenated without padding,
+    positions restarting at 0, attention confined to each sequence, at most `micro_batch_tokens` tokens per
+    forward/backward. False = padded rows, `micro_batch_size` at a time (for comparison)."""
+    micro_batch_tokens: int = Field(16384, ge=1)
+    """With `packing`: the most tokens (prompt + response) in one forward/backward, per rank. Sequences are
+    bin-packed within each mini-batch (largest first onto the lightest micro-batch); every rank runs the
+    same number of micro-batches, the k-th balanced across ranks. A sequence longer than this gets a
+    micro-batch of its own (never an error)."""
     micro_batch_size: int = Field(8, ge=1)
-    """Completions (rows) per forward/backward; gradients accumulate over a mini-batch's micro-batches."""
+    """Without `packing`: completions (rows) per forward/backward; gradients accumulate over a mini-batch's
+    micro-batches."""
     adv_estimator: AdvEstimator = "grpo"
     """`grpo` (group mean/std), `rloo` (leave-one-out), `reinforce` (batch baseline), `gae` (critic)."""
     norm_adv_by_std_in_grpo: bool = True

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from transformers import AutoModel
 
+from learner.model.policy import sampled_states, unpack
+
 if TYPE_CHECKING:
     from learner.batch import Batch
 
@@ -28,9 +30,12 @@ class ValueModel(nn.Module):
         device: torch.device | str,
         dtype: torch.dtype,
         gradient_checkpointing: bool = False,
+        attn_implementation: str | None = None,
     ) -> None:
         super().__init__()
-        self.backbone = AutoModel.from_pretrained(str(path_or_id), dtype=dtype)
+        self.backbone = AutoModel.from_pretrained(
+            str(path_or_id), dtype=dtype, attn_implementation=attn_implementation
+        )
         if gradient_checkpointing:
             self.backbone.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -40,8 +45,12 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.bias)
         self.to(device).train()
 
-    def forward(self, batch: Batch) -> torch.Tensor:
-        """Values of the states before each response token: (B, R), 0 on padding."""
+    def forward(self, batch: Batch, packed: bool = False) -> torch.Tensor:
+        """Values of the states before each response token: (B, R), 0 on padding. `packed`: the backbone
+        runs on the packed row (learner/model/policy.py), the head on the sampled tokens alone."""
+        if packed:
+            states, sampled = sampled_states(self.backbone, batch)  # (N, H), (B, R)
+            return unpack(self.head(states).squeeze(-1).float(), sampled) * batch.sampled_mask  # (B, R)
         out = self.backbone(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,

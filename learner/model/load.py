@@ -17,6 +17,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+import learner.model.attention  # noqa: F401  (registers `sdpa_varlen` with transformers)
+
 
 def load_model(
     path_or_id: str | Path,
@@ -24,13 +26,17 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     *,
     gradient_checkpointing: bool = False,
+    attn_implementation: str | None = None,
 ) -> PreTrainedModel:
     """Load a causal LM by local path or hub id with parameters in `dtype` on `device`, in train mode.
 
     `dtype` is the master weights' dtype (`Precision.param_dtype`), not the checkpoint's: a bf16 release is
     upcast to fp32 masters under `bf16_mixed`; published weights are cast back to `checkpoint_dtype(path)`.
+    `attn_implementation`: a kernel name of learner/model/attention.py (None = transformers' default).
     """
-    model = AutoModelForCausalLM.from_pretrained(str(path_or_id), dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path_or_id), dtype=dtype, attn_implementation=attn_implementation
+    )
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.to(device).train()

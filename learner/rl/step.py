@@ -94,7 +94,7 @@ def advantages(ctx: StepContext, batch: Batch) -> None:
         )
         return
     with torch.no_grad(), ctx.precision.autocast():
-        batch.values = rows_forward(critic, batch, cfg.micro_batch_size, ctx.ranks)  # (B, R)
+        batch.values = rows_forward(lambda mb: critic(mb, cfg.packing), batch, cfg, ctx.ranks)  # (B, R)
     # The episode is every sampled token: the reward sits on the last one, whatever rejection sampling
     # masked out of the loss (`response_mask`); values and returns cover all sampled tokens.
     rewards = token_rewards(batch.rewards, batch.sampled_mask)  # (B, R)

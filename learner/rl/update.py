@@ -78,13 +78,13 @@ def optimizer_step(
     )  # FSDP averages gradients over ranks; each loss is a share of the global one
     step_loss = torch.zeros((), device=mask.device)
     with timed(phases, "forward_backward"):
-        for rows in rank_micro_batches(batch, mini, cfg.micro_batch_size, ctx.ranks):
+        for rows in rank_micro_batches(batch, mini, cfg, ctx.ranks):
             if rows is None:  # lock-step: the busy ranks' passes, in their order, contributing nothing
                 _idle_pass(ctx, idle_rows(batch, mini))
                 continue
             mb = batch.select(rows)
             with precision.autocast():
-                log_prob = t.policy(mb, cfg.logprob_chunk_tokens)  # (b, r) fp32
+                log_prob = t.policy(mb, cfg.logprob_chunk_tokens, cfg.packing)  # (b, r) fp32
             loss, m = policy_loss_terms(log_prob, mb, cfg, denominators)
             (loss * scale).backward()
             step_loss += loss.detach()
@@ -92,7 +92,7 @@ def optimizer_step(
                 kl[0].add(log_prob, mb.rollout_log_probs, mb.response_mask, kl[1] - mb.behavior_versions)
             if t.critic is not None:
                 with precision.autocast():
-                    values = t.critic(mb)  # (b, r) fp32
+                    values = t.critic(mb, cfg.packing)  # (b, r) fp32
                 v_loss, vm = value_loss(
                     values, mb.values, mb.returns, mb.sampled_mask, cfg.critic.cliprange_value, value_tokens
                 )
@@ -119,9 +119,9 @@ def _idle_pass(ctx: StepContext, mb: Batch) -> None:
     (policy forward and backward, then critic forward and backward), so FSDP's collectives pair up."""
     t, precision = ctx.trainables, ctx.precision
     with precision.autocast():
-        log_prob = t.policy(mb, ctx.config.logprob_chunk_tokens)
+        log_prob = t.policy(mb, ctx.config.logprob_chunk_tokens, ctx.config.packing)
     (log_prob.sum() * 0.0).backward()
     if t.critic is not None:
         with precision.autocast():
-            values = t.critic(mb)
+            values = t.critic(mb, ctx.config.packing)
         (values.sum() * 0.0).backward()

@@ -127,8 +127,10 @@ def one_then_two(one, two, groups, redis_url, tmp_path, timeout: float = 300):
         ("bypass_ppo_clip", "grpo", {}),
         ("decoupled_token_is", "gae", {}),
         ("decoupled_token_is", "grpo", {"gradient_checkpointing": True, "fsdp": {"cpu_offload": True}}),
+        ("bypass_ppo_clip", "gae", {"micro_batch_tokens": 40}),
+        ("decoupled_token_is", "grpo", {"packing": False}),
     ],
-    ids=["decoupled-grpo", "bypass-grpo", "decoupled-gae", "checkpointing-offload"],
+    ids=["decoupled-grpo", "bypass-grpo", "decoupled-gae", "checkpointing-offload", "packed-budget", "rows"],
 )
 def test_two_ranks_train_like_one_process(preset, estimator, extra, tiny2, groups, redis_url, tmp_path):
     kw = {"rollout_correction": preset, "adv_estimator": estimator}
