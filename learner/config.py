@@ -101,6 +101,10 @@ class CheckpointConfig(ConfigModel):
     """Checkpoint after every this many learner steps; None = only on demand (`POST /v1/checkpoints`)."""
     keep_checkpoints: int = Field(2, ge=1)
     """How many checkpoints stay on disk."""
+    async_staging: bool = Field(True, json_schema_extra=FROZEN)
+    """N ranks: copy each rank's shards to host memory on a background thread (pinned on CUDA, the buffers
+    kept between checkpoints: host memory of about the shards' size stays taken), waited for only before
+    the next optimizer step. False = copy at the step boundary into pageable memory, on the critical path."""
 
 
 class FsdpConfig(ConfigModel):
@@ -132,6 +136,9 @@ class LearnerConfig(ConfigModel):
     `sdpa_varlen`. `sdpa_varlen` runs PyTorch's SDPA causally on each packed sequence (no mask, no compute
     across sequences; FlashAttention inside PyTorch on CUDA); `sdpa`, `eager` and `flex_attention` run on
     the block-diagonal causal mask transformers builds for packed rows."""
+    memory_limit_gib: float | None = Field(None, gt=0.0, json_schema_extra=FROZEN)
+    """The memory one rank may plan for, GiB (learner/memory.py: the learner refuses to start with a plan
+    above it, naming the knobs). None = 90 % of the CUDA device's memory; no check on CPU."""
     fsdp: FsdpConfig = FsdpConfig()
     """Sharding across the ranks of a multi-GPU learner (learner/distributed/fsdp.py)."""
     logprob_chunk_tokens: int = Field(4096, ge=1)

@@ -50,3 +50,8 @@ class WriteFailed(LearnerError):
 
 class CheckpointMismatch(LearnerError):
     """The checkpoint folder holds a checkpoint of another run or another model; it is never resumed."""
+
+
+class MemoryPlanError(LearnerError, ValueError):
+    """The learner's memory plan per rank does not fit the device (learner/memory.py); the message names the
+    parts and the knobs that lower them."""

@@ -11,6 +11,7 @@ sight. Token-level histograms (IS weights, staleness) are filled from whole arra
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 import time
@@ -88,11 +89,15 @@ PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 
 @contextmanager
 def timed(phases: dict[str, float], name: str) -> Iterator[None]:
-    """Add the wall time of the block to `phases[name]` (seconds); syncs CUDA so GPU time is counted."""
+    """Add the wall time of the block to `phases[name]` (seconds), the GPU work it queued included: it
+    waits on an event recorded on the current (compute) stream, not for the whole device, so the host
+    copies of a publish on their side stream go on overlapping."""
     t0 = time.perf_counter()
     yield
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        done = torch.cuda.Event()
+        done.record()  # the current stream of the current device
+        done.synchronize()
     phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
 
 
@@ -196,6 +201,11 @@ class LearnerMetrics:
         self.steps = Counter(PREFIX + "steps", "Learner steps completed.", registry=registry)
         self.tokens = Counter(PREFIX + "tokens", "Response tokens trained on.", registry=registry)
         self.groups = Counter(PREFIX + "groups", "Groups sampled and trained on.", registry=registry)
+        self.steps_skipped = Counter(
+            PREFIX + "optimizer_steps_skipped",
+            "Optimizer steps skipped for a non-finite gradient norm (weights and AdamW state unchanged).",
+            registry=registry,
+        )
         self.publishes = Counter(PREFIX + "publishes", "Weight versions published.", registry=registry)
         self.checkpoints = Counter(PREFIX + "checkpoints", "Checkpoints written.", registry=registry)
         self.groups_rejected = Counter(
@@ -273,10 +283,16 @@ class LearnerMetrics:
         self.steps.inc()
         self.tokens.inc(step_metrics.get("tokens", 0.0))
         self.groups.inc(step_metrics.get("groups", 0.0))
+        self.steps_skipped.inc(step_metrics.get("optimizer_steps_skipped", 0.0))
         for bucket in STALENESS_BUCKETS:
             if f"offpolicy_kl/{bucket}" in step_metrics:
                 self.offpolicy_kl.labels(staleness=bucket).set(step_metrics[f"offpolicy_kl/{bucket}"])
-        self.last = dict(step_metrics)
+        self.last = json_safe(step_metrics)
+
+
+def json_safe(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """`metrics` with NaN and infinite floats as None (JSON's null: a loss gone NaN stays reportable)."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:

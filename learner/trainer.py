@@ -39,7 +39,7 @@ from buffer.codec import decode_group, encode_group
 from buffer.errors import BufferNotReady, RateLimited, StorageUnavailable
 from buffer.policy import PolicyStore
 from buffer.replay_buffer import ReplayBuffer
-from learner.build import Trainables, build_trainables, set_optimizer_hparams
+from learner.build import Trainables, build_trainables, gradient_checkpointing, set_optimizer_hparams
 from learner.config import LearnerConfig, frozen_field_changes
 from learner.delivery import Delivery
 from learner.distributed import (
@@ -53,7 +53,8 @@ from learner.distributed import (
     local_device,
 )
 from learner.errors import FrozenFieldChange, WriteFailed
-from learner.metrics import LearnerMetrics, append_jsonl, timed
+from learner.memory import check, device_limit, plan_for
+from learner.metrics import LearnerMetrics, append_jsonl, json_safe, timed
 from learner.model import Precision, checkpoint_dtype, load_tokenizer, pick_device
 from learner.persist import BackgroundWriter, Persistence
 from learner.rl import ModelLimits, StepContext, field_label, screen, train_on
@@ -104,6 +105,10 @@ class Learner:
         # --- model (master weights in the precision's dtype), optimizer, schedule, critic; tokenizer
         self.device = local_device(ranks, pick_device(config.device))
         self.precision = Precision.resolve(config.precision, self.device)
+        checkpointing = gradient_checkpointing(config, self.device)  # the plan, before any weight loads
+        cuda = self.device.type == "cuda"
+        self.memory_plan = plan_for(config, ranks.world_size, ranks.distributed, checkpointing, cuda)
+        check(self.memory_plan, device_limit(config, self.device), config, ranks.world_size, checkpointing)
         parts, self._publish_keys = build_trainables(config, self.device, self.precision, ranks.distributed)
         self.model, self.policy = parts.model, parts.policy
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
@@ -231,6 +236,7 @@ class Learner:
             "leases_unacked": len(self.delivery.unacked) if self.delivery is not None else 0,
             "buffer": self.buffer.stats() if self.buffer is not None else None,
             "last_step": dict(self.metrics.last),
+            "memory_plan": self.memory_plan.as_dict(),
         }
 
     def run(self, stop_event: threading.Event) -> None:
@@ -315,7 +321,9 @@ class Learner:
         }
         metrics |= {f"time/{k}": v for k, v in phases.items()}
         if cfg.metrics_jsonl is not None:  # before the metrics are visible: a reader of one finds the other
-            append_jsonl(Path(cfg.metrics_jsonl), metrics | {"group_ids": [g.group_id for g in groups]})
+            append_jsonl(
+                Path(cfg.metrics_jsonl), json_safe(metrics) | {"group_ids": [g.group_id for g in groups]}
+            )
         self.metrics.record_step(metrics, phases)
         return metrics
 

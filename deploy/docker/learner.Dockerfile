@@ -1,11 +1,11 @@
 # syntax=docker/dockerfile:1.7
 # The learner image: PyTorch + the offpolicy distribution, one process (`offpolicy learner`), non-root.
-# Targets: `gpu` (the default, on the official CUDA PyTorch image) and `cpu` (Python slim + the CPU build
-# of torch, used by docker-compose.cpu.yml). Build from the repository root:
+# Targets: `gpu` (the default: Python slim + PyPI's CUDA build of torch) and `cpu` (Python slim + the CPU
+# build of torch, used by docker-compose.cpu.yml). Both install the torch release the tests run (the
+# Makefile's pin; tests/unit/test_deploy_images.py keeps them equal). Build from the repository root:
 #   docker build -f deploy/docker/learner.Dockerfile -t offpolicy/learner:0.1.0 .
 #   docker build -f deploy/docker/learner.Dockerfile --target cpu -t offpolicy/learner-cpu:0.1.0 .
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
-ARG TORCH_IMAGE=pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime
 
 # --- wheel: build the project's wheel once; no build tooling reaches the runtime images
 FROM ${PYTHON_IMAGE} AS wheel
@@ -40,12 +40,15 @@ HEALTHCHECK --interval=15s --timeout=5s --start-period=180s --retries=3 \
 ENTRYPOINT ["offpolicy"]
 CMD ["learner", "--config", "/etc/offpolicy/learner.yaml"]
 
-# --- gpu (default target): the official CUDA PyTorch image; torch comes from the base, not from pip
-FROM ${TORCH_IMAGE} AS gpu
+# --- gpu (default target): PyPI's torch wheel bundles CUDA and NCCL; the driver comes from the host (NVIDIA
+# container toolkit). Expandable segments: fewer fragmentation OOMs as micro-batch shapes vary.
+FROM ${PYTHON_IMAGE} AS gpu
+ARG TORCH_VERSION=2.13.0
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    OFFPOLICY_HOST=0.0.0.0 OFFPOLICY_PORT=8000 HF_HOME=/var/lib/offpolicy/hf-cache
+    OFFPOLICY_HOST=0.0.0.0 OFFPOLICY_PORT=8000 HF_HOME=/var/lib/offpolicy/hf-cache \
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
-    pip install --no-cache-dir /wheels/offpolicy-*.whl \
+    pip install --no-cache-dir "torch==${TORCH_VERSION}" /wheels/offpolicy-*.whl \
  && useradd --uid 10001 --user-group --no-create-home --home-dir /var/lib/offpolicy offpolicy \
  && mkdir -p /var/lib/offpolicy/weights /var/lib/offpolicy/checkpoints /var/lib/offpolicy/hf-cache /var/lib/offpolicy/models \
  && chown -R 10001:10001 /var/lib/offpolicy

@@ -31,6 +31,7 @@ class GatheredWeights:
     ) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
         self._done: torch.cuda.Event | None = None
+        device: torch.device | None = None
         for name, t in module.state_dict().items():  # the same names in the same order on every rank
             if name not in keys:
                 continue
@@ -43,9 +44,9 @@ class GatheredWeights:
             buf.copy_(full, non_blocking=full.is_cuda)  # same stream: `full`'s memory is reused only after
             self.tensors[name] = buf
             if full.is_cuda and self._done is None:
-                self._done = torch.cuda.Event()
+                self._done, device = torch.cuda.Event(), full.device
         if self._done is not None:
-            self._done.record()
+            self._done.record(torch.cuda.current_stream(device))  # the copies' stream, on their GPU
 
     def wait(self) -> dict[str, torch.Tensor]:
         """Block until every copy has landed; return the host tensors (the leader's; empty elsewhere)."""

@@ -65,8 +65,9 @@ def init_from_env(device_type: str) -> Ranks:
     """Join the process group torchrun describes in the environment (also with one rank: FSDP2 on one
     GPU); `SINGLE` without torchrun (the one-process learner, no FSDP).
 
-    NCCL on CUDA (each rank on GPU `LOCAL_RANK`), gloo on CPU; commands and checkpoints use a second,
-    gloo group so they never queue behind (or deadlock with) the training collectives."""
+    NCCL on CUDA (each rank on GPU `LOCAL_RANK`; host tensors over gloo), gloo on CPU; commands and
+    checkpoints use a second, gloo group so they never queue behind (or deadlock with) the training
+    collectives."""
     global _current
     if "LOCAL_RANK" not in os.environ or "WORLD_SIZE" not in os.environ:  # not started by torchrun
         return SINGLE
@@ -77,11 +78,17 @@ def init_from_env(device_type: str) -> Ranks:
     if not dist.is_initialized():
         if device_type == "cuda":
             torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout)
+        dist.init_process_group(backend_for(device_type), timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout)
     ranks = _current = Ranks(dist.get_rank(), dist.get_world_size(), local_rank, control)
     log.info("learner rank %d of %d (local rank %d)", ranks.rank, ranks.world_size, local_rank)
     return ranks
+
+
+def backend_for(device_type: str) -> str:
+    """The default group's backends: on CUDA NCCL for device tensors and gloo for host ones (FSDP2's CPU
+    offload reduces host tensors, e.g. the gradient norm, on the default group), gloo on CPU."""
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
 
 
 def local_device(ranks: Ranks, device: torch.device) -> torch.device:

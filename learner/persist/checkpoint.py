@@ -6,7 +6,7 @@ state, Python RNG, and the identity it was written for: run id and model fingerp
 temporary name, fsynced and renamed, so a learner killed mid-write leaves the previous checkpoint intact.
 No pickle anywhere. A checkpoint of another run or model is refused (`CheckpointMismatch`).
 
-Two layouts, one backend each behind `Checkpoints` (save / staged / poll / finish / latest / load),
+Two layouts, one backend each behind `Checkpoints` (save / staged / poll / finish / close / latest / load),
 chosen once when the learner starts:
 - `FILE_FORMAT` (one process; persist/single.py): whole tensors, copied to host memory at the step
   boundary and written by the background writer (persist/writer.py);
@@ -146,6 +146,10 @@ class Checkpoints(ABC):
     @abstractmethod
     def finish(self) -> None:
         """Wait until the checkpoint in flight (if any) is durable."""
+
+    def close(self) -> None:
+        """`finish`, then release what the backend holds (threads, host buffers)."""
+        self.finish()
 
     @abstractmethod
     def latest(self) -> Path | None:

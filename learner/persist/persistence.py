@@ -53,7 +53,9 @@ def make_checkpoints(
     if root is None:
         return NoCheckpoints()
     if ranks.distributed:
-        return ShardedCheckpoints(root, config.run_id, ranks, keep, on_durable)
+        return ShardedCheckpoints(
+            root, config.run_id, ranks, keep, on_durable, config.checkpoint.async_staging
+        )
     return FileCheckpoints(root, config.run_id, writer, keep)
 
 
@@ -207,5 +209,5 @@ class Persistence:
     def close(self) -> None:
         """Finish the copies and the queued writes, then stop the writer."""
         self.fence()
-        self.checkpoints.finish()
+        self.checkpoints.close()
         self.writer.close()

@@ -7,8 +7,11 @@ its metadata) and rank 0's `meta.json` (format 3: everything of a single-process
 tensors) and `rng.safetensors`. `ShardedCheckpoints` is the backend of a learner on N ranks.
 
 `save` runs on every rank at the same step boundary: `dcp.async_save` copies this rank's shards to host
-memory (the only part on the critical path), then writes them on a background thread, collectives on a
-process group of their own. Once rank 0's save completes (DCP's finish step runs after every rank has
+memory, then writes them on a background thread, collectives on a process group of their own. With
+`checkpoint.async_staging` (the default) the copy itself runs in the background too, into pinned host
+buffers on CUDA that one `DefaultStager` keeps from one checkpoint to the next; the learner waits for it
+(`staged`) only before its next optimizer step changes the weights: at 7B on 8 GPUs ~11 GB per rank leave
+the critical path. Once rank 0's save completes (DCP's finish step runs after every rank has
 written), rank 0 writes the meta, fsyncs and renames the temporary folder: a learner killed mid-write
 (any rank) leaves the previous checkpoint intact, and the leftover `.tmp-*` folder is removed at the next
 start. `load_sharded` reads a checkpoint back into the sharded (or, on one process, plain) model and optimizer
@@ -32,7 +35,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from learner.errors import CheckpointMismatch
 from learner.persist.checkpoint import (
@@ -97,7 +102,8 @@ def _restore(parts: Trainables, tensors: dict[str, torch.Tensor], groups: dict[s
 
 @dataclass(slots=True)
 class _InFlight:
-    future: Future
+    future: Future  # the upload: done once every rank's shards are written
+    staging: Future | None  # asynchronous staging: done once this rank's shards are in host memory
     tmp: Path
     final: Path
     meta: dict[str, Any]
@@ -117,11 +123,22 @@ class ShardedCheckpoints(Checkpoints):
         ranks: Ranks,
         keep: int | None,
         on_durable: Callable[[int, float], None] | None = None,
+        async_staging: bool = True,
     ) -> None:
         self.root, self.run_id, self.ranks, self.keep = root, run_id, ranks, keep
         self._on_durable = on_durable
         self._inflight: _InFlight | None = None
         self._group = dist.new_group(backend="gloo") if ranks.distributed else None  # checkpoints only
+        cuda = torch.cuda.is_available()
+        # one stager for the run: its (pinned, on CUDA) host buffers are reused by the next checkpoint
+        self._stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=cuda,
+                use_shared_memory=False,
+                use_async_staging=async_staging,
+                use_non_blocking_copy=cuda,
+            )
+        )
 
     def save(self, parts: Trainables, version: int, meta: dict[str, Any]) -> Path:
         """Every rank, same step boundary: stage this rank's shards in host memory, write in the background.
@@ -136,11 +153,24 @@ class ShardedCheckpoints(Checkpoints):
         started = time.perf_counter()
         tensors, groups = flat_state(parts)
         writer = HuggingFaceStorageWriter(str(tmp / STATE_DIR), save_distributed=True)
-        future = dcp.async_save(tensors, storage_writer=writer, process_group=self._group)
+        saved = dcp.async_save(
+            tensors, storage_writer=writer, process_group=self._group, async_stager=self._stager
+        )
+        future, staging = (
+            (saved.upload_completion, saved.staging_completion)
+            if isinstance(saved, AsyncSaveResponse)
+            else (saved, None)
+        )
         rng = rng_state()
         meta = meta | {"format": SHARDED_FORMAT, "world_size": self.ranks.world_size, "param_groups": groups}
-        self._inflight = _InFlight(future, tmp, final, meta, rng, version, started)
+        self._inflight = _InFlight(future, staging, tmp, final, meta, rng, version, started)
         return final
+
+    def staged(self) -> None:
+        """Block until this rank's shards of the checkpoint in flight are in host memory (asynchronous
+        staging: before the next optimizer step changes the weights or AdamW state)."""
+        if self._inflight is not None and self._inflight.staging is not None:
+            self._inflight.staging.result()
 
     def poll(self) -> None:
         """Step boundary: finalise the checkpoint in flight if its write has completed."""
@@ -152,6 +182,8 @@ class ShardedCheckpoints(Checkpoints):
         job, self._inflight = self._inflight, None
         if job is None:
             return
+        if job.staging is not None:
+            job.staging.result()
         job.future.result()  # raises what the background write raised
         if not self.ranks.is_leader:
             return
@@ -169,6 +201,10 @@ class ShardedCheckpoints(Checkpoints):
         log.info("checkpoint v%d durable %.2f s after its step boundary", job.version, seconds)
         if self._on_durable is not None:
             self._on_durable(job.version, seconds)
+
+    def close(self) -> None:
+        self.finish()
+        self._stager.close()
 
     def latest(self) -> Path | None:
         return latest_checkpoint(self.root)

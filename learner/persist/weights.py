@@ -124,9 +124,10 @@ class HostCopy:
                 buf = torch.empty(src.shape, dtype=want, pin_memory=pin and src.is_cuda)
             self.tensors[name] = buf
         self._ready = None
-        if any(src.is_cuda for src in self.sources.values()):
+        self._device = next((src.device for src in self.sources.values() if src.is_cuda), None)
+        if self._device is not None:  # the sources' GPU, whichever is current (cuda:N on one process)
             self._ready = torch.cuda.Event()
-            self._ready.record()  # the side stream starts after the work queued so far (the last update)
+            self._ready.record(torch.cuda.current_stream(self._device))  # after the work queued so far
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="offpolicy-host-copy", daemon=True)
         self._thread.start()
@@ -137,9 +138,9 @@ class HostCopy:
                 for name, src in self.sources.items():
                     self.tensors[name].copy_(src)
                 return
-            stream = torch.cuda.Stream()
+            stream = torch.cuda.Stream(device=self._device)
             stream.wait_event(self._ready)
-            with torch.cuda.stream(stream):
+            with torch.cuda.device(self._device), torch.cuda.stream(stream):
                 for name, src in self.sources.items():
                     buf = self.tensors[name]
                     buf.copy_(src.to(buf.dtype), non_blocking=True)

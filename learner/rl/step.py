@@ -51,11 +51,11 @@ def train_on(ctx: StepContext, groups: list, phases: dict[str, float]) -> StepRe
     # --- PPO epochs × mini-batches × micro-batches
     acc: dict[str, list[torch.Tensor]] = {}
     order = torch.Generator().manual_seed(cfg.seed * 1_000_003 + ctx.step_count)  # same on every rank
-    steps = 0  # optimizer steps taken: the policy version is ctx.version + steps
+    steps = skipped = 0  # optimizer steps (skipped ones too): the policy version is ctx.version + steps
     for epoch in range(cfg.ppo_epochs):
         for mini in mini_batches(batch, cfg.mini_batch_groups, order):
             bypass_kl = (kl, ctx.version + steps) if epoch == 0 and rc.bypass_mode else None
-            optimizer_step(ctx, batch, mini, acc, phases, bypass_kl)
+            skipped += not optimizer_step(ctx, batch, mini, acc, phases, bypass_kl)
             steps += 1
     if ctx.metrics is not None:  # the histograms are exported by rank 0 alone
         if batch.is_weights is not None:
@@ -75,6 +75,7 @@ def train_on(ctx: StepContext, groups: list, phases: dict[str, float]) -> StepRe
         "staleness_mean": scalars[2],
         "response_length_mean": scalars[0] / batch.num_rows,
         "version": float(ctx.version + steps),
+        "optimizer_steps_skipped": float(skipped),
         "lr": ctx.trainables.scheduler.get_last_lr()[0],
     }
     return StepResult(host, steps)

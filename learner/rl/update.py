@@ -13,6 +13,7 @@ backward, then critic forward and backward.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -25,6 +26,8 @@ from learner.metrics import StalenessKL, timed
 from learner.rl.batches import idle_rows, rank_micro_batches
 from learner.rl.context import StepContext
 from learner.rl.losses import ClipConfig, compute_policy_loss, value_loss
+
+log = logging.getLogger(__name__)
 
 
 def policy_loss_terms(
@@ -61,8 +64,10 @@ def optimizer_step(
     acc: dict[str, list[torch.Tensor]],
     phases: dict[str, float],
     kl: tuple[StalenessKL, int] | None = None,
-) -> None:
-    """Gradient accumulation over the micro-batches of rows `mini`, then one AdamW step. Metrics (0-d
+) -> bool:
+    """Gradient accumulation over the micro-batches of rows `mini`, then one AdamW step; whether it was
+    taken: a non-finite gradient norm (a NaN or inf anywhere, on any rank: the norm is global) skips it,
+    the weights, AdamW state and LR schedule unchanged (one host sync per optimizer step). Metrics (0-d
     tensors) are appended to `acc`; `kl = (accumulator, policy version)` adds pi_theta's off-policy KL.
     Forward passes run under the precision's autocast; backward passes and the optimizer outside it.
     `ctx.before_update(phases)` runs just before the weights change (the learner waits there for host
@@ -103,15 +108,21 @@ def optimizer_step(
     ctx.before_update(phases)
     with timed(phases, "optimizer"):
         limit = cfg.grad_clip if cfg.grad_clip is not None else float("inf")
-        acc.setdefault("grad_norm", []).append(clip_grad_norm(list(t.policy.parameters()), limit))
+        norm = clip_grad_norm(list(t.policy.parameters()), limit)
         acc.setdefault("loss", []).append(all_reduce_sum(ctx.ranks, step_loss))
-        t.optimizer.step()
-        t.scheduler.step()
+        stepped = bool(torch.isfinite(norm))  # the same on every rank: the norm is reduced over all
+        if stepped:
+            acc.setdefault("grad_norm", []).append(norm)
+            t.optimizer.step()
+            t.scheduler.step()
+        else:
+            log.warning("gradient norm %s: optimizer step skipped, the weights are unchanged", float(norm))
         t.optimizer.zero_grad(set_to_none=True)
         if t.critic is not None and t.critic_optimizer is not None:
-            clip_grad_norm(list(t.critic.parameters()), limit)
-            t.critic_optimizer.step()
+            if bool(torch.isfinite(clip_grad_norm(list(t.critic.parameters()), limit))):
+                t.critic_optimizer.step()
             t.critic_optimizer.zero_grad(set_to_none=True)
+    return stepped
 
 
 def _idle_pass(ctx: StepContext, mb: Batch) -> None:

@@ -28,6 +28,7 @@ from learner.errors import (
     CorrectionInputError,
     FrozenFieldChange,
     LearnerError,
+    MemoryPlanError,
     UnknownPreset,
     WriteFailed,
 )
@@ -154,6 +155,7 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
     CheckpointsDisabled: (409, "checkpoints_disabled"),
     CheckpointMismatch: (409, "checkpoint_mismatch"),
     WriteFailed: (500, "write_failed"),
+    MemoryPlanError: (422, "memory_plan_exceeds_device"),
     # actors/errors.py
     ActorError: (500, "actor_error"),
     DatasetError: (500, "dataset_error"),

@@ -150,7 +150,8 @@ class LearnerRuntime:
             tokens_per_s=raw.get("tokens_per_s"),
             world_size=int(raw.get("world_size", 1)),
             buffer=dataclasses.asdict(buffer) if dataclasses.is_dataclass(buffer) else dict(buffer or {}),
-            last_step={k: float(v) for k, v in (raw.get("last_step") or {}).items()},
+            last_step={k: None if v is None else float(v) for k, v in (raw.get("last_step") or {}).items()},
+            memory_plan=raw.get("memory_plan"),
             error=error,
         )
 

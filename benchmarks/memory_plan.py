@@ -1,0 +1,88 @@
+"""The learner's memory plan per GPU for 1.5B, 7B and 70B models on 1 and 8 H100s (learner/memory.py).
+
+Not a measurement: the estimate the learner makes at start and refuses to run past, for the default
+config on CUDA (bf16_mixed, packed micro-batches of 16,384 tokens, activation checkpointing on, LM-head
+chunks of 4,096 tokens), with and without `fsdp.cpu_offload`. Model shapes are Llama-style configs of
+Qwen2.5-1.5B, Qwen2.5-7B and Llama-3.1-70B, parameters counted on the meta device (nothing downloaded).
+An H100 has 79.6 GiB; a plan may use 90 % of it.
+
+    python benchmarks/memory_plan.py [--json]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repository root, not benchmarks/
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+
+from transformers import LlamaConfig  # noqa: E402
+
+from learner.config import LearnerConfig  # noqa: E402
+from learner.memory import GIB, HEADROOM, ModelShape, estimate  # noqa: E402
+
+H100_GIB = 79.6
+
+
+def llama(h: int, i: int, layers: int, heads: int, kv: int, vocab: int, tied: bool) -> LlamaConfig:
+    return LlamaConfig(
+        hidden_size=h, intermediate_size=i, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=tied,
+    )  # fmt: skip
+
+
+MODELS = {
+    "1.5B": llama(1536, 8960, 28, 12, 2, 151936, tied=True),
+    "7B": llama(3584, 18944, 28, 28, 4, 152064, tied=False),
+    "70B": llama(8192, 28672, 80, 64, 8, 128256, tied=False),
+}
+
+
+def rows() -> list[dict]:
+    out = []
+    for name, hf in MODELS.items():
+        shape = ModelShape.of(hf)
+        for gpus, offload in ((1, False), (8, False), (8, True)):
+            cfg = LearnerConfig(model_path="unused", fsdp={"cpu_offload": offload})
+            plan = estimate(cfg, shape, gpus, sharded=gpus > 1, checkpointing=True, cuda=True)
+            out.append(
+                {
+                    "model": name,
+                    "params_b": shape.params / 1e9,
+                    "gpus": gpus,
+                    "cpu_offload": offload,
+                    **{f"{k}_gib": round(v, 1) for k, v in plan.as_dict().items()},
+                    "fits": plan.total <= HEADROOM * H100_GIB * GIB,
+                }
+            )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true")
+    table = rows()
+    if ap.parse_args().json:
+        print(json.dumps(table))
+        return
+    head = ("model", "H100s", "cpu_offload", "weights+grads+AdamW", "bf16 copies", "activations",
+            "LM-head chunk",
+            "total per GPU", "fits")  # fmt: skip
+    print("| " + " | ".join(head) + " |")
+    print("|" + " --- |" * len(head))
+    for r in table:
+        states = r["weights_gib"] + r["gradients_gib"] + r["optimizer_gib"]
+        cells = (
+            f"{r['model']} ({r['params_b']:.1f}B)", r["gpus"], "yes" if r["cpu_offload"] else "no",
+            f"{states:.1f}",
+            f"{r['compute_copies_gib']:.1f}", f"{r['activations_gib']:.1f}", f"{r['lm_head_chunk_gib']:.1f}",
+            f"{r['total_gib']:.1f} GiB", "✔" if r["fits"] else "✘",
+        )  # fmt: skip
+        print("| " + " | ".join(map(str, cells)) + " |")
+
+
+if __name__ == "__main__":
+    main()
