@@ -18,7 +18,8 @@ Targets: publish-heavy: sync_publish_share >= 0.3, publish_share <= 0.05, publis
 cpu-ref: everything outside model work <= 5 % of the step; 1.3b with bf16_mixed: publish_share <= 0.05.
 MFU (CUDA only) counts 6 N flops per trained token and 2 N per pi_old token (attention not counted).
 
-    python benchmarks/learner.py [--shape cpu-ref] [--device cpu] [--steps 3] [--precision P] [--json]
+    python benchmarks/learner.py [--shape cpu-ref] [--device cpu] [--steps 3] [--precision P]
+                                 [--packing on|off|both] [--json]
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def mfu(
     )
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, packing: bool = True) -> dict:
     shape = SHAPES[args.shape]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rows, seq = shape["groups"] * shape["n"], shape["prompt"] + shape["resp"]
@@ -143,7 +144,7 @@ def run(args: argparse.Namespace) -> dict:
         )
         cfg = LearnerConfig(
             model_path=str(model_dir), device=str(device), precision=args.precision, redis_url=redis.url,
-            run_id="bench", groups_per_step=shape["groups"], micro_batch_size=shape["micro"],
+            run_id="bench", groups_per_step=shape["groups"], micro_batch_size=shape["micro"], packing=packing,
             rollout_correction="decoupled_token_is", gradient_checkpointing=args.gradient_checkpointing,
             publish={"weights_dir": str(Path(tmp) / "w"), "publish_every": 1, "keep_versions": 2},
             checkpoint={"checkpoint_dir": None}, torch_threads=args.threads,
@@ -189,6 +190,7 @@ def run(args: argparse.Namespace) -> dict:
         "peak_memory_gib": peak,
         "tokens_per_s": tokens / step,
         "mfu": mfu(params, rows * seq, rows * seq, step, device),
+        "packing": packing,
     }
 
 
@@ -202,13 +204,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="measured steps (after one warm-up step)")
     ap.add_argument("--sync-reps", type=int, default=2, help="synchronous publishes timed for the baseline")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--packing", choices=["on", "off", "both"], default="on",
+                    help="packed micro-batches (default), padded rows, or both in one run")  # fmt: skip
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
     if args.shape == "longtail":
         out = learner_longtail.run(args)
         print(json.dumps(out) if args.json else "\n".join(f"  {k:<28} {v}" for k, v in out.items()))
         return
-    out = run(args)
+    out = run(args, packing=args.packing != "off")
+    if args.packing == "both":  # the same shape on padded rows, in the same run
+        rows = run(args, packing=False)
+        out["padded_rows"] = {k: rows[k] for k in ("step_s", "tokens_per_s", "mfu", "peak_memory_gib")}
     if out["shape"] in ("cpu-ref", "publish-heavy"):
         out["targets"] = {"publish_share": 0.05, "sync_publish_share_min": 0.3, "published_lag_max": 2,
                           "overhead_share": 0.05}  # fmt: skip
@@ -227,6 +234,8 @@ def main() -> None:
     print(f"  peak memory        {out['peak_memory_gib']:.2f} GiB")
     if out["mfu"] is not None:
         print(f"  MFU                {out['mfu']:.1%}")
+    if "padded_rows" in out:
+        print(f"  padded rows        {out['padded_rows']}")
 
 
 if __name__ == "__main__":

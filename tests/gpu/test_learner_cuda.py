@@ -113,3 +113,33 @@ def test_chunked_logprobs_match_and_use_less_memory_with_a_large_vocabulary(tmp_
     chunked, chunked_peak = run(512)
     torch.testing.assert_close(chunked, whole, atol=2e-2, rtol=0)
     assert chunked_peak < 0.5 * whole_peak, (chunked_peak, whole_peak)
+
+
+@pytest.mark.parametrize("attn", ["sdpa_varlen", "flash_attention_2"])
+def test_packed_logprobs_match_the_padded_ones_on_cuda(tmp_path, attn):
+    """bf16 autocast on the GPU: the packed row (SDPA per sequence, or FlashAttention's varlen kernel where
+    installed) gives the padded rows' log-probs within bf16 noise, and uses less memory than the padding."""
+    import importlib.util
+
+    from learner.model import load_model
+    from tests.unit.test_packing import ragged_groups
+
+    if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        pytest.skip("flash_attn is not installed")
+    folder = make_tiny_model(tmp_path / "m", hidden_size=256, num_heads=4, num_layers=2)
+    model = load_model(folder, "cuda", torch.float32, attn_implementation=attn)
+    padded_model = load_model(folder, "cuda", torch.float32, attn_implementation="sdpa")
+    batch = collate(ragged_groups(8, 4, seed=9, prompt=(10, 100), response=(1, 600)), 0).to("cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16), torch.no_grad():
+        packed = token_logprobs(model, batch, 4096, packed=True)
+        padded = token_logprobs(padded_model, batch, 4096, packed=False)
+    torch.testing.assert_close(packed, padded, atol=5e-2, rtol=0)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_the_host_copy_of_weights_on_the_second_gpu_waits_on_that_gpu():
+    """A one-process learner on cuda:1: the copy's event and side stream belong to cuda:1."""
+    src = {"a": torch.randn(1024, 1024, device="cuda:1")}
+    with torch.cuda.device(0):  # the current device is another one
+        snap = snapshot_to_host(src, torch.bfloat16)
+    torch.testing.assert_close(snap["a"], src["a"].to(torch.bfloat16).cpu(), rtol=0, atol=0)
