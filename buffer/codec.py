@@ -1,6 +1,6 @@
 """Encode/decode `TrajectoryGroup` as a versioned zero-copy frame: msgpack header + raw little-endian arrays.
 
-Wire format (schema_version 2), every number little-endian:
+Wire format (schema_version 3; 2 decodes too, as all-policy trajectories), every number little-endian:
 
     bytes 0-3    magic b"OPTG"
     bytes 4-5    schema_version, uint16
@@ -12,7 +12,10 @@ Wire format (schema_version 2), every number little-endian:
 
 The header: `{"gid", "pid", "pv", "aid", "t", "s": [temperature, top_p, top_k, max_tokens],
 "m": {str: str}, "pr": priority | nil, "rw": [reward] * n, "fr": [finish_reason] * n,
-"hv": [has versions] * n, "a": [5 byte offsets]}`; `a` gives where each array ends, counted from the
+"hv": [has versions] * n, "env": [spans] * n, "a": [5 byte offsets]}`; `env` (schema 3) holds each
+trajectory's environment tokens (`Trajectory.policy_mask` False: tool results, user turns) as flat
+half-open spans `[start0, end0, ...]`, empty when the policy generated every token; `a` gives where each
+array ends, counted from the
 start of the array section (each starts where the previous ends, the first at 0; the last end is the
 section's length). `response_ids` and `behavior_logprobs` hold every trajectory's tokens in order
 (`lens[i]` each); `versions` those of the trajectories whose `hv` is true.
@@ -37,15 +40,25 @@ import numpy as np
 
 from buffer.config import CodecLimits
 from buffer.errors import InvalidTrajectory
-from buffer.types import SCHEMA_VERSION, SamplingParams, Trajectory, TrajectoryGroup
+from buffer.types import (
+    READABLE_SCHEMA_VERSIONS,
+    SCHEMA_VERSION,
+    SamplingParams,
+    Trajectory,
+    TrajectoryGroup,
+    env_spans,
+    mask_from_spans,
+)
 from buffer.validation import (
     DEFAULT_LIMITS,
     check_counts,
     check_header,
     check_lengths,
     check_offsets,
+    check_spans,
     check_values,
     header_ok,
+    mask_ok,
     raise_bad_values,
     validate_group,
 )
@@ -88,7 +101,7 @@ def _array_section(header_bytes: int) -> int:
 def _plain_header(g: TrajectoryGroup, limits: CodecLimits) -> bool:
     s, trs = g.sampling, g.trajectories
     return (
-        g.schema_version == SCHEMA_VERSION
+        g.schema_version in READABLE_SCHEMA_VERSIONS
         and type(g.group_id) is str
         and type(g.prompt_id) is str
         and type(g.actor_id) is str
@@ -138,6 +151,7 @@ def plain(groups: Sequence[TrajectoryGroup], limits: CodecLimits) -> bool:
         and min(lens) >= 1
         and max(lens) <= limits.max_tokens_per_completion
         and all(len(t.versions) == len(t.response_ids) for t in versioned)
+        and all(mask_ok(t.policy_mask, len(t.response_ids)) for t in trs)
         and set(map(type, rewards)) <= _NUM
         and all(map(math.isfinite, rewards))
         and set(map(type, map(_reason, trs))) <= _STR
@@ -197,6 +211,7 @@ def frame(
             "rw": list(map(float, map(_reward, trs))),
             "fr": list(map(_reason, trs)),
             "hv": [t.versions is not None for t in trs],
+            "env": [env_spans(t.policy_mask) for t in trs],
             "a": ends,
         },
         use_bin_type=True,
@@ -237,7 +252,7 @@ def _frame_header(data: bytes, limits: CodecLimits) -> tuple[dict, int, int]:
         raise InvalidTrajectory(
             "payload", f"bad magic {magic!r}, expected {MAGIC!r} (not a group frame of schema_version >= 2)"
         )
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_SCHEMA_VERSIONS:
         raise InvalidTrajectory("schema_version", f"unknown schema version {version!r}")
     base = _array_section(head)
     if base > size:
@@ -280,6 +295,9 @@ def parse(data: bytes, limits: CodecLimits) -> tuple[dict, list[int], np.ndarray
         and e3 - e2 == (4 * sum(compress(lens, hv)) if True in hv else 0)
     ):
         check_counts(ends, check_lengths(ints, n, ends, limits), hv)
+    env = doc.get("env")
+    if env is not None and (type(env) is not list or len(env) != n or any(env)):
+        check_spans(env, lens)  # environment tokens (schema 3): checked only where there are any
     return doc, lens, ints[n:], np.frombuffer(data, _F32, (e4 - e3) >> 2, base + e3)
 
 
@@ -302,12 +320,15 @@ def raise_frame_values(
 def build(doc: dict, lens: list[int], ints: np.ndarray, lp: np.ndarray) -> TrajectoryGroup:
     """The group of a parsed, checked frame; its arrays are views of the frame."""
     prompt, ids, vers = _split(doc, ints)
-    hv = doc["hv"]
+    hv, env = doc["hv"], doc.get("env")
     versions = _version_views(vers, lens, hv) if True in hv else repeat(None)
+    masks = (
+        (mask_from_spans(s, n) for s, n in zip(env, lens, strict=True)) if env and any(env) else repeat(None)
+    )
     trajs, a = [], 0
-    for length, r, f, v in zip(lens, doc["rw"], doc["fr"], versions, strict=False):  # repeat(None)
+    for length, r, f, v, m in zip(lens, doc["rw"], doc["fr"], versions, masks, strict=False):  # repeat(None)
         b = a + length
-        trajs.append(Trajectory(ids[a:b], lp[a:b], float(r), f, v))
+        trajs.append(Trajectory(ids[a:b], lp[a:b], float(r), f, v, m))
         a = b
     pr = doc.get("pr")
     return TrajectoryGroup(

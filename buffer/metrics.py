@@ -10,7 +10,8 @@ _STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 REJECTED_FIELDS = (
     "payload", "schema_version", "group_id", "prompt_id", "actor_id", "policy_version", "created_at",
     "prompt_ids", "trajectories", "trajectories.response_ids", "trajectories.behavior_logprobs",
-    "trajectories.versions", "trajectories.reward", "trajectories.finish_reason", "priority", "metadata",
+    "trajectories.versions", "trajectories.policy_mask", "trajectories.reward", "trajectories.finish_reason",
+    "priority", "metadata",
     "sampling",
 )  # fmt: skip
 EVICTION_REASONS = ("max_size", "max_times_sampled")

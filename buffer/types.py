@@ -6,7 +6,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-SCHEMA_VERSION = 2  # 2: the zero-copy frame (buffer/codec.py); 1 was one msgpack map
+SCHEMA_VERSION = (
+    3  # 3: + environment-token spans (agents); 2: the zero-copy frame (buffer/codec.py); 1: msgpack
+)
+READABLE_SCHEMA_VERSIONS = (2, 3)  # frames of schema 2 decode as all-policy trajectories
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +26,10 @@ class SamplingParams:
 class Trajectory:
     """One completion: its tokens, the behaviour log-prob of each, and its reward.
 
+    A multi-turn or tool-using episode is one completion whose response holds every turn after the prompt:
+    the tokens the policy generated (`policy_mask` True: trained, their log-probs and versions meaningful)
+    and the tokens the environment inserted (False: tool results, user turns; attended, never trained).
+
     Decoded groups (`decode_group`, `ReplayBuffer.sample`) hold read-only views into their payload (no
     copies; the payload stays in memory while any view does): a consumer that writes to an array
     copies it first (`a.copy()`).
@@ -33,6 +40,29 @@ class Trajectory:
     reward: float
     finish_reason: str  # "stop" | "length" | ...
     versions: np.ndarray | None = None  # int32[R]: policy version per token, when a completion spans a reload
+    policy_mask: np.ndarray | None = (
+        None  # bool[R]: True on policy tokens, False on environment ones; None = all
+    )
+
+
+def env_spans(policy_mask: np.ndarray | None) -> list[int]:
+    """The environment tokens of a mask as flat half-open spans `[start0, end0, start1, end1, ...]`
+    (empty when every token is the policy's): how a frame carries the mask."""
+    if policy_mask is None:
+        return []
+    env = np.concatenate(([0], (~policy_mask).view(np.int8), [0]))
+    edges = np.flatnonzero(np.diff(env))  # starts and ends alternate
+    return edges.tolist()
+
+
+def mask_from_spans(spans: list[int], length: int) -> np.ndarray | None:
+    """`env_spans`' inverse: the policy mask of a completion of `length` tokens (None without spans)."""
+    if not spans:
+        return None
+    mask = np.ones(length, dtype=bool)
+    for start, end in zip(spans[::2], spans[1::2], strict=True):
+        mask[start:end] = False
+    return mask
 
 
 @dataclass(slots=True)

@@ -10,6 +10,7 @@ concatenated arrays with a few numpy reductions; only a failed one searches for 
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from bisect import bisect_right
@@ -20,7 +21,7 @@ import numpy as np
 
 from buffer.config import CodecLimits
 from buffer.errors import InvalidTrajectory
-from buffer.types import SCHEMA_VERSION, Trajectory, TrajectoryGroup
+from buffer.types import READABLE_SCHEMA_VERSIONS, Trajectory, TrajectoryGroup
 
 __all__ = [
     "check_counts",
@@ -77,6 +78,12 @@ def _check_traj(t: Trajectory, i: int) -> None:
             raise InvalidTrajectory(f"{pre}.versions", f"must be a 1-D integer array of length {len(ids)}")
         if len(v) and (v.min() < 0 or v.max() > I32_MAX):
             raise InvalidTrajectory(f"{pre}.versions", "versions must be in [0, 2^31)")
+    m = t.policy_mask
+    if m is not None:
+        if not isinstance(m, np.ndarray) or m.ndim != 1 or m.dtype != np.bool_ or len(m) != len(ids):
+            raise InvalidTrajectory(f"{pre}.policy_mask", f"must be a 1-D bool array of length {len(ids)}")
+        if not m.any():
+            raise InvalidTrajectory(f"{pre}.policy_mask", "no policy token: nothing to train on")
     if not isinstance(t.reward, int | float) or isinstance(t.reward, bool) or not math.isfinite(t.reward):
         raise InvalidTrajectory(f"{pre}.reward", f"must be a finite number, got {t.reward!r}")
     if not isinstance(t.finish_reason, str):
@@ -85,7 +92,7 @@ def _check_traj(t: Trajectory, i: int) -> None:
 
 def _check_group_header(group: TrajectoryGroup, limits: CodecLimits) -> None:
     """Identity, version, time, prompt and trajectory count."""
-    if group.schema_version != SCHEMA_VERSION:
+    if group.schema_version not in READABLE_SCHEMA_VERSIONS:
         raise InvalidTrajectory("schema_version", f"unknown schema version {group.schema_version!r}")
     for name in ("group_id", "prompt_id", "actor_id"):
         value = getattr(group, name)
@@ -103,6 +110,33 @@ def _check_group_header(group: TrajectoryGroup, limits: CodecLimits) -> None:
             "trajectories",
             f"{len(group.trajectories)} exceeds max_completions_per_group={limits.max_completions_per_group}",
         )
+
+
+def mask_ok(m: Any, length: int) -> bool:
+    """A trajectory's `policy_mask` as a frame takes it: None, or a bool array of its length with a policy
+    token (`_check_traj` names what is wrong otherwise)."""
+    return m is None or (
+        type(m) is np.ndarray and m.dtype == np.bool_ and m.shape == (length,) and bool(m.any())
+    )
+
+
+def check_spans(env: Any, lens: list[int]) -> None:
+    """A frame's environment spans (header key `env`, schema 3): per trajectory a flat list of increasing
+    half-open `[start, end)` pairs inside the completion that leave a policy token."""
+    if type(env) is not list or len(env) != len(lens):
+        raise InvalidTrajectory("trajectories.policy_mask", f"must be a list of {len(lens)} span lists")
+    for i, (spans, length) in enumerate(zip(env, lens, strict=True)):
+        if type(spans) is not list or len(spans) % 2 or not all(type(x) is int for x in spans):
+            raise InvalidTrajectory(f"trajectories[{i}].policy_mask", "spans must be pairs of ints")
+        bounds = [0, *spans, length]
+        if any(a > b for a, b in itertools.pairwise(bounds)) or any(
+            s >= e for s, e in zip(spans[::2], spans[1::2], strict=True)
+        ):
+            raise InvalidTrajectory(
+                f"trajectories[{i}].policy_mask", f"spans {spans} are not increasing inside [0, {length})"
+            )
+        if sum(e - s for s, e in zip(spans[::2], spans[1::2], strict=True)) == length:
+            raise InvalidTrajectory(f"trajectories[{i}].policy_mask", "no policy token: nothing to train on")
 
 
 def _number(x: Any) -> bool:

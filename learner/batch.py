@@ -19,7 +19,7 @@ import torch
 from learner.errors import BatchError
 
 if TYPE_CHECKING:
-    from buffer.types import TrajectoryGroup
+    from buffer.types import Trajectory, TrajectoryGroup
 
 
 @dataclass(slots=True)
@@ -33,7 +33,7 @@ class Batch:
     response_mask: torch.Tensor  # (B, R) float: 1 on tokens the loss uses (rejection sampling may clear some)
     sampled_mask: (
         torch.Tensor
-    )  # (B, R) float: 1 on every sampled token (never changed; GAE and critic use it)
+    )  # (B, R) float: 1 on every policy token (never changed; GAE and critic use it); 0 on environment ones
     rollout_log_probs: torch.Tensor  # (B, R) float: behaviour log-probs (0 on padding)
     rewards: torch.Tensor  # (B,) float: one scalar reward per completion
     group_index: torch.Tensor  # (B,) long: 0..G-1, which group each row belongs to
@@ -79,8 +79,17 @@ class Batch:
         }
 
 
+def _policy(values: np.ndarray, t: Trajectory) -> np.ndarray:
+    """`values` (one per response token) on the policy's tokens only."""
+    return values if t.policy_mask is None else values[t.policy_mask]
+
+
 def collate(groups: Sequence[TrajectoryGroup], pad_token_id: int) -> Batch:
-    """Pad the completions of `groups` into one `Batch` (rows in group order, then completion order)."""
+    """Pad the completions of `groups` into one `Batch` (rows in group order, then completion order).
+
+    Environment tokens of a multi-turn completion (`policy_mask` False) are in `input_ids` and
+    `attention_mask` (the policy attends to them) but not in `response_mask` / `sampled_mask`: no loss, no
+    IS weight, no rejection-sampling statistic, no KL, no value; their behaviour log-probs read as 0."""
     if not groups:
         raise BatchError("collate needs at least one group")
     rows = [(gi, g, t) for gi, g in enumerate(groups) for t in g.trajectories]
@@ -101,19 +110,21 @@ def collate(groups: Sequence[TrajectoryGroup], pad_token_id: int) -> Batch:
     attn = np.zeros((B, P + R), dtype=np.int64)
     lp = np.zeros((B, R), dtype=np.float32)
     bver = np.zeros((B, R), dtype=np.int64)
+    policy = np.zeros((B, R), dtype=np.float32)  # 1 on tokens the policy generated: the only ones trained
     for b, (_, g, t) in enumerate(rows):
         p, r = len(g.prompt_ids), len(t.response_ids)
         ids[b, P - p : P] = g.prompt_ids
         ids[b, P : P + r] = t.response_ids
-        attn[b, P - p : P + r] = 1
+        attn[b, P - p : P + r] = 1  # environment tokens too: attended, never trained
         lp[b, :r] = t.behavior_logprobs
         bver[b, :r] = g.policy_version if t.versions is None else t.versions
-    oldest = [  # a completion's staleness counts from its oldest token (what max_staleness bounds)
-        g.policy_version if t.versions is None or len(t.versions) == 0 else int(t.versions.min())
+        policy[b, :r] = 1.0 if t.policy_mask is None else t.policy_mask
+    oldest = [  # a completion's staleness counts from its oldest policy token (what max_staleness bounds)
+        g.policy_version if t.versions is None or len(t.versions) == 0 else int(_policy(t.versions, t).min())
         for _, g, t in rows
     ]
     input_ids, attention_mask = torch.from_numpy(ids), torch.from_numpy(attn)
-    response_mask = attention_mask[:, P:].float()  # (B, R)
+    response_mask = torch.from_numpy(policy)  # (B, R)
     return Batch(
         input_ids=input_ids,
         attention_mask=attention_mask,

@@ -36,7 +36,9 @@ def trajectories(draw: st.DrawFn) -> Trajectory:
     )
     versions = draw(st.none() | st.just(np.arange(len(ids), dtype=np.int32)))
     reward = draw(st.floats(allow_nan=False, allow_infinity=False))
-    return Trajectory(ids, np.array(lps, dtype=np.float32), reward, draw(_text), versions)
+    flags = draw(st.lists(st.booleans(), min_size=len(ids), max_size=len(ids)))
+    mask = draw(st.none() | st.just(np.array(flags, dtype=bool))) if any(flags) else None
+    return Trajectory(ids, np.array(lps, dtype=np.float32), reward, draw(_text), versions, mask)
 
 
 @st.composite
@@ -74,6 +76,9 @@ def _assert_same(a: TrajectoryGroup, b: TrajectoryGroup) -> None:
         assert (x.versions is None) == (y.versions is None)
         if x.versions is not None:
             np.testing.assert_array_equal(x.versions, y.versions)
+        full = np.ones(len(x.response_ids), dtype=bool)  # an all-policy mask travels as none
+        mx = x.policy_mask if x.policy_mask is not None else full
+        np.testing.assert_array_equal(mx, y.policy_mask if y.policy_mask is not None else full)
 
 
 @settings(max_examples=150, deadline=None)
@@ -86,9 +91,10 @@ def test_frame_layout_is_prefix_header_then_aligned_raw_little_endian_arrays() -
     g = build_group(n=2, tokens=3)
     g.trajectories[1].versions = np.array([4, 5, 6], np.int32)
     data = encode_group(g)
-    assert data[:4] == b"OPTG" and struct.unpack_from("<HI", data, 4)[0] == 2
+    assert data[:4] == b"OPTG" and struct.unpack_from("<HI", data, 4)[0] == 3
     head, arrays = _split(data)
-    assert set(head) == {"gid", "pid", "pv", "aid", "t", "s", "m", "pr", "rw", "fr", "hv", "a"}
+    assert set(head) == {"gid", "pid", "pv", "aid", "t", "s", "m", "pr", "rw", "fr", "hv", "env", "a"}
+    assert head["env"] == [[], []]
     assert head["hv"] == [False, True] and head["rw"] == [t.reward for t in g.trajectories]
     assert arrays["lens"] == np.array([3, 3], "<i4").tobytes()
     assert arrays["prompt"] == g.prompt_ids.astype("<i4").tobytes()
@@ -148,7 +154,7 @@ def _traj(g: TrajectoryGroup, **changes) -> TrajectoryGroup:
         (lambda g: dataclasses.replace(g, prompt_ids=np.array([3, -2], np.int32)), "prompt_ids"),
         (lambda g: dataclasses.replace(g, trajectories=[]), "trajectories"),
         (lambda g: dataclasses.replace(g, schema_version=1), "schema_version"),
-        (lambda g: dataclasses.replace(g, schema_version=3), "schema_version"),
+        (lambda g: dataclasses.replace(g, schema_version=4), "schema_version"),
         (lambda g: dataclasses.replace(g, group_id=""), "group_id"),
         (lambda g: dataclasses.replace(g, policy_version=-1), "policy_version"),
         (lambda g: dataclasses.replace(g, priority=float("inf")), "priority"),
@@ -197,7 +203,7 @@ def _split(data: bytes) -> tuple[dict, dict[str, bytes]]:
     return head, {k: data[base + a : base + b] for k, a, b in zip(_KEYS, starts, head["a"], strict=True)}
 
 
-def _frame(head: dict, arrays: dict[str, bytes], magic: bytes = b"OPTG", version: int = 2) -> bytes:
+def _frame(head: dict, arrays: dict[str, bytes], magic: bytes = b"OPTG", version: int = 3) -> bytes:
     """Build a frame by hand: offsets from the arrays' sizes unless `head` already has wrong ones."""
     head = {**head, "a": head.get("a_override") or list(itertools.accumulate(len(arrays[k]) for k in _KEYS))}
     head.pop("a_override", None)
@@ -350,3 +356,62 @@ def test_validate_group_is_the_decode_check() -> None:
         InvalidTrajectory, match=r"trajectories\[0\].behavior_logprobs: log-probs must be <= 0"
     ):
         validate_group(g)
+
+
+# --- environment tokens (schema 3)
+
+
+def _with_env(mask_rows: list[list[bool] | None]) -> TrajectoryGroup:
+    g = build_group(n=len(mask_rows), tokens=6)
+    for t, row in zip(g.trajectories, mask_rows, strict=True):
+        t.policy_mask = None if row is None else np.array(row, dtype=bool)
+    return g
+
+
+def test_policy_masks_round_trip_as_environment_spans() -> None:
+    rows = [[True, True, False, False, True, False], None, [False, True, True, True, True, True]]
+    data = encode_group(_with_env(rows))
+    head, _ = _split(data)
+    assert head["env"] == [[2, 4, 5, 6], [], [0, 1]]
+    out = decode_group(data)
+    assert [None if t.policy_mask is None else t.policy_mask.tolist() for t in out.trajectories] == rows
+
+
+def test_an_all_policy_mask_travels_as_no_mask() -> None:
+    out = decode_group(encode_group(_with_env([[True] * 6])))
+    assert out.trajectories[0].policy_mask is None
+
+
+def test_frames_of_schema_2_still_decode_as_all_policy() -> None:
+    head, arrays = _split(encode_group(build_group(n=2, tokens=4)))
+    del head["env"]
+    out = decode_group(_frame(head, arrays, version=2))
+    assert all(t.policy_mask is None for t in out.trajectories) and len(out.trajectories) == 2
+
+
+@pytest.mark.parametrize(
+    ("mask", "why"),
+    [
+        (np.array([True, False]), "length"),
+        (np.array([1, 0, 1, 1, 1, 1]), "bool"),
+        (np.zeros(6, dtype=bool), "no policy token"),
+    ],
+    ids=["length", "dtype", "all-environment"],
+)
+def test_encode_rejects_bad_masks_naming_the_field(mask, why) -> None:
+    g = build_group(n=2, tokens=6)
+    g.trajectories[1].policy_mask = mask
+    with pytest.raises(InvalidTrajectory) as e:
+        encode_group(g)
+    assert e.value.field == "trajectories[1].policy_mask"
+
+
+@pytest.mark.parametrize(
+    "spans",
+    [[[], [1]], [[], [3, 2]], [[], [0, 9]], [[], [0, 6]], [[], [4, 5, 1, 2]], [[], "x"], [[]]],
+    ids=["odd", "reversed", "outside", "all-environment", "unordered", "type", "count"],
+)
+def test_decode_rejects_bad_spans_naming_the_field(spans) -> None:
+    head, arrays = _split(encode_group(build_group(n=2, tokens=6)))
+    field = _decode_field({**head, "env": spans}, arrays)
+    assert field in ("trajectories[1].policy_mask", "trajectories.policy_mask")
