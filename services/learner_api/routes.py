@@ -22,6 +22,8 @@ from services.learner_api.schemas import (
     ConfigPatch,
     ConfigValidation,
     DeadLetterList,
+    GroupsIngest,
+    IngestResult,
     LearnerStatus,
     Preset,
     PresetList,
@@ -179,6 +181,18 @@ def resume(runtime: Runtime) -> LearnerStatus:
 )
 def checkpoint(runtime: Runtime) -> CheckpointResult:
     return runtime.checkpoint()
+
+
+@_mutating(
+    "POST",
+    "/groups",
+    IngestResult,
+    "buffer",
+    "Insert groups generated elsewhere",
+    errors=(401, 413, 422, 429, 503),
+)
+def ingest(runtime: Runtime, body: GroupsIngest) -> IngestResult:
+    return runtime.ingest(body.groups)
 
 
 def _change(entry: ConfigEntry) -> ConfigChange:

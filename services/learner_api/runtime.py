@@ -10,6 +10,9 @@ from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
 
+from buffer.errors import InvalidTrajectory
+from buffer.json_records import group_from_json
+from buffer.types import InsertResult
 from config.secrets import Redactor, url_secrets
 from learner.config import LearnerConfig
 from services.common.errors import NotReady
@@ -20,6 +23,7 @@ from services.learner_api.schemas import (
     CheckpointResult,
     DeadLetter,
     DeadLetterList,
+    IngestResult,
     LearnerStatus,
     Preset,
 )
@@ -153,6 +157,22 @@ class LearnerRuntime:
             last_step={k: None if v is None else float(v) for k, v in (raw.get("last_step") or {}).items()},
             memory_plan=raw.get("memory_plan"),
             error=error,
+        )
+
+    def ingest(self, docs: list[dict[str, Any]]) -> IngestResult:
+        """Insert groups posted as JSON: a document of the wrong shape or with bad values is rejected by
+        field (by its group_id, or `#<index>`), the rest go to the buffer as an actor's would."""
+        groups, rejected = [], {}
+        for i, doc in enumerate(docs):
+            key = doc.get("group_id") or f"#{i}"
+            try:
+                groups.append(group_from_json(doc))
+            except InvalidTrajectory as exc:
+                rejected[str(key)] = exc.field
+        result = self.require().buffer.insert_many(groups) if groups else InsertResult()
+        rejected |= result.rejected
+        return IngestResult(
+            inserted=list(result.inserted), duplicates=list(result.duplicates), rejected=rejected
         )
 
     def dead_letters(self, limit: int) -> DeadLetterList:

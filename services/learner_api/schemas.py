@@ -136,3 +136,22 @@ class DeadLetterList(BaseModel):
     """The newest dead letters, newest first (the list keeps at most `buffer.dead_letter_max`)."""
 
     entries: list[DeadLetter]
+
+
+class GroupsIngest(BaseModel):
+    """Groups generated elsewhere, as JSON (buffer/json_records.py has the layout)."""
+
+    groups: list[dict[str, Any]] = Field(min_length=1, max_length=1024)
+    """The groups; each is validated on its own (a bad one is rejected by field, the rest stored)."""
+
+
+class IngestResult(BaseModel):
+    """What the buffer did with each posted group."""
+
+    inserted: list[str]
+    """group_ids stored."""
+    duplicates: list[str]
+    """group_ids already seen (nothing stored again)."""
+    rejected: dict[str, str]
+    """group_id (or `#<index>` without one) -> the failing field of each group refused (counted in
+    `offpolicy_buffer_rejected_total` when the buffer refused it)."""
