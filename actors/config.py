@@ -101,17 +101,55 @@ class DatasetConfig(ConfigModel):
     """Stop after this many passes over the shard; None = run until stopped."""
 
 
+class RemoteRewardConfig(ConfigModel):
+    """A verifier over HTTP (`reward.name: remote`): one POST per group, off the engine's loop."""
+
+    url: str = Field(pattern=r"^https?://", max_length=2048)
+    """Where to POST `{"prompt_id", "prompt", "completions", "answer", "metadata"}`; it answers
+    `{"rewards": [float, ...]}`, one per completion."""
+    timeout_s: float = Field(10.0, gt=0.0, le=3600.0)
+    """Seconds one request may take before it is retried (or the group set aside)."""
+    retries: int = Field(2, ge=0, le=10)
+    """Further attempts after a transport error, a timeout or a 5xx answer (backoff 0.2 s doubling)."""
+    concurrency: int = Field(8, ge=1, le=1024)
+    """Requests in flight at once from this actor."""
+    token_env: str | None = Field(None, pattern=r"^[A-Z_][A-Z0-9_]*$")
+    """The environment variable holding a bearer token for the verifier (secrets come only from the
+    environment; the token is never logged); None = no Authorization header."""
+
+
 class RewardConfig(ConfigModel):
-    """Which reward function scores completions."""
+    """Which reward function scores completions, and how it runs (never on the engine's event loop)."""
 
     name: str = Field("exact_match", min_length=1)
-    """A built-in (`exact_match`, `math_answer`, `target_token_share`) or a dotted path `pkg.mod.fn`
-    to `fn(completion: str, answer: str | None, metadata: dict[str, str]) -> float`."""
+    """A built-in (`exact_match`, `math_answer`, `target_token_share`), `remote` (an HTTP verifier:
+    `remote`), or a dotted path `pkg.mod.fn` to a function, sync or async, called as `signature` says."""
+    signature: Literal["text", "sample"] = "text"
+    """`text`: `fn(completion: str, answer: str | None, metadata: dict[str, str]) -> float`; `sample`:
+    `fn(sample: actors.scoring.RewardSample) -> float` (the prompt's text too). With `batched` the
+    function takes lists (completions, or samples) and returns a list of floats, one call per group."""
+    batched: bool = False
+    """One call per group (every completion of a prompt at once) instead of one per completion."""
+    timeout_s: float = Field(60.0, gt=0.0, le=3600.0)
+    """Seconds a group's scoring may take; past it the group is set aside as `reward_error` (a sync
+    function's thread is left to finish on its own)."""
+    workers: int = Field(4, ge=1, le=256)
+    """Threads that run sync reward functions, off the engine's event loop."""
+    remote: RemoteRewardConfig | None = None
+    """The verifier of `name: remote`."""
     length_penalty: float | None = Field(None, gt=0.0)
     """Wrap the reward with `length_penalty`: minus this much times len(completion) / `length_max_chars`;
-    None = no penalty."""
+    None = no penalty (per-completion `text` functions only)."""
     length_max_chars: int = Field(1024, ge=1)
     """Completion length (characters) at which the length penalty reaches its full `length_penalty`."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if (self.name == "remote") != (self.remote is not None):
+            raise ValueError("reward.name 'remote' and reward.remote go together: set both or neither")
+        if self.length_penalty is not None and (self.batched or self.signature != "text" or self.remote):
+            raise ValueError("reward.length_penalty wraps per-completion `text` functions only")
+        return self
 
 
 class ReloadConfig(ConfigModel):

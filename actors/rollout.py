@@ -76,11 +76,24 @@ def make_group(
     actor_id: str,
     sampling: SamplingParams,
 ) -> TrajectoryGroup:
-    """Score the completions of one prompt and stamp them as a group; `RewardError` if any score fails.
-
-    `policy_version` is the engine's version when the prompt was admitted; tokens the engine stamped
-    with their own versions override it (the group gets the oldest)."""
+    """Score the completions of one prompt (in this thread: the batch paths of the benchmarks) and stamp
+    them as a group; `RewardError` if any score fails. The actor scores off its loop (actors/scoring.py)."""
     rewards = [score(reward_fn, c.text, prompt.answer, prompt.metadata) for c in completions]
+    return stamp_group(prompt, prompt_ids, completions, rewards, policy_version, actor_id, sampling)
+
+
+def stamp_group(
+    prompt: Prompt,
+    prompt_ids: np.ndarray,
+    completions: Sequence[Completion],
+    rewards: Sequence[float],
+    policy_version: int,
+    actor_id: str,
+    sampling: SamplingParams,
+) -> TrajectoryGroup:
+    """The group of one prompt's scored completions. `policy_version` is the engine's version when the
+    prompt was admitted; tokens the engine stamped with their own versions override it (the group gets the
+    oldest)."""
     oldest, versions = token_versions(completions, policy_version)
     return TrajectoryGroup(
         group_id=uuid.uuid4().hex,

@@ -30,8 +30,8 @@ from actors.engine import VLLMEngine
 from actors.errors import DatasetError, PromptFailed, RewardError
 from actors.metrics import ActorMetrics
 from actors.prompts import Prompt, encode, epoch_batches, load_prompts, shard
-from actors.rewards import resolve_reward
-from actors.rollout import make_group, push_groups, stamped_sampling, wait_for_room
+from actors.rollout import push_groups, stamp_group, stamped_sampling, wait_for_room
+from actors.scoring import Scorer
 from actors.weight_sync import WeightSync
 from buffer.policy import AsyncPolicyStore
 from buffer.replay_buffer import AsyncReplayBuffer
@@ -53,9 +53,7 @@ class Actor:
         self.registry = registry
         self.metrics = ActorMetrics(registry)
         self.actor_id = config.resolved_actor_id
-        self.reward_fn = resolve_reward(
-            config.reward.name, config.reward.length_penalty, config.reward.length_max_chars
-        )
+        self.scorer = Scorer(config.reward)  # an unknown reward fails here, at start-up
         self.prompts = shard(load_prompts(config.dataset.path), config.actor_index, config.num_actors)
         if not self.prompts:
             raise DatasetError(
@@ -92,6 +90,7 @@ class Actor:
 
     def close(self) -> None:
         """Shut down the vLLM engine if this actor built it (its engine-core process would outlive us)."""
+        self.scorer.close()
         if self._owns_engine:
             self.engine.shutdown()
 
@@ -136,6 +135,7 @@ class Actor:
                 await cancel_and_wait([follower])
             await store.close()
             await buffer.close()
+            await self.scorer.aclose()
             self.state = "stopped"
 
     async def _admit_loop(self, buffer: AsyncReplayBuffer, stop: threading.Event) -> None:
@@ -220,12 +220,13 @@ class Actor:
             self._readmit.append(prompt)
             return
         self._count_tokens(tokens, time.perf_counter() - t0)
-        try:
-            group = make_group(prompt, ids, completions, self.reward_fn, version, self.actor_id, self._stamp)
+        try:  # off this loop (the engine's): the engine goes on generating meanwhile
+            rewards = await self.scorer.score(prompt, [c.text for c in completions])
         except RewardError as e:
             self.metrics.failures.labels("reward_error").inc()
             log.warning("prompt %s: reward failed, group dropped: %s", prompt.prompt_id, e)
             return
+        group = stamp_group(prompt, ids, completions, rewards, version, self.actor_id, self._stamp)
         for t in group.trajectories:
             self.metrics.reward.observe(t.reward)
         self._pending.append(group)
