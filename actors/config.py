@@ -152,6 +152,14 @@ class RewardConfig(ConfigModel):
         return self
 
 
+class EnvironmentConfig(ConfigModel):
+    """A multi-turn or tool-using environment in Python (actors/episodes.py) instead of one generation."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z_][\w.]*\.[A-Za-z_]\w*$")
+    """Dotted path `pkg.mod.fn` of an async `fn(episode) -> float | EpisodeResult`; built-ins:
+    `actors.environments.calculator`, `actors.environments.guessing_game`."""
+
+
 class ReloadConfig(ConfigModel):
     """How the actor follows the learner's published weights."""
 
@@ -217,7 +225,9 @@ class ActorConfig(ConfigModel):
     dataset: DatasetConfig
     """The prompt dataset."""
     reward: RewardConfig = RewardConfig()
-    """The reward function."""
+    """The reward function (single-turn prompts; an environment returns its episodes' rewards)."""
+    environment: EnvironmentConfig | None = None
+    """Run each prompt's `sampling.n` completions as episodes of this environment; None = one generation."""
     buffer: BufferConfig = BufferConfig()
     """The replay buffer's config; must equal the learner's (the insert script applies it)."""
     max_inflight_prompts: int = Field(16, ge=1)

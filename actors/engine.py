@@ -49,6 +49,9 @@ class Completion:
     finish_reason: str  # "stop" | "length" | "abort"
     text: str  # detokenized completion (what reward functions read)
     versions: np.ndarray | None = None  # int32[R]: policy version that sampled each token; None = unknown
+    policy_mask: np.ndarray | None = (
+        None  # bool[R]: False on an episode's environment tokens; None = all policy
+    )
 
 
 class VLLMEngine:

@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry
 
 from actors.config import ActorConfig
 from actors.engine import VLLMEngine
+from actors.episodes import Episode, as_result, resolve_environment
 from actors.errors import DatasetError, PromptFailed, RewardError
 from actors.metrics import ActorMetrics
 from actors.prompts import Prompt, encode, epoch_batches, load_prompts, shard
@@ -54,6 +55,8 @@ class Actor:
         self.metrics = ActorMetrics(registry)
         self.actor_id = config.resolved_actor_id
         self.scorer = Scorer(config.reward)  # an unknown reward fails here, at start-up
+        env = config.environment
+        self.environment = resolve_environment(env.name) if env is not None else None
         self.prompts = shard(load_prompts(config.dataset.path), config.actor_index, config.num_actors)
         if not self.prompts:
             raise DatasetError(
@@ -208,6 +211,9 @@ class Actor:
     async def _run_prompt(self, request_id: str, prompt: Prompt, ids: np.ndarray, version: int) -> None:
         """Generate one prompt's group, score and stamp it, hand it to the pusher (or re-admit it)."""
         t0 = time.perf_counter()
+        if self.environment is not None:
+            await self._run_episodes(prompt, ids, version, t0)
+            return
         try:
             completions = await self.engine.generate_group(request_id, ids, self.request_params(prompt))
         except PromptFailed as e:  # this prompt only: counted and skipped, the loop goes on
@@ -225,6 +231,44 @@ class Actor:
         except RewardError as e:
             self.metrics.failures.labels("reward_error").inc()
             log.warning("prompt %s: reward failed, group dropped: %s", prompt.prompt_id, e)
+            return
+        group = stamp_group(prompt, ids, completions, rewards, version, self.actor_id, self._stamp)
+        for t in group.trajectories:
+            self.metrics.reward.observe(t.reward)
+        self._pending.append(group)
+        self._push_wake.set()
+
+    async def _run_episodes(self, prompt: Prompt, ids: np.ndarray, version: int, t0: float) -> None:
+        """`sampling.n` episodes of the environment on one prompt, run concurrently: one group."""
+        cfg = self.config
+
+        def params_for(max_tokens: int) -> Any:
+            return self.engine.sampling_params(cfg.sampling, n=1, max_tokens=max_tokens)
+
+        episodes = [
+            Episode(
+                prompt, ids, self.engine, self.engine.tokenizer, params_for, cfg.sampling.max_tokens, version
+            )
+            for _ in range(cfg.sampling.n)
+        ]
+        assert self.environment is not None
+        try:
+            results = await asyncio.gather(*(self.environment(ep) for ep in episodes))
+        except PromptFailed as e:
+            self.metrics.failures.labels("engine_error").inc()
+            log.warning("prompt %s skipped: %s", prompt.prompt_id, e)
+            return
+        except (RewardError, ValueError) as e:  # an environment that fails sets its group aside
+            self.metrics.failures.labels("reward_error").inc()
+            log.warning("prompt %s: an episode failed, group dropped: %s", prompt.prompt_id, e)
+            return
+        completions = [ep.completion() for ep in episodes]
+        self._count_tokens(sum(len(c.token_ids) for c in completions), time.perf_counter() - t0)
+        try:
+            rewards = [as_result(r).reward for r in results]
+        except RewardError as e:
+            self.metrics.failures.labels("reward_error").inc()
+            log.warning("prompt %s: %s; group dropped", prompt.prompt_id, e)
             return
         group = stamp_group(prompt, ids, completions, rewards, version, self.actor_id, self._stamp)
         for t in group.trajectories:

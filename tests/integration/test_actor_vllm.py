@@ -287,3 +287,37 @@ def test_actor_survives_redis_going_away_and_coming_back(engine, model_dir, data
     )
     assert waited > 0
     assert len(groups) == pushed and len({g.group_id for g in groups}) == pushed
+
+
+async def test_an_environment_records_policy_and_environment_tokens_exactly(
+    original_engine, model_dir, dataset, redis_url, run_id
+):
+    """Three-turn episodes of the guessing game: the user's turns are the chat template's tokens, masked
+    as the environment's; at equal weights the learner's log-probs of the policy's tokens, with the user's
+    turns in the context, are the engine's behaviour log-probs."""
+    from actors.episodes import render_message
+
+    cfg = _config(
+        model_dir,
+        dataset,
+        redis_url,
+        run_id,
+        environment={"name": "actors.environments.guessing_game"},
+        sampling=SamplingConfig(temperature=TEMPERATURE, max_tokens=80, n=2),  # 3 turns of 6 + 2 replies
+        dataset=DatasetConfig(path=str(dataset), prompts_per_batch=4, max_epochs=1),
+    )
+    actor = Actor(cfg, CollectorRegistry(), engine=original_engine)
+    await actor.arun(threading.Event())
+    groups = _drain(redis_url, run_id, original_engine.loaded_version)
+    assert len(groups) == NUM_PROMPTS
+    tok = original_engine.tokenizer
+    replies = {tuple(render_message(tok, "user", word)) for word in ("warmer", "colder")}
+    for g in groups:
+        for t in g.trajectories:
+            env = ~t.policy_mask
+            runs = np.split(t.response_ids[env], np.flatnonzero(np.diff(np.flatnonzero(env)) > 1) + 1)
+            assert len(runs) == 2 and all(tuple(r.tolist()) in replies for r in runs)  # two user turns
+            assert (t.behavior_logprobs[env] == 0).all()
+    lp, behaviour, mask = _learner_logprobs(model_dir, groups)
+    assert mask.sum() >= NUM_PROMPTS * 2 * 3  # at least a token per policy turn
+    assert float(((lp - behaviour).abs() * mask).max()) < 1e-4
