@@ -75,6 +75,7 @@ def _quickstart(args: argparse.Namespace) -> int:
         max_steps=args.max_steps,
         runs_dir=args.runs_dir,
         timeout_s=args.timeout_s,
+        environment=args.environment,
     )
     return run_quickstart(options)
 
@@ -136,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     quick.add_argument("--max-steps", type=int, default=60, help="stop after this many learner steps")
     quick.add_argument("--runs-dir", type=Path, default=Path("runs"), help="where runs/<id>/ is written")
     quick.add_argument("--timeout-s", type=float, default=540.0, help="give up after this many seconds")
+    quick.add_argument(
+        "--environment",
+        help="multi-turn episodes of this environment (e.g. actors.environments.guessing_game) instead of "
+        "one generation per completion",
+    )
     quick.set_defaults(func=_quickstart)
 
     learner = _add_service_parser(

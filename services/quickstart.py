@@ -42,6 +42,9 @@ class QuickstartOptions:
     """Parent of the run folder `runs/<id>/`."""
     timeout_s: float = 540.0
     """Give up (and stop everything) after this many seconds."""
+    environment: str | None = None
+    """Dotted path of an environment (e.g. `actors.environments.guessing_game`): multi-turn episodes
+    instead of one generation per completion; None = the single-turn toy task."""
 
 
 TOY_BUFFER = {
@@ -85,12 +88,20 @@ def learner_config(run_dir: Path, model: str, redis_url: str, run_id: str) -> di
     return config.model_dump(mode="json")
 
 
-def actor_config(model: str, dataset: Path, redis_url: str, run_id: str) -> dict[str, Any]:
+def actor_config(
+    model: str, dataset: Path, redis_url: str, run_id: str, environment: str | None = None
+) -> dict[str, Any]:
     """The actor's config for the toy task: vLLM on CPU (float32, eager, 1 GiB KV cache), 4 completions
-    of up to 32 tokens per prompt at temperature 0.7, reward = share of the target character."""
+    of up to 32 tokens per prompt at temperature 0.7, reward = share of the target character. With an
+    `environment`, 4 episodes per prompt of up to 80 tokens (the policy's turns and the environment's)."""
     from actors.config import ActorConfig
 
     config = ActorConfig.cpu_tiny(model, str(dataset), redis_url=redis_url, run_id=run_id, buffer=TOY_BUFFER)
+    if environment is not None:
+        sampling = config.sampling.model_copy(update={"max_tokens": 80})
+        config = ActorConfig.model_validate(
+            config.model_dump() | {"environment": {"name": environment}, "sampling": sampling.model_dump()}
+        )
     return config.model_dump(mode="json")
 
 
@@ -109,7 +120,9 @@ def run_quickstart(options: QuickstartOptions) -> int:
         redis_url = options.redis_url or _start_redis(run_dir, stoppable)
         model = options.model or _build_tiny_model(run_dir)
         dataset = options.dataset or _write_dataset(run_dir)
-        learner, actor = _start_services(run_dir, model, dataset, redis_url, run_id, stoppable)
+        learner, actor = _start_services(
+            run_dir, model, dataset, redis_url, run_id, stoppable, options.environment
+        )
         tracker = _follow(run_dir, learner, actor, options)
         for line in summary_lines(tracker, run_dir):
             print(line)
@@ -159,12 +172,18 @@ def _write_dataset(run_dir: Path) -> Path:
 
 
 def _start_services(
-    run_dir: Path, model: str, dataset: Path, redis_url: str, run_id: str, stoppable: list[Any]
+    run_dir: Path,
+    model: str,
+    dataset: Path,
+    redis_url: str,
+    run_id: str,
+    stoppable: list[Any],
+    environment: str | None = None,
 ) -> tuple[ServiceProcess, ServiceProcess]:
     learner_yaml = run_dir / "learner.yaml"
     learner_yaml.write_text(yaml.safe_dump(learner_config(run_dir, model, redis_url, run_id)))
     actor_yaml = run_dir / "actor.yaml"
-    actor_yaml.write_text(yaml.safe_dump(actor_config(model, dataset, redis_url, run_id)))
+    actor_yaml.write_text(yaml.safe_dump(actor_config(model, dataset, redis_url, run_id, environment)))
     learner = start_service("learner", learner_yaml, run_dir / "learner.log")
     stoppable.append(learner)
     actor = start_service("actor", actor_yaml, run_dir / "actor.log")
