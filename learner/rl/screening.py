@@ -43,7 +43,9 @@ def _check(group: TrajectoryGroup, limits: ModelLimits) -> tuple[str, str] | Non
     if group.sampling.temperature <= 0:
         return "sampling.temperature", f"temperature {group.sampling.temperature} has no sampling log-probs"
     prompt = np.asarray(group.prompt_ids)
-    if prompt.size and (prompt.min() < 0 or prompt.max() >= limits.vocab_size):
+    if prompt.size == 0:  # the first response token would have no state to predict it from
+        return "prompt_ids", "empty prompt: the first response token has no context"
+    if prompt.min() < 0 or prompt.max() >= limits.vocab_size:
         return (
             "prompt_ids",
             f"token ids must lie in [0, {limits.vocab_size}); got {prompt.min()}..{prompt.max()}",

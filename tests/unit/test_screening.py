@@ -37,6 +37,7 @@ def test_each_kind_of_untrainable_group_is_named_and_the_neighbours_pass():
         _group("too_long", prompt=tuple(range(10)), responses=((1,) * 7,)),
         _group("greedy", temperature=0.0),
         _group("lengths", lp_len=3),
+        _group("no_prompt", prompt=()),
         _group("ok2", prompt=tuple(range(10)), responses=((1,) * 6,)),
     ]
     good, bad = screen(groups, LIMITS)
@@ -48,6 +49,7 @@ def test_each_kind_of_untrainable_group_is_named_and_the_neighbours_pass():
         ("too_long", "trajectories[0].response_ids"),
         ("greedy", "sampling.temperature"),
         ("lengths", "trajectories[0].behavior_logprobs"),
+        ("no_prompt", "prompt_ids"),
     ]
     assert "[0, 100)" in bad[0].reason and "got 7..100" in bad[0].reason
     assert "exceed the model's 16 positions" in bad[3].reason
