@@ -160,6 +160,23 @@ class EnvironmentConfig(ConfigModel):
     `actors.environments.calculator`, `actors.environments.guessing_game`."""
 
 
+class GatewayConfig(ConfigModel):
+    """The OpenAI-compatible gateway on the actor service (actors/gateway.py, docs/agents.md): agents written
+    in any framework call `POST /v1/chat/completions` within episodes, and every call is recorded."""
+
+    enabled: bool = False
+    """Serve `/v1/episodes` and `/v1/chat/completions` (beside the dataset's prompts, if any)."""
+    group_size: int | None = Field(None, ge=1)
+    """Episodes per group when `POST /v1/episodes` names none; None = `sampling.n`."""
+    episode_timeout_s: float = Field(600.0, gt=0.0, le=86_400.0)
+    """An episode with no call or finish for this long expires (counted); its group is pushed with the
+    episodes that did finish (none: nothing is pushed)."""
+    max_open_episodes: int = Field(4096, ge=1)
+    """Open episodes at most; `POST /v1/episodes` answers 429 beyond it."""
+    model_name: str = Field("offpolicy", min_length=1, max_length=256)
+    """The `model` the gateway answers with (any `model` is accepted in requests)."""
+
+
 class ReloadConfig(ConfigModel):
     """How the actor follows the learner's published weights."""
 
@@ -222,12 +239,17 @@ class ActorConfig(ConfigModel):
     """The vLLM engine."""
     sampling: SamplingConfig = SamplingConfig()
     """Sampling parameters (and group size `n`)."""
-    dataset: DatasetConfig
-    """The prompt dataset."""
+    dataset: DatasetConfig | None = None
+    """The prompt dataset; None = none (the actor serves the gateway only: `gateway.enabled` required)."""
     reward: RewardConfig = RewardConfig()
     """The reward function (single-turn prompts; an environment returns its episodes' rewards)."""
     environment: EnvironmentConfig | None = None
     """Run each prompt's `sampling.n` completions as episodes of this environment; None = one generation."""
+    gateway: GatewayConfig = GatewayConfig()
+    """The OpenAI-compatible gateway for agents written elsewhere."""
+    tool_parser: str | None = Field(None, min_length=1, max_length=64)
+    """The vLLM tool parser reading tool calls out of the policy's turns (`hermes`, `llama3_json`,
+    `qwen3_xml`, ...: the model's own format); None = turns carry no tool calls."""
     buffer: BufferConfig = BufferConfig()
     """The replay buffer's config; must equal the learner's (the insert script applies it)."""
     max_inflight_prompts: int = Field(16, ge=1)
@@ -240,6 +262,8 @@ class ActorConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check(self) -> Self:
+        if self.dataset is None and not self.gateway.enabled:
+            raise ValueError("dataset is required unless gateway.enabled (an actor needs prompts or callers)")
         if self.actor_index >= self.num_actors:
             raise ValueError(f"actor_index={self.actor_index} must be < num_actors={self.num_actors}")
         if self.sampling.max_tokens >= self.engine.max_model_len:

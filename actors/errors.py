@@ -31,3 +31,29 @@ class EngineError(ActorError):
 class PromptFailed(EngineError):
     """vLLM refused or failed one prompt's request (validation, a request-level error); the engine is
     fine: the actor counts it (`engine_error`), skips the prompt and goes on."""
+
+
+class EpisodeNotFound(ActorError):
+    """No open episode has this id (never opened, finished, or expired)."""
+
+
+class EpisodeConflict(ActorError):
+    """A call does not fit the episode's state: its messages rewrite the recorded conversation, the episode
+    is finished or out of budget, or its group already has all its episodes."""
+
+
+class ChatRequestError(ActorError):
+    """A chat request asks for something the gateway does not do (`field` names it), e.g. `n` > 1, a
+    sampling parameter other than the actor's on a recorded call, streaming."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class TooManyEpisodes(ActorError):
+    """The gateway holds `gateway.max_open_episodes` open episodes; finish some or wait for expiry."""
+
+
+class ActorNotRunning(ActorError):
+    """The actor's loop is not running (starting, stopping or stopped): the gateway cannot serve or push."""

@@ -14,6 +14,13 @@ FAILURE_REASONS = (
 )
 RELOAD_FAILURE_REASONS = ("missing", "checksum", "timeout", "engine", "restore")
 WAIT_REASONS = ("pacing", "rate_limited", "redis_unavailable")
+EPISODE_EVENTS = (
+    "opened",  # POST /v1/episodes
+    "finished",  # POST /v1/episodes/{id}/finish
+    "expired",  # no call or finish for gateway.episode_timeout_s
+    "empty",  # finished or expired without a policy turn: not part of its group's record
+)
+GATEWAY_SECONDS = ("request", "engine")  # a chat call's time in the handler; the engine's share of it
 # The first bound must be >= 0 or prometheus_client drops `_sum` (dashboards use sum/count): negative
 # rewards (length penalty) all land in the `le="0.0"` bucket.
 _REWARD_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 2.0)
@@ -86,6 +93,28 @@ class ActorMetrics:
             "offpolicy_actor_buffer_wait_seconds_total",
             "Seconds spent waiting on the buffer (pacing, rate limiter, Redis down)", ["reason"], registry=r,
         )  # fmt: skip
+        self.episodes = Counter(
+            "offpolicy_actor_gateway_episodes_total", "Gateway episodes by event (see actors/metrics.py)",
+            ["event"], registry=r,
+        )  # fmt: skip
+        self.chat_calls = Counter(
+            "offpolicy_actor_gateway_chat_calls_total",
+            "Chat completions served by the gateway; recorded = within an episode", ["recorded"], registry=r,
+        )  # fmt: skip
+        self.gateway_seconds = Counter(
+            "offpolicy_actor_gateway_seconds_total",
+            "Seconds of gateway chat calls: `request` (the handler) and `engine` (generation within it)",
+            ["part"], registry=r,
+        )  # fmt: skip
+        self.open_episodes = Gauge(
+            "offpolicy_actor_gateway_open_episodes", "Gateway episodes opened and not finished", registry=r
+        )
+        for event in EPISODE_EVENTS:
+            self.episodes.labels(event)
+        for part in GATEWAY_SECONDS:
+            self.gateway_seconds.labels(part)
+        for recorded in ("true", "false"):
+            self.chat_calls.labels(recorded)
         for reason in FAILURE_REASONS:
             self.failures.labels(reason)
         for reason in RELOAD_FAILURE_REASONS:

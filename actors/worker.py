@@ -28,7 +28,8 @@ from prometheus_client import CollectorRegistry
 from actors.config import ActorConfig
 from actors.engine import VLLMEngine
 from actors.episodes import Episode, as_result, resolve_environment
-from actors.errors import DatasetError, PromptFailed, RewardError
+from actors.errors import ActorNotRunning, DatasetError, PromptFailed, RewardError
+from actors.gateway import Gateway
 from actors.metrics import ActorMetrics
 from actors.prompts import Prompt, encode, epoch_batches, load_prompts, shard
 from actors.rollout import push_groups, stamp_group, stamped_sampling, wait_for_room
@@ -57,8 +58,12 @@ class Actor:
         self.scorer = Scorer(config.reward)  # an unknown reward fails here, at start-up
         env = config.environment
         self.environment = resolve_environment(env.name) if env is not None else None
-        self.prompts = shard(load_prompts(config.dataset.path), config.actor_index, config.num_actors)
-        if not self.prompts:
+        self.prompts = (
+            []
+            if config.dataset is None
+            else shard(load_prompts(config.dataset.path), config.actor_index, config.num_actors)
+        )
+        if config.dataset is not None and not self.prompts:
             raise DatasetError(
                 f"actor {config.actor_index}/{config.num_actors} has an empty shard of {config.dataset.path}"
             )
@@ -67,6 +72,9 @@ class Actor:
             config.engine, config.reload.initial_version, seed_offset=config.actor_index
         )
         self.sync: WeightSync | None = None
+        self.gateway = Gateway(self) if config.gateway.enabled else None
+        self.stamp = stamped_sampling(config.sampling)  # the sampling stamped on every group
+        self._loop_running = False
         self.state = "idle"
         self.groups_pushed = 0
         self.tokens_per_s: float | None = None
@@ -115,7 +123,6 @@ class Actor:
         self.sync = WeightSync(store, self.engine, cfg.reload, cfg.retry, self.metrics)
         follower = asyncio.create_task(self.sync.follow()) if cfg.reload.enabled else None
         self._params = self.engine.sampling_params(cfg.sampling)
-        self._stamp = stamped_sampling(cfg.sampling)
         self._inflight: dict[str, asyncio.Task] = {}  # request id -> its task
         self._readmit: collections.deque[Prompt] = collections.deque()  # aborted prompts, first in line
         self._pending: list[TrajectoryGroup] = []  # scored groups the pusher has not taken yet
@@ -123,13 +130,17 @@ class Actor:
         self._wake, self._push_wake = asyncio.Event(), asyncio.Event()
         closing = asyncio.Event()
         pusher = asyncio.create_task(self._push_loop(buffer, stop, closing))
-        self.state, finished = "running", False
+        expiry = asyncio.create_task(self.gateway.expire_loop()) if self.gateway is not None else None
+        self.state, finished, self._loop_running = "running", False, True
         try:
             await self._admit_loop(buffer, stop)
             finished = True
         finally:
+            self._loop_running = False
             if not finished:
                 stop.set()  # failing: the pusher tries each insert once more, then gives up (counted)
+            if expiry is not None:
+                await cancel_and_wait([expiry])
             await self._cancel_inflight()
             closing.set()
             self._push_wake.set()
@@ -165,8 +176,8 @@ class Actor:
             # --- 4. admit the next prompt (aborted ones first); at the end, wait for the last ones
             prompt = self._readmit.popleft() if self._readmit else next(source, None)
             if prompt is None:
-                if not self._inflight:
-                    return  # every epoch done, nothing in flight or to re-admit
+                if not self._inflight and self.gateway is None:
+                    return  # every epoch done, nothing in flight or to re-admit (the gateway serves on)
                 await self._sleep_until_woken()
                 continue
             ids = self._encode(prompt)
@@ -232,7 +243,7 @@ class Actor:
             self.metrics.failures.labels("reward_error").inc()
             log.warning("prompt %s: reward failed, group dropped: %s", prompt.prompt_id, e)
             return
-        group = stamp_group(prompt, ids, completions, rewards, version, self.actor_id, self._stamp)
+        group = stamp_group(prompt, ids, completions, rewards, version, self.actor_id, self.stamp)
         for t in group.trajectories:
             self.metrics.reward.observe(t.reward)
         self._pending.append(group)
@@ -270,13 +281,20 @@ class Actor:
             self.metrics.failures.labels("reward_error").inc()
             log.warning("prompt %s: %s; group dropped", prompt.prompt_id, e)
             return
-        group = stamp_group(prompt, ids, completions, rewards, version, self.actor_id, self._stamp)
+        group = stamp_group(prompt, ids, completions, rewards, version, self.actor_id, self.stamp)
         for t in group.trajectories:
             self.metrics.reward.observe(t.reward)
         self._pending.append(group)
         self._push_wake.set()
 
     # --- pushing
+
+    def submit(self, group: TrajectoryGroup) -> None:
+        """Hand a scored group to the pusher (on the engine's loop: the gateway's finished groups)."""
+        if not self._loop_running:
+            raise ActorNotRunning("the actor's loop is not running: groups cannot be pushed")
+        self._pending.append(group)
+        self._push_wake.set()
 
     async def _push_loop(self, buffer: AsyncReplayBuffer, stop: threading.Event, closing: asyncio.Event):
         """Insert scored groups as they come; a failing insert is retried (bounded waits) with its groups
@@ -299,6 +317,8 @@ class Actor:
     def _prompt_source(self) -> Iterator[Prompt]:
         """This actor's shard, epoch after epoch, reshuffled per epoch (`dataset.seed`, the epoch)."""
         d = self.config.dataset
+        if d is None:
+            return
         for epoch in itertools.count() if d.max_epochs is None else range(d.max_epochs):
             for batch in epoch_batches(self.prompts, len(self.prompts), epoch, d.seed, d.shuffle):
                 yield from batch
@@ -306,6 +326,7 @@ class Actor:
     def _encode(self, prompt: Prompt) -> np.ndarray | None:
         """Token ids of a prompt; None (counted) when it leaves no room for `max_tokens`."""
         cfg = self.config
+        assert cfg.dataset is not None  # prompts come from the dataset
         room = cfg.engine.max_model_len - cfg.sampling.max_tokens
         tokens = encode(self.engine.tokenizer, prompt, cfg.dataset.chat_template, cfg.dataset.system_prompt)
         if len(tokens) > room:

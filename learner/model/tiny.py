@@ -18,8 +18,15 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrai
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
 # Printable ASCII without \r, \v and \f (newline and tab kept): 97 characters.
 CHARACTERS = tuple(dict.fromkeys(string.printable.replace("\r", "").replace("\x0b", "").replace("\x0c", "")))
+# Messages as `role: content` lines; tools (when given) as a first `system:` line; an assistant's tool calls
+# after its content in the Hermes format (`<tool_call>{"name", "arguments"}</tool_call>`, vLLM's `hermes`
+# tool parser reads them back).
 CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if tools %}system: tools {{ tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] if m['content'] is string else '' }}"
+    "{% for c in m['tool_calls'] or [] %}<tool_call>"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}</tool_call>"
+    "{% endfor %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 

@@ -16,7 +16,10 @@ from services.common.settings import ActorServiceSettings
 DESCRIPTION = """An offpolicy actor: vLLM generation into the replay buffer, reloading published weights.
 
 Serves liveness, readiness (Redis reachable, engine loaded, loop running), Prometheus metrics and its
-status; it has no mutating routes.
+status. With `gateway.enabled` it also serves the OpenAI-compatible gateway for agents written elsewhere:
+`POST /v1/episodes` opens an episode, `POST /v1/chat/completions` with `X-Episode-Id` records each call,
+`POST /v1/episodes/{episode_id}/finish` closes it (docs/agents.md); these need the bearer token when one is
+configured (the `openai` client's `api_key`).
 """
 
 

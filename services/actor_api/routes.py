@@ -1,13 +1,20 @@
-"""The actor's `/v1` route: its status. Health, readiness and metrics come from services/common."""
+"""The actor's `/v1` routes: its status, and the OpenAI-compatible gateway when `gateway.enabled`
+(`/v1/episodes`, `/v1/chat/completions`: actors/gateway.py, docs/agents.md). Health, readiness and
+metrics come from services/common."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Header, Path, Request
+from fastapi.responses import JSONResponse
 
 from services.actor_api.runtime import ActorRuntime
-from services.actor_api.schemas import ActorStatus
+from services.actor_api.schemas import ActorStatus, EpisodeFinished, EpisodeOpened, FinishEpisode, OpenEpisode
+from services.common.auth import Authorized
+from services.common.errors import InvalidConfig, error_responses
+
+EPISODE_ID = Path(min_length=1, max_length=64, pattern=r"^[0-9a-f]+$")
 
 
 def get_runtime(request: Request) -> ActorRuntime:
@@ -21,3 +28,64 @@ router = APIRouter(prefix="/v1")
 @router.get("/status", response_model=ActorStatus, tags=["status"], summary="What the actor is doing")
 def status(runtime: Runtime) -> ActorStatus:
     return runtime.status()
+
+
+@router.post(
+    "/episodes",
+    response_model=EpisodeOpened,
+    dependencies=[Authorized],
+    tags=["gateway"],
+    summary="Open an episode (its chat calls carry X-Episode-Id)",
+    responses=error_responses(401, 404, 409, 422, 429, 503),
+)
+async def open_episode(body: OpenEpisode, runtime: Runtime) -> EpisodeOpened:
+    gateway = runtime.gateway()
+    opened = await runtime.on_engine(
+        gateway.open_episode(body.prompt_id, body.group_id, body.group_size, body.answer, body.metadata)
+    )
+    return EpisodeOpened(**opened)
+
+
+@router.post(
+    "/episodes/{episode_id}/finish",
+    response_model=EpisodeFinished,
+    dependencies=[Authorized],
+    tags=["gateway"],
+    summary="Close an episode with its reward (none: the reward function scores it)",
+    responses=error_responses(401, 404, 422, 503),
+)
+async def finish_episode(
+    runtime: Runtime,
+    episode_id: Annotated[str, EPISODE_ID],
+    body: FinishEpisode | None = None,
+) -> EpisodeFinished:
+    body = body or FinishEpisode()
+    gateway = runtime.gateway()
+    done = await runtime.on_engine(gateway.finish(episode_id, body.reward, body.metadata))
+    return EpisodeFinished(**done)
+
+
+@router.post(
+    "/chat/completions",
+    dependencies=[Authorized],
+    tags=["gateway"],
+    summary="An OpenAI chat completion; recorded within the episode named by X-Episode-Id",
+    responses=error_responses(401, 404, 409, 422, 503),
+)
+async def chat_completions(
+    request: Request,
+    runtime: Runtime,
+    x_episode_id: Annotated[str | None, Header(max_length=64, pattern=r"^[0-9a-f]+$")] = None,
+) -> JSONResponse:
+    try:
+        body: Any = await request.json()
+    except ValueError as e:
+        raise InvalidConfig(
+            "the body is not JSON", [{"field": "body", "message": str(e), "type": "json"}]
+        ) from e
+    if not isinstance(body, dict):
+        raise InvalidConfig(
+            "the body must be an object", [{"field": "body", "message": "not an object", "type": "type"}]
+        )
+    gateway = runtime.gateway()
+    return JSONResponse(await runtime.on_engine(gateway.chat(x_episode_id, body)))

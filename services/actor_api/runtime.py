@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry
 
 from config.secrets import Redactor, url_secrets
 from services.actor_api.schemas import ActorStatus
+from services.common.errors import NotFound, NotReady
 from services.common.loop import BackgroundLoop, FailureHook
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class ActorLike(Protocol):
@@ -51,6 +53,19 @@ class ActorRuntime:
             log.error("actor loop did not stop within %.0f s", timeout_s)
         if self.actor is not None:
             self.actor.close()  # the vLLM engine-core process is ours to stop
+
+    def gateway(self) -> Any:
+        """The actor's gateway (`actors.gateway.Gateway`); `NotFound` when disabled, `NotReady` while the
+        actor starts."""
+        if not self.config.gateway.enabled:
+            raise NotFound("the gateway is not enabled on this actor (gateway.enabled)")
+        if self.actor is None or getattr(self.actor, "gateway", None) is None:
+            raise NotReady("the actor is still starting (loading the engine)")
+        return self.actor.gateway
+
+    async def on_engine(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run `coro` on the engine's event loop (where the actor and its gateway live)."""
+        return await self.actor.engine.acall(coro)  # type: ignore[union-attr]
 
     def readiness(self) -> str | None:
         if self.actor is None or self.loop is None:

@@ -1,8 +1,14 @@
-"""Response models of the actor service's `GET /v1/status`."""
+"""Request and response models of the actor service: `GET /v1/status` and the gateway's episodes."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel
+from typing import Annotated
+
+from pydantic import AllowInfNan, BaseModel, ConfigDict, Field
+
+from config.base import IdStr
+
+FiniteFloat = Annotated[float, AllowInfNan(False)]
 
 
 class ActorStatus(BaseModel):
@@ -24,3 +30,54 @@ class ActorStatus(BaseModel):
     """Weight reloads done since start."""
     error: str | None = None
     """Why the loop stopped, when it failed."""
+
+
+# --- the gateway (actors/gateway.py)
+
+
+class OpenEpisode(BaseModel):
+    """`POST /v1/episodes`: open an episode of a group."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_id: IdStr
+    """The task's id; episodes of one prompt form a group unless `group_id` says otherwise."""
+    group_id: IdStr | None = None
+    """The group this episode joins (opened by its first episode); null = the prompt's open group."""
+    group_size: int | None = Field(None, ge=1, le=1024)
+    """Episodes in the group; null = `gateway.group_size`, else `sampling.n`."""
+    answer: str | None = Field(None, max_length=65_536)
+    """The reference answer the configured reward function reads (when a finish has no reward)."""
+    metadata: dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=65_536)]] = Field(
+        default_factory=dict, max_length=64
+    )
+    """Stored with the group (strings)."""
+
+
+class EpisodeOpened(BaseModel):
+    """An open episode: send its id as `X-Episode-Id` with each chat call."""
+
+    episode_id: str
+    group_id: str
+    group_size: int
+
+
+class FinishEpisode(BaseModel):
+    """`POST /v1/episodes/{episode_id}/finish`: close an episode."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reward: FiniteFloat | None = None
+    """The episode's reward; null = the configured reward function scores its policy text."""
+    metadata: dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=65_536)]] = Field(
+        default_factory=dict, max_length=64
+    )
+    """Added to the group's metadata."""
+
+
+class EpisodeFinished(BaseModel):
+    """A closed episode; `group_complete` once every episode of its group has ended (the group is pushed)."""
+
+    episode_id: str
+    group_id: str
+    group_complete: bool

@@ -18,7 +18,19 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from actors.errors import ActorError, DatasetError, EngineError, PromptFailed, RewardError, WeightLoadError
+from actors.errors import (
+    ActorError,
+    ActorNotRunning,
+    ChatRequestError,
+    DatasetError,
+    EngineError,
+    EpisodeConflict,
+    EpisodeNotFound,
+    PromptFailed,
+    RewardError,
+    TooManyEpisodes,
+    WeightLoadError,
+)
 from buffer.errors import BufferError, BufferNotReady, InvalidTrajectory, RateLimited, StorageUnavailable
 from config.secrets import Redactor
 from learner.errors import (
@@ -163,6 +175,11 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
     WeightLoadError: (503, "weight_load_failed"),
     EngineError: (500, "engine_error"),
     PromptFailed: (500, "prompt_failed"),
+    EpisodeNotFound: (404, "episode_not_found"),
+    EpisodeConflict: (409, "episode_conflict"),
+    ChatRequestError: (422, "unsupported_chat_request"),
+    TooManyEpisodes: (429, "too_many_episodes"),
+    ActorNotRunning: (503, "actor_not_running"),
 }
 """(status, code) per error class; a subclass without a row inherits its nearest parent's (MRO order)."""
 
@@ -170,6 +187,9 @@ ERROR_DETAIL: dict[type[BaseException], Callable[[Any], Any]] = {
     ServiceError: lambda exc: exc.detail,
     FrozenFieldChange: lambda exc: {"fields": list(exc.fields)},
     InvalidTrajectory: lambda exc: {"field": exc.field},
+    ChatRequestError: lambda exc: [
+        {"field": f"body.{exc.field}", "message": str(exc), "type": "unsupported"}
+    ],
     WeightLoadError: lambda exc: {"version": exc.version, "reason": exc.reason},
 }
 """The envelope's `detail` for the error classes that carry structured fields (MRO order, like the table)."""
