@@ -4,6 +4,7 @@ metrics come from services/common."""
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Path, Request
@@ -77,6 +78,7 @@ async def chat_completions(
     runtime: Runtime,
     x_episode_id: Annotated[str | None, Header(max_length=64, pattern=r"^[0-9a-f]+$")] = None,
 ) -> JSONResponse:
+    t0 = time.perf_counter()
     try:
         body: Any = await request.json()
     except ValueError as e:
@@ -88,4 +90,6 @@ async def chat_completions(
             "the body must be an object", [{"field": "body", "message": "not an object", "type": "type"}]
         )
     gateway = runtime.gateway()
-    return JSONResponse(await runtime.on_engine(gateway.chat(x_episode_id, body)))
+    response = JSONResponse(await runtime.on_engine(gateway.chat(x_episode_id, body)))
+    gateway.metrics.gateway_seconds.labels("request").inc(time.perf_counter() - t0)  # parse to response
+    return response
