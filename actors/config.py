@@ -160,6 +160,31 @@ class EnvironmentConfig(ConfigModel):
     `actors.environments.calculator`, `actors.environments.guessing_game`."""
 
 
+class EvalConfig(ConfigModel):
+    """Evaluation on a held-out set (actors/evaluation.py): every `every_versions` policy versions the actor
+    generates `samples_per_prompt` completions of each held-out prompt with the version it holds (weight
+    loads wait meanwhile), scores them and reports the mean reward and pass@k to Prometheus, its status and
+    the run's evaluation stream in Redis (the learner's JSONL line and trackers read it). Nothing it
+    generates goes to the buffer."""
+
+    dataset: DatasetConfig
+    """The held-out prompts (the same record layout as training prompts)."""
+    every_versions: int = Field(5, ge=1)
+    """Evaluate the versions that are multiples of this (and the first version the actor holds)."""
+    samples_per_prompt: int = Field(4, ge=1, le=256)
+    """Completions per prompt (k of pass@k); 1 with `greedy`."""
+    greedy: bool = False
+    """Greedy decoding (temperature 0, one completion per prompt) instead of the actor's sampling."""
+    max_prompts: int | None = Field(None, ge=1)
+    """Evaluate the first this many held-out prompts; None = all."""
+    max_tokens: int | None = Field(None, ge=1)
+    """Completion length; None = `sampling.max_tokens`."""
+    reward: RewardConfig | None = None
+    """The reward function of evaluation; None = the actor's `reward`."""
+    pass_threshold: float = 1.0
+    """A completion passes (pass@k) when its reward is at least this."""
+
+
 class GatewayConfig(ConfigModel):
     """The OpenAI-compatible gateway on the actor service (actors/gateway.py, docs/agents.md): agents written
     in any framework call `POST /v1/chat/completions` within episodes, and every call is recorded."""
@@ -247,6 +272,12 @@ class ActorConfig(ConfigModel):
     """Run each prompt's `sampling.n` completions as episodes of this environment; None = one generation."""
     gateway: GatewayConfig = GatewayConfig()
     """The OpenAI-compatible gateway for agents written elsewhere."""
+    mode: Literal["train", "eval"] = "train"
+    """`train`: generate the dataset's prompts into the buffer (and evaluate inline when `eval` is set);
+    `eval`: an evaluation actor: follows the published versions and runs `eval` only, pushing nothing
+    (`offpolicy actor --eval`)."""
+    eval: EvalConfig | None = None
+    """Evaluation on a held-out set; None = none."""
     tool_parser: str | None = Field(None, min_length=1, max_length=64)
     """The vLLM tool parser reading tool calls out of the policy's turns (`hermes`, `llama3_json`,
     `qwen3_xml`, ...: the model's own format); None = turns carry no tool calls."""
@@ -262,7 +293,9 @@ class ActorConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check(self) -> Self:
-        if self.dataset is None and not self.gateway.enabled:
+        if self.mode == "eval" and self.eval is None:
+            raise ValueError("mode 'eval' needs an eval section (the held-out set)")
+        if self.dataset is None and not self.gateway.enabled and self.mode == "train":
             raise ValueError("dataset is required unless gateway.enabled (an actor needs prompts or callers)")
         if self.actor_index >= self.num_actors:
             raise ValueError(f"actor_index={self.actor_index} must be < num_actors={self.num_actors}")

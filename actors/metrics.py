@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from buffer.evaluations import EvalRecord
 
 FAILURE_REASONS = (
     "reward_error",  # the reward function raised or returned a non-finite value: the group is dropped
@@ -109,6 +114,19 @@ class ActorMetrics:
         self.open_episodes = Gauge(
             "offpolicy_actor_gateway_open_episodes", "Gateway episodes opened and not finished", registry=r
         )
+        self.eval_reward = Gauge(
+            "offpolicy_actor_eval_reward_mean",
+            "Mean reward of the last evaluation on the held-out set",
+            registry=r,
+        )
+        self.eval_pass = Gauge(
+            "offpolicy_actor_eval_pass_at", "pass@k of the last evaluation (k = 1 and samples_per_prompt)",
+            ["k"], registry=r,
+        )  # fmt: skip
+        self.eval_version = Gauge(
+            "offpolicy_actor_eval_policy_version", "Policy version of the last evaluation", registry=r
+        )
+        self.evals = Counter("offpolicy_actor_evals_total", "Evaluations run on the held-out set", registry=r)
         for event in EPISODE_EVENTS:
             self.episodes.labels(event)
         for part in GATEWAY_SECONDS:
@@ -121,3 +139,11 @@ class ActorMetrics:
             self.reload_failures.labels(reason)
         for reason in WAIT_REASONS:
             self.buffer_wait.labels(reason)
+
+    def record_eval(self, record: EvalRecord) -> None:
+        """Set the evaluation gauges from one evaluation."""
+        self.eval_reward.set(record.reward_mean)
+        for k, value in record.pass_at.items():
+            self.eval_pass.labels(k).set(value)
+        self.eval_version.set(record.policy_version)
+        self.evals.inc()

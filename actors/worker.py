@@ -16,6 +16,7 @@ import collections
 import contextlib
 import itertools
 import logging
+import math
 import threading
 import time
 import uuid
@@ -29,12 +30,15 @@ from actors.config import ActorConfig
 from actors.engine import VLLMEngine
 from actors.episodes import Episode, as_result, resolve_environment
 from actors.errors import ActorNotRunning, DatasetError, PromptFailed, RewardError
+from actors.evaluation import Evaluator
 from actors.gateway import Gateway
 from actors.metrics import ActorMetrics
 from actors.prompts import Prompt, encode, epoch_batches, load_prompts, shard
 from actors.rollout import push_groups, stamp_group, stamped_sampling, wait_for_room
 from actors.scoring import Scorer
 from actors.weight_sync import WeightSync
+from buffer.errors import StorageUnavailable
+from buffer.evaluations import AsyncEvalStore
 from buffer.policy import AsyncPolicyStore
 from buffer.replay_buffer import AsyncReplayBuffer
 from buffer.types import TrajectoryGroup
@@ -73,6 +77,8 @@ class Actor:
         )
         self.sync: WeightSync | None = None
         self.gateway = Gateway(self) if config.gateway.enabled else None
+        self.evaluator = Evaluator(config, self.engine, self.scorer) if config.eval is not None else None
+        self._eval_task: asyncio.Task | None = None
         self.stamp = stamped_sampling(config.sampling)  # the sampling stamped on every group
         self._loop_running = False
         self.state = "idle"
@@ -93,6 +99,10 @@ class Actor:
             "tokens_per_s": self.tokens_per_s,
             "groups_pushed": self.groups_pushed,
             "reloads": 0 if self.sync is None else self.sync.reloads,
+            "mode": self.config.mode,
+            "last_eval": None
+            if self.evaluator is None or self.evaluator.last is None
+            else {k: v if math.isfinite(v) else None for k, v in self.evaluator.last.metrics().items()},
         }
 
     def run(self, stop_event: threading.Event) -> None:
@@ -102,6 +112,8 @@ class Actor:
     def close(self) -> None:
         """Shut down the vLLM engine if this actor built it (its engine-core process would outlive us)."""
         self.scorer.close()
+        if self.evaluator is not None:
+            self.evaluator.close()
         if self._owns_engine:
             self.engine.shutdown()
 
@@ -120,6 +132,7 @@ class Actor:
         cfg = self.config
         buffer = AsyncReplayBuffer(cfg.redis_url, cfg.run_id, cfg.buffer, self.registry)
         store = AsyncPolicyStore(cfg.redis_url, cfg.run_id, cfg.buffer.storage_timeout_s)
+        self._evals = AsyncEvalStore(cfg.redis_url, cfg.run_id, cfg.buffer.storage_timeout_s)
         self.sync = WeightSync(store, self.engine, cfg.reload, cfg.retry, self.metrics)
         follower = asyncio.create_task(self.sync.follow()) if cfg.reload.enabled else None
         self._params = self.engine.sampling_params(cfg.sampling)
@@ -141,6 +154,8 @@ class Actor:
                 stop.set()  # failing: the pusher tries each insert once more, then gives up (counted)
             if expiry is not None:
                 await cancel_and_wait([expiry])
+            if self._eval_task is not None:
+                await cancel_and_wait([self._eval_task])
             await self._cancel_inflight()
             closing.set()
             self._push_wake.set()
@@ -148,6 +163,7 @@ class Actor:
             if follower is not None:
                 await cancel_and_wait([follower])
             await store.close()
+            await self._evals.close()
             await buffer.close()
             await self.scorer.aclose()
             self.state = "stopped"
@@ -168,16 +184,25 @@ class Actor:
                     await self._update_weights(stop)
             # --- 2. weights: apply a newer published version (drain / abort / inflight)
             await self._update_weights(stop)
-            # --- 3. pacing: wait while the buffer holds max_ahead fresh groups
-            if cfg.buffer.max_ahead is not None:
+            # --- 2b. evaluation of the version held, when due (weight loads wait for it)
+            version = self.engine.loaded_version
+            if self.evaluator is not None and self._eval_task is None and self.evaluator.due(version):
+                self._eval_task = asyncio.create_task(self._evaluate(self.engine.loaded_version))
+            # --- 3. pacing: wait while the buffer holds max_ahead fresh groups (dataset prompts only)
+            if cfg.buffer.max_ahead is not None and self._trains_on_dataset:
                 await wait_for_room(buffer, self.engine.loaded_version, cfg.retry, self.metrics, stop)
             if stop.is_set():
                 return
             # --- 4. admit the next prompt (aborted ones first); at the end, wait for the last ones
             prompt = self._readmit.popleft() if self._readmit else next(source, None)
             if prompt is None:
-                if not self._inflight and self.gateway is None:
-                    return  # every epoch done, nothing in flight or to re-admit (the gateway serves on)
+                if (
+                    not self._inflight
+                    and self.gateway is None
+                    and cfg.mode == "train"
+                    and self.evaluator is None
+                ):
+                    return  # every epoch done, nothing in flight or to re-admit (gateway, evaluation go on)
                 await self._sleep_until_woken()
                 continue
             ids = self._encode(prompt)
@@ -189,6 +214,8 @@ class Actor:
     async def _update_weights(self, stop: threading.Event) -> None:
         """Load the newer published version, if any, the way `reload.mode` says; observe the pause."""
         self._raise_fatal()
+        if self._eval_task is not None:
+            return  # an evaluation holds the version it evaluates; loaded when it is done
         record = None if self.sync is None else self.sync.pending()
         if record is None or not await self.sync.prepare(record):  # checks run before any pause
             return
@@ -202,6 +229,32 @@ class Actor:
                 return  # the in-flight requests are cancelled on the way out; nothing to load for
         if await self.sync.load(record):
             self.metrics.reload_pause.observe(time.perf_counter() - t0)
+
+    # --- evaluation
+
+    @property
+    def _trains_on_dataset(self) -> bool:
+        return self.config.mode == "train" and self.config.dataset is not None
+
+    async def _evaluate(self, version: int) -> None:
+        """Evaluate `version` (the engine holds it; loads wait), report it; a failure is logged, not fatal."""
+        assert self.evaluator is not None
+        try:
+            record = await self.evaluator.run(version)
+            self.metrics.record_eval(record)
+            passes = ", ".join(f"pass@{k} {v:.3f}" for k, v in record.pass_at.items())
+            log.info(
+                "eval v%d: reward %.3f, %s over %d prompts (%.1f s)",
+                version, record.reward_mean, passes, record.prompts, record.seconds,
+            )  # fmt: skip
+            await self._evals.add(record)
+        except StorageUnavailable as e:
+            log.warning("eval v%d: not recorded in Redis: %s", version, e)
+        except Exception:  # an evaluation never takes the actor down: logged, the next one runs
+            log.exception("eval v%d failed", version)
+        finally:
+            self._eval_task = None
+            self._wake.set()
 
     # --- one prompt's request
 
@@ -317,7 +370,7 @@ class Actor:
     def _prompt_source(self) -> Iterator[Prompt]:
         """This actor's shard, epoch after epoch, reshuffled per epoch (`dataset.seed`, the epoch)."""
         d = self.config.dataset
-        if d is None:
+        if d is None or self.config.mode == "eval":
             return
         for epoch in itertools.count() if d.max_epochs is None else range(d.max_epochs):
             for batch in epoch_batches(self.prompts, len(self.prompts), epoch, d.seed, d.shuffle):

@@ -275,7 +275,7 @@ class LearnerMetrics:
     def record_step(self, step_metrics: Mapping[str, float], phases: Mapping[str, float]) -> None:
         """Set the gauges from one step's metrics dict and observe its phase times; keep the dict."""
         for key, value in step_metrics.items():
-            if key.startswith(("rollout_corr/", "actor/", "critic/")) or key in SCALARS:
+            if key.startswith(("rollout_corr/", "actor/", "critic/", "eval/")) or key in SCALARS:
                 self._gauge(key).set(value)
         for phase, seconds in phases.items():
             self.phase_seconds.labels(phase=phase).observe(seconds)

@@ -37,6 +37,7 @@ from prometheus_client import CollectorRegistry
 
 from buffer.codec import decode_group, encode_group
 from buffer.errors import BufferNotReady, RateLimited, StorageUnavailable
+from buffer.evaluations import EvalStore
 from buffer.policy import PolicyStore
 from buffer.replay_buffer import ReplayBuffer
 from learner.build import Trainables, build_trainables, gradient_checkpointing, set_optimizer_hparams
@@ -125,6 +126,8 @@ class Learner:
             ReplayBuffer(config.redis_url, config.run_id, config.buffer, registry) if leader else None
         )
         self.store = PolicyStore(config.redis_url, config.run_id) if leader else None
+        self.evals = EvalStore(config.redis_url, config.run_id) if leader else None
+        self._eval_after: str | None = None  # the newest evaluation seen (None: those before start are old)
         # --- state shared with the control thread
         self.version = 0  # optimizer steps taken = policy version
         self.step_count = 0  # learner steps taken
@@ -320,12 +323,30 @@ class Learner:
             "published_lag": float(self.version - (self.persist.published_version or 0)),
         }
         metrics |= {f"time/{k}": v for k, v in phases.items()}
+        metrics |= self._new_evaluation()
         if cfg.metrics_jsonl is not None:  # before the metrics are visible: a reader of one finds the other
             append_jsonl(
                 Path(cfg.metrics_jsonl), json_safe(metrics) | {"group_ids": [g.group_id for g in groups]}
             )
         self.metrics.record_step(metrics, phases)
         return metrics
+
+    def _new_evaluation(self) -> dict[str, float]:
+        """The newest evaluation an evaluating actor recorded since the last step, as `eval/...` metrics
+        (none: {}); an unreachable stream costs this step its evaluation line, nothing else."""
+        if self.evals is None:
+            return {}
+        try:
+            if self._eval_after is None:
+                self._eval_after = self.evals.latest_id()
+            new = self.evals.after(self._eval_after)
+        except StorageUnavailable as e:
+            log.warning("evaluations not read this step: %s", e)
+            return {}
+        if not new:
+            return {}
+        self._eval_after = new[-1][0]
+        return new[-1][1].metrics()
 
     # --- N ranks: the leader's commands, the followers' loop
 

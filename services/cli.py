@@ -62,6 +62,8 @@ def _torchrun(args: argparse.Namespace, nproc: int) -> int:
 def _actor(args: argparse.Namespace) -> int:
     from services.actor_api.main import serve
 
+    if args.eval:  # the config's `mode` (ActorConfig reads OFFPOLICY_* variables)
+        os.environ["OFFPOLICY_MODE"] = "eval"
     return serve(**_service_overrides(args))
 
 
@@ -167,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with N > 1: times torchrun restarts every rank after one fails (they resume from the newest "
         "checkpoint; default 0: the job ends)",
     )
-    _add_service_parser(
+    actor = _add_service_parser(
         sub,
         "actor",
         "ActorConfig",
@@ -175,6 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the actor service: vLLM rollout loop + /healthz, /readyz, /metrics, /v1/status",
         description="Run the actor loop (vLLM generation into the replay buffer, weight reloads) in a "
         "background thread beside its health, metrics and status routes.",
+    )
+    actor.add_argument(
+        "--eval",
+        action="store_true",
+        help="an evaluation actor (mode: eval): follow the published versions and run the config's `eval` "
+        "section on them, pushing nothing to the buffer",
     )
 
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random Llama + character tokenizer to DIR")

@@ -30,6 +30,10 @@ class ActorStatus(BaseModel):
     """Weight reloads done since start."""
     error: str | None = None
     """Why the loop stopped, when it failed."""
+    mode: str = "train"
+    """`train` (generates into the buffer) or `eval` (an evaluation actor: pushes nothing)."""
+    last_eval: dict[str, float | None] | None = None
+    """The last evaluation's `eval/...` metrics (reward mean, pass@k, version); null before the first."""
 
 
 # --- the gateway (actors/gateway.py)

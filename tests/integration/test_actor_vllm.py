@@ -406,3 +406,61 @@ def test_the_gateway_records_an_openai_clients_tool_episode_exactly(
         assert t.reward == 0.5
     lp, behaviour, mask = _learner_logprobs(model_dir, [group])
     assert float(((lp - behaviour).abs() * mask).max()) < 1e-4
+
+
+def _wait_for_evals(store, n: int) -> bool:
+    _wait_until(lambda: len(store.after("0")) >= n, 60, f"{n} evaluation(s)")
+    return True
+
+
+def test_an_evaluation_actor_evaluates_published_versions_and_pushes_nothing(
+    original_engine, model_dir, dataset, redis_url, run_id, tmp_path
+):
+    """`mode: eval`: the actor evaluates the version it holds, then each published multiple of
+    `every_versions` (loads waiting for an evaluation in progress), records each in the run's evaluation
+    stream, and pushes nothing to the buffer."""
+    from buffer.evaluations import EvalStore
+
+    cfg = _config(
+        model_dir,
+        dataset,
+        redis_url,
+        run_id,
+        mode="eval",
+        dataset=None,
+        eval={
+            "dataset": {"path": str(dataset)},
+            "every_versions": 2,
+            "samples_per_prompt": 3,
+            "max_prompts": 5,
+            "pass_threshold": 0.1,
+        },
+    )
+    actor = Actor(cfg, CollectorRegistry(), engine=original_engine)
+    thread, stop, errors = _run_in_thread(actor)
+    store = EvalStore(redis_url, run_id)
+    try:
+        _wait_until(lambda: len(store.after("0")) >= 1, 60, "the first evaluation")
+        assert _wait_for_evals(store, 1) and len(store.after("0")) == 1  # v1 is not a multiple of 2
+        for version in (1, 2):  # the same weights published as v1 (not evaluated), then v2
+            record = publish_weights(load_model(model_dir, device="cpu"), tmp_path / "weights", version)
+            write_manifest(weights_path(record.weights_uri), version)
+            policy = PolicyStore(redis_url, run_id)
+            policy.publish(record)
+            policy.close()
+            _wait_until(
+                lambda v=version: actor.engine.loaded_version == v or errors, 60, f"v{version} loaded"
+            )
+        _wait_until(lambda: len(store.after("0")) >= 2, 60, "the evaluation of v2")
+    finally:
+        stop.set()
+        thread.join(60)
+    assert not errors, errors
+    records = [r for _, r in store.after("0")]
+    assert [r.policy_version for r in records] == [0, 2]
+    for r in records:
+        assert r.prompts == 5 and r.samples_per_prompt == 3 and r.failed == 0
+        assert 0.0 <= r.pass_at["1"] <= r.pass_at["3"] <= 1.0 and 0.0 <= r.reward_mean <= 1.0
+    assert actor.status()["last_eval"]["eval/policy_version"] == 2.0
+    with ReplayBuffer(redis_url, run_id) as buf:
+        assert buf.stats().size == 0
