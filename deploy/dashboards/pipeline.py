@@ -216,5 +216,34 @@ ACTORS = DashboardSpec(
                 ),
             ),
         ),
+        (
+            "Evaluation and agents",
+            (
+                Panel(
+                    "Held-out reward and pass@k by evaluated version",
+                    (
+                        q(f"max(offpolicy_actor_eval_reward_mean{A})", "reward (mean)"),
+                        q(f"max by (k) (offpolicy_actor_eval_pass_at{A})", "pass@{{k}}"),
+                    ),
+                    description="The last evaluation of the held-out set (`eval` section); its version: "
+                    "offpolicy_actor_eval_policy_version.",
+                ),
+                Panel(
+                    "Evaluated policy version",
+                    (q(f"max(offpolicy_actor_eval_policy_version{A})", "version"),),
+                ),
+                Panel(
+                    "Gateway episodes",
+                    (
+                        q(
+                            f"sum by (event) (rate(offpolicy_actor_gateway_episodes_total{A}[{RATE}]))",
+                            "{{event}}",
+                        ),
+                        q(f"sum(offpolicy_actor_gateway_open_episodes{A})", "open"),
+                    ),
+                    unit="ops",
+                ),
+            ),
+        ),
     ),
 )
