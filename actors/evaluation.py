@@ -4,7 +4,8 @@
 every multiple of `eval.every_versions`); `await Evaluator.run(version)` generates `samples_per_prompt`
 completions of every held-out prompt with the engine (alongside the actor's own requests, which the
 engine batches with them), scores them with the evaluation's reward function off the engine's loop, and
-returns an `EvalRecord`: the mean reward over all samples and the unbiased pass@1 and pass@k over prompts
+returns an `EvalRecord` (with an environment, each sample is an episode of it and its reward the
+episode's): the mean reward over all samples and the unbiased pass@1 and pass@k over prompts
 (a sample passes at reward >= `pass_threshold`). The actor holds weight loads while an evaluation runs, so
 every evaluated token comes from that one version; a completion whose recorded versions say otherwise is
 counted as failed rather than mixed in.
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from actors.episodes import Environment, Episode, as_result
 from actors.errors import PromptFailed, RewardError
 from actors.prompts import Prompt, encode, load_prompts
 from actors.scoring import Scorer
@@ -34,7 +36,13 @@ log = logging.getLogger(__name__)
 class Evaluator:
     """The held-out set of one actor and the versions it evaluated."""
 
-    def __init__(self, config: ActorConfig, engine: VLLMEngine, scorer: Scorer | None = None) -> None:
+    def __init__(
+        self,
+        config: ActorConfig,
+        engine: VLLMEngine,
+        scorer: Scorer | None = None,
+        environment: Environment | None = None,
+    ) -> None:
         assert config.eval is not None
         self.config, self.eval, self.engine = config, config.eval, engine
         ds = self.eval.dataset
@@ -48,6 +56,7 @@ class Evaluator:
             else Scorer(self.eval.reward or config.reward)
         )
         self._owns_scorer = self.scorer is not scorer
+        self.environment = environment
         self.evaluated: set[int] = set()
         self.last: EvalRecord | None = None
 
@@ -97,6 +106,8 @@ class Evaluator:
         return record
 
     async def _one(self, request_id: str, prompt: Prompt, ids: list[int], params: Any, version: int) -> Any:
+        if self.environment is not None:
+            return await self._episodes(prompt, ids, params, version)
         try:
             completions = await self.engine.generate_group(request_id, ids, params)
         except PromptFailed as e:
@@ -112,6 +123,37 @@ class Evaluator:
         except RewardError as e:
             log.warning("eval prompt %s: reward failed: %s", prompt.prompt_id, e)
             return None
+        return np.asarray(rewards, dtype=np.float64)
+
+    async def _episodes(self, prompt: Prompt, ids: list[int], params: Any, version: int) -> Any:
+        """`params.n` episodes of the environment on one prompt; their rewards (None: failed)."""
+        assert self.environment is not None
+        s, temperature = self.config.sampling, 0.0 if self.eval.greedy else self.config.sampling.temperature
+
+        def params_for(max_tokens: int, **overrides: Any) -> Any:
+            return self.engine.sampling_params(
+                s, n=1, max_tokens=max_tokens, temperature=temperature, **overrides
+            )
+
+        budget = self.eval.max_tokens or s.max_tokens
+        tok = self.engine.tokenizer
+        episodes = [
+            Episode(prompt, ids, self.engine, tok, params_for, budget, version) for _ in range(params.n)
+        ]
+        try:
+            results = await asyncio.gather(*(self.environment(ep) for ep in episodes))
+            rewards = [as_result(r).reward for r in results]
+        except (PromptFailed, RewardError, ValueError) as e:
+            log.warning("eval prompt %s: an episode failed: %s", prompt.prompt_id, e)
+            return None
+        for ep in episodes:
+            c = ep.completion()
+            policy = c.versions if c.policy_mask is None else c.versions[c.policy_mask]
+            if (policy != version).any():
+                log.warning(
+                    "eval prompt %s: tokens of another version than %d; left out", prompt.prompt_id, version
+                )
+                return None
         return np.asarray(rewards, dtype=np.float64)
 
     async def aclose(self) -> None:

@@ -77,7 +77,9 @@ class Actor:
         )
         self.sync: WeightSync | None = None
         self.gateway = Gateway(self) if config.gateway.enabled else None
-        self.evaluator = Evaluator(config, self.engine, self.scorer) if config.eval is not None else None
+        self.evaluator = (
+            Evaluator(config, self.engine, self.scorer, self.environment) if config.eval is not None else None
+        )
         self._eval_task: asyncio.Task | None = None
         self.stamp = stamped_sampling(config.sampling)  # the sampling stamped on every group
         self._loop_running = False

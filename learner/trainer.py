@@ -127,7 +127,7 @@ class Learner:
         )
         self.store = PolicyStore(config.redis_url, config.run_id) if leader else None
         self.evals = EvalStore(config.redis_url, config.run_id) if leader else None
-        self._eval_after: str | None = None  # the newest evaluation seen (None: those before start are old)
+        self._eval_after = self._latest_evaluation()  # evaluations from before this start are old
         # --- state shared with the control thread
         self.version = 0  # optimizer steps taken = policy version
         self.step_count = 0  # learner steps taken
@@ -330,6 +330,13 @@ class Learner:
             )
         self.metrics.record_step(metrics, phases)
         return metrics
+
+    def _latest_evaluation(self) -> str | None:
+        """The id of the newest evaluation in the stream now (None: not known yet, Redis unreachable)."""
+        try:
+            return None if self.evals is None else self.evals.latest_id()
+        except StorageUnavailable:
+            return None
 
     def _new_evaluation(self) -> dict[str, float]:
         """The newest evaluation an evaluating actor recorded since the last step, as `eval/...` metrics
