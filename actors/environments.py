@@ -27,7 +27,9 @@ _SUM = re.compile(r"(\d+)\s*\+\s*(\d+)")
 async def guessing_game(ep: Episode) -> EpisodeResult:
     target = ep.prompt.metadata.get("target") or ep.prompt.answer
     if not target:
-        raise RewardError("guessing_game: the prompt has no target (metadata['target'] or answer)")
+        raise RewardError(
+            "guessing_game: the prompt has no target (metadata['target'] or answer)", "no_answer"
+        )
     said, hits, last = 0, 0, -1
     for turn in range(TURNS):
         text = await ep.generate(max_tokens=TURN_TOKENS)

@@ -12,7 +12,15 @@ class DatasetError(ActorError):
 
 
 class RewardError(ActorError):
-    """A reward function raised or returned something that is not a finite number; the group is failed."""
+    """A reward function raised or returned something that is not a finite number; the group is failed.
+
+    `reason` is one of `actors.metrics.REWARD_FAILURE_REASONS` (a bounded metric label): `no_answer` and
+    `bad_answer` are the data's fault (the record has no usable reference answer), the others the
+    function's or the verifier's."""
+
+    def __init__(self, message: str, reason: str = "raised") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class WeightLoadError(ActorError):

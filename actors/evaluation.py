@@ -46,7 +46,7 @@ class Evaluator:
         assert config.eval is not None
         self.config, self.eval, self.engine = config, config.eval, engine
         ds = self.eval.dataset
-        prompts = load_prompts(ds.path)[: self.eval.max_prompts]
+        prompts = load_prompts(ds)[: self.eval.max_prompts]
         self.prompts: list[tuple[Prompt, list[int]]] = [
             (p, encode(engine.tokenizer, p, ds.chat_template, ds.system_prompt)) for p in prompts
         ]

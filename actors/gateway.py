@@ -282,9 +282,10 @@ class Gateway:
                     prompt, [o.episode.completion().text for o in unscored]
                 )
             except RewardError as e:
-                self.metrics.failures.labels("reward_error").inc()
+                self.actor.reward_failures.failed(e.reason)
                 log.warning("gateway group %s: reward failed, group dropped: %s", group.group_id, e)
                 return True
+            self.actor.reward_failures.scored()
             for o, score in zip(unscored, scores, strict=True):
                 o.reward = score
         prompt_ids, completions = group_completions([o.episode for o in done])

@@ -17,6 +17,16 @@ FAILURE_REASONS = (
     "dropped_on_stop",  # generated groups not pushed because the actor was stopped while Redis was down
     "engine_error",  # vLLM refused or failed one prompt's request: the prompt is skipped, the loop goes on
 )
+REWARD_FAILURE_REASONS = (  # why a group's reward failed (RewardError.reason); each also counts reward_error
+    "no_answer",  # the record has no reference answer and the reward needs one (data)
+    "bad_answer",  # the reference answer cannot be read (math_answer: neither a number nor an expression)
+    "raised",  # the reward function raised
+    "not_finite",  # it returned something that is not a finite number
+    "timeout",  # no rewards within reward.timeout_s
+    "wrong_count",  # a batched function returned a list of the wrong length
+    "remote",  # the verifier was unreachable or answered badly after its retries
+    "environment",  # an environment's episode failed
+)
 RELOAD_FAILURE_REASONS = ("missing", "checksum", "timeout", "engine", "restore")
 WAIT_REASONS = ("pacing", "rate_limited", "redis_unavailable")
 EPISODE_EVENTS = (
@@ -59,6 +69,11 @@ class ActorMetrics:
         )
         self.failures = Counter(
             "offpolicy_actor_failures_total", "Failures by reason (see actors/metrics.py)", ["reason"],
+            registry=r,
+        )  # fmt: skip
+        self.reward_failures = Counter(
+            "offpolicy_actor_reward_failures_total",
+            "Groups set aside because their reward failed, by reason (see actors/metrics.py)", ["reason"],
             registry=r,
         )  # fmt: skip
         self.reward = Histogram(
@@ -135,6 +150,8 @@ class ActorMetrics:
             self.chat_calls.labels(recorded)
         for reason in FAILURE_REASONS:
             self.failures.labels(reason)
+        for reason in REWARD_FAILURE_REASONS:
+            self.reward_failures.labels(reason)
         for reason in RELOAD_FAILURE_REASONS:
             self.reload_failures.labels(reason)
         for reason in WAIT_REASONS:

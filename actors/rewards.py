@@ -2,7 +2,7 @@
 
 A reward function is `fn(completion: str, answer: str | None, metadata: dict[str, str]) -> float`.
 `score` calls one and translates anything it raises (or a non-finite / non-numeric result) into
-`RewardError`, which the rollout loop counts as a failed group instead of crashing.
+`RewardError` with its reason, which the rollout loop counts as a failed group instead of crashing.
 """
 
 from __future__ import annotations
@@ -18,7 +18,13 @@ from actors.errors import RewardError
 RewardFn = Callable[[str, str | None, Mapping[str, str]], float]
 
 _NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:/\d+)?|-?\.\d+")
-_FRAC = re.compile(r"^(-?)\\d?frac\{([^{}]+)\}\{([^{}]+)\}$")
+_FRAC = re.compile(r"^(-?)\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}$")
+# dropped before a number is read: LaTeX spacing, `\left`/`\right`, escaped `$` and `%`, degrees
+_LATEX_NOISE = re.compile(r"\\[,!;: ]|\\left|\\right|\\(?=[$%])|\^\{?\\circ\}?")
+# trailing units: `\text{ cm}`, `\mbox{...}`, `\mathrm{...}` groups and plain words (`72 dollars`)
+_UNITS = re.compile(r"(?:\s*\\(?:text|mbox|mathrm)\{[^{}]*\}|\s+[A-Za-z]+)+\.?\s*$")
+_TEXT = re.compile(r"\\text\{[^{}]*\}")
+_PROSE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}")  # a word outside LaTeX commands: prose, not an answer
 _TOLERANCE = 1e-6
 
 
@@ -31,19 +37,27 @@ def exact_match(completion: str, answer: str | None, metadata: Mapping[str, str]
 
 
 def math_answer(completion: str, answer: str | None, metadata: Mapping[str, str]) -> float:
-    """1.0 when the completion's final answer equals `answer` numerically (relative tolerance 1e-6).
+    """1.0 when the completion's final answer equals the reference `answer`, else 0.0.
 
-    The final answer is the content of the last `\\boxed{...}` if there is one, else the last number in
-    the text (integers, decimals, `1,000`, `a/b`, `\\frac{a}{b}`). No number in the completion is 0.0;
-    an `answer` that is not a number is a data error (`RewardError`).
+    The reference is the text after GSM8K's last `####`, else its last `\\boxed{...}`, else all of it.
+    The completion's final answer is its last `\\boxed{...}` (nested braces), else the text after its
+    last `####`, else its last number. Numbers are compared by `parse_number` (relative tolerance 1e-6;
+    `1,234`, `$5`, `3/4`, `\\frac{3}{4}`, `\\dfrac`, `50%`, trailing units and periods); anything
+    else (`\\frac{\\sqrt{2}}{2}`, `x+1`, intervals) by math-verify, symbolically. A completion with no
+    final answer scores 0.0; a reference that neither reads is a data error (`RewardError`, reason
+    `bad_answer`), as is a missing one (`no_answer`).
     """
-    expected = parse_number(_require_answer(answer, "math_answer"))
-    if expected is None:
-        raise RewardError(f"math_answer: the answer {answer!r} is not a number")
-    got = final_answer(completion)
-    if got is None:
-        return 0.0
-    return 1.0 if abs(got - expected) <= _TOLERANCE * max(1.0, abs(expected)) else 0.0
+    reference = reference_answer(_require_answer(answer, "math_answer"))
+    expected = parse_number(reference)
+    final = final_answer_text(completion)
+    if expected is not None:
+        got = parse_number(final) if final is not None else last_number(completion)
+        if got is not None:
+            return 1.0 if abs(got - expected) <= _TOLERANCE * max(1.0, abs(expected)) else 0.0
+        if final is None:
+            return 0.0
+    # math-verify reads a stated answer as a box's content, and finds the last expression of a text itself
+    return 1.0 if _symbolic_equal(reference, completion if final is None else f"\\boxed{{{final}}}") else 0.0
 
 
 def target_token_share(completion: str, answer: str | None, metadata: Mapping[str, str]) -> float:
@@ -54,7 +68,9 @@ def target_token_share(completion: str, answer: str | None, metadata: Mapping[st
     """
     target = answer if answer is not None else metadata.get("target")
     if not target:
-        raise RewardError("target_token_share: no target (neither `answer` nor metadata['target'])")
+        raise RewardError(
+            "target_token_share: no target (neither `answer` nor metadata['target'])", "no_answer"
+        )
     if not completion:
         return 0.0
     return completion.count(target) * len(target) / len(completion)
@@ -102,19 +118,23 @@ def score(fn: RewardFn, completion: str, answer: str | None, metadata: Mapping[s
     """`fn(...)` as a finite float; anything else (an exception included) raises `RewardError`."""
     try:
         value = fn(completion, answer, metadata)
+    except RewardError:
+        raise  # already says why (`no_answer`, `bad_answer`, ...)
     except Exception as e:  # translated: a user reward function may raise anything
         raise RewardError(f"{getattr(fn, '__name__', fn)!s} raised {type(e).__name__}: {e}") from e
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise RewardError(f"{getattr(fn, '__name__', fn)!s} returned {value!r}, not a finite number")
+        raise RewardError(
+            f"{getattr(fn, '__name__', fn)!s} returned {value!r}, not a finite number", reason="not_finite"
+        )
     return float(value)
 
 
-# --- parsing numbers
+# --- parsing answers
 
 
 def _require_answer(answer: str | None, who: str) -> str:
     if answer is None:
-        raise RewardError(f"{who}: the prompt has no `answer`")
+        raise RewardError(f"{who}: the prompt has no `answer`", reason="no_answer")
     return answer
 
 
@@ -132,9 +152,33 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+def after_hashes(text: str) -> str | None:
+    """GSM8K's final answer: the first line after the last `####`; None when there is none."""
+    _, found, tail = text.rpartition("####")
+    return tail.strip().split("\n", 1)[0].strip() if found else None
+
+
+def reference_answer(answer: str) -> str:
+    """The part of a reference answer to compare: after its last `####` (a GSM8K solution), else its last
+    `\\boxed{}`, else all of it."""
+    tail = after_hashes(answer)
+    if tail is not None:
+        return tail
+    boxed = last_boxed(answer)
+    return answer.strip() if boxed is None else boxed
+
+
+def final_answer_text(completion: str) -> str | None:
+    """The completion's stated final answer: its last `\\boxed{}`, else after its last `####`; None
+    when it states neither (the last number is then its answer: `last_number`)."""
+    boxed = last_boxed(completion)
+    return boxed if boxed is not None else after_hashes(completion)
+
+
 def parse_number(text: str) -> float | None:
-    """A number written as `42`, `-3.5`, `1,000`, `3/4`, `\\frac{3}{4}`, `$5`, `50%`->50; else None."""
-    s = text.strip().strip("$").replace(" ", "").replace("\\!", "").rstrip(".").rstrip("%")
+    """A number written as `42`, `-3.5`, `1,000`, `3/4`, `\\frac{3}{4}`, `\\dfrac{3}{4}`, `$5`, `\\$5`,
+    `50%`->50, `72 dollars`, `5\\text{ cm}`, `7.`; else None."""
+    s = _UNITS.sub("", _LATEX_NOISE.sub("", text)).strip().strip("$").replace(" ", "").rstrip(".").rstrip("%")
     frac = _FRAC.match(s)
     if frac:
         sign, num, den = frac.groups()
@@ -149,10 +193,33 @@ def parse_number(text: str) -> float | None:
     return float(s)
 
 
-def final_answer(completion: str) -> float | None:
-    """The number a completion ends on: its last `\\boxed{}` if any, else its last number."""
-    boxed = last_boxed(completion)
-    if boxed is not None:
-        return parse_number(boxed)
-    found = _NUMBER.findall(completion)
+def last_number(text: str) -> float | None:
+    """The last number written in `text` (`1,234` as one number); None when there is none."""
+    found = _NUMBER.findall(text)
     return parse_number(found[-1]) if found else None
+
+
+def final_answer(completion: str) -> float | None:
+    """The number a completion ends on: its final answer (`final_answer_text`) as a number, else its
+    last number."""
+    final = final_answer_text(completion)
+    return parse_number(final) if final is not None else last_number(completion)
+
+
+def _symbolic_equal(reference: str, prediction: str) -> bool:
+    """math-verify's verdict on a reference answer (read as a box's content) that is not a plain number,
+    or on a prediction that is not one. Its signal-based timeouts work only on the main thread, so they
+    are off: the group's `reward.timeout_s` bounds a slow comparison instead."""
+    from math_verify import parse, verify  # sympy: imported on the first non-numeric answer only
+
+    gold = (
+        []
+        if _PROSE.search(_TEXT.sub("", reference))
+        else parse(f"\\boxed{{{reference}}}", parsing_timeout=None)
+    )
+    if not gold:
+        raise RewardError(
+            f"math_answer: the answer {reference!r} is not a number, nor an expression math-verify reads",
+            reason="bad_answer",
+        )
+    return bool(verify(gold, parse(prediction, parsing_timeout=None), timeout_seconds=None))

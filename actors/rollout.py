@@ -128,7 +128,8 @@ def make_groups(
             group = make_group(prompt, ids, comps, reward_fn, policy_version, actor_id, sampling)
         except RewardError as e:
             metrics.failures.labels("reward_error").inc()
-            log.warning("prompt %s: reward failed, group dropped: %s", prompt.prompt_id, e)
+            metrics.reward_failures.labels(e.reason).inc()
+            log.warning("prompt %s: reward failed (%s), group dropped: %s", prompt.prompt_id, e.reason, e)
             continue
         for t in group.trajectories:
             metrics.reward.observe(t.reward)

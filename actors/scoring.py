@@ -23,13 +23,17 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from actors.errors import RewardError
+from actors.metrics import REWARD_FAILURE_REASONS
 from actors.rewards import resolve_reward, score
 
 if TYPE_CHECKING:
     from actors.config import RemoteRewardConfig, RewardConfig
+    from actors.metrics import ActorMetrics
     from actors.prompts import Prompt
 
 log = logging.getLogger(__name__)
+ALARM_AFTER_GROUPS = 20  # scored groups before the share of failed ones is judged
+ALARM_SHARE = 0.5  # more than this share failed: the dataset (or the reward) is broken
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,11 +64,12 @@ class Scorer:
         try:
             values = await asyncio.wait_for(self._call(prompt, completions), self.config.timeout_s)
         except TimeoutError as exc:
-            raise RewardError(f"{self.name}: no reward within {self.config.timeout_s} s") from exc
+            raise RewardError(f"{self.name}: no reward within {self.config.timeout_s} s", "timeout") from exc
         values = list(values)
         if len(values) != len(completions):
             raise RewardError(
-                f"{self.name} returned {len(values)} rewards for {len(completions)} completions"
+                f"{self.name} returned {len(values)} rewards for {len(completions)} completions",
+                "wrong_count",
             )
         return [_finite(v, self.name) for v in values]
 
@@ -111,6 +116,57 @@ class Scorer:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+class RewardFailures:
+    """Groups whose reward failed, counted by reason (`offpolicy_actor_reward_failures_total{reason}` and
+    `failures_total{reason="reward_error"}`); the alarm when most groups fail.
+
+    One failing group is a warning; a dataset whose answers the reward cannot read fails nearly every
+    group, so once `ALARM_AFTER_GROUPS` groups were scored and more than `ALARM_SHARE` of them failed,
+    one ERROR is logged with the commonest reason and its count, and `status()["alarm"]` says so while
+    the share stays above it."""
+
+    def __init__(self, metrics: ActorMetrics) -> None:
+        self.metrics = metrics
+        self.groups = 0  # groups scored or failed
+        self.by_reason = dict.fromkeys(REWARD_FAILURE_REASONS, 0)
+        self._logged = False
+
+    def scored(self) -> None:
+        """A group got its rewards."""
+        self.groups += 1
+
+    def failed(self, reason: str) -> None:
+        """A group was set aside because its reward failed for `reason` (`RewardError.reason`)."""
+        if reason not in self.by_reason:
+            raise ValueError(f"unknown reward failure reason {reason!r}; one of {REWARD_FAILURE_REASONS}")
+        self.groups += 1
+        self.by_reason[reason] += 1
+        self.metrics.failures.labels("reward_error").inc()
+        self.metrics.reward_failures.labels(reason).inc()
+        alarm = self.alarm()
+        if alarm is not None and not self._logged:
+            self._logged = True
+            log.error("%s", alarm)
+
+    def alarm(self) -> str | None:
+        """Why most groups fail, once `ALARM_AFTER_GROUPS` were scored; None while they mostly score."""
+        failed = sum(self.by_reason.values())
+        if self.groups < ALARM_AFTER_GROUPS or failed <= ALARM_SHARE * self.groups:
+            return None
+        reason, count = max(self.by_reason.items(), key=lambda kv: kv[1])
+        return (
+            f"rewards failed for {failed} of {self.groups} groups; most often {reason!r} ({count} groups): "
+            "check the dataset's answers (dataset.answer_key) and the reward (offpolicy data preview)"
+        )
+
+    def status(self) -> dict[str, Any]:
+        """Failed groups by reason (those that happened) and the alarm, for `/v1/status`."""
+        return {
+            "reward_failures": {k: v for k, v in self.by_reason.items() if v},
+            "reward_failure_alarm": self.alarm(),
+        }
+
+
 class RemoteReward:
     """A verifier over HTTP: one POST per group, `concurrency` at a time, bounded retries."""
 
@@ -150,7 +206,7 @@ class RemoteReward:
                     await asyncio.sleep(delay)
                     delay *= 2
         raise RewardError(
-            f"remote reward {self.config.url}: {last} after {self.config.retries + 1} attempt(s)"
+            f"remote reward {self.config.url}: {last} after {self.config.retries + 1} attempt(s)", "remote"
         )
 
     async def aclose(self) -> None:
@@ -161,17 +217,21 @@ class RemoteReward:
 
 def _rewards(response: httpx.Response) -> list[Any]:
     if response.status_code >= 400:
-        raise RewardError(f"remote reward answered HTTP {response.status_code}: {response.text[:200]}")
+        raise RewardError(
+            f"remote reward answered HTTP {response.status_code}: {response.text[:200]}", "remote"
+        )
     try:
         rewards = response.json()["rewards"]
     except (ValueError, KeyError, TypeError) as exc:
-        raise RewardError(f"remote reward answered without a `rewards` list: {response.text[:200]}") from exc
+        raise RewardError(
+            f"remote reward answered without a `rewards` list: {response.text[:200]}", "remote"
+        ) from exc
     if not isinstance(rewards, list):
-        raise RewardError(f"remote reward: `rewards` is {type(rewards).__name__}, not a list")
+        raise RewardError(f"remote reward: `rewards` is {type(rewards).__name__}, not a list", "remote")
     return rewards
 
 
 def _finite(value: Any, who: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise RewardError(f"{who} returned {value!r}, not a finite number")
+        raise RewardError(f"{who} returned {value!r}, not a finite number", "not_finite")
     return float(value)

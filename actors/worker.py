@@ -35,7 +35,7 @@ from actors.gateway import Gateway
 from actors.metrics import ActorMetrics
 from actors.prompts import Prompt, encode, epoch_batches, load_prompts, shard
 from actors.rollout import push_groups, stamp_group, stamped_sampling, wait_for_room
-from actors.scoring import Scorer
+from actors.scoring import RewardFailures, Scorer
 from actors.weight_sync import WeightSync
 from buffer.errors import StorageUnavailable
 from buffer.evaluations import AsyncEvalStore
@@ -60,12 +60,13 @@ class Actor:
         self.metrics = ActorMetrics(registry)
         self.actor_id = config.resolved_actor_id
         self.scorer = Scorer(config.reward)  # an unknown reward fails here, at start-up
+        self.reward_failures = RewardFailures(self.metrics)
         env = config.environment
         self.environment = resolve_environment(env.name) if env is not None else None
         self.prompts = (
             []
             if config.dataset is None
-            else shard(load_prompts(config.dataset.path), config.actor_index, config.num_actors)
+            else shard(load_prompts(config.dataset), config.actor_index, config.num_actors)
         )
         if config.dataset is not None and not self.prompts:
             raise DatasetError(
@@ -91,7 +92,8 @@ class Actor:
     # --- the service's view
 
     def status(self) -> dict[str, Any]:
-        """Loaded policy version, the learner's newest, recent tokens/s, groups pushed, reloads."""
+        """Loaded policy version, the learner's newest, recent tokens/s, groups pushed, reloads, reward
+        failures by reason and the alarm when most groups fail."""
         latest = None if self.sync is None or self.sync.latest is None else self.sync.latest.version
         return {
             "state": self.state,
@@ -105,6 +107,7 @@ class Actor:
             "last_eval": None
             if self.evaluator is None or self.evaluator.last is None
             else {k: v if math.isfinite(v) else None for k, v in self.evaluator.last.metrics().items()},
+            **self.reward_failures.status(),
         }
 
     def run(self, stop_event: threading.Event) -> None:
@@ -295,9 +298,10 @@ class Actor:
         try:  # off this loop (the engine's): the engine goes on generating meanwhile
             rewards = await self.scorer.score(prompt, [c.text for c in completions])
         except RewardError as e:
-            self.metrics.failures.labels("reward_error").inc()
-            log.warning("prompt %s: reward failed, group dropped: %s", prompt.prompt_id, e)
+            self.reward_failures.failed(e.reason)
+            log.warning("prompt %s: reward failed (%s), group dropped: %s", prompt.prompt_id, e.reason, e)
             return
+        self.reward_failures.scored()
         group = stamp_group(prompt, ids, completions, rewards, version, self.actor_id, self.stamp)
         for t in group.trajectories:
             self.metrics.reward.observe(t.reward)
@@ -325,7 +329,7 @@ class Actor:
             log.warning("prompt %s skipped: %s", prompt.prompt_id, e)
             return
         except (RewardError, ValueError) as e:  # an environment that fails sets its group aside
-            self.metrics.failures.labels("reward_error").inc()
+            self.reward_failures.failed("environment")
             log.warning("prompt %s: an episode failed, group dropped: %s", prompt.prompt_id, e)
             return
         completions = [ep.completion() for ep in episodes]
@@ -333,9 +337,10 @@ class Actor:
         try:
             rewards = [as_result(r).reward for r in results]
         except RewardError as e:
-            self.metrics.failures.labels("reward_error").inc()
+            self.reward_failures.failed("environment")
             log.warning("prompt %s: %s; group dropped", prompt.prompt_id, e)
             return
+        self.reward_failures.scored()
         group = stamp_group(prompt, ids, completions, rewards, version, self.actor_id, self.stamp)
         for t in group.trajectories:
             self.metrics.reward.observe(t.reward)

@@ -1,4 +1,4 @@
-"""The `offpolicy` command line: quickstart, learner, actor, make-tiny-model, bench."""
+"""The `offpolicy` command line: quickstart, learner, actor, data preview, make-tiny-model, bench."""
 
 from __future__ import annotations
 
@@ -65,6 +65,50 @@ def _actor(args: argparse.Namespace) -> int:
     if args.eval:  # the config's `mode` (ActorConfig reads OFFPOLICY_* variables)
         os.environ["OFFPOLICY_MODE"] = "eval"
     return serve(**_service_overrides(args))
+
+
+def _data_preview(args: argparse.Namespace) -> int:
+    """Print a dataset's records as the actor sees them; 1 with the reason on a bad file or setting."""
+    import json
+
+    from pydantic import ValidationError
+
+    from actors.config import DatasetConfig, load_config
+    from actors.errors import DatasetError
+    from actors.preview import format_report, preview
+
+    given = {
+        "path": str(args.path),
+        "prompt_key": args.prompt_key,
+        "answer_key": args.answer_key,
+        "split": args.split,
+        "chat_template": args.chat_template,
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    model = args.model
+    try:
+        if args.config is not None:
+            if args.preset is not None:
+                print("data preview: --preset and --config exclude each other", file=sys.stderr)
+                return 2
+            actor = load_config(args.config, os.environ)
+            base = actor.dataset.model_dump() if actor.dataset is not None else {}
+            dataset = DatasetConfig(**(base | given))
+            model = model or actor.engine.model
+        else:
+            presets = {"plain": DatasetConfig.plain, "verl": DatasetConfig.verl, "trl": DatasetConfig.trl}
+            dataset = presets[args.preset or "plain"](**given)
+        tokenizer = None
+        if model is not None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model)
+        report = preview(dataset, tokenizer, args.n)
+    except (DatasetError, ValidationError, OSError) as e:  # the reason, not a traceback
+        print(f"data preview: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, ensure_ascii=False, indent=1) if args.json else format_report(report))
+    return 0
 
 
 def _quickstart(args: argparse.Namespace) -> int:
@@ -134,7 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
         "runs/<id>/metrics.jsonl and a PNG plot and stop everything. Ctrl-C stops cleanly.",
     )
     quick.add_argument("--model", help="model folder or hub id instead of the tiny local model")
-    quick.add_argument("--dataset", type=Path, help="prompts (.jsonl/.parquet) instead of the toy task's")
+    quick.add_argument(
+        "--dataset",
+        type=Path,
+        help="prompts (.jsonl, .parquet, a datasets folder; default keys) instead of the toy task's",
+    )
     quick.add_argument("--redis-url", help="use this Redis instead of starting the embedded one")
     quick.add_argument("--max-steps", type=int, default=60, help="stop after this many learner steps")
     quick.add_argument("--runs-dir", type=Path, default=Path("runs"), help="where runs/<id>/ is written")
@@ -184,6 +232,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="an evaluation actor (mode: eval): follow the published versions and run the config's `eval` "
         "section on them, pushing nothing to the buffer",
     )
+
+    data = sub.add_parser("data", help="check a prompt dataset before training on it")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    show = data_sub.add_parser(
+        "preview",
+        help="the first records as the actor sees them (rendered prompt, tokens, answer)",
+        description="Read a dataset (.jsonl, .parquet, a `datasets` save_to_disk folder or a hub id) with "
+        "the actor's settings and print its record count and its first records: the prompt after the "
+        "chat template and its token count (with a tokenizer), the answer, the metadata. Exits 1 with the "
+        "row and the key on a bad file.",
+    )
+    show.add_argument("path", help="the dataset (dataset.path)")
+    show.add_argument("--config", type=Path, help="an actor YAML: its dataset section and engine.model")
+    show.add_argument(
+        "--preset", choices=["plain", "verl", "trl"], help="a layout's keys (DatasetConfig.verl / .trl)"
+    )
+    show.add_argument("--prompt-key", help="column or dotted path of the prompt (dataset.prompt_key)")
+    show.add_argument("--answer-key", help="column or dotted path of the answer (dataset.answer_key)")
+    show.add_argument("--split", help="split of a DatasetDict folder or hub dataset (dataset.split)")
+    show.add_argument(
+        "--chat-template",
+        action=argparse.BooleanOptionalAction,
+        help="render with the tokenizer's chat template (dataset.chat_template)",
+    )
+    show.add_argument("--model", help="tokenizer folder or hub id (default: the config's engine.model)")
+    show.add_argument("-n", type=int, default=3, help="records to show (default 3)")
+    show.add_argument("--json", action="store_true", help="machine-readable output")
+    show.set_defaults(func=_data_preview)
 
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random Llama + character tokenizer to DIR")
     tiny.add_argument("dir", help="output folder (created if missing)")

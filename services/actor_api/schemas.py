@@ -28,6 +28,12 @@ class ActorStatus(BaseModel):
     """Groups inserted into the buffer since start."""
     reloads: int
     """Weight reloads done since start."""
+    reward_failures: dict[str, int] = Field(default_factory=dict)
+    """Groups set aside because their reward failed, by reason (those that happened; the reasons are
+    `actors.metrics.REWARD_FAILURE_REASONS`: `no_answer`, `bad_answer`, `raised`, `timeout`, ...)."""
+    reward_failure_alarm: str | None = None
+    """Set while more than half of the groups failed their reward (judged after the first 20): the count
+    and the commonest reason; the same line is logged once as an ERROR."""
     error: str | None = None
     """Why the loop stopped, when it failed."""
     mode: str = "train"

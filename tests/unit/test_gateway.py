@@ -20,7 +20,7 @@ from actors.errors import ChatRequestError, EpisodeConflict, EpisodeNotFound, To
 from actors.gateway import Gateway
 from actors.metrics import ActorMetrics
 from actors.rollout import stamped_sampling
-from actors.scoring import Scorer
+from actors.scoring import RewardFailures, Scorer
 from learner.model import build_char_tokenizer
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
@@ -62,6 +62,7 @@ class StubActor:
         self.metrics = ActorMetrics(CollectorRegistry())
         self.engine = ScriptedEngine(build_char_tokenizer(), script)
         self.scorer = Scorer(self.config.reward)
+        self.reward_failures = RewardFailures(self.metrics)
         self.actor_id, self.stamp = "actor-0", stamped_sampling(self.config.sampling)
         self.pushed: list[Any] = []
 

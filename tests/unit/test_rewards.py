@@ -118,3 +118,70 @@ def test_score_translates_every_failure():
             score(lambda c, a, m, v=bad: v, "", None, {})
     assert score(lambda c, a, m: np.float32(0.25), "", None, {}) == 0.25
     assert score(lambda c, a, m: 2, "", None, {}) == 2.0
+
+
+# --- math answers as users write them
+
+GSM8K_SOLUTION = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nSo 48+24 = <<48+24=72>>72.\n#### 72"
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "reward"),
+    [
+        # GSM8K: `#### 72` in the reference and in the completion
+        ("She sold 24 in May, 72 in all.", GSM8K_SOLUTION, 1.0),
+        ("24 in May, so\n#### 72", GSM8K_SOLUTION, 1.0),
+        ("24 in May, so\n#### 72\nI hope that helps, 5 stars", "72", 1.0),
+        ("#### 24", GSM8K_SOLUTION, 0.0),
+        ("#### 1,234", "1234", 1.0),
+        ("The answer is 1,234,567.", "#### 1234567", 1.0),
+        # \boxed{...}, nested braces
+        ("so \\boxed{\\frac{3}{4}}.", "0.75", 1.0),
+        ("\\boxed{\\dfrac{1}{8}}", "\\frac{1}{8}", 1.0),
+        ("\\boxed{\\tfrac{1}{8}}", "0.125", 1.0),
+        ("\\boxed{-\\frac{1}{2}}", "-0.5", 1.0),
+        ("first \\boxed{3} then \\boxed{{4}}", "4", 1.0),  # the last box; math-verify reads `{4}`
+        ("\\boxed{\\frac{6}{\\left(2\\right)}}", "3", 1.0),
+        ("\\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{1}{\\sqrt{2}}", 1.0),  # math-verify, symbolically
+        ("\\boxed{1+x}", "x+1", 1.0),
+        ("\\boxed{(1,2]}", "(1, 2]", 1.0),
+        ("\\boxed{x+2}", "x+1", 0.0),
+        # separators, dollars, units, trailing periods, percent
+        ("It costs $1,234.", "1234", 1.0),
+        ("\\boxed{\\$18}", "18", 1.0),
+        ("\\boxed{18 \\text{ dollars}}", "$18", 1.0),
+        ("\\boxed{5\\text{ cm}}", "5", 1.0),
+        ("#### 72 clips.", "72", 1.0),
+        ("\\boxed{50\\%}", "50", 1.0),
+        ("\\boxed{90^\\circ}", "90", 1.0),
+        ("\\boxed{2x}", "2", 0.0),  # a letter glued to a number is not a unit
+        ("nothing to see", GSM8K_SOLUTION, 0.0),
+    ],
+)
+def test_math_answer_forms(completion, answer, reward):
+    assert math_answer(completion, answer, {}) == reward
+
+
+@pytest.mark.parametrize("answer", ["see the solution above", "", "The answer is five"])
+def test_math_answer_unreadable_reference_is_a_bad_answer(answer):
+    with pytest.raises(RewardError, match="not a number") as e:
+        math_answer("\\boxed{5}", answer, {})
+    assert e.value.reason == "bad_answer"
+    with pytest.raises(RewardError) as e:
+        math_answer("5", None, {})
+    assert e.value.reason == "no_answer"
+
+
+def test_score_keeps_the_reason_of_a_reward_error():
+    with pytest.raises(RewardError) as e:
+        score(math_answer, "1", "prose only", {})
+    assert e.value.reason == "bad_answer"
+    with pytest.raises(RewardError) as e:
+        score(lambda c, a, m: 1 / 0, "", None, {})
+    assert e.value.reason == "raised"
+
+
+def test_math_answer_symbolic_reference_without_a_stated_answer():
+    """No box and no `####`: math-verify finds the completion's last expression itself."""
+    assert math_answer("so it is $\\frac{\\sqrt{3}}{2}$", "\\frac{\\sqrt{3}}{2}", {}) == 1.0
+    assert math_answer("so it is $\\frac{1}{2}$", "\\frac{\\sqrt{3}}{2}", {}) == 0.0
