@@ -1,12 +1,14 @@
 """The actor's rollout loop, top to bottom: a stream of prompts through vLLM's async engine into the buffer.
 
 Up to `max_inflight_prompts` prompts are in the engine at once, each one request of `sampling.n`
-completions. When a prompt's completions are all done, its group is scored, stamped and handed to the
-pusher at once, and the next prompt is admitted: the engine's batch stays full and no long completion
-holds the others back. Before each admission the loop applies a newer published version (`reload.mode`:
-`drain`, `abort` or `inflight`), waits while the buffer holds `max_ahead` fresh groups (pacing), and
-waits while the pusher is behind (Redis down or the rate limiter saying no: groups are kept, never
-dropped). The service hosts `Actor.run(stop_event)` in a thread and reads `Actor.status()`.
+completions. When a prompt's completions are all done, its engine slot is free and the next prompt is
+admitted while the group is scored (off the engine's loop: up to 4 x `max_inflight_prompts` groups wait on
+the reward function or a remote verifier at once), then stamped and handed to the pusher: the engine's batch
+stays full, and neither a long completion nor a slow verifier holds the others back. Before each admission
+the loop applies a newer published version (`reload.mode`: `drain`, `abort` or `inflight`), waits while
+the buffer holds `max_ahead` fresh groups (pacing), and waits while the pusher is behind (Redis down or
+the rate limiter saying no: groups are kept, never dropped). The service hosts `Actor.run(stop_event)` in
+a thread and reads `Actor.status()`.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from buffer.types import TrajectoryGroup
 log = logging.getLogger(__name__)
 _WAKE_S = 0.05  # longest the admission loop sleeps without re-checking stop and the policy record
 _RATE_WINDOW_S = 2.0  # tokens/s is measured over windows at least this long
+_SCORING_PER_SLOT = 4  # groups being scored per engine slot before admission waits (a slow verifier)
 _PUSH_LINGER_S = 0.05  # a group waits at most this long for others to share its insert (Redis round trip)
 
 
@@ -141,7 +144,8 @@ class Actor:
         self.sync = WeightSync(store, self.engine, cfg.reload, cfg.retry, self.metrics)
         follower = asyncio.create_task(self.sync.follow()) if cfg.reload.enabled else None
         self._params = self.engine.sampling_params(cfg.sampling)
-        self._inflight: dict[str, asyncio.Task] = {}  # request id -> its task
+        self._inflight: dict[str, asyncio.Task] = {}  # request id -> its task, while in the engine
+        self._scoring: dict[str, asyncio.Task] = {}  # request id -> its task, generated and being scored
         self._readmit: collections.deque[Prompt] = collections.deque()  # aborted prompts, first in line
         self._pending: list[TrajectoryGroup] = []  # scored groups the pusher has not taken yet
         self._fatal: BaseException | None = None
@@ -180,6 +184,7 @@ class Actor:
             # --- 1. a slot: fewer than max_inflight_prompts in the engine, the pusher keeping up
             while (
                 len(self._inflight) >= cfg.max_inflight_prompts
+                or len(self._scoring) >= _SCORING_PER_SLOT * cfg.max_inflight_prompts
                 or len(self._pending) >= cfg.max_inflight_prompts
             ):
                 await self._sleep_until_woken()
@@ -203,6 +208,7 @@ class Actor:
             if prompt is None:
                 if (
                     not self._inflight
+                    and not self._scoring
                     and self.gateway is None
                     and cfg.mode == "train"
                     and self.evaluator is None
@@ -272,6 +278,7 @@ class Actor:
 
     def _done(self, request_id: str, task: asyncio.Task) -> None:
         self._inflight.pop(request_id, None)
+        self._scoring.pop(request_id, None)
         self.metrics.inflight.set(len(self._inflight))
         if not task.cancelled() and task.exception() is not None and self._fatal is None:
             self._fatal = task.exception()  # raised by the admission loop
@@ -295,6 +302,7 @@ class Actor:
             self._readmit.append(prompt)
             return
         self._count_tokens(tokens, time.perf_counter() - t0)
+        self._release_slot(request_id)  # the engine takes the next prompt while this group is scored
         try:  # off this loop (the engine's): the engine goes on generating meanwhile
             rewards = await self.scorer.score(prompt, [c.text for c in completions])
         except RewardError as e:
@@ -417,9 +425,17 @@ class Actor:
         if self._fatal is not None:
             raise self._fatal
 
+    def _release_slot(self, request_id: str) -> None:
+        """A prompt's request left the engine: its task moves to the scoring set, the loop may admit."""
+        task = self._inflight.pop(request_id, None)
+        if task is not None:
+            self._scoring[request_id] = task
+            self.metrics.inflight.set(len(self._inflight))
+            self._wake.set()
+
     async def _cancel_inflight(self) -> None:
-        """Stop every in-flight request (cancelling a request aborts it in the engine)."""
-        await cancel_and_wait(list(self._inflight.values()))
+        """Stop every in-flight request (cancelling a request aborts it in the engine) and every scoring."""
+        await cancel_and_wait([*self._inflight.values(), *self._scoring.values()])
 
 
 async def cancel_and_wait(tasks: list[asyncio.Task]) -> None:

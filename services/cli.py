@@ -11,7 +11,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = (
-    "correction", "buffer", "learner", "learner_fsdp", "publish_gather", "actor", "e2e", "staleness",
+    "correction", "buffer", "learner", "learner_fsdp", "publish_gather", "actor", "reward_latency", "e2e",
+    "staleness",
 )  # fmt: skip
 
 

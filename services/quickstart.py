@@ -2,7 +2,8 @@
 
 Everything runs on this machine with no Docker: an embedded `redis-server`, a tiny random Llama built
 locally, the learner and one actor service as child processes (stopped by handle on exit or Ctrl-C), the
-target-token toy task (reward = share of one token in the completion). It prints one progress line per
+target-token toy task (reward = share of one token in the completion; with `--environment
+actors.environments.calculator`, a dataset of small sums instead). It prints one progress line per
 learner step and stops when the reward has clearly risen or at `max_steps`, then writes
 `runs/<id>/metrics.jsonl` and `runs/<id>/progress.png`.
 """
@@ -21,7 +22,7 @@ import yaml
 
 from services.children import ServiceProcess, start_service
 from services.common.errors import ChildProcessFailed
-from services.quickstart_report import RewardTracker, format_progress, plot_run, summary_lines
+from services.quickstart_report import RewardTracker, format_eval, format_progress, plot_run, summary_lines
 
 # --- the toy run's settings
 
@@ -33,7 +34,7 @@ class QuickstartOptions:
     model: str | None = None
     """Model folder or hub id; None = build the tiny local model."""
     dataset: Path | None = None
-    """Prompt file; None = write the target-token toy dataset."""
+    """Prompt file; None = write the toy dataset of the task (`toy_dataset`)."""
     redis_url: str | None = None
     """Redis to use; None = start the embedded one in the run folder."""
     max_steps: int = 60
@@ -56,6 +57,19 @@ TOY_BUFFER = {
 }
 """One replay table for learner and actor: freshest groups first, each trained on once, staleness <= 2,
 the actor held back while 8 fresh groups wait (so it does not take the learner's CPU on a small machine)."""
+
+
+CALCULATOR = "actors.environments.calculator"
+
+
+def toy_dataset(path: Path, environment: str | None = None) -> Path:
+    """Write the toy dataset of the task to `path`: sums `a+b` for the calculator environment, the
+    target-token prompts otherwise (the single-turn task, the guessing game's secret character)."""
+    from actors.toy import write_sums_dataset, write_target_token_dataset
+
+    if environment == CALCULATOR:
+        return write_sums_dataset(path)
+    return write_target_token_dataset(path)
 
 
 def learner_config(run_dir: Path, model: str, redis_url: str, run_id: str) -> dict[str, Any]:
@@ -89,14 +103,24 @@ def learner_config(run_dir: Path, model: str, redis_url: str, run_id: str) -> di
 
 
 def actor_config(
-    model: str, dataset: Path, redis_url: str, run_id: str, environment: str | None = None
+    model: str,
+    dataset: Path,
+    redis_url: str,
+    run_id: str,
+    environment: str | None = None,
+    eval_dataset: Path | None = None,
 ) -> dict[str, Any]:
     """The actor's config for the toy task: vLLM on CPU (float32, eager, 1 GiB KV cache), 4 completions
     of up to 32 tokens per prompt at temperature 0.7, reward = share of the target character. With an
-    `environment`, 4 episodes per prompt of up to 80 tokens (the policy's turns and the environment's)."""
+    `environment`, 4 episodes per prompt of up to 80 tokens (the policy's turns and the environment's).
+    With `eval_dataset`, the held-out prompts are evaluated every 3 versions (inline)."""
     from actors.config import ActorConfig
 
     config = ActorConfig.cpu_tiny(model, str(dataset), redis_url=redis_url, run_id=run_id, buffer=TOY_BUFFER)
+    if eval_dataset is not None:  # inline evaluation: 16 held-out prompts x 4 samples every 3 versions
+        held_out = {"path": str(eval_dataset)}
+        ev = {"dataset": held_out, "every_versions": 3, "samples_per_prompt": 4, "pass_threshold": 0.5}
+        config = ActorConfig.model_validate(config.model_dump() | {"eval": ev})
     if environment is not None:
         sampling = config.sampling.model_copy(update={"max_tokens": 80})
         config = ActorConfig.model_validate(
@@ -119,9 +143,16 @@ def run_quickstart(options: QuickstartOptions) -> int:
     try:
         redis_url = options.redis_url or _start_redis(run_dir, stoppable)
         model = options.model or _build_tiny_model(run_dir)
-        dataset = options.dataset or _write_dataset(run_dir)
+        dataset = options.dataset or _write_dataset(run_dir, options.environment)
         learner, actor = _start_services(
-            run_dir, model, dataset, redis_url, run_id, stoppable, options.environment
+            run_dir,
+            model,
+            dataset,
+            redis_url,
+            run_id,
+            stoppable,
+            options.environment,
+            eval_dataset=options.dataset is None,  # the toy task's held-out prompts; a user's: none
         )
         tracker = _follow(run_dir, learner, actor, options)
         for line in summary_lines(tracker, run_dir):
@@ -163,11 +194,20 @@ def _build_tiny_model(run_dir: Path) -> str:
     return str(path)
 
 
-def _write_dataset(run_dir: Path) -> Path:
-    from actors.toy import write_target_token_dataset
+def _write_held_out(run_dir: Path, environment: str | None) -> Path:
+    """16 held-out prompts of the toy task (another seed than the training prompts)."""
+    from actors.toy import write_sums_dataset, write_target_token_dataset
 
-    path = write_target_token_dataset(run_dir / "dataset.jsonl")
-    print(f"[quickstart] target-token toy dataset at {path}")
+    path = run_dir / "held_out.jsonl"
+    if environment == CALCULATOR:
+        return write_sums_dataset(path, num_prompts=16, seed=1)
+    return write_target_token_dataset(path, num_prompts=16, seed=1)
+
+
+def _write_dataset(run_dir: Path, environment: str | None) -> Path:
+    path = toy_dataset(run_dir / "dataset.jsonl", environment)
+    kind = "sums" if environment == CALCULATOR else "target-token"
+    print(f"[quickstart] {kind} toy dataset at {path}")
     return path
 
 
@@ -179,11 +219,15 @@ def _start_services(
     run_id: str,
     stoppable: list[Any],
     environment: str | None = None,
+    eval_dataset: bool = False,
 ) -> tuple[ServiceProcess, ServiceProcess]:
     learner_yaml = run_dir / "learner.yaml"
     learner_yaml.write_text(yaml.safe_dump(learner_config(run_dir, model, redis_url, run_id)))
     actor_yaml = run_dir / "actor.yaml"
-    actor_yaml.write_text(yaml.safe_dump(actor_config(model, dataset, redis_url, run_id, environment)))
+    held_out = _write_held_out(run_dir, environment) if eval_dataset else None
+    actor_yaml.write_text(
+        yaml.safe_dump(actor_config(model, dataset, redis_url, run_id, environment, held_out))
+    )
     learner = start_service("learner", learner_yaml, run_dir / "learner.log")
     stoppable.append(learner)
     actor = start_service("actor", actor_yaml, run_dir / "actor.log")
@@ -216,6 +260,8 @@ def _follow(
                 tracker.add(record)
                 out.write(json.dumps(record) + "\n")
                 print(format_progress(record, tracker))
+                if (line := format_eval(record)) is not None:
+                    print(line)
             out.flush()
             if tracker.risen() or tracker.steps >= options.max_steps:
                 return tracker

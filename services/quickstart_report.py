@@ -73,6 +73,20 @@ def format_progress(record: dict[str, Any], tracker: RewardTracker) -> str:
     )
 
 
+def format_eval(record: dict[str, Any]) -> str | None:
+    """The evaluation line of a step that carries one (`eval/...` keys); None otherwise."""
+    if "eval/reward_mean" not in record:
+        return None
+    passes = "  ".join(
+        f"{k.removeprefix('eval/')} {_fmt(v, '.3f')}"
+        for k, v in sorted(record.items())
+        if k.startswith("eval/pass@")
+    )
+    version, prompts = int(record.get("eval/policy_version") or 0), int(record.get("eval/prompts") or 0)
+    reward = _fmt(record.get("eval/reward_mean"), ".3f")
+    return f"  eval v{version:<4d} held-out reward {reward}  {passes}  ({prompts} prompts)"
+
+
 def summary_lines(tracker: RewardTracker, run_dir: Path) -> list[str]:
     """The closing summary: did the reward rise, from what to what, in how many steps and seconds."""
     if not tracker.records:

@@ -2,7 +2,8 @@
 
 One module-scoped stack is shared by every test here (vLLM starts once): the policy version advances, the
 actor reloads it, sampled staleness stays within `max_staleness`, the reward of the target-token task
-rises, every declared metric is exported, and config changes over HTTP behave (applied at a step
+rises, the inline evaluation of held-out prompts reports it rising too, every declared metric is exported,
+and config changes over HTTP behave (applied at a step
 boundary, in the history and the metrics; 422 and 401 change nothing).
 """
 
@@ -66,10 +67,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("e2e")
     model = str(make_tiny_model(root / "model"))
     dataset = write_target_token_dataset(root / "dataset.jsonl")
+    held_out = write_target_token_dataset(root / "held_out.jsonl", num_prompts=16, seed=1)
     with EmbeddedRedis.start(root / "redis") as redis:
         learner_yaml, actor_yaml = root / "learner.yaml", root / "actor.yaml"
         learner_yaml.write_text(yaml.safe_dump(learner_config(root, model, redis.url, "e2e")))
-        actor_yaml.write_text(yaml.safe_dump(actor_config(model, dataset, redis.url, "e2e")))
+        actor_yaml.write_text(
+            yaml.safe_dump(actor_config(model, dataset, redis.url, "e2e", eval_dataset=held_out))
+        )
         env = {"OFFPOLICY_API_TOKEN": TOKEN}
         learner = start_service("learner", learner_yaml, root / "learner.log", env=env)
         actor = start_service("actor", actor_yaml, root / "actor.log", env=env)
@@ -104,6 +108,24 @@ def test_pipeline_learns_with_bounded_staleness(stack: Stack) -> None:
     rewards = [s["reward_mean"] for s in steps]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.05, rewards
+
+
+def test_the_held_out_evaluation_rises_with_training(stack: Stack) -> None:
+    """The actor evaluates 16 held-out prompts x 4 every 3 versions (its weight loads waiting); the learner
+    carries each evaluation on its next step's line: the held-out reward rises with the versions."""
+    wait_for(
+        lambda: len({s["eval/policy_version"] for s in stack.steps() if "eval/policy_version" in s}) >= 3,
+        timeout_s=300,
+        what="three evaluated versions",
+    )
+    evals = {int(s["eval/policy_version"]): s for s in stack.steps() if "eval/policy_version" in s}
+    versions = sorted(evals)
+    assert versions[0] == 0 and all(v % 3 == 0 for v in versions), versions
+    assert all(evals[v]["eval/prompts"] == 16 for v in versions)
+    first, last = evals[versions[0]]["eval/reward_mean"], evals[versions[-1]]["eval/reward_mean"]
+    assert last > first + 0.05, {v: evals[v]["eval/reward_mean"] for v in versions}
+    actor = stack.get("/v1/status", "actor").json()
+    assert actor["last_eval"]["eval/policy_version"] >= versions[-1]
 
 
 def _declared(metrics_cls: type) -> set[str]:

@@ -1,8 +1,10 @@
-"""Prompt datasets: jsonl/parquet loading, sharding that covers every record once per epoch, reshuffles."""
+"""Prompt datasets: jsonl/parquet loading, sharding that covers every record once per epoch, reshuffles;
+the toy datasets (target-token prompts, sums for the calculator) and which one the quickstart writes."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -10,7 +12,7 @@ import pytest
 
 from actors.errors import DatasetError
 from actors.prompts import Prompt, encode, epoch_batches, load_prompts, shard
-from actors.toy import write_target_token_dataset
+from actors.toy import write_sums_dataset, write_target_token_dataset
 from learner.model import build_char_tokenizer
 
 
@@ -117,3 +119,34 @@ def test_toy_dataset(tmp_path):
     assert all(p.answer == "b" and "b" in p.text for p in prompts)
     with pytest.raises(ValueError, match="one character"):
         write_target_token_dataset(tmp_path / "x.jsonl", target="ab")
+
+
+def test_sums_dataset(tmp_path):
+    path = write_sums_dataset(tmp_path / "sums.jsonl", num_prompts=50, seed=3)
+    prompts = load_prompts(path)
+    assert [p.prompt_id for p in prompts] == [f"sum-{i}" for i in range(50)]
+    for p in prompts:
+        found = re.fullmatch(r"What is (\d+)\+(\d+)\?", p.text)
+        assert found is not None, p.text
+        a, b = int(found.group(1)), int(found.group(2))
+        assert 1 <= a <= 9 and 1 <= b <= 9 and p.answer == str(a + b)
+    assert len({p.text for p in prompts}) > 25  # varied sums, not one repeated
+    again = write_sums_dataset(tmp_path / "again.jsonl", num_prompts=50, seed=3)
+    assert again.read_text() == path.read_text()  # seeded
+    assert (
+        write_sums_dataset(tmp_path / "other.jsonl", num_prompts=50, seed=4).read_text() != path.read_text()
+    )
+    small = load_prompts(write_sums_dataset(tmp_path / "small.jsonl", num_prompts=20, max_operand=3))
+    assert {len(p.answer) for p in small} == {1}  # at most 3+3
+    with pytest.raises(ValueError, match="max_operand"):
+        write_sums_dataset(tmp_path / "x.jsonl", max_operand=0)
+
+
+def test_the_quickstart_writes_sums_for_the_calculator(tmp_path):
+    from services.quickstart import toy_dataset
+
+    calc = load_prompts(toy_dataset(tmp_path / "calc.jsonl", "actors.environments.calculator"))
+    assert all(p.prompt_id.startswith("sum-") and p.answer.isdigit() for p in calc)
+    for environment in (None, "actors.environments.guessing_game"):
+        toy = load_prompts(toy_dataset(tmp_path / f"{environment}.jsonl", environment))
+        assert all(p.prompt_id.startswith("toy-") and p.answer == "a" for p in toy)
