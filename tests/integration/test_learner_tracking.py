@@ -2,7 +2,8 @@
 event files (read back with TensorBoard's EventAccumulator), the offline W&B run folder (its records read
 back) and the MLflow store each hold every step's metrics, an eval metric logged through `log_eval`, the
 config at start and the applied change with their sources, and the completions of each policy version
-once; a JSONL file that cannot be written is logged and counted while the steps go on."""
+once; a JSONL file that cannot be written is logged and counted while the steps go on; a learner resumed
+from a checkpoint logs its config with the source `resume`."""
 
 from __future__ import annotations
 
@@ -189,3 +190,26 @@ def test_a_sink_that_fails_does_not_stop_the_steps(tiny_dir, redis_url, tmp_path
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     assert [e.step for e in events.Scalars("loss")] == [1, 2, 3]
+
+
+def test_a_resumed_learner_logs_its_config_as_resume(tiny_dir, redis_url, tmp_path):  # noqa: F811
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = config(
+        tiny_dir, redis_url, tmp_path, tracking={"tensorboard_dir": str(tmp_path / "tb")},
+        checkpoint={"checkpoint_dir": str(tmp_path / "ckpt"), "checkpoint_every": 1},
+    )  # fmt: skip
+    with ReplayBuffer(cfg.redis_url, cfg.run_id, cfg.buffer) as buf:
+        buf.insert_many(ragged_groups(2, 2, seed=40, response=(2, 6)))
+    first = Learner(cfg, CollectorRegistry())
+    try:
+        first.step()
+    finally:
+        first.close()
+    Learner(cfg, CollectorRegistry()).close()  # resumes the checkpoint of step 1
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    configs = [
+        e.tensor_proto.string_val[0].decode().split(":")[0] for e in events.Tensors("config/text_summary")
+    ]
+    assert configs == ["config_version 0 (initial) from step 1", "config_version 0 (resume) from step 2"]
