@@ -227,7 +227,8 @@ class LearnerConfig(ConfigModel):
     entropy_coeff: float = Field(0.0, ge=0.0)
     """Weight of the entropy bonus subtracted from the policy loss (`pg_loss - entropy_coeff * entropy`,
     the entropy of the policy's distribution at each trained token, at its temperature, aggregated with
-    `loss_agg_mode`); 0 = off (the entropy is still reported as `actor/entropy`)."""
+    `loss_agg_mode`), reported as `actor/entropy`; 0 = off, the entropy not computed (it costs one more
+    softmax-sized pass over each chunk of logits, forward and backward)."""
 
     # --- the buffer
     redis_url: str = Field("redis://localhost:6379/0", json_schema_extra=FROZEN)

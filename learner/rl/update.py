@@ -32,15 +32,16 @@ log = logging.getLogger(__name__)
 
 def policy_loss_terms(
     log_prob: torch.Tensor,
-    entropy: torch.Tensor,
+    entropy: torch.Tensor | None,
     mb: Batch,
     cfg: LearnerConfig,
     den: dict[str, Any],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Loss of one micro-batch, scaled by the mini-batch's denominators `den` so that the micro-batch
     losses add up to the mini-batch's loss (gradient accumulation), as verl's actor: `pg_loss - entropy_coeff
-    * entropy + kl_loss_coef * kl_loss`, the entropy and the KL to the reference (`mb.ref_log_probs`, when
-    the KL loss is on) aggregated like the policy loss over the same response mask. Returns (loss, metrics
+    * entropy + kl_loss_coef * kl_loss`, the entropy (computed only with `entropy_coeff > 0`) and the KL to
+    the reference (`mb.ref_log_probs`, when the KL loss is on) aggregated like the policy loss over the same
+    response mask. Returns (loss, metrics
     that average over micro-batches, the terms: 0-d tensors that add up over micro-batches and ranks)."""
     rc = cfg.rollout_correction
     agg = {
@@ -64,9 +65,11 @@ def policy_loss_terms(
         correction=rc,
         **agg,  # the mini-batch's T, not the (trimmed) micro-batch's, for loss_scale_factor
     )
-    ent = aggregate_loss(entropy, mb.response_mask, cfg.loss_agg_mode, **agg)
-    loss = out.loss - cfg.entropy_coeff * ent if cfg.entropy_coeff > 0 else out.loss
-    terms = {"actor/pg_loss": out.loss.detach(), "actor/entropy": ent.detach()}
+    loss, terms = out.loss, {"actor/pg_loss": out.loss.detach()}
+    if entropy is not None:
+        ent = aggregate_loss(entropy, mb.response_mask, cfg.loss_agg_mode, **agg)
+        loss = loss - cfg.entropy_coeff * ent
+        terms["actor/entropy"] = ent.detach()
     if mb.ref_log_probs is not None:
         kld = kl_penalty(log_prob, mb.ref_log_probs, cfg.kl_loss_type)  # (b, r)
         kl = aggregate_loss(kld, mb.response_mask, cfg.loss_agg_mode, **agg)
@@ -100,7 +103,9 @@ def optimizer_step(
         ctx.ranks
     )  # FSDP averages gradients over ranks; each loss is a share of the global one
     step_loss = torch.zeros((), device=mask.device)
-    keys = ("actor/pg_loss", "actor/entropy", *(("actor/kl_loss",) if ctx.reference is not None else ()))
+    entropy_on = cfg.entropy_coeff > 0  # the entropy costs a softmax-sized pass per LM-head chunk
+    keys = ("actor/pg_loss", *(("actor/entropy",) if entropy_on else ()))
+    keys += ("actor/kl_loss",) if ctx.reference is not None else ()
     step_terms = torch.zeros(len(keys), device=mask.device)  # lock-step: the same keys on every rank
     with timed(phases, "forward_backward"):
         for rows in rank_micro_batches(batch, mini, cfg, ctx.ranks):
@@ -109,7 +114,7 @@ def optimizer_step(
                 continue
             mb = batch.select(rows)
             with precision.autocast():
-                log_prob, entropy = t.policy(mb, cfg.logprob_chunk_tokens, cfg.packing, True)  # (b, r) fp32
+                log_prob, entropy = t.policy(mb, cfg.logprob_chunk_tokens, cfg.packing, entropy_on)  # (b, r)
             loss, m, terms = policy_loss_terms(log_prob, entropy, mb, cfg, denominators)
             (loss * scale).backward()
             step_loss += loss.detach()
@@ -153,7 +158,9 @@ def _idle_pass(ctx: StepContext, mb: Batch) -> None:
     (policy forward and backward, then critic forward and backward), so FSDP's collectives pair up."""
     t, precision = ctx.trainables, ctx.precision
     with precision.autocast():
-        log_prob, _ = t.policy(mb, ctx.config.logprob_chunk_tokens, ctx.config.packing, True)
+        log_prob, _ = t.policy(
+            mb, ctx.config.logprob_chunk_tokens, ctx.config.packing, ctx.config.entropy_coeff > 0
+        )
     (log_prob.sum() * 0.0).backward()
     if t.critic is not None:
         with precision.autocast():
