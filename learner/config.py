@@ -34,6 +34,13 @@ AdvEstimator = Literal["grpo", "rloo", "reinforce", "gae"]
 LossAggMode = Literal[
     "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"
 ]
+KlLossType = Literal[
+    "kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3",
+    "kl+", "abs+", "mse+", "low_var_kl+", "k1+", "k2+", "k3+",
+]  # fmt: skip
+"""verl 0.9.1's `kl_penalty` names (learner/rl/losses.py `kl_penalty`): k1 = kl, k2 = mse, k3 = low_var_kl;
+a trailing `+` keeps the value and takes k2's gradient (straight-through). verl's `full` raises
+NotImplementedError there and is refused here."""
 
 
 class OptimizerConfig(ConfigModel):
@@ -186,6 +193,18 @@ class TrackingConfig(ConfigModel):
         return value
 
 
+class ReferenceConfig(ConfigModel):
+    """The frozen reference policy of the KL loss; loaded only when `kl_loss_coef > 0`."""
+
+    model_path: PathStr | None = Field(None, json_schema_extra=FROZEN)
+    """Where the reference's weights come from; None = the policy's `model_path` (its initial weights; a
+    resumed run reloads them from there, never from a checkpoint)."""
+    cpu_offload: bool = Field(False, json_schema_extra=FROZEN)
+    """Keep the reference's weights in host memory: on N ranks FSDP2's `CPUOffloadPolicy` (like
+    `fsdp.cpu_offload`), on one CUDA process each decoder layer is copied to the GPU for its forward alone
+    (pinned host copies; embeddings, final norm and LM head stay on the GPU). Slower reference passes."""
+
+
 class LearnerConfig(ConfigModel):
     """Everything the learner loop reads; applied at step boundaries (DESIGN.md "Learner")."""
 
@@ -267,6 +286,20 @@ class LearnerConfig(ConfigModel):
     rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
     """Rollout correction (spec); a preset name (canonical or seed alias) is accepted in its place.
     The default computes the off-policy metrics only."""
+    kl_loss_coef: float = Field(0.0, ge=0.0)
+    """Weight of the KL-to-reference loss added to the policy loss (verl's `use_kl_loss`:
+    `policy_loss + kl_loss_coef * kl_loss`); 0 = off, no reference loaded. Switching it between 0 and > 0
+    while running is refused (the reference cannot appear or vanish mid-run)."""
+    kl_loss_type: KlLossType = "low_var_kl"
+    """The per-token KL estimator of the KL loss against the reference (verl's `kl_loss_type`, default
+    `low_var_kl` = k3), aggregated with `loss_agg_mode` over the response mask."""
+    reference: ReferenceConfig = ReferenceConfig()
+    """The reference policy of the KL loss (used only with `kl_loss_coef > 0`)."""
+    entropy_coeff: float = Field(0.0, ge=0.0)
+    """Weight of the entropy bonus subtracted from the policy loss (`pg_loss - entropy_coeff * entropy`,
+    the entropy of the policy's distribution at each trained token, at its temperature, aggregated with
+    `loss_agg_mode`), reported as `actor/entropy`; 0 = off, the entropy not computed (it costs one more
+    softmax-sized pass over each chunk of logits, forward and backward)."""
 
     # --- the buffer
     redis_url: str = Field("redis://localhost:6379/0", json_schema_extra=FROZEN)
@@ -300,6 +333,17 @@ class LearnerConfig(ConfigModel):
     accepted only when the file's folder exists or can be created and is writable."""
     tracking: TrackingConfig = TrackingConfig()
     """TensorBoard, Weights & Biases and MLflow (each optional), and the completions logged per version."""
+
+    @field_validator("kl_loss_type", mode="before")
+    @classmethod
+    def _no_full_kl(cls, value: Any) -> Any:
+        if value in ("full", "full+"):
+            raise ValueError(
+                f"kl_loss_type={value!r} is not implemented: verl 0.9.1's kl_penalty raises "
+                "NotImplementedError for it; use kl (k1), abs, mse (k2) or low_var_kl (k3), "
+                "optionally with '+'"
+            )
+        return value
 
     @field_validator("rollout_correction", mode="before")
     @classmethod
@@ -383,6 +427,8 @@ def frozen_field_changes(old: LearnerConfig, new: LearnerConfig) -> list[str]:
             changed.append(path)
     if (old.adv_estimator == "gae") != (new.adv_estimator == "gae"):
         changed.append("adv_estimator")  # a critic cannot appear or vanish mid-run
+    if (old.kl_loss_coef > 0) != (new.kl_loss_coef > 0):
+        changed.append("kl_loss_coef")  # nor can the reference model
     return changed
 
 

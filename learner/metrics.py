@@ -27,7 +27,10 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 PREFIX = "offpolicy_learner_"
-PHASES = ("sample_wait", "collate", "old_logprob", "forward_backward", "optimizer", "publish", "checkpoint")
+PHASES = (
+    "sample_wait", "collate", "old_logprob", "ref_logprob", "forward_backward", "optimizer", "publish",
+    "checkpoint",
+)  # fmt: skip
 """Critical-path phases of a step; `publish` and `checkpoint` are the host snapshots only (the writes run
 on the background writer and are timed by `offpolicy_learner_background_write_seconds`)."""
 STALENESS_BUCKETS = ("0", "1", "2-3", "4-7", "8+")
@@ -58,7 +61,7 @@ ROLLOUT_CORR_KEYS = (
     *(f"rollout_rs_{o}_{k}" for o in RS_OPTIONS for k in RS_KEYS),
     *OFFPOLICY_KEYS,
 )
-ACTOR_KEYS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
+ACTOR_KEYS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss")
 CRITIC_KEYS = ("vf_loss", "vf_clipfrac", "values_mean")
 SCALARS = {  # step-dict key -> (metric name suffix, help)
     "loss": ("loss", "Policy loss of the last learner step (mean over its optimizer steps)."),

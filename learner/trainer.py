@@ -40,7 +40,13 @@ from buffer.errors import BufferNotReady, RateLimited, StorageUnavailable
 from buffer.evaluations import EvalStore
 from buffer.policy import PolicyStore
 from buffer.replay_buffer import ReplayBuffer
-from learner.build import Trainables, build_trainables, gradient_checkpointing, set_optimizer_hparams
+from learner.build import (
+    Trainables,
+    build_reference,
+    build_trainables,
+    gradient_checkpointing,
+    set_optimizer_hparams,
+)
 from learner.config import LearnerConfig, frozen_field_changes
 from learner.delivery import Delivery
 from learner.distributed import (
@@ -115,6 +121,7 @@ class Learner:
         self.model, self.policy = parts.model, parts.policy
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
         self.critic, self.critic_optimizer = parts.critic, parts.critic_optimizer
+        self.reference = build_reference(config, self.device, self.precision, ranks.distributed)
         self.tokenizer = load_tokenizer(config.model_path)
         self.limits = ModelLimits(
             vocab_size=self.model.get_input_embeddings().num_embeddings,
@@ -486,6 +493,7 @@ class Learner:
             version=self.version,
             step_count=self.step_count,
             trainables=self.trainables(),
+            reference=self.reference,
             before_update=self.persist.fence,
             metrics=self.metrics if self.ranks.is_leader else None,
         )
