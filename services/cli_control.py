@@ -64,8 +64,9 @@ def _config_get(client: LearnerClient, args: argparse.Namespace) -> tuple[Any, l
         if not isinstance(value, dict) or part not in value:
             raise UsageError(f"config get: no key {args.key!r} in the running config")
         value = value[part]
-    text = yaml.safe_dump(value, sort_keys=False).rstrip() if isinstance(value, dict | list) else value
-    return value, [f"{text}" if value is not None else "null"]
+    if isinstance(value, dict | list):
+        return value, [yaml.safe_dump(value, sort_keys=False).rstrip()]
+    return value, [value if isinstance(value, str) else json.dumps(value)]  # true, null, 0.001
 
 
 def _config_set(client: LearnerClient, args: argparse.Namespace) -> tuple[Any, list[str]]:

@@ -133,6 +133,18 @@ def test_control_verbs_change_what_the_learner_does(learner_url, capsys, monkeyp
     assert cli.json("status")["last_step"]["lr"] == pytest.approx(1e-3)  # the learner trains with it
     assert cli("config", "get", "optimizer.lr")[1].strip() == "0.001"
     assert cli.json("config", "get", "clip_ratio_high") == 0.28
+    assert cli("config", "get", "checkpoint.checkpoint_every")[1].strip() == "null"
+    rc, _, err = cli("config", "get", "optimizer.nope")
+    assert (rc, err.strip()) == (2, "config get: no key 'optimizer.nope' in the running config")
+
+    # refused changes: a frozen field (409), a malformed assignment (nothing sent)
+    rc, _, err = cli("config", "set", "model_path=/elsewhere")
+    assert (rc, err.strip()) == (
+        2,
+        "error 409 field_frozen: cannot change while running: model_path",
+    )
+    rc, _, err = cli("config", "set", "optimizer.lr")
+    assert rc == 2 and err.startswith("config set: 'optimizer.lr' is not KEY=VALUE")
 
     # history lists the change
     history = cli.json("config", "history")["entries"]
