@@ -49,6 +49,7 @@ class Batch:
     is_weights: torch.Tensor | None = None  # (B, R) decoupled IS weights, detached
     returns: torch.Tensor | None = None  # (B, R) GAE returns (critic targets)
     values: torch.Tensor | None = None  # (B, R) critic values at sampling time
+    ref_log_probs: torch.Tensor | None = None  # (B, R) the reference policy's (KL loss), no grad
 
     @property
     def num_rows(self) -> int:

@@ -4,6 +4,8 @@ its AdamW and LR schedule, and the critic with its own AdamW under GAE; on N ran
 On N ranks the models load into host memory and each decoder layer moves to the GPU as it is sharded
 (learner/distributed/fsdp.py), so no rank ever holds a whole fp32 copy on its GPU. `Trainables` is what
 a step trains and a checkpoint saves; `set_optimizer_hparams` applies a new optimizer config in place.
+`build_reference` loads the frozen reference policy of the KL loss (never checkpointed: it is reloaded
+from its `model_path` on resume).
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from learner.config import LearnerConfig, OptimizerConfig
-from learner.distributed.fsdp import shard
+from learner.distributed.fsdp import decoder_layers, shard
 from learner.model import attention
 from learner.model.critic import ValueModel
 from learner.model.load import load_model, unique_state
 from learner.model.policy import LogProbs
 from learner.model.precision import Precision
+from learner.model.reference import freeze, stream_layers
 
 
 @dataclass(slots=True)
@@ -80,6 +83,33 @@ def build_trainables(
             shard(critic, layers, precision, config.fsdp.cpu_offload)
         critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=config.critic.lr, fused=True)
     return Trainables(model, optimizer, scheduler, critic, critic_optimizer, policy), publish_keys
+
+
+def build_reference(
+    config: LearnerConfig, device: torch.device, precision: Precision, sharded: bool
+) -> torch.nn.Module | None:
+    """The frozen reference policy (`LogProbs`) of the KL loss, or None when `kl_loss_coef` is 0. Its
+    weights are in the compute dtype (bf16 under `bf16_mixed`: what autocast computes with anyway), from
+    `reference.model_path` or the policy's `model_path`. `sharded`: FSDP2 like the policy (with
+    `reference.cpu_offload`: `CPUOffloadPolicy`); one process with `reference.cpu_offload`: decoder layers
+    streamed from host memory (`model.reference.stream_layers`)."""
+    if config.kl_loss_coef == 0:
+        return None
+    rc = config.reference
+    offload = rc.cpu_offload and device.type == "cuda"
+    model = load_model(
+        rc.model_path or config.model_path,
+        "cpu" if sharded or offload else device,
+        precision.compute_dtype or precision.param_dtype,
+        attn_implementation=attention.resolve(config.attn_implementation, device),
+    )
+    reference = freeze(LogProbs(model))
+    layers = model.config.num_hidden_layers
+    if sharded:
+        shard(reference, layers, precision, rc.cpu_offload)
+    elif offload:
+        stream_layers(model, decoder_layers(model, layers), device)
+    return reference
 
 
 def gradient_checkpointing(config: LearnerConfig, device: torch.device) -> bool:

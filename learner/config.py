@@ -6,6 +6,7 @@ answers 409 naming them; `frozen_field_changes(old, new)` lists the ones a new c
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,6 +34,13 @@ AdvEstimator = Literal["grpo", "rloo", "reinforce", "gae"]
 LossAggMode = Literal[
     "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"
 ]
+KlLossType = Literal[
+    "kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3",
+    "kl+", "abs+", "mse+", "low_var_kl+", "k1+", "k2+", "k3+",
+]  # fmt: skip
+"""verl 0.9.1's `kl_penalty` names (learner/rl/losses.py `kl_penalty`): k1 = kl, k2 = mse, k3 = low_var_kl;
+a trailing `+` keeps the value and takes k2's gradient (straight-through). verl's `full` raises
+NotImplementedError there and is refused here."""
 
 
 class OptimizerConfig(ConfigModel):
@@ -113,6 +121,88 @@ class FsdpConfig(ConfigModel):
     cpu_offload: bool = Field(False, json_schema_extra=FROZEN)
     """FSDP2's `CPUOffloadPolicy`: sharded parameters, gradients and AdamW state live in host memory and
     the optimizer steps on the CPU (fits larger models, slower steps)."""
+
+
+def require_package(module: str, extra: str) -> None:
+    """Raise (a field error where a validator calls it) when `module` is not installed."""
+    if importlib.util.find_spec(module) is None:
+        raise ValueError(f"needs the `{module}` package: pip install 'offpolicy[{extra}]'")
+
+
+class WandbConfig(ConfigModel):
+    """A Weights & Biases run per learner process (learner/tracking/wandb_sink.py)."""
+
+    project: IdStr
+    """W&B project the run goes to."""
+    mode: Literal["offline", "online"] = "offline"
+    """`offline` writes the run under `dir` only (`wandb sync` uploads it later); `online` streams it to
+    the W&B server (needs `WANDB_API_KEY` in the learner's environment)."""
+    dir: PathStr | None = None
+    """Folder W&B writes its `wandb/` run folders into; None = the working directory."""
+    run_name: IdStr | None = None
+    """Display name of the run; None = the learner's `run_id`."""
+
+    @model_validator(mode="after")
+    def _installed(self) -> Self:
+        require_package("wandb", "wandb")
+        return self
+
+
+class MlflowConfig(ConfigModel):
+    """An MLflow run per learner process (learner/tracking/mlflow_sink.py)."""
+
+    tracking_uri: str = Field(min_length=1)
+    """MLflow tracking server or store: `http://mlflow:5000`, or a local `sqlite:///runs/mlflow.db`
+    (MLflow 3 refuses a `file:` store unless `MLFLOW_ALLOW_FILE_STORE=true` is set)."""
+    experiment: IdStr = "offpolicy"
+    """Experiment the run goes to (created when missing)."""
+    artifact_location: str | None = Field(None, min_length=1)
+    """Where an experiment created by the learner keeps its artifacts (config records, samples), e.g.
+    `file:runs/mlflow-artifacts` or `s3://bucket/mlflow`; None = the store's default (for a local
+    `sqlite:` store that is `./mlruns` in the learner's working directory). An existing experiment keeps
+    its own."""
+    run_name: IdStr | None = None
+    """Display name of the run; None = the learner's `run_id`."""
+
+    @model_validator(mode="after")
+    def _installed(self) -> Self:
+        require_package("mlflow", "mlflow")
+        return self
+
+
+class TrackingConfig(ConfigModel):
+    """Experiment trackers beside `metrics_jsonl` (learner/tracking/): chosen at start, rank 0 only. A
+    tracker that fails is logged once and counted (`offpolicy_learner_tracking_errors_total{sink}`); the
+    step goes on."""
+
+    tensorboard_dir: PathStr | None = Field(None, json_schema_extra=FROZEN)
+    """Folder of TensorBoard event files (`tensorboard --logdir` it); None = no TensorBoard."""
+    wandb: WandbConfig | None = Field(None, json_schema_extra=FROZEN)
+    """Weights & Biases run settings; None = no W&B."""
+    mlflow: MlflowConfig | None = Field(None, json_schema_extra=FROZEN)
+    """MLflow run settings; None = no MLflow."""
+    samples_per_version: int = Field(4, ge=0, le=256)
+    """Completions (prompt, completion, reward) decoded and logged as a table per policy version, at most
+    once per version (the newest version among a step's groups); 0 = none."""
+
+    @field_validator("tensorboard_dir")
+    @classmethod
+    def _tensorboard_installed(cls, value: str | None) -> str | None:
+        if value is not None:
+            require_package("tensorboard", "tensorboard")
+        return value
+
+
+class ReferenceConfig(ConfigModel):
+    """The frozen reference policy of the KL loss; loaded only when `kl_loss_coef > 0`."""
+
+    model_path: PathStr | None = Field(None, json_schema_extra=FROZEN)
+    """Where the reference's weights come from; None = the policy's `model_path` (its initial weights; a
+    resumed run reloads them from there, never from a checkpoint)."""
+    cpu_offload: bool = Field(False, json_schema_extra=FROZEN)
+    """Keep the reference's weights in host memory: on N ranks FSDP2's `CPUOffloadPolicy` (like
+    `fsdp.cpu_offload`), on one CUDA process each decoder layer is copied to the GPU for its forward alone
+    (pinned host copies; embeddings, final norm and LM head stay on the GPU). Slower reference passes."""
 
 
 class LearnerConfig(ConfigModel):
@@ -196,6 +286,20 @@ class LearnerConfig(ConfigModel):
     rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
     """Rollout correction (spec); a preset name (canonical or seed alias) is accepted in its place.
     The default computes the off-policy metrics only."""
+    kl_loss_coef: float = Field(0.0, ge=0.0)
+    """Weight of the KL-to-reference loss added to the policy loss (verl's `use_kl_loss`:
+    `policy_loss + kl_loss_coef * kl_loss`); 0 = off, no reference loaded. Switching it between 0 and > 0
+    while running is refused (the reference cannot appear or vanish mid-run)."""
+    kl_loss_type: KlLossType = "low_var_kl"
+    """The per-token KL estimator of the KL loss against the reference (verl's `kl_loss_type`, default
+    `low_var_kl` = k3), aggregated with `loss_agg_mode` over the response mask."""
+    reference: ReferenceConfig = ReferenceConfig()
+    """The reference policy of the KL loss (used only with `kl_loss_coef > 0`)."""
+    entropy_coeff: float = Field(0.0, ge=0.0)
+    """Weight of the entropy bonus subtracted from the policy loss (`pg_loss - entropy_coeff * entropy`,
+    the entropy of the policy's distribution at each trained token, at its temperature, aggregated with
+    `loss_agg_mode`), reported as `actor/entropy`; 0 = off, the entropy not computed (it costs one more
+    softmax-sized pass over each chunk of logits, forward and backward)."""
 
     # --- the buffer
     redis_url: str = Field("redis://localhost:6379/0", json_schema_extra=FROZEN)
@@ -227,6 +331,19 @@ class LearnerConfig(ConfigModel):
     metrics_jsonl: PathStr | None = Field(None, json_schema_extra=WRITABLE)
     """Append each step's metrics as one JSON line to this file; None = don't. A change while running is
     accepted only when the file's folder exists or can be created and is writable."""
+    tracking: TrackingConfig = TrackingConfig()
+    """TensorBoard, Weights & Biases and MLflow (each optional), and the completions logged per version."""
+
+    @field_validator("kl_loss_type", mode="before")
+    @classmethod
+    def _no_full_kl(cls, value: Any) -> Any:
+        if value in ("full", "full+"):
+            raise ValueError(
+                f"kl_loss_type={value!r} is not implemented: verl 0.9.1's kl_penalty raises "
+                "NotImplementedError for it; use kl (k1), abs, mse (k2) or low_var_kl (k3), "
+                "optionally with '+'"
+            )
+        return value
 
     @field_validator("rollout_correction", mode="before")
     @classmethod
@@ -310,6 +427,8 @@ def frozen_field_changes(old: LearnerConfig, new: LearnerConfig) -> list[str]:
             changed.append(path)
     if (old.adv_estimator == "gae") != (new.adv_estimator == "gae"):
         changed.append("adv_estimator")  # a critic cannot appear or vanish mid-run
+    if (old.kl_loss_coef > 0) != (new.kl_loss_coef > 0):
+        changed.append("kl_loss_coef")  # nor can the reference model
     return changed
 
 

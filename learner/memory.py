@@ -14,7 +14,11 @@ under FSDP, 1 on one process):
   `sdpa_varlen`); with activation checkpointing only each layer's input (h per token and layer) plus one
   layer recomputed;
 - the LM head's chunk: `logprob_chunk_tokens` x vocabulary fp32 logits, three live at once (logits,
-  their softmax, their gradient).
+  their softmax, their gradient), four with the entropy bonus (`entropy_coeff > 0`: its gradient);
+- the reference policy of the KL loss (`kl_loss_coef > 0`): P_ref x the compute dtype (2 B under
+  `bf16_mixed` and `bf16_pure`, 4 B under `fp32`) / N; with `reference.cpu_offload` in host memory (on one
+  process its embeddings and LM head stay on the device; the layers it gathers or streams exist only during
+  its own no-grad pass, when no training activations are alive).
 
 Deliberately simple: an upper-bound-minded estimate for decoder-only transformers, not a measurement (no
 allocator fragmentation, no NCCL buffers beyond the 10 % headroom). `check` refuses a plan above 90 % of
@@ -68,12 +72,14 @@ class MemoryPlan:
     compute_copies: int
     activations: int
     lm_head_chunk: int
-    host_offloaded: int  # weights, gradients and AdamW state in host memory (`fsdp.cpu_offload`)
+    host_offloaded: int  # weights, gradients and AdamW state in host memory (`fsdp.cpu_offload`), and the
+    # reference's weights with `reference.cpu_offload`
+    reference: int = 0  # the KL loss's frozen reference policy on the device
 
     @property
     def total(self) -> int:
         return sum((self.weights, self.gradients, self.optimizer, self.compute_copies, self.activations,
-                    self.lm_head_chunk))  # fmt: skip
+                    self.lm_head_chunk, self.reference))  # fmt: skip
 
     def as_dict(self) -> dict[str, float]:
         """The parts and the total in GiB (JSON-safe: `/v1/status`)."""
@@ -81,9 +87,16 @@ class MemoryPlan:
 
 
 def estimate(
-    config: LearnerConfig, shape: ModelShape, ranks: int, sharded: bool, checkpointing: bool, cuda: bool
+    config: LearnerConfig,
+    shape: ModelShape,
+    ranks: int,
+    sharded: bool,
+    checkpointing: bool,
+    cuda: bool,
+    reference: ModelShape | None = None,
 ) -> MemoryPlan:
-    """The memory plan of one of `ranks` ranks training `shape` (`sharded`: FSDP2 over the ranks)."""
+    """The memory plan of one of `ranks` ranks training `shape` (`sharded`: FSDP2 over the ranks); the KL
+    loss's reference is of shape `reference` (None = `shape`)."""
     precision = config.precision or ("bf16_mixed" if cuda else "fp32")
     master = 2 if precision == "bf16_pure" else 4
     compute = 4 if precision == "fp32" else 2
@@ -104,7 +117,8 @@ def estimate(
         activations = shape.layers * tokens * shape.hidden * compute + per_layer
     else:
         activations = shape.layers * per_layer
-    head = 3 * config.logprob_chunk_tokens * shape.vocab * 4
+    head = (4 if config.entropy_coeff > 0 else 3) * config.logprob_chunk_tokens * shape.vocab * 4
+    ref_device, ref_host = reference_bytes(config, reference or shape, share, sharded, compute)
     return MemoryPlan(
         weights=0 if offload else state,
         gradients=0 if offload else state,
@@ -112,14 +126,34 @@ def estimate(
         compute_copies=copies,
         activations=activations,
         lm_head_chunk=head,
-        host_offloaded=4 * state if offload else 0,
+        host_offloaded=(4 * state if offload else 0) + ref_host,
+        reference=ref_device,
     )
+
+
+def reference_bytes(
+    config: LearnerConfig, shape: ModelShape, share: int, sharded: bool, compute: int
+) -> tuple[int, int]:
+    """(device, host) bytes of the KL loss's reference policy on one rank (in the compute dtype, sharded
+    over `share` ranks); (0, 0) when `kl_loss_coef` is 0."""
+    if config.kl_loss_coef == 0:
+        return 0, 0
+    full = shape.params * compute // share
+    if not config.reference.cpu_offload:
+        return full, 0
+    # in host memory; what it gathers or streams onto the device lives only during its own pass, when no
+    # training activations are alive; on one process its embeddings and LM head stay on the device
+    return (0 if sharded else 2 * shape.vocab * shape.hidden * compute), full
 
 
 def plan_for(config: LearnerConfig, ranks: int, sharded: bool, checkpointing: bool, cuda: bool) -> MemoryPlan:
     """`estimate` for the model `config.model_path` names (its config read, no weight loaded)."""
     shape = ModelShape.of(AutoConfig.from_pretrained(str(config.model_path)))
-    return estimate(config, shape, ranks, sharded, checkpointing, cuda)
+    ref_path = config.reference.model_path
+    reference = None
+    if config.kl_loss_coef > 0 and ref_path is not None:
+        reference = ModelShape.of(AutoConfig.from_pretrained(str(ref_path)))
+    return estimate(config, shape, ranks, sharded, checkpointing, cuda, reference)
 
 
 def device_limit(config: LearnerConfig, device: torch.device) -> int | None:
@@ -146,4 +180,9 @@ def check(
         f"(--nproc-per-node, now {ranks}), set fsdp.cpu_offload: true (now {config.fsdp.cpu_offload}), "
         f"turn gradient_checkpointing on (now {checkpointing}), or lower logprob_chunk_tokens (now "
         f"{config.logprob_chunk_tokens})"
+        + (
+            f"; the KL loss's reference takes {plan.reference / GIB:.1f}: set reference.cpu_offload: true"
+            if plan.reference and not config.reference.cpu_offload
+            else ""
+        )
     )

@@ -27,7 +27,10 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 PREFIX = "offpolicy_learner_"
-PHASES = ("sample_wait", "collate", "old_logprob", "forward_backward", "optimizer", "publish", "checkpoint")
+PHASES = (
+    "sample_wait", "collate", "old_logprob", "ref_logprob", "forward_backward", "optimizer", "publish",
+    "checkpoint",
+)  # fmt: skip
 """Critical-path phases of a step; `publish` and `checkpoint` are the host snapshots only (the writes run
 on the background writer and are timed by `offpolicy_learner_background_write_seconds`)."""
 STALENESS_BUCKETS = ("0", "1", "2-3", "4-7", "8+")
@@ -58,7 +61,7 @@ ROLLOUT_CORR_KEYS = (
     *(f"rollout_rs_{o}_{k}" for o in RS_OPTIONS for k in RS_KEYS),
     *OFFPOLICY_KEYS,
 )
-ACTOR_KEYS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
+ACTOR_KEYS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss")
 CRITIC_KEYS = ("vf_loss", "vf_clipfrac", "values_mean")
 SCALARS = {  # step-dict key -> (metric name suffix, help)
     "loss": ("loss", "Policy loss of the last learner step (mean over its optimizer steps)."),
@@ -78,6 +81,8 @@ REJECTION_FIELDS = (
     "sampling.temperature", "prompt_ids", "trajectories.response_ids", "trajectories.behavior_logprobs",
 )  # fmt: skip
 """The `field` labels of `groups_rejected_total` (learner/rl/screening.py, list indices dropped)."""
+TRACKING_SINKS = ("jsonl", "tensorboard", "wandb", "mlflow")
+"""The `sink` labels of `tracking_errors_total` (learner/tracking/)."""
 WRITE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 IS_WEIGHT_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0)
 STALENESS_HIST_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
@@ -226,6 +231,12 @@ class LearnerMetrics:
             PREFIX + "writes_coalesced", "Snapshots replaced by a newer one before the writer reached them.",
             registry=registry,
         )  # fmt: skip
+        self.tracking_errors = Counter(
+            PREFIX + "tracking_errors", "Failed calls to an experiment tracker (the step went on), by sink.",
+            ["sink"], registry=registry,
+        )  # fmt: skip
+        for sink in TRACKING_SINKS:
+            self.tracking_errors.labels(sink=sink)
         self.paused = Gauge(PREFIX + "paused", "1 while the learner is paused, else 0.", registry=registry)
         self.config_version = Gauge(
             PREFIX + "config_version", "config_version (GET /v1/config/history) of the config the loop runs.",

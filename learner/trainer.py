@@ -40,7 +40,13 @@ from buffer.errors import BufferNotReady, RateLimited, StorageUnavailable
 from buffer.evaluations import EvalStore
 from buffer.policy import PolicyStore
 from buffer.replay_buffer import ReplayBuffer
-from learner.build import Trainables, build_trainables, gradient_checkpointing, set_optimizer_hparams
+from learner.build import (
+    Trainables,
+    build_reference,
+    build_trainables,
+    gradient_checkpointing,
+    set_optimizer_hparams,
+)
 from learner.config import LearnerConfig, frozen_field_changes
 from learner.delivery import Delivery
 from learner.distributed import (
@@ -55,10 +61,11 @@ from learner.distributed import (
 )
 from learner.errors import FrozenFieldChange, WriteFailed
 from learner.memory import check, device_limit, plan_for
-from learner.metrics import LearnerMetrics, append_jsonl, json_safe, timed
+from learner.metrics import LearnerMetrics, timed
 from learner.model import Precision, checkpoint_dtype, load_tokenizer, pick_device
 from learner.persist import BackgroundWriter, Persistence
 from learner.rl import ModelLimits, StepContext, field_label, screen, train_on
+from learner.tracking import build_tracker
 
 log = logging.getLogger(__name__)
 
@@ -114,12 +121,15 @@ class Learner:
         self.model, self.policy = parts.model, parts.policy
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
         self.critic, self.critic_optimizer = parts.critic, parts.critic_optimizer
+        self.reference = build_reference(config, self.device, self.precision, ranks.distributed)
         self.tokenizer = load_tokenizer(config.model_path)
         self.limits = ModelLimits(
             vocab_size=self.model.get_input_embeddings().num_embeddings,
             max_positions=self.model.config.max_position_embeddings,
         )
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        # --- experiment trackers (rank 0): the JSONL file, TensorBoard, W&B, MLflow as configured
+        self.tracker = build_tracker(config, self.metrics.tracking_errors, self.tokenizer, ranks.is_leader)
         # --- buffer and policy record (the leader's alone)
         leader = ranks.is_leader
         self.buffer = (
@@ -168,6 +178,7 @@ class Learner:
         meta = self.persist.restore_latest(self.trainables())
         if meta is not None:
             self._resumed(meta)
+        self.tracker.log_config(self.config, "initial" if meta is None else "resume", 0, self.step_count)
         if self.delivery is not None:
             self.delivery.recover(meta.get("lease_ids", []) if meta is not None else [])
         need = self.persist.needs_publish(self.version) if ranks.is_leader else False
@@ -323,11 +334,11 @@ class Learner:
             "published_lag": float(self.version - (self.persist.published_version or 0)),
         }
         metrics |= {f"time/{k}": v for k, v in phases.items()}
-        metrics |= self._new_evaluation()
-        if cfg.metrics_jsonl is not None:  # before the metrics are visible: a reader of one finds the other
-            append_jsonl(
-                Path(cfg.metrics_jsonl), json_safe(metrics) | {"group_ids": [g.group_id for g in groups]}
-            )
+        evaluation = self._new_evaluation()  # an evaluating actor's newest, on this step's line
+        metrics |= evaluation
+        self.tracker.log_step(self.step_count, metrics, groups)  # before the metrics are visible
+        if evaluation:
+            self.tracker.log_eval(int(evaluation["eval/policy_version"]), evaluation)
         self.metrics.record_step(metrics, phases)
         return metrics
 
@@ -459,6 +470,7 @@ class Learner:
             if self._pending is pending:  # a newer config queued meanwhile stays queued
                 self._pending = None
         self.metrics.record_config(version, new.buffer.max_staleness)
+        self.tracker.log_config(new, "api", version, self.step_count)
         log.info("rank %d applied config version %d at step %d", self.ranks.rank, version, self.step_count)
         if self._on_config_applied is not None:
             self._on_config_applied(version, self.step_count)
@@ -481,6 +493,7 @@ class Learner:
             version=self.version,
             step_count=self.step_count,
             trainables=self.trainables(),
+            reference=self.reference,
             before_update=self.persist.fence,
             metrics=self.metrics if self.ranks.is_leader else None,
         )
@@ -515,6 +528,7 @@ class Learner:
         updates are in no durable checkpoint, then close the Redis connections (leader)."""
         self._stop_followers()
         self.persist.close()
+        self.tracker.close()
         if self.delivery is not None and self.buffer is not None and self.store is not None:
             self.delivery.ack_durable()
             self.delivery.close(release=True)

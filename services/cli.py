@@ -1,4 +1,4 @@
-"""The `offpolicy` command line: quickstart, learner, actor, data preview, make-tiny-model, bench."""
+"""The `offpolicy` command line: quickstart, learner, actor, the control verbs, data preview, bench, ..."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+from services.cli_control import add_control_parsers
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = (
@@ -233,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="an evaluation actor (mode: eval): follow the published versions and run the config's `eval` "
         "section on them, pushing nothing to the buffer",
     )
+
+    add_control_parsers(sub)  # status, config get/set/apply/validate/history, pause, ... (cli_control.py)
 
     data = sub.add_parser("data", help="check a prompt dataset before training on it")
     data_sub = data.add_subparsers(dest="data_command", required=True)

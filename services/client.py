@@ -8,7 +8,8 @@
 
 Every error the service answers (`{"error": {"code", "message", "detail"}}`) is raised as a `ClientError`
 subclass chosen by its status: `Unauthorized` (401), `NotFound` (404), `Conflict` (409), `Invalid` (422),
-`RateLimited` (429), `Unavailable` (503); anything else as `ClientError`. The token is sent as a bearer
+`RateLimited` (429), `Unavailable` (503); anything else as `ClientError`. A service that cannot be
+reached (refused connection, unknown host, timeout) raises `Unreachable`. The token is sent as a bearer
 header and never appears in an error's text.
 """
 
@@ -54,6 +55,10 @@ class Unavailable(ClientError):
     """503: the learner is starting, or Redis is unreachable; retry later."""
 
 
+class Unreachable(Exception):
+    """No answer from the service at all: the connection was refused or timed out, or the host is unknown."""
+
+
 _BY_STATUS = {
     401: Unauthorized,
     404: NotFound,
@@ -91,11 +96,28 @@ class LearnerClient:
     def checkpoint(self) -> dict[str, Any]:
         return self._call("POST", "/v1/checkpoints")
 
+    def dead_letters(self, limit: int = 100) -> dict[str, Any]:
+        return self._call("GET", "/v1/dead_letters", params={"limit": limit})
+
+    # --- config
+
     def config(self) -> dict[str, Any]:
         return self._call("GET", "/v1/config")
 
+    def config_history(self) -> dict[str, Any]:
+        return self._call("GET", "/v1/config/history")
+
     def patch_config(self, changes: dict[str, Any]) -> dict[str, Any]:
         return self._call("PATCH", "/v1/config", json=changes)
+
+    def put_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Replace the whole config (fields left out take their defaults)."""
+        return self._call("PUT", "/v1/config", json=config)
+
+    def validate_config(self, body: dict[str, Any], mode: str = "replace") -> dict[str, Any]:
+        """Dry run of `put_config` (mode `replace`) or `patch_config` (`merge`): the same errors, nothing
+        applied; answers `{"valid", "changed_fields", "config"}`."""
+        return self._call("POST", "/v1/config/validate", json=body, params={"mode": mode})
 
     # --- ingest
 
@@ -107,8 +129,11 @@ class LearnerClient:
 
     # --- plumbing
 
-    def _call(self, method: str, path: str, json: Any = None) -> dict[str, Any]:
-        response = self._http.request(method, path, json=json, headers=self._headers)
+    def _call(self, method: str, path: str, json: Any = None, params: Any = None) -> dict[str, Any]:
+        try:
+            response = self._http.request(method, path, json=json, params=params, headers=self._headers)
+        except httpx.TransportError as exc:  # the request text never holds the token: headers are not shown
+            raise Unreachable(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
         if response.status_code >= 400:
             try:
                 error = response.json()["error"]

@@ -75,6 +75,7 @@ def toy_dataset(path: Path, environment: str | None = None) -> Path:
 def learner_config(run_dir: Path, model: str, redis_url: str, run_id: str) -> dict[str, Any]:
     """The learner's config for the toy task: small batches, a high learning rate, staleness bound 2."""
     import os
+    from importlib.util import find_spec
 
     import torch
 
@@ -95,6 +96,10 @@ def learner_config(run_dir: Path, model: str, redis_url: str, run_id: str) -> di
             "publish": {"weights_dir": str(run_dir / "weights"), "publish_every": 1, "keep_versions": 3},
             "checkpoint": {"checkpoint_dir": str(run_dir / "checkpoints"), "checkpoint_every": None},
             "metrics_jsonl": str(run_dir / "learner_steps.jsonl"),
+            # TensorBoard event files beside it when the package is installed (`make quickstart` installs it)
+            "tracking": {
+                "tensorboard_dir": str(run_dir / "tensorboard") if find_spec("tensorboard") else None
+            },
             # On a CPU machine the vLLM CPU worker pins one core: leave it to the actor.
             "torch_threads": None if torch.cuda.is_available() else max(1, (os.cpu_count() or 2) - 1),
         }

@@ -95,6 +95,7 @@ def summary_lines(tracker: RewardTracker, run_dir: Path) -> list[str]:
     seconds = float(last.get("t", 0.0)) - float(first.get("t", 0.0))
     staleness = [float(r[STALENESS]) for r in tracker.records if STALENESS in r]
     verdict = "ROSE" if tracker.risen() else "did not rise clearly"
+    tensorboard = run_dir / "tensorboard"
     return [
         "",
         f"[quickstart] reward {verdict}: {_fmt(tracker.baseline(), '.3f')} over the first "
@@ -102,6 +103,7 @@ def summary_lines(tracker: RewardTracker, run_dir: Path) -> list[str]:
         f"[quickstart] {tracker.steps} learner steps, policy v{int(last.get(VERSION, 0))}, "
         f"{seconds:.0f} s of training; mean staleness {_fmt(fmean(staleness) if staleness else None, '.2f')}",
         f"[quickstart] metrics: {run_dir / 'metrics.jsonl'}",
+        *([f"[quickstart] TensorBoard: tensorboard --logdir {tensorboard}"] if tensorboard.is_dir() else []),
     ]
 
 

@@ -192,12 +192,21 @@ CORRECTION = DashboardSpec(
 LEARNER = DashboardSpec(
     uid="offpolicy-learner",
     title="offpolicy / Learner",
-    description="The learner's optimisation: loss, gradient norm, learning rate, step time by phase.",
+    description="The learner's optimisation: loss (policy gradient, KL to the reference), entropy, "
+    "gradient norm, learning rate, step time by phase.",
     rows=(
         (
             "Optimisation",
             (
-                Panel("Loss", (q("avg(offpolicy_learner_loss)", "policy loss"),)),
+                Panel(
+                    "Loss",
+                    (
+                        q("avg(offpolicy_learner_loss)", "policy loss"),
+                        q("avg(offpolicy_learner_actor_pg_loss)", "pg_loss"),
+                        q("avg(offpolicy_learner_actor_kl_loss)", "kl_loss (to the reference)"),
+                    ),
+                ),
+                Panel("Policy entropy", (q("avg(offpolicy_learner_actor_entropy)", "entropy"),)),
                 Panel(
                     "Gradient norm (before clipping)", (q("avg(offpolicy_learner_grad_norm)", "grad norm"),)
                 ),

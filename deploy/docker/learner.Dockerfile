@@ -27,9 +27,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
     OFFPOLICY_HOST=0.0.0.0 OFFPOLICY_PORT=8000 HF_HOME=/var/lib/offpolicy/hf-cache
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu \
-      "torch==${TORCH_CPU_VERSION}+cpu" /wheels/offpolicy-*.whl \
+      "torch==${TORCH_CPU_VERSION}+cpu" /wheels/offpolicy-*.whl "tensorboard>=2.14,<3" \
  && useradd --uid 10001 --user-group --no-create-home --home-dir /var/lib/offpolicy offpolicy \
- && mkdir -p /var/lib/offpolicy/weights /var/lib/offpolicy/checkpoints /var/lib/offpolicy/hf-cache /var/lib/offpolicy/models \
+ && mkdir -p /var/lib/offpolicy/weights /var/lib/offpolicy/checkpoints /var/lib/offpolicy/logs /var/lib/offpolicy/hf-cache /var/lib/offpolicy/models \
  && chown -R 10001:10001 /var/lib/offpolicy
 COPY --chmod=0644 deploy/docker/healthcheck.py /usr/local/lib/offpolicy/healthcheck.py
 USER 10001:10001
@@ -48,9 +48,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
     OFFPOLICY_HOST=0.0.0.0 OFFPOLICY_PORT=8000 HF_HOME=/var/lib/offpolicy/hf-cache \
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
-    pip install --no-cache-dir "torch==${TORCH_VERSION}" /wheels/offpolicy-*.whl \
+    pip install --no-cache-dir "torch==${TORCH_VERSION}" /wheels/offpolicy-*.whl "tensorboard>=2.14,<3" \
  && useradd --uid 10001 --user-group --no-create-home --home-dir /var/lib/offpolicy offpolicy \
- && mkdir -p /var/lib/offpolicy/weights /var/lib/offpolicy/checkpoints /var/lib/offpolicy/hf-cache /var/lib/offpolicy/models \
+ && mkdir -p /var/lib/offpolicy/weights /var/lib/offpolicy/checkpoints /var/lib/offpolicy/logs /var/lib/offpolicy/hf-cache /var/lib/offpolicy/models \
  && chown -R 10001:10001 /var/lib/offpolicy
 COPY --chmod=0644 deploy/docker/healthcheck.py /usr/local/lib/offpolicy/healthcheck.py
 USER 10001:10001

@@ -1,8 +1,10 @@
 """The policy's forward: log-probs of exactly the sampled tokens, at each row's temperature.
 
 `token_logprobs` applies each row's sampling temperature to the logits (logits / T, then log-softmax),
-which is what vLLM reports with `logprobs_mode="processed_logprobs"`. Deliberately simplified: top-p and
-top-k truncation are not modelled; actors that feed the learner should sample with top_p=1, top_k=-1.
+which is what vLLM reports with `logprobs_mode="processed_logprobs"`; `token_stats` also gives the entropy
+of that tempered distribution at each response token (the entropy bonus), from the same chunks of logits.
+Deliberately simplified: top-p and top-k truncation are not modelled; actors that feed the learner should
+sample with top_p=1, top_k=-1.
 
 `LogProbs` wraps a causal LM as the module the learner calls (one process or N): under FSDP2 the root's
 parameters (embeddings, final norm, LM head, tied or not) are all-gathered by its own pre-forward hook.
@@ -33,14 +35,17 @@ if TYPE_CHECKING:
 
 
 class LogProbs(nn.Module):
-    """`forward(batch, chunk_tokens, packed)` = `token_logprobs(lm, batch, chunk_tokens, packed)`: (B, R)."""
+    """`forward(batch, chunk_tokens, packed, entropy)` = `token_stats(lm, ...)`: (log-probs (B, R),
+    entropy (B, R) or None)."""
 
     def __init__(self, lm: nn.Module) -> None:
         super().__init__()
         self.lm = lm
 
-    def forward(self, batch: Batch, chunk_tokens: int, packed: bool = False) -> torch.Tensor:
-        return token_logprobs(self.lm, batch, chunk_tokens, packed)
+    def forward(
+        self, batch: Batch, chunk_tokens: int, packed: bool = False, entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return token_stats(self.lm, batch, chunk_tokens, packed, entropy)
 
 
 # --- the packed layout
@@ -106,17 +111,49 @@ def response_hidden_states(model: PreTrainedModel, batch: Batch) -> torch.Tensor
     return hidden[:, batch.prompt_width - 1 : batch.prompt_width - 1 + R]  # (B, R, H): P-1 .. P+R-2
 
 
-def _chunk_logprobs(
-    head: torch.nn.Module, softcap: float | None, h: torch.Tensor, ids: torch.Tensor, temps: torch.Tensor
-) -> torch.Tensor:
+class _Entropy(torch.autograd.Function):
+    """Entropy of softmax(z) over the last axis, (..., V) -> (...), with a backward that keeps at most two
+    (..., V) tensors alive: dH/dz = -p (z - lse + H), p = exp(z - lse) (autograd through softmax and a
+    product would keep four or five at 150k vocabulary x 4096 tokens)."""
+
+    @staticmethod
+    def forward(ctx: Any, z: torch.Tensor) -> torch.Tensor:
+        lse = torch.logsumexp(z, dim=-1)  # (...)
+        h = lse - torch.linalg.vecdot(torch.exp(z - lse[..., None]), z)  # (...): lse - sum p z
+        ctx.save_for_backward(z, lse, h)
+        return h
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        z, lse, h = ctx.saved_tensors
+        out = z - (lse - h)[..., None]  # (..., V): z - lse + H
+        out.mul_(torch.exp(z - lse[..., None]))
+        return out.mul_(-grad[..., None])
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy of softmax(logits) over the last axis, (..., V) -> (...) (verl's
+    `entropy_from_logits`: logsumexp - sum(softmax * logits)); differentiable with a lean backward."""
+    return _Entropy.apply(logits)
+
+
+def _chunk_stats(
+    head: torch.nn.Module,
+    softcap: float | None,
+    h: torch.Tensor,
+    ids: torch.Tensor,
+    temps: torch.Tensor,
+    entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log-softmax-and-gather of one chunk: (..., c, H) states, (..., c) ids, temperatures broadcasting
-    against the logits ((b, 1, 1) padded, (c, 1) packed) -> (..., c)."""
+    against the logits ((b, 1, 1) padded, (c, 1) packed) -> log-probs (..., c), and with `entropy` the
+    entropy (..., c) of the same tempered distribution."""
     logits = head(h).float()  # (..., c, V): the only fp32 logits alive at a time
     if softcap is not None:  # Gemma-2/3 final logit soft-capping, applied before the temperature
         logits = torch.tanh(logits / softcap) * softcap
     logits = logits / temps
     picked = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # (b, c)
-    return picked - torch.logsumexp(logits, dim=-1)
+    return picked - torch.logsumexp(logits, dim=-1), entropy_from_logits(logits) if entropy else None
 
 
 def token_logprobs(
@@ -130,6 +167,18 @@ def token_logprobs(
     pass (activation checkpointing of the head): only the hidden states are kept between the passes.
     `packed`: the decoder runs on the packed row and the head on the sampled tokens alone.
     """
+    return token_stats(model, batch, chunk_tokens, packed)[0]
+
+
+def token_stats(
+    model: PreTrainedModel,
+    batch: Batch,
+    chunk_tokens: int = 4096,
+    packed: bool = False,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs`, and with `entropy` the entropy of the policy's tempered distribution at each
+    response position, (B, R), 0 where the log-probs are 0: computed from the same chunks of logits."""
     head = model.get_output_embeddings()
     softcap = getattr(model.config, "final_logit_softcapping", None)
     if packed:
@@ -139,32 +188,46 @@ def token_logprobs(
             :, None
         ]  # (N, 1)
         chunks = [
-            _logprobs_of(
+            _stats_of(
                 head,
                 softcap,
                 states[s : s + chunk_tokens],
                 ids[s : s + chunk_tokens],
                 temps[s : s + chunk_tokens],
+                entropy,
             )
             for s in range(0, max(1, states.shape[0]), chunk_tokens)  # one (empty) chunk for an idle pass
         ]
-        return unpack(torch.cat(chunks), sampled) * batch.response_mask  # (B, R)
+        return tuple(  # type: ignore[return-value]
+            None if parts[0] is None else unpack(torch.cat(parts), sampled) * batch.response_mask
+            for parts in zip(*chunks, strict=True)
+        )  # (B, R) each
     hidden = response_hidden_states(model, batch)  # (B, R, H)
     temps = batch.temperatures.to(hidden.device)[:, None, None]  # (B, 1, 1)
     width = max(1, chunk_tokens // hidden.shape[0])  # response positions per chunk
-    parts = [
-        _logprobs_of(head, softcap, hidden[:, s : s + width], batch.response_ids[:, s : s + width], temps)
+    chunks = [
+        _stats_of(
+            head, softcap, hidden[:, s : s + width], batch.response_ids[:, s : s + width], temps, entropy
+        )
         for s in range(0, hidden.shape[1], width)
     ]
-    return torch.cat(parts, dim=1) * batch.response_mask  # (B, R)
+    return tuple(  # type: ignore[return-value]
+        None if parts[0] is None else torch.cat(parts, dim=1) * batch.response_mask
+        for parts in zip(*chunks, strict=True)
+    )  # (B, R) each
 
 
-def _logprobs_of(
-    head: torch.nn.Module, softcap: float | None, h: torch.Tensor, ids: torch.Tensor, temps: torch.Tensor
-) -> torch.Tensor:
-    """`_chunk_logprobs`, recomputed in the backward pass when gradients are on."""
+def _stats_of(
+    head: torch.nn.Module,
+    softcap: float | None,
+    h: torch.Tensor,
+    ids: torch.Tensor,
+    temps: torch.Tensor,
+    entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`_chunk_stats`, recomputed in the backward pass when gradients are on."""
     if torch.is_grad_enabled():
         return torch.utils.checkpoint.checkpoint(
-            _chunk_logprobs, head, softcap, h, ids, temps, use_reentrant=False
+            _chunk_stats, head, softcap, h, ids, temps, entropy, use_reentrant=False
         )
-    return _chunk_logprobs(head, softcap, h, ids, temps)
+    return _chunk_stats(head, softcap, h, ids, temps, entropy)

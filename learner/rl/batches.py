@@ -129,6 +129,9 @@ def rows_forward(
 def no_grad_logprobs(
     policy: torch.nn.Module, batch: Batch, cfg: LearnerConfig, precision: Precision, ranks: Ranks = SINGLE
 ) -> torch.Tensor:
-    """pi_old: log-probs of the whole batch under the current weights, micro-batched, (B, R)."""
+    """pi_old (or the reference's log-probs): log-probs of the whole batch under `policy` (a `LogProbs`),
+    micro-batched, (B, R)."""
     with precision.autocast():
-        return rows_forward(lambda mb: policy(mb, cfg.logprob_chunk_tokens, cfg.packing), batch, cfg, ranks)
+        return rows_forward(
+            lambda mb: policy(mb, cfg.logprob_chunk_tokens, cfg.packing)[0], batch, cfg, ranks
+        )

@@ -33,6 +33,7 @@ class StepContext:
     version: int  # the policy version before the step (optimizer steps taken so far)
     step_count: int  # learner steps completed before this one (seeds the mini-batch order)
     trainables: Trainables
+    reference: torch.nn.Module | None  # the frozen reference policy of the KL loss; None when it is off
     before_update: Callable[[dict[str, float]], None]  # runs before each optimizer step changes the weights
     metrics: LearnerMetrics | None  # the histograms only rank 0 exports; None on the other ranks
 

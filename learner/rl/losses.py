@@ -7,6 +7,8 @@
   bypass mode (`correction.bypass_mode`), where the correction is recomputed under no_grad from the
   current log-probs against pi_rollout and the loss is PPO-clip (ratio to pi_rollout, IS weights only as
   metrics) or REINFORCE (-A * w * log pi).
+- `kl_penalty(log_prob, ref_log_prob, kind)`: verl 0.9.1's per-token KL estimators against the reference
+  (k1 `kl`, `abs`, k2 `mse`, k3 `low_var_kl`; a trailing `+` takes k2's gradient, straight-through).
 - `value_loss(...)`: the GAE critic's PPO clipped value loss.
 
 Metrics come back as a dict of detached 0-d tensors, so the train loop can sum them over micro-batches
@@ -183,6 +185,34 @@ def _ppo_clip(
             "actor/pg_clipfrac_lower": ((clipped1 > loss3) & negative & m).sum() / denom,
         }
     return loss_mat, {k: v.float() for k, v in metrics.items()}
+
+
+# --- the KL loss against the reference policy
+
+
+def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kind: str) -> Tensor:
+    """Per-token KL estimate between the policy and the reference, (B, T), as verl 0.9.1's `kl_penalty`
+    (J. Schulman, "Approximating KL divergence"): `kl`/`k1` = log pi - log ref, `abs` = |k1|, `mse`/`k2` =
+    k1^2 / 2, `low_var_kl`/`k3` = exp(ref - pi) - (ref - pi) - 1 with the log-ratio clamped to [-20, 20]
+    and the result to [-10, 10]. A trailing `+` keeps the value and takes the gradient of k2 (unbiased for
+    the KL's gradient; `mse+` and `k2+` are k2)."""
+    base = kind.removesuffix("+")
+    diff = log_prob - ref_log_prob  # (B, T)
+    if base in ("kl", "k1"):
+        value = diff
+    elif base == "abs":
+        value = diff.abs()
+    elif base in ("mse", "k2"):
+        value = 0.5 * diff.square()
+    elif base in ("low_var_kl", "k3"):
+        kl = (-diff).clamp(-20.0, 20.0)
+        value = (torch.exp(kl) - kl - 1).clamp(-10.0, 10.0)
+    else:
+        raise CorrectionInputError(f"Invalid kl_loss_type: {kind}.")
+    if not kind.endswith("+") or base in ("mse", "k2"):
+        return value
+    k2 = 0.5 * diff.square()
+    return k2 - k2.detach() + value.detach()
 
 
 # --- the critic (GAE)

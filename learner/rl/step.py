@@ -1,8 +1,8 @@
 """One learner step's training, spec §5.1 in order: collate → [decoupled] pi_old once, the correction,
-its mask replacing the response mask → advantages → PPO epochs × mini-batches (one optimizer step each,
-rl/update.py) → the step's metrics. On N ranks every rank runs it on the same batch (its own share of
-each mini-batch's groups). The trainer (learner/trainer.py) calls `train_on` with a frozen `StepContext`
-and advances its own version by the optimizer steps it reports.
+its mask replacing the response mask → advantages → [KL loss] the reference's log-probs → PPO epochs ×
+mini-batches (one optimizer step each, rl/update.py) → the step's metrics. On N ranks every rank runs it
+on the same batch (its own share of each mini-batch's groups). The trainer (learner/trainer.py) calls
+`train_on` with a frozen `StepContext` and advances its own version by the optimizer steps it reports.
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ def train_on(ctx: StepContext, groups: list, phases: dict[str, float]) -> StepRe
             batch.response_mask, batch.is_weights = corr.response_mask.float(), corr.weights
             host |= corr.metrics
         advantages(ctx, batch)
+    if ctx.reference is not None:  # the KL loss: the reference's log-probs on the same micro-batches
+        with timed(phases, "ref_logprob"):
+            batch.ref_log_probs = no_grad_logprobs(ctx.reference, batch, cfg, ctx.precision, ctx.ranks)
     # --- PPO epochs × mini-batches × micro-batches
     acc: dict[str, list[torch.Tensor]] = {}
     order = torch.Generator().manual_seed(cfg.seed * 1_000_003 + ctx.step_count)  # same on every rank
@@ -63,7 +66,6 @@ def train_on(ctx: StepContext, groups: list, phases: dict[str, float]) -> StepRe
             ctx.metrics.is_weight_hist.observe_many(kept.cpu().numpy())
         ctx.metrics.staleness_hist.observe_many(staleness.cpu().numpy())
     host |= reduce_means(ctx.ranks, metric_sums(acc))  # means over every rank's micro-batches
-    host["actor/pg_loss"] = host["loss"]
     if rc.bypass_mode:  # pi_theta's KL was taken on each rank's own rows
         kl.sums, kl.counts = (all_reduce_sum(ctx.ranks, t.to(ctx.device)) for t in (kl.sums, kl.counts))
     host |= {f"offpolicy_kl/{b}": v for b, v in kl.result().items()}

@@ -25,17 +25,30 @@ from learner.distributed.ranks import all_reduce_sum
 from learner.metrics import StalenessKL, timed
 from learner.rl.batches import idle_rows, rank_micro_batches
 from learner.rl.context import StepContext
-from learner.rl.losses import ClipConfig, compute_policy_loss, value_loss
+from learner.rl.losses import ClipConfig, aggregate_loss, compute_policy_loss, kl_penalty, value_loss
 
 log = logging.getLogger(__name__)
 
 
 def policy_loss_terms(
-    log_prob: torch.Tensor, mb: Batch, cfg: LearnerConfig, den: dict[str, Any]
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    log_prob: torch.Tensor,
+    entropy: torch.Tensor | None,
+    mb: Batch,
+    cfg: LearnerConfig,
+    den: dict[str, Any],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Loss of one micro-batch, scaled by the mini-batch's denominators `den` so that the micro-batch
-    losses add up to the mini-batch's loss (gradient accumulation); metrics as 0-d tensors."""
+    losses add up to the mini-batch's loss (gradient accumulation), as verl's actor: `pg_loss - entropy_coeff
+    * entropy + kl_loss_coef * kl_loss`, the entropy (computed only with `entropy_coeff > 0`) and the KL to
+    the reference (`mb.ref_log_probs`, when the KL loss is on) aggregated like the policy loss over the same
+    response mask. Returns (loss, metrics
+    that average over micro-batches, the terms: 0-d tensors that add up over micro-batches and ranks)."""
     rc = cfg.rollout_correction
+    agg = {
+        "batch_num_tokens": den["tokens"],
+        "global_batch_size": den["rows"],
+        "loss_scale_factor": den["width"],
+    }
     out = compute_policy_loss(
         log_prob,
         mb.old_log_probs,
@@ -50,11 +63,19 @@ def policy_loss_terms(
         rollout_is_weights=None if rc.bypass_mode else mb.is_weights,
         rollout_log_prob=mb.rollout_log_probs,
         correction=rc,
-        batch_num_tokens=den["tokens"],
-        global_batch_size=den["rows"],
-        loss_scale_factor=den["width"],  # the mini-batch's T, not the (trimmed) micro-batch's
+        **agg,  # the mini-batch's T, not the (trimmed) micro-batch's, for loss_scale_factor
     )
-    return out.loss, out.metrics
+    loss, terms = out.loss, {"actor/pg_loss": out.loss.detach()}
+    if entropy is not None:
+        ent = aggregate_loss(entropy, mb.response_mask, cfg.loss_agg_mode, **agg)
+        loss = loss - cfg.entropy_coeff * ent
+        terms["actor/entropy"] = ent.detach()
+    if mb.ref_log_probs is not None:
+        kld = kl_penalty(log_prob, mb.ref_log_probs, cfg.kl_loss_type)  # (b, r)
+        kl = aggregate_loss(kld, mb.response_mask, cfg.loss_agg_mode, **agg)
+        loss = loss + cfg.kl_loss_coef * kl
+        terms["actor/kl_loss"] = kl.detach()
+    return loss, out.metrics, terms
 
 
 def optimizer_step(
@@ -82,6 +103,10 @@ def optimizer_step(
         ctx.ranks
     )  # FSDP averages gradients over ranks; each loss is a share of the global one
     step_loss = torch.zeros((), device=mask.device)
+    entropy_on = cfg.entropy_coeff > 0  # the entropy costs a softmax-sized pass per LM-head chunk
+    keys = ("actor/pg_loss", *(("actor/entropy",) if entropy_on else ()))
+    keys += ("actor/kl_loss",) if ctx.reference is not None else ()
+    step_terms = torch.zeros(len(keys), device=mask.device)  # lock-step: the same keys on every rank
     with timed(phases, "forward_backward"):
         for rows in rank_micro_batches(batch, mini, cfg, ctx.ranks):
             if rows is None:  # lock-step: the busy ranks' passes, in their order, contributing nothing
@@ -89,10 +114,11 @@ def optimizer_step(
                 continue
             mb = batch.select(rows)
             with precision.autocast():
-                log_prob = t.policy(mb, cfg.logprob_chunk_tokens, cfg.packing)  # (b, r) fp32
-            loss, m = policy_loss_terms(log_prob, mb, cfg, denominators)
+                log_prob, entropy = t.policy(mb, cfg.logprob_chunk_tokens, cfg.packing, entropy_on)  # (b, r)
+            loss, m, terms = policy_loss_terms(log_prob, entropy, mb, cfg, denominators)
             (loss * scale).backward()
             step_loss += loss.detach()
+            step_terms += torch.stack([terms[k] for k in keys])
             if kl is not None:
                 kl[0].add(log_prob, mb.rollout_log_probs, mb.response_mask, kl[1] - mb.behavior_versions)
             if t.critic is not None:
@@ -110,6 +136,8 @@ def optimizer_step(
         limit = cfg.grad_clip if cfg.grad_clip is not None else float("inf")
         norm = clip_grad_norm(list(t.policy.parameters()), limit)
         acc.setdefault("loss", []).append(all_reduce_sum(ctx.ranks, step_loss))
+        for k, v in zip(keys, all_reduce_sum(ctx.ranks, step_terms), strict=True):
+            acc.setdefault(k, []).append(v)
         stepped = bool(torch.isfinite(norm))  # the same on every rank: the norm is reduced over all
         if stepped:
             acc.setdefault("grad_norm", []).append(norm)
@@ -130,7 +158,9 @@ def _idle_pass(ctx: StepContext, mb: Batch) -> None:
     (policy forward and backward, then critic forward and backward), so FSDP's collectives pair up."""
     t, precision = ctx.trainables, ctx.precision
     with precision.autocast():
-        log_prob = t.policy(mb, ctx.config.logprob_chunk_tokens, ctx.config.packing)
+        log_prob, _ = t.policy(
+            mb, ctx.config.logprob_chunk_tokens, ctx.config.packing, ctx.config.entropy_coeff > 0
+        )
     (log_prob.sum() * 0.0).backward()
     if t.critic is not None:
         with precision.autocast():

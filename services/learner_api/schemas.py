@@ -103,7 +103,7 @@ class LearnerStatus(BaseModel):
     or infinite (a skipped update's gradient norm, say)."""
     memory_plan: dict[str, float] | None = None
     """The learner's memory estimate per rank in GiB, by part (weights, gradients, optimizer,
-    compute_copies, activations, lm_head_chunk, host_offloaded, total); null before it starts."""
+    compute_copies, activations, lm_head_chunk, host_offloaded, reference, total); null before it starts."""
     error: str | None = None
     """Why the loop stopped, when it failed."""
 

@@ -1,6 +1,7 @@
 """The learner on CUDA (skipped without a GPU; `make test-gpu` runs these): every tensor of the loop on
 the device, bf16_mixed by default, decoupled and bypass with every advantage estimator, publishing in the
-checkpoint's dtype from pinned snapshots, checkpoint and resume; chunked log-probs save memory."""
+checkpoint's dtype from pinned snapshots, checkpoint and resume; chunked log-probs save memory; the KL
+loss with a reference streamed from host memory."""
 
 from __future__ import annotations
 
@@ -143,3 +144,40 @@ def test_the_host_copy_of_weights_on_the_second_gpu_waits_on_that_gpu():
     with torch.cuda.device(0):  # the current device is another one
         snap = snapshot_to_host(src, torch.bfloat16)
     torch.testing.assert_close(snap["a"], src["a"].to(torch.bfloat16).cpu(), rtol=0, atol=0)
+
+
+def test_the_kl_loss_on_cuda_with_a_streamed_reference(bf16_tiny, redis_url, tmp_path):
+    """`reference.cpu_offload` on one CUDA process: the reference's decoder layers live in pinned host
+    memory and visit the GPU for their forward alone; its log-probs equal a resident reference's, and the
+    first update starts at the reference (KL 0 up to bf16 rounding)."""
+    from learner.build import build_reference
+    from learner.config import ReferenceConfig
+    from learner.model.precision import Precision
+
+    groups = covering_groups(4, seed=3)
+    cfg = config(
+        bf16_tiny, redis_url, tmp_path, device="cuda", groups_per_step=4, kl_loss_coef=0.1,
+        reference={"cpu_offload": True}, checkpoint={"checkpoint_dir": None},
+    )  # fmt: skip
+    device = torch.device("cuda")
+    precision = Precision.resolve(None, device)
+    resident = build_reference(
+        cfg.model_copy(update={"reference": ReferenceConfig()}), device, precision, False
+    )
+    offloaded = build_reference(cfg, device, precision, False)
+    layer_params = list(offloaded.lm.model.layers.parameters())
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in layer_params)
+    batch = collate(groups, pad_token_id=0).to(device)
+    with torch.no_grad(), precision.autocast():
+        want, _ = resident(batch, 4096, True)
+        got, _ = offloaded(batch, 4096, True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert all(p.device.type == "cpu" for p in layer_params)  # back in host memory after the forward
+    with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:
+        buf.insert_many(groups)
+    learner = Learner(cfg)
+    try:
+        metrics = learner.step()
+    finally:
+        learner.close()
+    assert metrics["actor/kl_loss"] == pytest.approx(0.0, abs=1e-3)

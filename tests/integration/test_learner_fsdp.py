@@ -8,6 +8,7 @@ ranks, micro-batches of 3 rows: what matches is the global loss, not a per-rank 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -162,3 +163,23 @@ def test_a_rank_with_nothing_to_train_runs_idle_passes_in_step_with_gae(tiny2, g
     two = make_config(tiny2, redis_url, tmp_path, "two", **kw)
     expected, _, got = one_then_two(one, two, groups, redis_url, tmp_path, timeout=180)
     assert max(float((got[k] - v).abs().max()) for k, v in expected.items()) <= TOLERANCE
+
+
+def test_two_ranks_with_the_kl_loss_and_the_entropy_bonus_train_like_one_process(
+    tiny2, groups, redis_url, tmp_path
+):
+    """The reference sharded like the policy (and in host memory: FSDP2's CPU offload) on 2 ranks, its
+    log-probs on each rank's own micro-batches: the same weights, KL loss and entropy as one process."""
+    kw = {"kl_loss_coef": 0.5, "kl_loss_type": "k3+", "entropy_coeff": 0.01, "optimizer": {"lr": 1e-3}}
+    one = make_config(tiny2, redis_url, tmp_path, "one", **kw)
+    two = make_config(tiny2, redis_url, tmp_path, "two", **kw, reference={"cpu_offload": True})
+    expected, _, got = one_then_two(one, two, groups, redis_url, tmp_path)
+    assert max(float((got[k] - v).abs().max()) for k, v in expected.items()) <= TOLERANCE
+    lines = {
+        name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        for name in ("one", "two")
+    }
+    for key in ("actor/kl_loss", "actor/entropy", "actor/pg_loss", "loss"):
+        want = [m[key] for m in lines["one"]]
+        assert [m[key] for m in lines["two"]] == pytest.approx(want, rel=1e-4, abs=1e-7), key
+    assert lines["one"][-1]["actor/kl_loss"] > 0

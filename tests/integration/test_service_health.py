@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 import uuid
 from collections.abc import Callable
@@ -105,17 +106,17 @@ def test_redis_outage_is_not_ready_but_alive_and_the_loop_resumes(tiny: Path, tm
 def test_a_dead_loop_exits_the_process_non_zero_after_the_grace(
     tiny: Path, redis_url: str, tmp_path: Path
 ) -> None:
-    blocker = tmp_path / "not-a-folder"
-    blocker.write_text("a file where the metrics folder should be")
-    config = _config(tiny, redis_url, tmp_path, metrics_jsonl=str(blocker / "steps.jsonl"))
+    config = _config(tiny, redis_url, tmp_path)
     (tmp_path / "learner.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json")))
     env = {"OFFPOLICY_FATAL_EXIT_GRACE_S": "3", "OFFPOLICY_LOG_LEVEL": "warning"}
     service = start_service("learner", tmp_path / "learner.yaml", tmp_path / "learner.log", env=env)
     try:
-        service.wait_ready(timeout_s=120)
+        service.wait_ready(timeout_s=120)  # v0 is published: the weights folder is not touched until v1
+        shutil.rmtree(tmp_path / "weights")
+        (tmp_path / "weights").write_text("a file where the weights folder should be")
         with ReplayBuffer(redis_url, config.run_id, config.buffer) as producer:
-            for i in range(2):
-                producer.insert(random_group(0, i))  # the first step writes metrics_jsonl: it fails
+            for i in range(4):  # the first step's publish of v1 fails; the next step raises it
+                producer.insert(random_group(0, i))
         wait_for(lambda: httpx.get(f"{service.url}/healthz").status_code == 503, timeout_s=60)
         body = httpx.get(f"{service.url}/healthz").json()["error"]
         assert body["code"] == "loop_failed"

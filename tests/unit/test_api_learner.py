@@ -177,6 +177,23 @@ def test_invalid_patch_is_422_with_paths_and_changes_nothing(client: TestClient)
     assert _fake(client).pending is None
 
 
+def test_kl_and_entropy_fields_are_422_on_their_paths_and_switching_the_kl_loss_is_409(
+    client: TestClient,
+) -> None:
+    r = client.patch(
+        "/v1/config",
+        json={"kl_loss_type": "full", "entropy_coeff": -0.1, "reference": {"cpu_offlaod": True}},
+        headers=AUTH,
+    )
+    assert r.status_code == 422
+    fields = sorted(d["field"] for d in r.json()["error"]["detail"])
+    assert fields == ["body.entropy_coeff", "body.kl_loss_type", "body.reference.cpu_offlaod"]
+    assert "NotImplementedError" in r.text  # verl 0.9.1's kl_penalty has no `full`
+    r = client.patch("/v1/config", json={"kl_loss_coef": 0.1}, headers=AUTH)
+    assert r.status_code == 409 and r.json()["error"]["detail"] == {"fields": ["kl_loss_coef"]}
+    assert client.patch("/v1/config", json={"entropy_coeff": 0.01}, headers=AUTH).status_code == 202
+
+
 def test_unknown_preset_name_is_422_on_the_field(client: TestClient) -> None:
     r = client.patch("/v1/config", json={"rollout_correction": "nonexistent"}, headers=AUTH)
     assert r.status_code == 422

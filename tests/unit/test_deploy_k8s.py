@@ -118,7 +118,7 @@ def test_learner_and_actor_probes_and_seeds_from_ordinal(overlay):
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     claims = {v["persistentVolumeClaim"]["claimName"] for v in learner["spec"]["template"]["spec"]["volumes"]
               if "persistentVolumeClaim" in v}  # fmt: skip
-    assert claims == {"weights", "checkpoints"}
+    assert claims == {"weights", "checkpoints", "logs"}
     actor = by_kind(overlay, "StatefulSet")["actor"]
     env = {e["name"]: e for e in actor["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["OFFPOLICY_ACTOR_INDEX"]["value"] == "0" and env["OFFPOLICY_NUM_ACTORS"]["value"] == "1"

@@ -103,6 +103,7 @@ MAY_IMPORT = {  # docs/architecture.md's map: top-level part -> the parts of lea
     "persist": {"build", "config", "distributed", "errors", "metrics", "model"},
     "delivery": {"metrics"},
     "memory": {"config", "errors"},
+    "tracking": {"config", "metrics"},
     "trainer": {
         "batch",
         "build",
@@ -115,6 +116,7 @@ MAY_IMPORT = {  # docs/architecture.md's map: top-level part -> the parts of lea
         "model",
         "persist",
         "rl",
+        "tracking",
     },
     "launch": {"config", "distributed", "model", "trainer"},
 }
@@ -146,13 +148,14 @@ def test_at_most_twelve_top_level_modules():
 
 
 def test_subpackages_re_export_their_public_names():
-    from learner import distributed, model, persist, rl
+    from learner import distributed, model, persist, rl, tracking
     from learner.distributed.gather import GatheredWeights
     from learner.model.policy import LogProbs
     from learner.persist.persistence import Persistence
     from learner.rl.step import train_on
+    from learner.tracking.tracker import Tracker
 
     assert distributed.GatheredWeights is GatheredWeights and model.LogProbs is LogProbs
-    assert persist.Persistence is Persistence and rl.train_on is train_on
-    for package in (distributed, model, persist, rl):
+    assert persist.Persistence is Persistence and rl.train_on is train_on and tracking.Tracker is Tracker
+    for package in (distributed, model, persist, rl, tracking):
         assert all(hasattr(package, name) for name in package.__all__), package.__name__

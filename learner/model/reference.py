@@ -1,0 +1,48 @@
+"""The frozen reference policy of the KL loss: loaded once, never trained, optionally kept in host memory.
+
+The reference is a `LogProbs` like the policy (the same log-probs at each row's temperature, packed or
+padded), with every parameter frozen and in eval mode; the learner calls it under no_grad once per step on
+the same micro-batches as pi_old. On N ranks it is sharded like the policy (learner/build.py). On one CUDA
+process `stream_layers` keeps its decoder layers in pinned host memory and copies each to the GPU for its
+own forward: one layer of weights on the GPU at a time, plus the embeddings, final norm and LM head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+
+def freeze(module: nn.Module) -> nn.Module:
+    """No gradients, eval mode (no dropout): a reference that never changes."""
+    module.requires_grad_(False)
+    return module.eval()
+
+
+def stream_layers(model: nn.Module, layers: Iterable[nn.Module], device: torch.device) -> None:
+    """`model` (in host memory) on `device` except `layers`: those stay in host memory (pinned on CUDA) and
+    their parameters and buffers get device copies for the duration of each one's forward alone (forward
+    hooks; for no_grad use: the device copies are dropped when the forward returns)."""
+    streamed: set[int] = set()
+    for layer in layers:
+        tensors = [*layer.parameters(), *layer.buffers()]
+        host = [t.data.pin_memory() if device.type == "cuda" else t.data for t in tensors]
+        for t, h in zip(tensors, host, strict=True):
+            t.data = h
+        streamed |= {id(t) for t in tensors}
+
+        def load(_module: nn.Module, _args: object, tensors=tensors, host=host) -> None:
+            for t, h in zip(tensors, host, strict=True):
+                t.data = h.to(device, non_blocking=True)
+
+        def drop(_module: nn.Module, _args: object, _out: object, tensors=tensors, host=host) -> None:
+            for t, h in zip(tensors, host, strict=True):
+                t.data = h
+
+        layer.register_forward_pre_hook(load)
+        layer.register_forward_hook(drop)
+    for t in (*model.parameters(), *model.buffers()):  # embeddings, final norm, LM head, rotary tables
+        if id(t) not in streamed:
+            t.data = t.data.to(device)
