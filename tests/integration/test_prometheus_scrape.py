@@ -127,7 +127,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheus
         model = str(make_tiny_model(tmp / "model"))
         dataset = with_one_overlong_prompt(write_target_token_dataset(tmp / "dataset.jsonl"))
         (tmp / "learner.yaml").write_text(yaml.safe_dump(learner_config(tmp, model, redis.url, "prom")))
-        actor = actor_config(model, dataset, redis.url, "prom")
+        held_out = write_target_token_dataset(tmp / "held_out.jsonl", num_prompts=8, seed=1)
+        actor = actor_config(model, dataset, redis.url, "prom", eval_dataset=held_out)  # eval panels too
         actor["buffer"]["limits"]["max_prompt_tokens"] = MAX_PROMPT_TOKENS  # the first group is rejected
         actor["dataset"]["shuffle"] = False
         (tmp / "actor.yaml").write_text(yaml.safe_dump(actor))
