@@ -303,8 +303,6 @@ class Gateway:
             self.actor.actor_id,
             self.actor.stamp,
         )
-        for t in record.trajectories:
-            self.metrics.reward.observe(t.reward)
         self.actor.submit(record)
         return True
 

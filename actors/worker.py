@@ -310,11 +310,7 @@ class Actor:
             log.warning("prompt %s: reward failed (%s), group dropped: %s", prompt.prompt_id, e.reason, e)
             return
         self.reward_failures.scored()
-        group = stamp_group(prompt, ids, completions, rewards, version, self.actor_id, self.stamp)
-        for t in group.trajectories:
-            self.metrics.reward.observe(t.reward)
-        self._pending.append(group)
-        self._push_wake.set()
+        self.submit(stamp_group(prompt, ids, completions, rewards, version, self.actor_id, self.stamp))
 
     async def _run_episodes(self, prompt: Prompt, ids: np.ndarray, version: int, t0: float) -> None:
         """`sampling.n` episodes of the environment on one prompt, run concurrently: one group."""
@@ -349,18 +345,17 @@ class Actor:
             log.warning("prompt %s: %s; group dropped", prompt.prompt_id, e)
             return
         self.reward_failures.scored()
-        group = stamp_group(prompt, ids, completions, rewards, version, self.actor_id, self.stamp)
-        for t in group.trajectories:
-            self.metrics.reward.observe(t.reward)
-        self._pending.append(group)
-        self._push_wake.set()
+        self.submit(stamp_group(prompt, ids, completions, rewards, version, self.actor_id, self.stamp))
 
     # --- pushing
 
     def submit(self, group: TrajectoryGroup) -> None:
-        """Hand a scored group to the pusher (on the engine's loop: the gateway's finished groups)."""
+        """Hand a scored group to the pusher, observing its rewards (on the engine's loop: the loop's own
+        groups and the gateway's finished ones)."""
         if not self._loop_running:
             raise ActorNotRunning("the actor's loop is not running: groups cannot be pushed")
+        for t in group.trajectories:
+            self.metrics.reward.observe(t.reward)
         self._pending.append(group)
         self._push_wake.set()
 
