@@ -113,6 +113,12 @@ class CheckpointConfig(ConfigModel):
     """N ranks: copy each rank's shards to host memory on a background thread (pinned on CUDA, the buffers
     kept between checkpoints: host memory of about the shards' size stays taken), waited for only before
     the next optimizer step. False = copy at the step boundary into pageable memory, on the critical path."""
+    resume_config: Literal["checkpoint", "file"] = "checkpoint"
+    """Which config a resumed learner runs where the file and the newest checkpoint disagree: `checkpoint`
+    = the run goes on as it was (the changes applied through the API survive a restart; the fields frozen
+    while running still come from the file), `file` = the file wins (an edit before the restart takes
+    effect). Always read from the file; the disagreeing fields are logged and shown in the config history's
+    `resume` entry (learner/resume_config.py)."""
 
 
 class FsdpConfig(ConfigModel):

@@ -64,6 +64,7 @@ from learner.memory import check, device_limit, plan_for
 from learner.metrics import LearnerMetrics, timed
 from learner.model import Precision, checkpoint_dtype, load_tokenizer, pick_device
 from learner.persist import BackgroundWriter, Persistence
+from learner.resume_config import ResumedConfig, resumed_config
 from learner.rl import ModelLimits, StepContext, field_label, screen, train_on
 from learner.tracking import build_tracker
 
@@ -103,6 +104,8 @@ class Learner:
         self.config, self.ranks = config, ranks
         self.config_version = 0
         self.config_applied_at_step = 0
+        self.resumed: ResumedConfig | None = None
+        """Set when the learner resumed a checkpoint: the config it reapplied (the service's history)."""
         self._on_config_applied = on_config_applied
         self.metrics = LearnerMetrics(registry if registry is not None else CollectorRegistry())
         self.metrics.record_config(0, config.buffer.max_staleness)
@@ -458,14 +461,8 @@ class Learner:
         if pending is None:
             return
         new, version = pending
-        if new.optimizer != self.config.optimizer:
-            set_optimizer_hparams(self.optimizer, self.scheduler, new.optimizer)
-        if new.critic.lr != self.config.critic.lr and self.critic_optimizer is not None:
-            for g in self.critic_optimizer.param_groups:
-                g["lr"] = new.critic.lr
-        if new.buffer != self.config.buffer and self.buffer is not None:
-            self.buffer.reconfigure(new.buffer)  # same buffer object, connections and metrics registry
-        self.config, self.config_version, self.config_applied_at_step = new, version, self.step_count
+        self._switch_config(new, force_optimizer=False)
+        self.config_version, self.config_applied_at_step = version, self.step_count
         with self._lock:
             if self._pending is pending:  # a newer config queued meanwhile stays queued
                 self._pending = None
@@ -476,6 +473,18 @@ class Learner:
             self._on_config_applied(version, self.step_count)
         if self.channel is not None:
             self.channel.config_applied(*pending)  # the next command carries it to every rank
+
+    def _switch_config(self, new: LearnerConfig, force_optimizer: bool) -> None:
+        """Train with `new` from now on: the optimizer's and critic's hyper-parameters and the buffer's
+        table follow it, and the next checkpoint saves it."""
+        if force_optimizer or new.optimizer != self.config.optimizer:
+            set_optimizer_hparams(self.optimizer, self.scheduler, new.optimizer)
+        if self.critic_optimizer is not None and (force_optimizer or new.critic.lr != self.config.critic.lr):
+            for g in self.critic_optimizer.param_groups:
+                g["lr"] = new.critic.lr
+        if new.buffer != self.config.buffer and self.buffer is not None:
+            self.buffer.reconfigure(new.buffer)  # same buffer object, connections and metrics registry
+        self.config = self.persist.config = new
 
     def trainables(self) -> Trainables:
         return Trainables(
@@ -505,7 +514,9 @@ class Learner:
             stats = self.buffer.stats()
             position = {"inserted_total": stats.inserted_total, "sampled_total": stats.sampled_total}
             leases = self.delivery.checkpointed(self.version)
-        return self.persist.checkpoint(self.trainables(), self.version, self.step_count, position, leases)
+        return self.persist.checkpoint(
+            self.trainables(), self.version, self.step_count, position, leases, self.config_version
+        )
 
     def _on_durable(self, kind: str, version: int) -> None:
         """Writer thread: a write became durable; a checkpoint's leases are acked by the next step."""
@@ -516,6 +527,12 @@ class Learner:
         """Take the resumed checkpoint's counters. The version is always that of the weights we hold:
         versions published after that checkpoint are superseded (`_start` re-publishes ours)."""
         self.version, self.step_count = int(meta["version"]), int(meta["step"])
+        # the checkpoint's config or the file's (checkpoint.resume_config); the optimizer and scheduler
+        # restored from the checkpoint are re-aligned with it (learning rate and schedule included)
+        self.resumed = resumed_config(self.config, meta)
+        self._switch_config(self.resumed.config, force_optimizer=True)
+        self.config_version, self.config_applied_at_step = 1, self.step_count
+        self.metrics.record_config(1, self.config.buffer.max_staleness)
         record = self.store.read() if self.store is not None else None
         if record is not None and record.version > self.version:
             log.warning(

@@ -68,15 +68,18 @@ def base_meta(
     config: dict[str, Any],
     buffer_position: dict[str, Any],
     lease_ids: list[str] | None = None,
+    config_version: int = 0,
 ) -> dict[str, Any]:
-    """What every checkpoint's `meta.json` holds, whatever its layout: identity, counters, config, buffer
-    position, the leases it holds, the scheduler and the Python RNG."""
+    """What every checkpoint's `meta.json` holds, whatever its layout: identity, counters, the config the
+    learner trains with and its version (reapplied at resume: learner/resume_config.py), buffer position,
+    the leases it holds, the scheduler and the Python RNG."""
     return {
         "identity": identity(parts, run_id),
         "version": version,
         "step": step,
         "saved_at": time.time(),
         "config": config,
+        "config_version": config_version,
         "buffer_position": buffer_position,
         "lease_ids": list(lease_ids or []),
         "scheduler": parts.scheduler.state_dict(),

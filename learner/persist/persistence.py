@@ -147,9 +147,12 @@ class Persistence:
         step: int,
         buffer_position: dict[str, Any],
         lease_ids: list[str] | None = None,
+        config_version: int = 0,
     ) -> Path:
         """Snapshot everything a checkpoint holds and queue the write; return the folder it will have.
         `lease_ids`: the leases whose updates it holds (acked once it is durable: learner/delivery.py).
+        `self.config` is the config the learner trains with (the learner keeps it current), saved with
+        `config_version` so that a resume reapplies it.
         Raises `CheckpointsDisabled` without a checkpoint folder."""
         config = self.config.model_dump(mode="json") | {"redis_url": redact_url(self.config.redis_url)}
         meta = base_meta(
@@ -160,6 +163,7 @@ class Persistence:
             config=config,
             buffer_position=buffer_position,
             lease_ids=lease_ids,
+            config_version=config_version,
         )
         return self.checkpoints.save(parts, version, meta)
 

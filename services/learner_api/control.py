@@ -185,6 +185,23 @@ class ConfigControl:
                 self._entries.append(entry)
         return entry
 
+    def record_resume(self, config: LearnerConfig, step: int, changed: list[str], detail: str) -> None:
+        """The learner resumed a checkpoint and runs `config` (learner/resume_config.py): version 1,
+        source `resume`, applied at the checkpoint's `step`; `changed` = where the file disagreed."""
+        now = self._clock()
+        entry = ConfigEntry(
+            config_version=self.newest().config_version + 1,
+            source="resume",
+            submitted_at=now,
+            applied_at=now,
+            applied_at_step=step,
+            changed_fields=changed,
+            config=config,
+            detail=detail,
+        )
+        with self._lock:
+            self._entries.append(entry)
+
     def mark_applied(self, config_version: int, step: int) -> None:
         """The learner's `on_config_applied`: called from its loop at the step boundary where
         `config_version` took effect, `step` = learner steps completed before it.

@@ -79,6 +79,10 @@ class LearnerRuntime:
         """Build the learner (loads the model, resumes, publishes v0) and start `run(stop_event)`;
         `on_failure` is called if the loop dies (the service's exit-after-grace)."""
         self.learner = self._factory(self.config, self.registry, self.control.mark_applied)
+        resumed = getattr(self.learner, "resumed", None)
+        if resumed is not None:  # the history and GET /v1/config show what the resumed learner runs
+            step = int(getattr(self.learner, "config_applied_at_step", 0))
+            self.control.record_resume(resumed.config, step, resumed.disagreeing, resumed.detail)
         self.loop = BackgroundLoop(self.learner.run, "learner", on_failure)
         self.loop.start()
         log.info("learner loop started", extra={"model_path": self.config.model_path})

@@ -16,9 +16,10 @@ class ConfigEntry(BaseModel):
     """One config the learner ran (or will run from its next step boundary) and when it took effect."""
 
     config_version: int = Field(ge=0)
-    """0 for the config the service started with, +1 for every accepted PUT or PATCH."""
+    """0 for the config the service started with (its file), 1 for the config a resumed learner runs (the
+    checkpoint's or the file's: `checkpoint.resume_config`), +1 for every accepted PUT or PATCH."""
     source: ConfigSource
-    """What produced it: the start-up file, a PUT, a PATCH."""
+    """What produced it: the start-up file, the resumed checkpoint, a PUT, a PATCH."""
     submitted_at: float
     """Unix seconds when the service accepted it."""
     applied_at: float | None
@@ -27,8 +28,12 @@ class ConfigEntry(BaseModel):
     """Learner steps completed at that boundary, as the learner reports it (`on_config_applied`): step
     `applied_at_step + 1` is the first that runs with this config; null while pending."""
     changed_fields: list[str]
-    """Dotted paths of the fields that differ from the previous config version."""
+    """Dotted paths of the fields that differ from the previous config version (a `resume` entry: the
+    fields where the start-up file and the resumed checkpoint's config disagree)."""
     config: LearnerConfig
+    detail: str | None = None
+    """A `resume` entry: which checkpointed config version was reapplied and which rule decided
+    (`checkpoint.resume_config`)."""
 
 
 class ConfigHistory(BaseModel):

@@ -104,6 +104,7 @@ MAY_IMPORT = {  # docs/architecture.md's map: top-level part -> the parts of lea
     "delivery": {"metrics"},
     "memory": {"config", "errors"},
     "tracking": {"config", "metrics"},
+    "resume_config": {"config"},
     "trainer": {
         "batch",
         "build",
@@ -115,6 +116,7 @@ MAY_IMPORT = {  # docs/architecture.md's map: top-level part -> the parts of lea
         "metrics",
         "model",
         "persist",
+        "resume_config",
         "rl",
         "tracking",
     },
