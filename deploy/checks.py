@@ -252,6 +252,11 @@ def dashboard_exprs(dashboard: Mapping[str, Any]) -> list[tuple[str, str]]:
     ]
 
 
+def annotation_exprs(dashboard: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(annotation name, PromQL) for every Prometheus annotation query of a dashboard."""
+    return [(a["name"], a["expr"]) for a in dashboard.get("annotations", {}).get("list", []) if "expr" in a]
+
+
 def alert_rules() -> list[dict[str, Any]]:
     """Every rule (alerting and recording) of deploy/prometheus/alerts.yml."""
     doc = yaml.safe_load(ALERTS_FILE.read_text())
@@ -259,11 +264,11 @@ def alert_rules() -> list[dict[str, Any]]:
 
 
 def all_exprs() -> list[tuple[str, str]]:
-    """(where, PromQL) for every dashboard panel target and every alert rule."""
+    """(where, PromQL) for every dashboard panel target and annotation and every alert rule."""
     out = [
         (f"{name}: {title}", expr)
         for name, dashboard in load_dashboards().items()
-        for title, expr in dashboard_exprs(dashboard)
+        for title, expr in dashboard_exprs(dashboard) + annotation_exprs(dashboard)
     ]
     out += [(f"alerts.yml: {rule.get('alert', rule.get('record'))}", rule["expr"]) for rule in alert_rules()]
     return out

@@ -242,6 +242,12 @@ class LearnerMetrics:
             PREFIX + "config_version", "config_version (GET /v1/config/history) of the config the loop runs.",
             registry=registry,
         )  # fmt: skip
+        self.config_info = Gauge(
+            PREFIX + "config_info", "1 for the config the loop runs: its config_version and the name of its "
+            "rollout-correction preset (`custom` when it matches none); one series at a time.",
+            ["config_version", "preset"], registry=registry,
+        )  # fmt: skip
+        self._info_labels: tuple[str, str] | None = None
         self.max_staleness = Gauge(
             PREFIX + "max_staleness_steps", "The running config's buffer.max_staleness (+Inf = unbounded): "
             "groups more than this many policy versions behind the learner are never sampled.",
@@ -278,9 +284,17 @@ class LearnerMetrics:
                 self._gauges[key] = Gauge(PREFIX + suffix, doc, registry=self.registry)
             return self._gauges[key]
 
-    def record_config(self, config_version: int, max_staleness: int | None) -> None:
-        """Set the config gauges when a config takes effect (at start and at a step boundary)."""
+    def record_config(self, config_version: int, config: Any) -> None:
+        """Set the config gauges when a config (a `LearnerConfig`) takes effect: at start and at the step
+        boundary where a change is applied. `config_info` keeps one series, the running config's."""
+        preset = config.rollout_correction.preset_name()
         self.config_version.set(config_version)
+        labels = (str(config_version), preset)
+        self.config_info.labels(*labels).set(1)
+        if self._info_labels not in (None, labels):  # the previous config's series ends (marked stale)
+            self.config_info.remove(*self._info_labels)
+        self._info_labels = labels
+        max_staleness = config.buffer.max_staleness
         self.max_staleness.set(float("inf") if max_staleness is None else max_staleness)
 
     def record_step(self, step_metrics: Mapping[str, float], phases: Mapping[str, float]) -> None:

@@ -108,7 +108,7 @@ class Learner:
         """Set when the learner resumed a checkpoint: the config it reapplied (the service's history)."""
         self._on_config_applied = on_config_applied
         self.metrics = LearnerMetrics(registry if registry is not None else CollectorRegistry())
-        self.metrics.record_config(0, config.buffer.max_staleness)
+        self.metrics.record_config(0, config)
         random.seed(config.seed)
         torch.manual_seed(config.seed)
         if config.torch_threads is not None:
@@ -466,7 +466,7 @@ class Learner:
         with self._lock:
             if self._pending is pending:  # a newer config queued meanwhile stays queued
                 self._pending = None
-        self.metrics.record_config(version, new.buffer.max_staleness)
+        self.metrics.record_config(version, new)
         self.tracker.log_config(new, "api", version, self.step_count)
         log.info("rank %d applied config version %d at step %d", self.ranks.rank, version, self.step_count)
         if self._on_config_applied is not None:

@@ -3,16 +3,27 @@
 A `DashboardSpec` is rows of `Panel`s (title, PromQL targets, unit); `build_dashboard` lays them out 24
 wide and writes Grafana JSON (schemaVersion 39). Rates use Grafana's `$__rate_interval`; every panel reads
 the `datasource` variable, so the dashboards work with any Prometheus data source.
+
+Runs: every sample the services export carries `run_id` (services/common/metrics.py). Every dashboard has
+a `run_id` variable (multi-select, `All` by default) and `build_dashboard` adds `run_id=~"$run_id"` to
+every metric selector of every panel and annotation (`for_runs`), so the specs name metrics plainly. Every
+dashboard also shows the `CONFIG_CHANGES` annotation: a marker where the learner applied a config change.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 RATE = "$__rate_interval"
 DS = {"type": "prometheus", "uid": "${datasource}"}
 LC = "offpolicy_learner_rollout_corr_"  # every rollout_corr/<key> of the spec is a learner gauge
+RUN_VAR = "run_id"
+RUN_METRIC = "offpolicy_buffer_size_groups"
+"""The metric whose `run_id` values the variable lists: the learner and every actor export it."""
+UNLABELLED = {"up"}
+"""Series Prometheus writes itself (no `run_id`): their selectors are left as written."""
 
 
 @dataclass(frozen=True)
@@ -25,6 +36,20 @@ class Panel:
     kind: str = "timeseries"
     description: str = ""
     width: int = 8
+    text_mode: str = "auto"
+    """Stat panels: `auto` shows the value; `name` shows the series' legend (a label, e.g. a preset)."""
+
+
+@dataclass(frozen=True)
+class Annotation:
+    """A Prometheus annotation: a marker wherever `expr` returns a series; title and text are Grafana
+    templates over its labels (`{{label}}`)."""
+
+    name: str
+    expr: str
+    title: str
+    text: str
+    color: str = "orange"
 
 
 @dataclass(frozen=True)
@@ -63,6 +88,49 @@ def mean_of(hist: str, by: str = "", sel: str = "") -> str:
     return f"{agg} (rate({hist}_sum{sel}[{RATE}])) / {agg} (rate({hist}_count{sel}[{RATE}]))"
 
 
+# --- the run_id matcher on every selector
+
+_WORDS = set(
+    # PromQL functions, aggregations and keywords: names that are not metrics
+    """abs absent absent_over_time and avg avg_over_time bool bottomk by ceil changes clamp clamp_max
+    clamp_min count count_over_time count_values delta deriv exp floor group group_left group_right
+    histogram_quantile idelta ignoring increase inf irate label_replace last_over_time ln log10 log2 max
+    max_over_time min min_over_time nan offset on or predict_linear present_over_time quantile
+    quantile_over_time rate resets round scalar sgn sort sort_desc sqrt stddev stddev_over_time stdvar
+    sum sum_over_time time timestamp topk unless vector without""".split()  # noqa: SIM905
+)
+_TOKEN = re.compile(
+    r""""(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*'"""  # a string
+    r"|\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)"  # grouping labels
+    r"|\{[^}]*\}|\[[^\]]*\]"  # label matchers, a range or subquery
+    r"|\d[\w.]*|\$\{?\w+\}?"  # a number or duration, a Grafana variable
+    r"|(?P<name>[A-Za-z_:][\w:]*)"
+)
+
+
+def for_runs(expr: str, var: str = RUN_VAR) -> str:
+    """`expr` with `run_id=~"$<var>"` added to every metric selector (first in an existing `{...}`);
+    functions, keywords, grouping labels, strings and `UNLABELLED` series stay as they are."""
+    matcher = f'{RUN_VAR}=~"${var}"'
+    out, pos = [], 0
+    for m in _TOKEN.finditer(expr):
+        if m.start() < pos:  # inside matchers already copied
+            continue
+        out.append(expr[pos : m.start()])
+        pos, token = m.end(), m.group()
+        rest = expr[pos:]
+        if m.group("name") and token not in _WORDS | UNLABELLED and not rest.lstrip().startswith("("):
+            if rest.startswith("{"):
+                inner = rest[1 : rest.index("}")].strip()
+                token += "{" + matcher + (", " + inner if inner else "") + "}"
+                pos += rest.index("}") + 1
+            else:
+                token += "{" + matcher + "}"
+        out.append(token)
+    out.append(expr[pos:])
+    return "".join(out)
+
+
 # --- the JSON builder
 
 
@@ -76,7 +144,12 @@ def _panel_json(panel: Panel, pid: int, x: int, y: int, height: int) -> dict[str
         "gridPos": {"h": height, "w": panel.width, "x": x, "y": y},
         "fieldConfig": {"defaults": {"unit": panel.unit}, "overrides": []},
         "targets": [
-            {"refId": chr(ord("A") + i), "datasource": DS, "expr": expr, "legendFormat": legend or "__auto"}
+            {
+                "refId": chr(ord("A") + i),
+                "datasource": DS,
+                "expr": for_runs(expr),
+                "legendFormat": legend or "__auto",
+            }
             for i, (expr, legend) in enumerate(panel.targets)
         ],
     }
@@ -86,7 +159,10 @@ def _panel_json(panel: Panel, pid: int, x: int, y: int, height: int) -> dict[str
             "tooltip": {"mode": "multi"},
         }
     else:
-        body["options"] = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}}
+        body["options"] = {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "textMode": panel.text_mode,
+        }
     return body
 
 
@@ -101,8 +177,9 @@ def _variables(spec: DashboardSpec) -> list[dict[str, Any]]:
             "hide": 0,
         }
     ]
-    for var in spec.variables:
-        query = f"label_values({var.metric}, {var.label})"
+    for var in (Variable(RUN_VAR, RUN_VAR, RUN_METRIC), *spec.variables):
+        metric = var.metric if var.name == RUN_VAR else for_runs(var.metric)  # the others: of the runs picked
+        query = f"label_values({metric}, {var.label})"
         out.append(
             {
                 "name": var.name,
@@ -121,6 +198,49 @@ def _variables(spec: DashboardSpec) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+CONFIG_CHANGES = Annotation(
+    "Config changes",
+    "max by (run_id, config_version, preset) (offpolicy_learner_config_info)"
+    f" and on (run_id) (changes(offpolicy_learner_config_version[{RATE}]) > 0)",
+    title="config_version {{config_version}}",
+    text="The learner applied config_version {{config_version}} (run {{run_id}}, rollout-correction "
+    "preset {{preset}}); GET /v1/config/history shows what changed.",
+)
+"""A marker on every dashboard where a config change took effect: the learner's config version moved
+(PATCH, PUT, a preset switch, a resumed config). Labels: the new version, its preset, the run."""
+
+
+def _annotations() -> list[dict[str, Any]]:
+    builtin = {
+        "builtIn": 1,
+        "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+        "enable": True,
+        "hide": True,
+        "iconColor": "rgba(0, 211, 255, 1)",
+        "name": "Annotations & Alerts",
+        "type": "dashboard",
+    }
+    return [
+        builtin,
+        *(
+            {
+                "name": a.name,
+                "datasource": DS,
+                "enable": True,
+                "hide": False,
+                "iconColor": a.color,
+                "expr": for_runs(a.expr),
+                "step": "15s",
+                "titleFormat": a.title,
+                "textFormat": a.text,
+                "tagKeys": "run_id,preset",
+                "useValueForTime": False,
+            }
+            for a in (CONFIG_CHANGES,)
+        ),
+    ]
 
 
 def build_dashboard(spec: DashboardSpec) -> dict[str, Any]:
@@ -168,6 +288,6 @@ def build_dashboard(spec: DashboardSpec) -> dict[str, Any]:
             }
         ],
         "templating": {"list": _variables(spec)},
-        "annotations": {"list": []},
+        "annotations": {"list": _annotations()},
         "panels": panels,
     }

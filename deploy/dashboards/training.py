@@ -9,6 +9,37 @@ from __future__ import annotations
 
 from deploy.dashboards.panels import LC, RATE, DashboardSpec, Panel, mean_of, p90, q
 
+# --- the running config: on the Overview and the Learner dashboards (every change is also an annotation)
+
+CONFIG_ROW = (
+    "Running config",
+    (
+        Panel(
+            "Config version",
+            (q("max by (run_id) (offpolicy_learner_config_version)", "{{run_id}}"),),
+            kind="stat",
+            width=6,
+            description="config_version of the config the learner trains with (GET /v1/config); every "
+            "applied change moves it and draws a `Config changes` marker on the graphs.",
+        ),
+        Panel(
+            "Active rollout-correction preset",
+            (q("max by (preset) (offpolicy_learner_config_info)", "{{preset}}"),),
+            kind="stat",
+            width=12,
+            text_mode="name",
+            description="The preset the running config's rollout_correction equals (`custom`: none).",
+        ),
+        Panel(
+            "Max staleness (steps)",
+            (q("max by (run_id) (offpolicy_learner_max_staleness_steps)", "{{run_id}}"),),
+            kind="stat",
+            width=6,
+            description="The running buffer.max_staleness; Infinity = unbounded.",
+        ),
+    ),
+)
+
 # --- Overview: throughput, versions, reward, staleness
 
 OVERVIEW = DashboardSpec(
@@ -38,10 +69,17 @@ OVERVIEW = DashboardSpec(
                     kind="stat",
                     width=4,
                 ),
-                Panel("Actors up", (q('count(up{job="actor"} == 1)'),), kind="stat", width=4),
+                Panel(
+                    "Actors up",
+                    (q('count(up{job="actor"} == 1 and on (instance, job) offpolicy_actor_policy_version)'),),
+                    kind="stat",
+                    width=4,
+                    description="Actor targets Prometheus scrapes that export the selected runs' metrics.",
+                ),
                 Panel("Learner paused", (q("max(offpolicy_learner_paused)"),), kind="stat", width=4),
             ),
         ),
+        CONFIG_ROW,
         (
             "Progress",
             (
@@ -195,6 +233,7 @@ LEARNER = DashboardSpec(
     description="The learner's optimisation: loss (policy gradient, KL to the reference), entropy, "
     "gradient norm, learning rate, step time by phase.",
     rows=(
+        CONFIG_ROW,
         (
             "Optimisation",
             (

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from config.base import ConfigModel
-from learner.correction.presets import CANONICAL_PRESETS, build_preset
+from learner.correction.presets import CANONICAL_PRESETS, build_preset, matching_preset
 from learner.correction.thresholds import (
     SUPPORTED_ROLLOUT_RS_OPTIONS,
     TOKEN_LEVEL_ROLLOUT_RS_OPTIONS,
@@ -330,6 +330,10 @@ class RolloutCorrectionConfig(ConfigModel):
     def from_preset(cls, name: str, **params: Any) -> RolloutCorrectionConfig:
         """Build a preset by canonical name or seed-era alias (DESIGN.md), passing `params` through."""
         return build_preset(cls, name, params)
+
+    def preset_name(self) -> str:
+        """The preset this configuration is (canonical name, else seed alias), or "custom"."""
+        return matching_preset(self)
 
     @classmethod
     def presets(cls) -> dict[str, dict[str, Any]]:

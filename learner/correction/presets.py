@@ -101,3 +101,13 @@ def build_preset(
     if name in CANONICAL_PRESETS:
         return getattr(cls, name)(**params)
     return ALIASES[name][1](cls, **params)
+
+
+def matching_preset(config: RolloutCorrectionConfig) -> str:
+    """The name of the preset whose default configuration `config` equals: a canonical name first, else a
+    seed-era alias (the veto variants differ from their canonical preset), else "custom"."""
+    cls = type(config)
+    for name in (*CANONICAL_PRESETS, *ALIASES):
+        if build_preset(cls, name, {}) == config:
+            return name
+    return "custom"

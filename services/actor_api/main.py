@@ -41,7 +41,7 @@ def create_app(
         from actors.config import load_config
 
         config = load_config(settings.config_path, os.environ)
-    registry = make_registry()
+    registry = make_registry({"run_id": config.run_id})  # on every sample /metrics exports
     runtime = ActorRuntime(config, registry, actor_factory or _default_factory)
     return create_runtime_app(
         title="offpolicy actor",

@@ -41,7 +41,7 @@ def create_app(
     settings = settings or LearnerServiceSettings.from_env(os.environ)
     if config is None:
         config = load_config(settings.config_path, os.environ)
-    registry = make_registry()
+    registry = make_registry({"run_id": config.run_id})  # on every sample /metrics exports
     runtime = LearnerRuntime(config, registry, learner_factory or _default_factory)
     return create_runtime_app(
         title="offpolicy learner",

@@ -87,7 +87,7 @@ def test_service_on_two_ranks_patch_kill_rank_1_and_resume(tiny2, redis_url, tmp
             lambda: (s := status(port)) is not None and s["step"] >= 2, 120
         )  # the API answers while it trains
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-        assert len(re.findall(r"^offpolicy_learner_policy_version ", metrics, re.M)) == 1  # one learner
+        assert len(re.findall(r"^offpolicy_learner_policy_version[ {]", metrics, re.M)) == 1  # one learner
 
         patch = httpx.patch(
             f"http://127.0.0.1:{port}/v1/config", json={"optimizer": {"lr": 2e-4}}, headers=AUTH, timeout=10

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from buffer.config import BufferConfig
 from buffer.replay_buffer import ReplayBuffer
@@ -91,8 +92,14 @@ def feed(producer: ReplayBuffer, client: TestClient, groups: int, seed: int) -> 
         producer.insert(random_group(version, seed * 100 + i))
 
 
+def config_info(client: TestClient) -> list[dict[str, str]]:
+    """The labels of the `offpolicy_learner_config_info` series /metrics exports (one: the running config)."""
+    families = text_string_to_metric_families(client.get("/metrics").text)
+    return [s.labels for f in families if f.name == "offpolicy_learner_config_info" for s in f.samples]
+
+
 def test_steps_config_patch_history_metrics_checkpoint(
-    service: tuple[TestClient, ReplayBuffer], tmp_path: Path
+    service: tuple[TestClient, ReplayBuffer], tmp_path: Path, run_id: str
 ) -> None:
     client, producer = service
     steps_jsonl = tmp_path / "steps.jsonl"
@@ -116,6 +123,7 @@ def test_steps_config_patch_history_metrics_checkpoint(
     assert set(r.json()["changed_fields"]) >= {"clip_ratio_high", "rollout_correction.rollout_is"}
     step_before = client.get("/v1/status").json()["step"]
     assert client.get("/v1/config").json()["config_version"] == 0
+    assert config_info(client) == [{"config_version": "0", "preset": "disabled", "run_id": run_id}]
 
     # invalid and unauthenticated PATCHes change nothing
     bad = client.patch("/v1/config", json={"clip_ratio_low": 1.5}, headers=AUTH)
@@ -145,9 +153,10 @@ def test_steps_config_patch_history_metrics_checkpoint(
     ]
     history = client.get("/v1/config/history").json()["entries"]
     assert [e["config_version"] for e in history] == [0, 1]
-    metrics = client.get("/metrics").text
-    assert "offpolicy_learner_config_version 1.0" in metrics
-    assert "offpolicy_learner_max_staleness_steps 4.0" in metrics
+    metrics = client.get("/metrics").text  # every sample of the run labelled with its id
+    assert f'offpolicy_learner_config_version{{run_id="{run_id}"}} 1.0' in metrics
+    assert f'offpolicy_learner_max_staleness_steps{{run_id="{run_id}"}} 4.0' in metrics
+    assert config_info(client) == [{"config_version": "1", "preset": "decoupled_seq_is", "run_id": run_id}]
     assert "offpolicy_learner_rollout_corr_rollout_is_seq_mean" in metrics
 
     # on-demand checkpoint, with no step in flight (else one may finish between it and the status read)

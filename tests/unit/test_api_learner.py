@@ -29,7 +29,7 @@ class FakeLearner:
     def __init__(self, config: LearnerConfig, registry: CollectorRegistry, on_config_applied) -> None:
         self.config = config
         self.metrics = LearnerMetrics(registry)
-        self.metrics.record_config(0, config.buffer.max_staleness)
+        self.metrics.record_config(0, config)
         self.on_config_applied = on_config_applied
         self.pending: tuple[LearnerConfig, int] | None = None
         self.config_version = 0
@@ -54,7 +54,7 @@ class FakeLearner:
         if self.pending is not None:
             self.config, self.config_version = self.pending
             self.pending = None
-            self.metrics.record_config(self.config_version, self.config.buffer.max_staleness)
+            self.metrics.record_config(self.config_version, self.config)
             self.on_config_applied(self.config_version, self.step_count)
         self.step_count += 1
 
@@ -111,7 +111,7 @@ def test_patch_is_pending_until_a_step_boundary(client: TestClient) -> None:
     assert running["config_version"] == 1
     assert running["config"]["clip_ratio_high"] == 0.28
     assert running["applied_at_step"] == 0  # steps completed at the boundary: step 1 ran with it
-    assert "offpolicy_learner_config_version 1.0" in client.get("/metrics").text
+    assert 'offpolicy_learner_config_version{run_id="default"} 1.0' in client.get("/metrics").text
     status = client.get("/v1/status").json()
     assert (status["config_version"], status["pending_config_version"]) == (1, None)
 
@@ -149,11 +149,15 @@ def test_history_records_the_exact_boundary_step(client: TestClient) -> None:
 
 
 def test_max_staleness_gauge_follows_the_running_config(client: TestClient) -> None:
-    assert "offpolicy_learner_max_staleness_steps +Inf" in client.get("/metrics").text  # default: unbounded
+    assert (
+        'offpolicy_learner_max_staleness_steps{run_id="default"} +Inf' in client.get("/metrics").text
+    )  # default: unbounded
     client.patch("/v1/config", json={"buffer": {"max_staleness": 3}}, headers=AUTH)
-    assert "offpolicy_learner_max_staleness_steps +Inf" in client.get("/metrics").text  # still pending
+    assert (
+        'offpolicy_learner_max_staleness_steps{run_id="default"} +Inf' in client.get("/metrics").text
+    )  # still pending
     _fake(client).boundary()
-    assert "offpolicy_learner_max_staleness_steps 3.0" in client.get("/metrics").text
+    assert 'offpolicy_learner_max_staleness_steps{run_id="default"} 3.0' in client.get("/metrics").text
 
 
 def test_a_change_the_learner_refuses_leaves_no_history_entry(client: TestClient) -> None:

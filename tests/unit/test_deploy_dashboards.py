@@ -14,7 +14,9 @@ from deploy.checks import (
     SYNTHETIC_METRICS,
     alert_rules,
     all_exprs,
+    annotation_exprs,
     base_metric_name,
+    dashboard_exprs,
     declared_metric_names,
     grafana_to_promql,
     iter_panels,
@@ -82,7 +84,7 @@ def test_no_dangling_variables(name):
     for var in dashboard["templating"]["list"]:
         if var["type"] == "query":
             assert var["datasource"] == DS
-            (metric,) = re.findall(r"label_values\((\w+),", var["definition"])
+            (metric,) = re.findall(r"label_values\((\w+)[{,]", var["definition"])
             assert metric in declared_metric_names()
 
 
@@ -185,6 +187,114 @@ def test_version_lag_alert_compares_with_the_learners_max_staleness(tmp_path):
 
     path = tmp_path / "lag_test.yml"
     path.write_text(yaml.safe_dump({"rule_files": [str(ALERTS_FILE)], "tests": cases}))
+    out = subprocess.run(
+        [promtool(), "test", "rules", str(path)], capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+# --- runs and config changes
+
+
+def test_for_runs_adds_the_run_matcher_to_every_selector_and_nothing_else():
+    from deploy.dashboards.panels import for_runs
+
+    expr = (
+        'histogram_quantile(0.9, sum by (le, phase) (rate(a_bucket{phase="x"}[$__rate_interval])))'
+        ' / on (job) group_left () b_total offset 5m and up{job="learner"} == 0 and c > 1e-4'
+    )
+    assert for_runs(expr) == (
+        'histogram_quantile(0.9, sum by (le, phase) (rate(a_bucket{run_id=~"$run_id", phase="x"}'
+        '[$__rate_interval]))) / on (job) group_left () b_total{run_id=~"$run_id"} offset 5m'
+        ' and up{job="learner"} == 0 and c{run_id=~"$run_id"} > 1e-4'
+    )
+
+
+def selected_runs(expr: str) -> dict[str, bool]:
+    """Each metric an expression reads (`up` aside) -> whether every selector of it has the run matcher."""
+    out = {}
+    for name in promql_metric_names(expr) - SYNTHETIC_METRICS:
+        uses = re.findall(rf"(?<![\w:]){name}(?![\w:])(\{{[^}}]*\}})?", expr)
+        out[name] = all('run_id=~"$run_id"' in braces for braces in uses)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(load_dashboards()))
+def test_every_query_follows_the_run_variable(name):
+
+    dashboard = load_dashboards()[name]
+    (run,) = [v for v in dashboard["templating"]["list"] if v["name"] == "run_id"]
+    assert run["includeAll"] and run["multi"] and run["current"]["value"] == "$__all"
+    assert run["definition"] == "label_values(offpolicy_buffer_size_groups, run_id)"
+    exprs = dashboard_exprs(dashboard) + annotation_exprs(dashboard)
+    unscoped = {title: s for title, expr in exprs if not all((s := selected_runs(expr)).values())}
+    assert unscoped == {}
+    for var in dashboard["templating"]["list"][2:]:  # variables of one dashboard: of the runs picked
+        assert 'run_id=~"$run_id"' in var["definition"], var["name"]
+
+
+@pytest.mark.parametrize("name", sorted(load_dashboards()))
+def test_every_dashboard_marks_config_changes(name):
+
+    dashboard = load_dashboards()[name]
+    (changes,) = [a for a in dashboard["annotations"]["list"] if a["name"] == "Config changes"]
+    assert changes["enable"] and changes["datasource"] == DS
+    assert {"offpolicy_learner_config_version", "offpolicy_learner_config_info"} <= promql_metric_names(
+        changes["expr"]
+    )
+    assert "changes(offpolicy_learner_config_version" in changes["expr"]
+    assert "{{config_version}}" in changes["titleFormat"] and "{{preset}}" in changes["textFormat"]
+    assert [title for title, _ in annotation_exprs(dashboard)] == ["Config changes"]
+
+
+@pytest.mark.parametrize("name", ["offpolicy-overview.json", "offpolicy-learner.json"])
+def test_running_config_panels(name):
+    panels = {p["title"]: p for p in iter_panels(load_dashboards()[name])}
+    version, preset = panels["Config version"], panels["Active rollout-correction preset"]
+    assert version["type"] == preset["type"] == "stat"
+    assert promql_metric_names(version["targets"][0]["expr"]) == {"offpolicy_learner_config_version"}
+    assert promql_metric_names(preset["targets"][0]["expr"]) == {"offpolicy_learner_config_info"}
+    assert preset["options"]["textMode"] == "name" and preset["targets"][0]["legendFormat"] == "{{preset}}"
+    assert "by (preset)" in preset["targets"][0]["expr"]
+
+
+def lag_case(series: dict[str, str], firing_instances: list[str]) -> dict:
+    """A promtool test of OffpolicyActorVersionLag over 10 minutes; `series`: selector -> constant value."""
+    (lag,) = [r for r in alert_rules() if r["alert"] == "OffpolicyActorVersionLag"]
+    expected = [
+        {
+            "exp_labels": {"severity": "warning", "instance": inst, "run_id": "a"},
+            "exp_annotations": {
+                "summary": f"Actor {inst} is 5 versions behind the learner",
+                "description": lag["annotations"]["description"],
+            },
+        }
+        for inst in firing_instances
+    ]
+    return {
+        "interval": "1m",
+        "input_series": [{"series": s, "values": " ".join([v] * 11)} for s, v in series.items()],
+        "alert_rule_test": [
+            {"eval_time": "10m", "alertname": "OffpolicyActorVersionLag", "exp_alerts": expected}
+        ],
+    }
+
+
+def test_version_lag_alert_compares_each_run_with_its_own_learner(tmp_path):
+    """Run a's actor (5 behind) against run a's max_staleness (4): fires although run b's learner allows 8;
+    run b's actor (5 behind, allowed 8) does not fire."""
+    from deploy.checks import ALERTS_FILE
+
+    series = {
+        'offpolicy_actor_policy_lag_versions{instance="a-0:8001",job="actor",run_id="a"}': "5",
+        'offpolicy_actor_policy_lag_versions{instance="b-0:8001",job="actor",run_id="b"}': "5",
+        'offpolicy_learner_max_staleness_steps{instance="la:8000",job="learner",run_id="a"}': "4",
+        'offpolicy_learner_max_staleness_steps{instance="lb:8000",job="learner",run_id="b"}': "8",
+    }
+    path = tmp_path / "lag_runs_test.yml"
+    path.write_text(
+        yaml.safe_dump({"rule_files": [str(ALERTS_FILE)], "tests": [lag_case(series, ["a-0:8001"])]})
+    )
     out = subprocess.run(
         [promtool(), "test", "rules", str(path)], capture_output=True, text=True, check=False
     )
