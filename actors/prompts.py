@@ -52,7 +52,7 @@ def load_prompts(dataset: DatasetConfig | str | Path) -> list[Prompt]:
     alone reads with the default keys."""
     cfg = dataset if isinstance(dataset, DatasetConfig) else DatasetConfig(path=str(dataset))
     prompts = [_record(i, raw, where, cfg) for i, (where, raw) in enumerate(read_rows(cfg.path, cfg.split))]
-    if not cfg.chat_template:
+    if cfg.chat_template is False:
         chat = next((p for p in prompts if p.messages is not None), None)
         if chat is not None:
             raise DatasetError(
@@ -203,14 +203,32 @@ def chat_messages(prompt: Prompt, system_prompt: str | None) -> list[Message]:
     return messages
 
 
+def uses_chat_template(tokenizer: PreTrainedTokenizerBase, chat_template: bool | None) -> bool:
+    """`dataset.chat_template` resolved against the tokenizer: None = whether it has a chat template;
+    True with a tokenizer that has none is a `DatasetError`."""
+    has = bool(getattr(tokenizer, "chat_template", None))
+    if chat_template is None:
+        return has
+    if chat_template and not has:
+        raise DatasetError(
+            "dataset.chat_template is true but the tokenizer has no chat template: "
+            "set it to false (or null) for a base model's raw-text prompts"
+        )
+    return chat_template
+
+
 def render(
-    tokenizer: PreTrainedTokenizerBase, prompt: Prompt, chat_template: bool, system_prompt: str | None
+    tokenizer: PreTrainedTokenizerBase, prompt: Prompt, chat_template: bool | None, system_prompt: str | None
 ) -> str:
     """The prompt as the model reads it: the raw text, or the chat template's rendering (with the
-    generation prompt). Chat messages without the chat template are a `DatasetError`."""
-    if not chat_template:
+    generation prompt); `chat_template` as `uses_chat_template` resolves it. Chat messages without the
+    chat template are a `DatasetError`."""
+    if not uses_chat_template(tokenizer, chat_template):
         if prompt.messages is not None:
-            raise DatasetError(f"prompt {prompt.prompt_id} is chat messages: set dataset.chat_template: true")
+            raise DatasetError(
+                f"prompt {prompt.prompt_id} is chat messages, which only a chat template can render: "
+                "set dataset.chat_template: true with a tokenizer that has one"
+            )
         return prompt.text
     return tokenizer.apply_chat_template(
         chat_messages(prompt, system_prompt), tokenize=False, add_generation_prompt=True
@@ -218,9 +236,11 @@ def render(
 
 
 def encode(
-    tokenizer: PreTrainedTokenizerBase, prompt: Prompt, chat_template: bool, system_prompt: str | None
+    tokenizer: PreTrainedTokenizerBase, prompt: Prompt, chat_template: bool | None, system_prompt: str | None
 ) -> list[int]:
     """Token ids of a prompt: the raw text (with the tokenizer's special tokens), or the chat template's
     rendering (which has its own)."""
     text = render(tokenizer, prompt, chat_template, system_prompt)
-    return list(tokenizer(text, add_special_tokens=not chat_template)["input_ids"])
+    return list(
+        tokenizer(text, add_special_tokens=not uses_chat_template(tokenizer, chat_template))["input_ids"]
+    )

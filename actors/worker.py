@@ -77,7 +77,7 @@ class Actor:
             )
         self._owns_engine = engine is None
         self.engine = engine or VLLMEngine(
-            config.engine, config.reload.initial_version, seed_offset=config.actor_index
+            config.engine, config.model_path, config.reload.initial_version, seed_offset=config.actor_index
         )
         self.sync: WeightSync | None = None
         self.gateway = Gateway(self) if config.gateway.enabled else None

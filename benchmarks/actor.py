@@ -198,7 +198,8 @@ def run(args) -> dict:
         with EmbeddedRedis.start(root / "redis") as redis:
             config = ActorConfig(
                 redis_url=redis.url,
-                engine=EngineConfig.cpu_tiny(str(model_dir), max_model_len=args.tail_max + 128),
+                model_path=str(model_dir),
+                engine=EngineConfig.cpu_tiny(max_model_len=args.tail_max + 128),
                 sampling=SamplingConfig(temperature=0.7, max_tokens=args.tail_max, n=args.n),
                 dataset={"path": str(dataset), "shuffle": False, "max_epochs": 1},
                 reward={"name": "target_token_share"},

@@ -183,7 +183,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with EmbeddedRedis.start(root / "redis") as redis:
             base = ActorConfig(
                 redis_url=redis.url,
-                engine=EngineConfig.cpu_tiny(str(model_dir), max_model_len=4 * args.max_tokens + 128),
+                model_path=str(model_dir),
+                engine=EngineConfig.cpu_tiny(max_model_len=4 * args.max_tokens + 128),
                 sampling=SamplingConfig(temperature=0.7, max_tokens=4 * args.max_tokens, n=args.n),
                 dataset={"path": str(dataset)},
                 reward={"name": "target_token_share"},

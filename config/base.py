@@ -8,16 +8,27 @@ environment, a REST body):
 - floats are finite: NaN, ±inf and overflowing literals (`1e309`, JSON `Infinity`) are refused;
 - a boolean is not a number: `true` for a field that does not admit `bool` is refused (pydantic's lax
   mode would read it as 1); ints refuse floats with a fraction (pydantic's own rule);
-- strings are at most `MAX_STR` characters; ids and paths have the tighter types below.
+- strings are at most `MAX_STR` characters; ids and paths have the tighter types below;
+- a key that was renamed or merged into another (`renamed_keys`) is refused with a message naming the new
+  one, instead of pydantic's bare "extra inputs are not permitted".
 """
 
 from __future__ import annotations
 
 import types
+from collections.abc import Mapping
 from functools import cache
-from typing import Annotated, Any, Union, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Union, get_args, get_origin
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 MAX_STR = 4096
 """Longest string any config field holds, in characters (PATH_MAX on Linux)."""
@@ -38,6 +49,16 @@ class ConfigModel(BaseModel):
         str_max_length=MAX_STR,
         use_attribute_docstrings=True,
     )
+    renamed_keys: ClassVar[Mapping[str, str]] = {}
+    """Keys this model no longer has, each with the message that names what replaced it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_renamed(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            for key in cls.renamed_keys.keys() & data.keys():
+                raise ValueError(f"{key!r} is no longer a setting: {cls.renamed_keys[key]}")
+        return data
 
     @field_validator("*", mode="before")
     @classmethod

@@ -97,7 +97,7 @@ def _data_preview(args: argparse.Namespace) -> int:
             actor = load_config(args.config, os.environ)
             base = actor.dataset.model_dump() if actor.dataset is not None else {}
             dataset = DatasetConfig(**(base | given))
-            model = model or actor.engine.model
+            model = model or actor.model_path
         else:
             presets = {"plain": DatasetConfig.plain, "verl": DatasetConfig.verl, "trl": DatasetConfig.trl}
             dataset = presets[args.preset or "plain"](**given)
@@ -125,6 +125,7 @@ def _quickstart(args: argparse.Namespace) -> int:
         runs_dir=args.runs_dir,
         timeout_s=args.timeout_s,
         environment=args.environment,
+        reward=args.reward,
     )
     return run_quickstart(options)
 
@@ -180,11 +181,21 @@ def build_parser() -> argparse.ArgumentParser:
         "as child processes, train on the target-token toy task with live progress, then write "
         "runs/<id>/metrics.jsonl and a PNG plot and stop everything. Ctrl-C stops cleanly.",
     )
-    quick.add_argument("--model", help="model folder or hub id instead of the tiny local model")
+    quick.add_argument(
+        "--model",
+        help="model folder or hub id instead of the tiny local model "
+        "(vLLM on CPU: float32, its context up to 2048)",
+    )
     quick.add_argument(
         "--dataset",
         type=Path,
-        help="prompts (.jsonl, .parquet, a datasets folder; default keys) instead of the toy task's",
+        help="prompts (.jsonl, .parquet, a datasets folder; default keys) instead of the toy task's; "
+        "needs --reward",
+    )
+    quick.add_argument(
+        "--reward",
+        help="the reward that scores --dataset: exact_match, math_answer or pkg.module.fn "
+        "(the toy task has its own)",
     )
     quick.add_argument("--redis-url", help="use this Redis instead of starting the embedded one")
     quick.add_argument("--max-steps", type=int, default=60, help="stop after this many learner steps")
@@ -249,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
         "row and the key on a bad file.",
     )
     show.add_argument("path", help="the dataset (dataset.path)")
-    show.add_argument("--config", type=Path, help="an actor YAML: its dataset section and engine.model")
+    show.add_argument("--config", type=Path, help="an actor YAML: its dataset section and model_path")
     show.add_argument(
         "--preset", choices=["plain", "verl", "trl"], help="a layout's keys (DatasetConfig.verl / .trl)"
     )
@@ -259,9 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument(
         "--chat-template",
         action=argparse.BooleanOptionalAction,
-        help="render with the tokenizer's chat template (dataset.chat_template)",
+        help="render with the tokenizer's chat template or not (dataset.chat_template; default: the "
+        "tokenizer's when it has one)",
     )
-    show.add_argument("--model", help="tokenizer folder or hub id (default: the config's engine.model)")
+    show.add_argument("--model", help="tokenizer folder or hub id (default: the config's model_path)")
     show.add_argument("-n", type=int, default=3, help="records to show (default 3)")
     show.add_argument("--json", action="store_true", help="machine-readable output")
     show.set_defaults(func=_data_preview)

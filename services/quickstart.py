@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,22 @@ class QuickstartOptions:
     environment: str | None = None
     """Dotted path of an environment (e.g. `actors.environments.guessing_game`): multi-turn episodes
     instead of one generation per completion; None = the single-turn toy task."""
+    reward: str | None = None
+    """The reward that scores `dataset` (a built-in or `pkg.mod.fn`); required with `dataset`, refused
+    without it (the toy task has its own)."""
+
+    def refusal(self) -> str | None:
+        """Why these options cannot run as asked (a flag the quickstart would otherwise ignore), or None."""
+        if self.dataset is not None and self.reward is None:
+            return (
+                "--dataset needs --reward: the toy task's reward (target_token_share) means nothing on your "
+                "prompts; name yours (exact_match, math_answer, or pkg.module.fn)"
+            )
+        if self.dataset is None and self.reward is not None:
+            return "--reward scores --dataset: the toy task has its own reward; pass --dataset too"
+        if self.environment is not None and self.reward is not None:
+            return "--reward is not used with --environment: the environment scores its episodes"
+        return None
 
 
 TOY_BUFFER = {
@@ -114,14 +131,25 @@ def actor_config(
     run_id: str,
     environment: str | None = None,
     eval_dataset: Path | None = None,
+    *,
+    reward: str | None = None,
+    max_model_len: int | None = None,
 ) -> dict[str, Any]:
     """The actor's config for the toy task: vLLM on CPU (float32, eager, 1 GiB KV cache), 4 completions
-    of up to 32 tokens per prompt at temperature 0.7, reward = share of the target character. With an
-    `environment`, 4 episodes per prompt of up to 80 tokens (the policy's turns and the environment's).
-    With `eval_dataset`, the held-out prompts are evaluated every 3 versions (inline)."""
-    from actors.config import ActorConfig
+    of up to 32 tokens per prompt at temperature 0.7, reward = share of the target character (or
+    `reward`, for a user's dataset). `max_model_len`: a user's model's (None = the tiny model's 512).
+    With an `environment`, 4 episodes per prompt of up to 80 tokens (the policy's turns and the
+    environment's). With `eval_dataset`, the held-out prompts are evaluated every 3 versions (inline)."""
+    from actors.config import ActorConfig, EngineConfig, RewardConfig
 
-    config = ActorConfig.cpu_tiny(model, str(dataset), redis_url=redis_url, run_id=run_id, buffer=TOY_BUFFER)
+    extra: dict[str, Any] = {}
+    if reward is not None:
+        extra["reward"] = RewardConfig(name=reward)
+    if max_model_len is not None:
+        extra["engine"] = EngineConfig.cpu_tiny(max_model_len=max_model_len)
+    config = ActorConfig.cpu_tiny(
+        model, str(dataset), redis_url=redis_url, run_id=run_id, buffer=TOY_BUFFER, **extra
+    )
     if eval_dataset is not None:  # inline evaluation: 16 held-out prompts x 4 samples every 3 versions
         held_out = {"path": str(eval_dataset)}
         ev = {"dataset": held_out, "every_versions": 3, "samples_per_prompt": 4, "pass_threshold": 0.5}
@@ -139,6 +167,15 @@ def actor_config(
 
 def run_quickstart(options: QuickstartOptions) -> int:
     """Run the embedded default end to end; 0 when the reward rose, 1 when it did not, 130 on Ctrl-C."""
+    refusal = options.refusal()
+    if refusal is not None:
+        print(f"[quickstart] {refusal}", file=sys.stderr)
+        return 2
+    try:
+        max_model_len = None if options.model is None else _model_len(options.model)
+    except (OSError, ValueError) as exc:  # not a model folder, an unknown hub id
+        print(f"[quickstart] --model {options.model}: {exc}", file=sys.stderr)
+        return 2
     run_id = time.strftime("qs-%Y%m%d-%H%M%S")
     run_dir = (options.runs_dir / run_id).resolve()
     run_dir.mkdir(parents=True)
@@ -158,6 +195,8 @@ def run_quickstart(options: QuickstartOptions) -> int:
             stoppable,
             options.environment,
             eval_dataset=options.dataset is None,  # the toy task's held-out prompts; a user's: none
+            reward=options.reward,
+            max_model_len=max_model_len,
         )
         tracker = _follow(run_dir, learner, actor, options)
         for line in summary_lines(tracker, run_dir):
@@ -199,6 +238,24 @@ def _build_tiny_model(run_dir: Path) -> str:
     return str(path)
 
 
+QUICKSTART_MAX_MODEL_LEN = 2048
+"""The longest context the quickstart gives a user's model on CPU (its KV cache is 1 GiB)."""
+
+
+def _model_len(model: str) -> int:
+    """A user's model's context for the quickstart: its `max_position_embeddings`, at most
+    `QUICKSTART_MAX_MODEL_LEN`; printed with the rest of the engine settings the quickstart uses."""
+    from transformers import AutoConfig
+
+    positions = getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None)
+    length = min(positions or QUICKSTART_MAX_MODEL_LEN, QUICKSTART_MAX_MODEL_LEN)
+    print(
+        f"[quickstart] engine for {model}: vLLM on CPU, float32, eager, max_model_len {length}, "
+        "1 GiB KV cache; 4 completions of up to 32 tokens per prompt (docs/quickstart.md)"
+    )
+    return length
+
+
 def _write_held_out(run_dir: Path, environment: str | None) -> Path:
     """16 held-out prompts of the toy task (another seed than the training prompts)."""
     from actors.toy import write_sums_dataset, write_target_token_dataset
@@ -225,13 +282,26 @@ def _start_services(
     stoppable: list[Any],
     environment: str | None = None,
     eval_dataset: bool = False,
+    reward: str | None = None,
+    max_model_len: int | None = None,
 ) -> tuple[ServiceProcess, ServiceProcess]:
     learner_yaml = run_dir / "learner.yaml"
     learner_yaml.write_text(yaml.safe_dump(learner_config(run_dir, model, redis_url, run_id)))
     actor_yaml = run_dir / "actor.yaml"
     held_out = _write_held_out(run_dir, environment) if eval_dataset else None
     actor_yaml.write_text(
-        yaml.safe_dump(actor_config(model, dataset, redis_url, run_id, environment, held_out))
+        yaml.safe_dump(
+            actor_config(
+                model,
+                dataset,
+                redis_url,
+                run_id,
+                environment,
+                held_out,
+                reward=reward,
+                max_model_len=max_model_len,
+            )
+        )
     )
     learner = start_service("learner", learner_yaml, run_dir / "learner.log")
     stoppable.append(learner)

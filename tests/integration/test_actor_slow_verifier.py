@@ -89,7 +89,7 @@ def test_the_engine_stays_full_while_a_slow_verifier_scores(tmp_path: Path) -> N
     server.lock, server.samples = threading.Lock(), []
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}/score"
-    engine = VLLMEngine(EngineConfig.cpu_tiny(str(model), max_model_len=256))
+    engine = VLLMEngine(EngineConfig.cpu_tiny(max_model_len=256), str(model))
     server.engine = CountingEngine(engine)
     params = engine.sampling_params(SamplingConfig(temperature=0.7, max_tokens=TOKENS, n=4), ignore_eos=True)
 
@@ -102,7 +102,8 @@ def test_the_engine_stays_full_while_a_slow_verifier_scores(tmp_path: Path) -> N
             config = ActorConfig(
                 redis_url=redis.url,
                 run_id="slow-verifier",
-                engine=EngineConfig.cpu_tiny(str(model), max_model_len=256),
+                model_path=str(model),
+                engine=EngineConfig.cpu_tiny(max_model_len=256),
                 sampling=SamplingConfig(temperature=0.7, max_tokens=TOKENS, n=4),
                 dataset={"path": str(dataset)},
                 reward={"name": "remote", "remote": {"url": url, "concurrency": 64, "timeout_s": 30}},

@@ -113,9 +113,9 @@ def _actor(dataset, redis_url, run_id, engine, **over) -> Actor:
         {
             "redis_url": redis_url,
             "run_id": run_id,
-            "engine": {"model": "/unused"},
+            "model_path": "/unused",
             "sampling": {"temperature": 0.7, "max_tokens": 8, "n": 2},
-            "dataset": {"path": str(dataset), "shuffle": False, "max_epochs": 1},
+            "dataset": {"path": str(dataset), "shuffle": False, "max_epochs": 1, "chat_template": False},
             "reward": {"name": "target_token_share"},
             "max_inflight_prompts": 4,
             "reload": {"poll_interval_s": 0.05},

@@ -48,7 +48,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path) -> VLLMEngine:
-    eng = VLLMEngine(EngineConfig.cpu_tiny(str(model_dir), max_model_len=256))
+    eng = VLLMEngine(EngineConfig.cpu_tiny(max_model_len=256), str(model_dir))
     yield eng
     eng.shutdown()
 
@@ -75,9 +75,10 @@ def _config(model_dir, dataset_path, redis_url, run_id, **over) -> ActorConfig:
     base = {
         "redis_url": redis_url,
         "run_id": run_id,
-        "engine": EngineConfig.cpu_tiny(str(model_dir), max_model_len=256),
+        "model_path": str(model_dir),
+        "engine": EngineConfig.cpu_tiny(max_model_len=256),
         "sampling": SamplingConfig(temperature=TEMPERATURE, max_tokens=16, n=2),
-        "dataset": DatasetConfig(path=str(dataset_path), prompts_per_batch=4),
+        "dataset": DatasetConfig(path=str(dataset_path), chat_template=False),
         "reward": {"name": "target_token_share"},
         "reload": ReloadConfig(poll_interval_s=0.2),
         "retry": RetryConfig(initial_s=0.1, max_s=0.5),
@@ -163,7 +164,7 @@ async def test_one_epoch_pushes_every_prompt_as_a_valid_group(engine, model_dir,
         dataset,
         redis_url,
         run_id,
-        dataset=DatasetConfig(path=str(dataset), prompts_per_batch=5, max_epochs=1),
+        dataset=DatasetConfig(path=str(dataset), chat_template=False, max_epochs=1),
     )
     actor = Actor(cfg, registry, engine=engine)
     await actor.arun(threading.Event())
@@ -304,7 +305,7 @@ async def test_an_environment_records_policy_and_environment_tokens_exactly(
         run_id,
         environment={"name": "actors.environments.guessing_game"},
         sampling=SamplingConfig(temperature=TEMPERATURE, max_tokens=80, n=2),  # 3 turns of 6 + 2 replies
-        dataset=DatasetConfig(path=str(dataset), prompts_per_batch=4, max_epochs=1),
+        dataset=DatasetConfig(path=str(dataset), chat_template=False, max_epochs=1),
     )
     actor = Actor(cfg, CollectorRegistry(), engine=original_engine)
     await actor.arun(threading.Event())

@@ -10,7 +10,7 @@ from actors.config import ActorConfig, EngineConfig, SamplingConfig, load_config
 
 
 def _base() -> dict:
-    return {"engine": {"model": "/m"}, "dataset": {"path": "/d.jsonl"}}
+    return {"model_path": "/m", "dataset": {"path": "/d.jsonl"}}
 
 
 def test_defaults_and_frozen():
@@ -54,7 +54,7 @@ def test_yaml_then_env_then_kwargs(tmp_path):
     }
     cfg = load_config(path, env, actor_index=1, num_actors=2)
     assert cfg.sampling.temperature == 0.7 and cfg.sampling.n == 2
-    assert cfg.engine.dtype == "float32" and cfg.engine.model == "/m"
+    assert cfg.engine.dtype == "float32" and cfg.model_path == "/m"
     assert (cfg.run_id, cfg.actor_index, cfg.resolved_actor_id) == ("r1", 1, "actor-1")
 
 
@@ -66,7 +66,7 @@ def test_load_config_without_environ_reads_nothing(tmp_path, monkeypatch):
 
 
 def test_presets():
-    eng = EngineConfig.cpu_tiny("/m")
+    eng = EngineConfig.cpu_tiny()
     assert (eng.dtype, eng.enforce_eager, eng.cpu_kv_cache_gib, eng.max_model_len) == (
         "float32",
         True,

@@ -132,9 +132,7 @@ class DyingActor:
 
 
 def test_the_actor_service_honours_the_same_contract() -> None:
-    config = ActorConfig(
-        engine={"model": "/m"}, dataset={"path": "/d.jsonl"}, redis_url="redis://:pw-actor@h:1/0"
-    )
+    config = ActorConfig(model_path="/m", dataset={"path": "/d.jsonl"}, redis_url="redis://:pw-actor@h:1/0")
     app = create_actor_app(
         ActorServiceSettings(fatal_exit_grace_s=0.2), config=config, actor_factory=DyingActor
     )

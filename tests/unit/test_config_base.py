@@ -18,7 +18,7 @@ from learner.correction.config import RolloutCorrectionConfig
 
 MODELS: dict[type[BaseModel], dict[str, Any]] = {
     LearnerConfig: {"model_path": "/models/tiny"},
-    ActorConfig: {"engine": {"model": "/models/tiny"}, "dataset": {"path": "/data/p.jsonl"}},
+    ActorConfig: {"model_path": "/models/tiny", "dataset": {"path": "/data/p.jsonl"}},
     BufferConfig: {},
     RolloutCorrectionConfig: {},
 }

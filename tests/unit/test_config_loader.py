@@ -59,7 +59,7 @@ def test_env_values_obey_the_strict_base() -> None:
 
 def test_the_actor_config_uses_the_same_loader() -> None:
     env = {"OFFPOLICY_ACTOR_ID": "0042", "OFFPOLICY_ENGINE__SEED": "7", "OFFPOLICY_PORT": "9"}
-    cfg = load_actor_config(None, env, engine={"model": "/m"}, dataset={"path": "/d.jsonl"})
+    cfg = load_actor_config(None, env, model_path="/m", dataset={"path": "/d.jsonl"})
     assert (cfg.actor_id, cfg.engine.seed) == ("0042", 7)
 
 

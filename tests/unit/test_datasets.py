@@ -180,7 +180,7 @@ def test_preview_with_an_actor_config_and_key_flags(tmp_path, tiny_model, capsys
     path = _jsonl(tmp_path / "q.jsonl", [{"question": "1+1?", "sol": {"value": 2}}, {"question": "2+2?"}])
     config = tmp_path / "actor.yaml"
     config.write_text(
-        f"engine: {{model: {tiny_model}}}\ndataset: {{path: elsewhere.jsonl, chat_template: true, "
+        f"model_path: {tiny_model}\ndataset: {{path: elsewhere.jsonl, chat_template: true, "
         "system_prompt: be brief}\n"
     )
     argv = ["data", "preview", path, "--config", str(config), "--prompt-key", "question"]

@@ -123,8 +123,7 @@ def test_learner_and_actor_reserve_a_gpu_and_the_cpu_override_drops_it():
     for name in ("learner", "actor"):
         assert gpu_devices(cpu[name]) == []
         assert cpu[name]["build"]["target"] == "cpu"
-        model_var = "OFFPOLICY_MODEL_PATH" if name == "learner" else "OFFPOLICY_ENGINE__MODEL"
-        assert cpu[name]["environment"][model_var] == "/var/lib/offpolicy/models/tiny"
+        assert cpu[name]["environment"]["OFFPOLICY_MODEL_PATH"] == "/var/lib/offpolicy/models/tiny"
         assert cpu[name]["depends_on"]["model-init"] == {"condition": "service_completed_successfully"}
     assert cpu["model-init"]["command"] == ["make-tiny-model", "/var/lib/offpolicy/models/tiny"]
     assert cpu["actor"]["environment"]["VLLM_CPU_KVCACHE_SPACE"] == "1"

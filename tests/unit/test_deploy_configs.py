@@ -35,7 +35,7 @@ def test_the_config_files_load_with_the_real_loaders():
     actor = load_actor_config(SERVICE_CONFIGS["actor"])
     assert isinstance(learner, LearnerConfig) and isinstance(actor, ActorConfig)
     assert actor.run_id == learner.run_id and actor.redis_url == learner.redis_url
-    assert actor.engine.model == learner.model_path
+    assert actor.model_path == learner.model_path
 
 
 def test_the_actor_file_names_every_field_so_it_documents_them():
@@ -97,7 +97,7 @@ def check_loaded(env: dict[str, dict[str, str]], mounts: dict[str, list[str]]) -
     """Both services' configs under their deployment environment; the files they name are mounted."""
     configs = {name: LOADERS[name](SERVICE_CONFIGS[name], env[name]) for name in LOADERS}
     learner, actor = configs["learner"], configs["actor"]
-    assert actor.engine.model == learner.model_path
+    assert actor.model_path == learner.model_path
     assert actor.run_id == learner.run_id and actor.redis_url == learner.redis_url
     assert actor.buffer.model_copy(update={"max_ahead": None}) == learner.buffer
     assert actor.redis_url.endswith("@redis:6379/0"), "the password travels in the URL"
@@ -157,7 +157,7 @@ def test_the_8gpu_override_gives_each_actor_a_valid_config_and_its_own_seeds():
         env = compose_env(services[name])
         set_replica_seeds(env, lambda: ["offpolicy-actor-1.offpolicy_backend"])  # only `actor` consults it
         actor = load_actor_config(SERVICE_CONFIGS["actor"], env)
-        assert actor.engine.model == learner.model_path and actor.run_id == learner.run_id, name
+        assert actor.model_path == learner.model_path and actor.run_id == learner.run_id, name
         assert (actor.actor_index, actor.num_actors) == (0, 1), name
         assert actor.dataset.seed == actor.engine.seed, name
         seen.add((actor.dataset.seed, actor.actor_id))

@@ -53,7 +53,8 @@ class ScriptedEngine:
 class StubActor:
     def __init__(self, script: list[str], **gateway: Any) -> None:
         self.config = ActorConfig(
-            engine=EngineConfig(model="m", max_model_len=512),
+            model_path="m",
+            engine=EngineConfig(max_model_len=512),
             sampling=SamplingConfig(temperature=0.7, max_tokens=200, n=2),
             gateway=GatewayConfig(enabled=True, **gateway),
             tool_parser="hermes",

@@ -84,7 +84,7 @@ def test_every_sample_the_learner_exports_carries_its_run_id() -> None:
 
 
 def test_every_sample_an_actor_exports_carries_its_run_id() -> None:
-    config = ActorConfig(engine={"model": "/m"}, dataset={"path": "/d.jsonl"}, run_id="exp-8")
+    config = ActorConfig(model_path="/m", dataset={"path": "/d.jsonl"}, run_id="exp-8")
     app = create_actor_app(ActorServiceSettings(), config=config, actor_factory=MetricsOnlyActor)
     with TestClient(app) as client:
         exported = samples(client.get("/metrics").text)
