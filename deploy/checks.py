@@ -339,7 +339,8 @@ def pod_environment(
     `secret-<key>`, and `$(VAR)` references to earlier variables."""
     fields = {
         "metadata.name": pod_name,
-        "metadata.labels['apps.kubernetes.io/pod-index']": str(pod_index),
+        "metadata.labels['apps.kubernetes.io/pod-index']": str(pod_index),  # a StatefulSet's ordinal
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']": str(pod_index),  # Indexed Job
     }
     env: dict[str, str] = {}
     for var in container.get("env", []):
