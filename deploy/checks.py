@@ -333,21 +333,36 @@ def kustomize(overlay: str) -> list[dict[str, Any]]:
 _K8S_REF = re.compile(r"\$\((\w+)\)")
 
 
-def pod_environment(container: Mapping[str, Any], pod_name: str, pod_index: int) -> dict[str, str]:
+def pod_environment(
+    container: Mapping[str, Any],
+    pod_name: str,
+    pod_index: int,
+    config_maps: Mapping[str, Mapping[str, str]] | None = None,
+) -> dict[str, str]:
     """A container's `env` as the kubelet resolves it for one pod: the `fieldRef`s this project uses,
-    each `secretKeyRef` as `secret-<key>`, and `$(VAR)` references to earlier variables."""
+    `configMapKeyRef`s from `config_maps` (ConfigMap name -> data), each `secretKeyRef` as
+    `secret-<key>`, and `$(VAR)` references to earlier variables."""
     fields = {
         "metadata.name": pod_name,
-        "metadata.labels['apps.kubernetes.io/pod-index']": str(pod_index),
+        "metadata.labels['apps.kubernetes.io/pod-index']": str(pod_index),  # a StatefulSet's ordinal
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']": str(pod_index),  # Indexed Job
     }
     env: dict[str, str] = {}
     for var in container.get("env", []):
         source = var.get("valueFrom", {})
         if "fieldRef" in source:
             value = fields[source["fieldRef"]["fieldPath"]]
+        elif "configMapKeyRef" in source:
+            ref = source["configMapKeyRef"]
+            value = (config_maps or {})[ref["name"]][ref["key"]]
         elif "secretKeyRef" in source:
             value = f"secret-{source['secretKeyRef']['key']}"
         else:
             value = _K8S_REF.sub(lambda m: env.get(m[1], m[0]), str(var.get("value", "")))
         env[var["name"]] = value
     return env
+
+
+def config_maps(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """The ConfigMaps of a kustomize build: name (with its hash suffix) -> data."""
+    return {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}

@@ -1,63 +1,48 @@
-"""Container entry point: give each actor replica its own seeds from its replica name, then exec `offpolicy`.
+"""Container entry point: each actor gets its seeds from its explicit replica index; then exec `offpolicy`.
 
 Every actor reads the whole dataset as one shard (`num_actors: 1`, `actor_index: 0`, set by compose and
-k8s) in its own per-epoch order: `dataset.seed` and `engine.seed` are the replica's index, so any number
-of replicas (`docker compose up --scale actor=N`, an HPA) covers every prompt without repeating each
-other's order or samples (docs/deploy.md "Scaling actors"). Compose cannot hand each replica a
-different environment, but Docker's DNS answers a reverse lookup of a container's own address with its
-name (`offpolicy-actor-3.offpolicy_backend`): replica k gets index k-1. On Kubernetes the StatefulSet sets
-the seeds from the pod ordinal and this does nothing; a hostname `actor-2` (a StatefulSet pod without
-them) gives index 2.
+k8s) in its own per-epoch order: `dataset.seed` and `engine.seed` are the actor's replica index, and
+`actor-<index>` its `actor_id`, so any number of actors covers every prompt without repeating each other's
+order or samples (docs/deploy.md "Scaling actors"). The index is set explicitly, never guessed:
+
+- compose: each actor service sets `OFFPOLICY_REPLICA_INDEX` (docker-compose.8gpu.yml: 0..3);
+- Kubernetes: the StatefulSet sets it from the pod's ordinal (the `apps.kubernetes.io/pod-index` label
+  through the downward API).
+
+Seeds or an actor id given explicitly (`OFFPOLICY_DATASET__SEED`, ...) win over the derived ones.
 """
 
 from __future__ import annotations
 
 import os
-import re
-import socket
 import sys
-from collections.abc import Callable, MutableMapping
+from collections.abc import MutableMapping
 
-_COMPOSE_NAME = re.compile(r"^[\w.-]+-actor-(\d+)(?:\.|$)")  # offpolicy-actor-3[.network]
-_STATEFULSET_NAME = re.compile(r"^actor-(\d+)$")  # actor-2
-
-
-def replica_index(own_name: str) -> int | None:
-    """The 0-based actor index a compose or StatefulSet replica name implies; None if it implies none."""
-    if match := _COMPOSE_NAME.match(own_name):
-        return int(match[1]) - 1
-    if match := _STATEFULSET_NAME.match(own_name):
-        return int(match[1])
-    return None
+REPLICA_INDEX = "OFFPOLICY_REPLICA_INDEX"
 
 
-def own_names() -> list[str]:
-    """This container's names: the reverse DNS name of its address, then its hostname."""
-    hostname = socket.gethostname()
-    names = []
-    try:
-        address = socket.gethostbyname(hostname)
-        names.append(socket.gethostbyaddr(address)[0])
-    except OSError as exc:  # no DNS answer: fall back to the hostname alone
-        print(f"entrypoint: reverse lookup of {hostname} failed ({exc})", file=sys.stderr)
-    names.append(hostname)
-    return names
-
-
-def set_replica_seeds(env: MutableMapping[str, str], names: Callable[[], list[str]] = own_names) -> None:
-    """Set OFFPOLICY_DATASET__SEED, OFFPOLICY_ENGINE__SEED (and OFFPOLICY_ACTOR_ID when unset) to the
-    replica's index unless the dataset seed is given; raise SystemExit if no name tells the index."""
-    if env.get("OFFPOLICY_DATASET__SEED"):
-        return
-    tried = names()
-    index = next((i for i in map(replica_index, tried) if i is not None), None)
-    if index is None:
+def set_replica_seeds(env: MutableMapping[str, str]) -> None:
+    """Set OFFPOLICY_DATASET__SEED, OFFPOLICY_ENGINE__SEED and OFFPOLICY_ACTOR_ID from
+    OFFPOLICY_REPLICA_INDEX where they are unset; raise SystemExit when the index is missing or invalid
+    and no dataset seed is given."""
+    raw = env.get(REPLICA_INDEX, "")
+    if raw == "":
+        if env.get("OFFPOLICY_DATASET__SEED"):
+            return
         raise SystemExit(
-            f"entrypoint: OFFPOLICY_DATASET__SEED is unset and no replica name in {tried} gives an index"
+            f"entrypoint: set {REPLICA_INDEX} (this actor's index: 0, 1, ...; a StatefulSet sets it from "
+            "the pod ordinal) or OFFPOLICY_DATASET__SEED"
         )
-    env["OFFPOLICY_DATASET__SEED"] = str(index)
-    env["OFFPOLICY_ENGINE__SEED"] = str(index)
-    env.setdefault("OFFPOLICY_ACTOR_ID", f"actor-{index}")
+    if not raw.isdigit():
+        raise SystemExit(f"entrypoint: {REPLICA_INDEX}={raw!r} is not a non-negative integer")
+    index = int(raw)
+    for name, value in (
+        ("OFFPOLICY_DATASET__SEED", str(index)),
+        ("OFFPOLICY_ENGINE__SEED", str(index)),
+        ("OFFPOLICY_ACTOR_ID", f"actor-{index}"),
+    ):
+        if not env.get(name):
+            env[name] = value
 
 
 def main(argv: list[str]) -> None:

@@ -30,6 +30,7 @@ RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
       "torch==${TORCH_CPU_VERSION}+cpu" /wheels/offpolicy-*.whl "tensorboard>=2.14,<3" \
  && useradd --uid 10001 --user-group --no-create-home --home-dir /var/lib/offpolicy offpolicy \
  && mkdir -p /var/lib/offpolicy/weights /var/lib/offpolicy/checkpoints /var/lib/offpolicy/logs /var/lib/offpolicy/hf-cache /var/lib/offpolicy/models \
+      /var/lib/offpolicy/tiny-model \
  && chown -R 10001:10001 /var/lib/offpolicy
 COPY --chmod=0644 deploy/docker/healthcheck.py /usr/local/lib/offpolicy/healthcheck.py
 USER 10001:10001

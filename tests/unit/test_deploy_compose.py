@@ -28,6 +28,7 @@ BASE = ROOT / "docker-compose.yml"
 CPU = ROOT / "docker-compose.cpu.yml"
 GPU8 = ROOT / "docker-compose.8gpu.yml"
 SECRETS = ("OFFPOLICY_API_TOKEN", "REDIS_PASSWORD", "GRAFANA_ADMIN_PASSWORD")
+USER_FOLDERS = ("./data", "./models", "./code")  # the user's dataset, model and code folders (not in git)
 
 
 def env() -> dict[str, str]:
@@ -123,9 +124,9 @@ def test_learner_and_actor_reserve_a_gpu_and_the_cpu_override_drops_it():
     for name in ("learner", "actor"):
         assert gpu_devices(cpu[name]) == []
         assert cpu[name]["build"]["target"] == "cpu"
-        assert cpu[name]["environment"]["OFFPOLICY_MODEL_PATH"] == "/var/lib/offpolicy/models/tiny"
+        assert cpu[name]["environment"]["OFFPOLICY_MODEL_PATH"] == "/var/lib/offpolicy/tiny-model/tiny"
         assert cpu[name]["depends_on"]["model-init"] == {"condition": "service_completed_successfully"}
-    assert cpu["model-init"]["command"] == ["make-tiny-model", "/var/lib/offpolicy/models/tiny"]
+    assert cpu["model-init"]["command"] == ["make-tiny-model", "/var/lib/offpolicy/tiny-model/tiny"]
     assert cpu["actor"]["environment"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
 
 
@@ -207,22 +208,21 @@ def test_8gpu_override_one_gpu_per_actor_four_learner_ranks_own_seeds():
     assert plan["learner"] == ["0", "1", "2", "3"]
     actors = {name: s for name, s in services.items() if name == "actor" or name.startswith("actor-")}
     assert sorted(gpu for name in actors for gpu in plan[name]) == ["4", "5", "6", "7"]
-    seeds, ids = set(), set()
+    indices = set()
     for name, actor in actors.items():
         assert actor["deploy"]["replicas"] == 1, name  # a second replica would share the service's GPU
         assert actor["command"] == ["actor", "--config", "/etc/offpolicy/actor.yaml"], name
         environment = actor["environment"]
         assert environment["OFFPOLICY_REDIS_URL"] == "redis://:test-redis_password@redis:6379/0", name
-        # `actor` gets index 0 from its replica name (deploy/docker/entrypoint.py); the others are fixed
-        seeds.add(environment.get("OFFPOLICY_DATASET__SEED", "0"))
-        ids.add(environment.get("OFFPOLICY_ACTOR_ID", "actor-0"))
+        # each service its own explicit index (the entry point derives seeds and id from it)
+        indices.add(environment["OFFPOLICY_REPLICA_INDEX"])
+        assert not {"OFFPOLICY_DATASET__SEED", "OFFPOLICY_ACTOR_ID"} & set(environment), name
         if name != "actor":
-            assert environment["OFFPOLICY_ENGINE__SEED"] == environment["OFFPOLICY_DATASET__SEED"], name
             # Prometheus finds actors by the DNS name `actor` (deploy/prometheus/prometheus.yml)
             for network in ("backend", "monitoring"):
                 assert "actor" in actor["networks"][network]["aliases"], (name, network)
             assert "weights:/var/lib/offpolicy/weights:ro" in actor["volumes"], name
-    assert seeds == {"0", "1", "2", "3"} and len(ids) == 4
+    assert indices == {"0", "1", "2", "3"}
 
 
 def test_extending_the_actor_without_override_would_add_its_gpu_to_the_base_one():
@@ -235,11 +235,12 @@ def test_extending_the_actor_without_override_would_add_its_gpu_to_the_base_one(
         assert_one_rank_per_gpu_and_no_gpu_shared(services)
 
 
-def test_actor_scales_no_fixed_name_no_host_port_one_shard_no_fixed_seed():
+def test_actor_one_replica_explicit_index_one_shard_no_host_port():
     actor = base()["services"]["actor"]
-    assert "container_name" not in actor and "ports" not in actor and "hostname" not in actor
-    assert actor["deploy"]["replicas"] == "1"  # ${ACTOR_REPLICAS:-1}; `--scale actor=N` overrides it
-    # one shard for every replica; the entrypoint gives each its own seeds (test_deploy_images.py)
+    assert "container_name" not in actor and "ports" not in actor
+    assert actor["deploy"]["replicas"] == 1  # replicas would share the index: more actors = more services
+    # one shard for every actor; the entry point turns the explicit index into seeds (test_deploy_images.py)
+    assert actor["environment"]["OFFPOLICY_REPLICA_INDEX"] == "0"
     assert actor["environment"]["OFFPOLICY_ACTOR_INDEX"] == "0"
     assert actor["environment"]["OFFPOLICY_NUM_ACTORS"] == "1"
     assert "OFFPOLICY_DATASET__SEED" not in actor["environment"]
@@ -262,9 +263,9 @@ def test_weights_volume_is_shared_and_read_only_for_actors():
     services = base()["services"]
     assert "weights:/var/lib/offpolicy/weights" in services["learner"]["volumes"]
     assert "weights:/var/lib/offpolicy/weights:ro" in services["actor"]["volumes"]
-    assert (
-        services["learner"]["environment"]["OFFPOLICY_PUBLISH__WEIGHTS_DIR"] == "/var/lib/offpolicy/weights"
-    )
+    environment = services["learner"]["environment"]
+    assert environment["OFFPOLICY_PUBLISH__WEIGHTS_DIR"] == "/var/lib/offpolicy/weights/{run_id}"
+    assert environment["OFFPOLICY_CHECKPOINT__CHECKPOINT_DIR"] == "/var/lib/offpolicy/checkpoints/{run_id}"
 
 
 def test_bind_mounted_files_exist():
@@ -272,7 +273,7 @@ def test_bind_mounted_files_exist():
         for service in services.values():
             for volume in service.get("volumes", []):
                 source = volume.split(":")[0]
-                if source.startswith("./") and source != "./data":  # the user's dataset folder
+                if source.startswith("./") and source not in USER_FOLDERS:
                     assert (ROOT / source).exists(), source
 
 
@@ -301,3 +302,60 @@ def test_interpolation_rules():
     assert interpolate("$$A ${B}", {"B": "b"}) == "$A b"
     with pytest.raises(MissingVariable, match="A: say why"):
         interpolate("${A:?say why}", {"A": ""})
+
+
+# --- your model and your code, in every learner and actor service, from one setting each
+
+MODEL_MOUNT = "/var/lib/offpolicy/models"
+CODE_MOUNT = "/opt/offpolicy/code"
+
+
+def training_services(services: dict) -> dict[str, dict]:
+    """The learner and every actor service (the 8-GPU override's extra actors included)."""
+    return {n: s for n, s in services.items() if n == "learner" or n == "actor" or n.startswith("actor-")}
+
+
+def mounts(service: dict) -> dict[str, tuple[str, str]]:
+    """Container path -> (source, mode) of a service's short-syntax volumes."""
+    out = {}
+    for volume in service["volumes"]:
+        source, target, *mode = volume.split(":")
+        out[target] = (source, mode[0] if mode else "rw")
+    return out
+
+
+@pytest.mark.parametrize("stack", [base, merged_cpu, merged_8gpu], ids=["compose", "cpu", "8gpu"])
+def test_every_learner_and_actor_mounts_the_model_and_the_code_read_only(stack):
+    services = training_services(stack()["services"])
+    assert {"learner", "actor"} <= set(services)
+    for name, service in services.items():
+        mounted = mounts(service)
+        assert mounted[MODEL_MOUNT] == ("./models", "ro"), name
+        assert mounted[CODE_MOUNT] == ("./code", "ro"), name
+        assert service["environment"]["PYTHONPATH"] == CODE_MOUNT, name
+    if stack is merged_8gpu:
+        assert {"actor-gpu5", "actor-gpu6", "actor-gpu7"} <= set(services)
+
+
+def test_one_setting_moves_the_model_and_the_code_of_every_service():
+    """OFFPOLICY_MODEL_DIR / OFFPOLICY_CODE_DIR change every service's mount (the 8-GPU actors too), and
+    the 8-GPU file repeats no mount: its actors inherit them through `extends`."""
+    settings = {"OFFPOLICY_MODEL_DIR": "/srv/models", "OFFPOLICY_CODE_DIR": "/home/me/rl-code"}
+    doc = merge_compose(load_compose(BASE), load_compose_resolved(GPU8))
+    services = training_services(interpolate(doc, env() | settings)["services"])
+    assert len(services) == 5
+    for name, service in services.items():
+        assert mounts(service)[MODEL_MOUNT] == ("/srv/models", "ro"), name
+        assert mounts(service)[CODE_MOUNT] == ("/home/me/rl-code", "ro"), name
+    assert "volumes" not in GPU8.read_text().split("services:", 1)[1], "the 8-GPU file repeats mounts"
+    text = BASE.read_text()
+    assert text.count("${OFFPOLICY_MODEL_DIR") == 1 and text.count("${OFFPOLICY_CODE_DIR") == 1, (
+        "one anchor each"
+    )
+
+
+def test_the_dns_lookup_of_the_replica_name_is_gone():
+    """Every actor has its index from its own service's setting; no compose file relies on names."""
+    for path in (BASE, CPU, GPU8):
+        assert "--scale actor" not in path.read_text().replace("never `--scale actor=N`", ""), path.name
+    assert "ACTOR_REPLICAS" not in read_env_file(ROOT / ".env.example")

@@ -14,6 +14,7 @@ from actors.config import load_config as load_actor_config
 from deploy.checks import (
     ROOT,
     SERVICE_CONFIGS,
+    config_maps,
     interpolate,
     kustomize,
     load_compose,
@@ -67,12 +68,12 @@ def test_the_actor_buffer_is_the_learners_plus_producer_pacing():
 # --- the environment of each deployment
 
 
-def compose_services(cpu: bool, replicas: int = 1) -> dict[str, dict]:
+def compose_services(cpu: bool, **settings: str) -> dict[str, dict]:
     values = read_env_file(ROOT / ".env.example") | {name: f"test-{name.lower()}" for name in SECRETS}
     doc = load_compose(ROOT / "docker-compose.yml")
     if cpu:
         doc = merge_compose(doc, load_compose(ROOT / "docker-compose.cpu.yml"))
-    return interpolate(doc, values | {"ACTOR_REPLICAS": str(replicas)})["services"]
+    return interpolate(doc, values | settings)["services"]
 
 
 def compose_env(service: dict) -> dict[str, str]:
@@ -93,6 +94,11 @@ def k8s_pods(overlay: str) -> dict[str, tuple[dict, list[str]]]:
     return out
 
 
+def k8s_env(overlay: str, name: str, pod_name: str, index: int) -> dict[str, str]:
+    """The environment the kubelet gives one pod of `name` (ConfigMap references resolved)."""
+    return pod_environment(k8s_pods(overlay)[name][0], pod_name, index, config_maps(kustomize(overlay)))
+
+
 def check_loaded(env: dict[str, dict[str, str]], mounts: dict[str, list[str]]) -> dict[str, object]:
     """Both services' configs under their deployment environment; the files they name are mounted."""
     configs = {name: LOADERS[name](SERVICE_CONFIGS[name], env[name]) for name in LOADERS}
@@ -101,8 +107,11 @@ def check_loaded(env: dict[str, dict[str, str]], mounts: dict[str, list[str]]) -
     assert actor.run_id == learner.run_id and actor.redis_url == learner.redis_url
     assert actor.buffer.model_copy(update={"max_ahead": None}) == learner.buffer
     assert actor.redis_url.endswith("@redis:6379/0"), "the password travels in the URL"
-    for path, name in ((Path(actor.dataset.path).parent, "actor"), (learner.publish.weights_dir, "learner")):
+    for path, name in ((Path(actor.dataset.path).parent, "actor"), (learner.weights_path.parent, "learner")):
         assert str(path) in mounts[name], f"{name}: nothing is mounted at {path}"
+    # one folder per run on the shared volumes: a new run id starts beside the old run
+    assert learner.weights_path == Path("/var/lib/offpolicy/weights") / learner.run_id
+    assert learner.checkpoint_path == Path("/var/lib/offpolicy/checkpoints") / learner.run_id
     return configs
 
 
@@ -110,7 +119,7 @@ def check_loaded(env: dict[str, dict[str, str]], mounts: dict[str, list[str]]) -
 def test_compose_environment_gives_valid_configs(cpu):
     services = compose_services(cpu)
     env = {name: compose_env(services[name]) for name in LOADERS}
-    set_replica_seeds(env["actor"], lambda: ["offpolicy-actor-1.offpolicy_backend"])
+    set_replica_seeds(env["actor"])
     mounts = {name: compose_mounts(services[name]) for name in LOADERS}
     configs = check_loaded(env, mounts)
     assert configs["actor"].actor_index == 0
@@ -122,22 +131,23 @@ def test_compose_environment_gives_valid_configs(cpu):
 def test_k8s_environment_gives_valid_configs(overlay):
     pods = k8s_pods(overlay)
     env = {
-        "learner": pod_environment(pods["learner"][0], "learner-5d9f7-abcde", 0),
-        "actor": pod_environment(pods["actor"][0], "actor-0", 0),
+        "learner": k8s_env(overlay, "learner", "learner-5d9f7-abcde", 0),
+        "actor": k8s_env(overlay, "actor", "actor-0", 0),
     }
+    set_replica_seeds(env["actor"])  # the actor image's entry point
     configs = check_loaded(env, {name: pods[name][1] for name in LOADERS})
-    assert configs["actor"].actor_id == "actor-0"
+    assert configs["actor"].actor_id == "actor-0" and configs["learner"].run_id == "default"
 
 
 def test_scaled_actors_share_one_shard_with_their_own_seeds():
-    """compose `--scale actor=3` and a 3-pod StatefulSet: three actors, each the whole dataset, seeds 0-2."""
+    """Three compose actor services (indices 0-2) and a 3-pod StatefulSet (ordinals 0-2): three actors,
+    each the whole dataset, seeds 0-2."""
     base = compose_env(compose_services(cpu=False)["actor"])
-    statefulset = k8s_pods("gpu")["actor"][0]
     for k in range(3):
-        compose = dict(base)
-        set_replica_seeds(compose, lambda k=k: [f"offpolicy-actor-{k + 1}.offpolicy_backend"])
-        pod = pod_environment(statefulset, f"actor-{k}", k)
+        compose = base | {"OFFPOLICY_REPLICA_INDEX": str(k)}
+        pod = k8s_env("gpu", "actor", f"actor-{k}", k)
         for env in (compose, pod):
+            set_replica_seeds(env)
             actor = load_actor_config(SERVICE_CONFIGS["actor"], env)
             assert (actor.actor_index, actor.num_actors) == (0, 1)
             assert (actor.dataset.seed, actor.engine.seed, actor.actor_id) == (k, k, f"actor-{k}")
@@ -155,10 +165,37 @@ def test_the_8gpu_override_gives_each_actor_a_valid_config_and_its_own_seeds():
     seen = set()
     for name in ("actor", "actor-gpu5", "actor-gpu6", "actor-gpu7"):
         env = compose_env(services[name])
-        set_replica_seeds(env, lambda: ["offpolicy-actor-1.offpolicy_backend"])  # only `actor` consults it
+        set_replica_seeds(env)  # the image's entry point: seeds and id from OFFPOLICY_REPLICA_INDEX
         actor = load_actor_config(SERVICE_CONFIGS["actor"], env)
         assert actor.model_path == learner.model_path and actor.run_id == learner.run_id, name
         assert (actor.actor_index, actor.num_actors) == (0, 1), name
         assert actor.dataset.seed == actor.engine.seed, name
         seen.add((actor.dataset.seed, actor.actor_id))
     assert seen == {(k, f"actor-{k}") for k in range(4)}
+
+
+@pytest.mark.parametrize("deployment", ["compose", "k8s-gpu"])
+def test_a_new_run_id_moves_the_weights_and_checkpoints(deployment):
+    """The run id set in its one place (.env / the `offpolicy-run` ConfigMap) reaches the learner's weights
+    and checkpoint folders and the actor's run id."""
+    if deployment == "compose":
+        services = compose_services(cpu=False, OFFPOLICY_RUN_ID="exp-2")
+        env = {name: compose_env(services[name]) for name in LOADERS}
+    else:
+        docs = kustomize("gpu")
+        (run,) = (
+            d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("offpolicy-run")
+        )
+        assert run["data"] == {"run-id": "default"}
+        maps = config_maps(docs) | {run["metadata"]["name"]: {"run-id": "exp-2"}}
+        pods = k8s_pods("gpu")
+        env = {
+            "learner": pod_environment(pods["learner"][0], "learner-0", 0, maps),
+            "actor": pod_environment(pods["actor"][0], "actor-0", 0, maps),
+        }
+    set_replica_seeds(env["actor"])
+    learner = load_learner_config(SERVICE_CONFIGS["learner"], env["learner"])
+    actor = load_actor_config(SERVICE_CONFIGS["actor"], env["actor"])
+    assert learner.run_id == actor.run_id == "exp-2"
+    assert learner.weights_path == Path("/var/lib/offpolicy/weights/exp-2")
+    assert learner.checkpoint_path == Path("/var/lib/offpolicy/checkpoints/exp-2")

@@ -9,7 +9,8 @@ import subprocess
 import pytest
 
 from deploy.checks import ROOT
-from deploy.docker.entrypoint import replica_index, set_replica_seeds
+from deploy.docker import entrypoint
+from deploy.docker.entrypoint import set_replica_seeds
 
 DOCKERFILES = sorted((ROOT / "deploy" / "docker").glob("*.Dockerfile"))
 
@@ -64,27 +65,34 @@ def test_dockerignore_lets_through_exactly_what_the_images_copy():
     assert copied <= allowed and allowed <= copied | {"README.md", "pyproject.toml"}
 
 
-@pytest.mark.parametrize(
-    ("name", "index"),
-    [("offpolicy-actor-1.offpolicy_backend", 0), ("myproj-actor-12", 11), ("actor-3", 3), ("learner", None),
-     ("offpolicy-learner-1", None), ("3f2a9c0d1e2b", None)],
-)  # fmt: skip
-def test_replica_index_from_compose_and_statefulset_names(name, index):
-    assert replica_index(name) == index
-
-
-def test_set_replica_seeds():
-    env = {"OFFPOLICY_ACTOR_INDEX": "0", "OFFPOLICY_NUM_ACTORS": "1"}
-    set_replica_seeds(env, lambda: ["offpolicy-actor-3.offpolicy_backend", "3f2a9c0d1e2b"])
+def test_set_replica_seeds_from_the_explicit_index():
+    env = {"OFFPOLICY_REPLICA_INDEX": "2", "OFFPOLICY_ACTOR_INDEX": "0", "OFFPOLICY_NUM_ACTORS": "1"}
+    set_replica_seeds(env)
     assert env == {
-        "OFFPOLICY_ACTOR_INDEX": "0", "OFFPOLICY_NUM_ACTORS": "1", "OFFPOLICY_DATASET__SEED": "2",
-        "OFFPOLICY_ENGINE__SEED": "2", "OFFPOLICY_ACTOR_ID": "actor-2",
+        "OFFPOLICY_REPLICA_INDEX": "2", "OFFPOLICY_ACTOR_INDEX": "0", "OFFPOLICY_NUM_ACTORS": "1",
+        "OFFPOLICY_DATASET__SEED": "2", "OFFPOLICY_ENGINE__SEED": "2", "OFFPOLICY_ACTOR_ID": "actor-2",
     }  # fmt: skip
-    given = {"OFFPOLICY_DATASET__SEED": "5"}
-    set_replica_seeds(given, lambda: pytest.fail("not consulted when the seed is given"))
-    assert given == {"OFFPOLICY_DATASET__SEED": "5"}
-    with pytest.raises(SystemExit, match="no replica name"):
-        set_replica_seeds({}, lambda: ["3f2a9c0d1e2b"])
+    given = {"OFFPOLICY_REPLICA_INDEX": "1", "OFFPOLICY_ACTOR_ID": "mine", "OFFPOLICY_ENGINE__SEED": "9"}
+    set_replica_seeds(given)  # explicit values win over the derived ones
+    assert given["OFFPOLICY_ACTOR_ID"] == "mine" and given["OFFPOLICY_ENGINE__SEED"] == "9"
+    assert given["OFFPOLICY_DATASET__SEED"] == "1"
+    seeded = {"OFFPOLICY_DATASET__SEED": "5"}
+    set_replica_seeds(seeded)
+    assert seeded == {"OFFPOLICY_DATASET__SEED": "5"}
+
+
+@pytest.mark.parametrize("env", [{}, {"OFFPOLICY_REPLICA_INDEX": ""}, {"OFFPOLICY_REPLICA_INDEX": "-1"},
+                                 {"OFFPOLICY_REPLICA_INDEX": "two"}])  # fmt: skip
+def test_a_missing_or_bad_replica_index_stops_the_actor(env):
+    with pytest.raises(SystemExit, match="OFFPOLICY_REPLICA_INDEX"):
+        set_replica_seeds(dict(env))
+
+
+def test_the_entrypoint_never_asks_dns():
+    """The index is explicit: nothing in the entry point resolves names (compose replica names are gone)."""
+    source = (ROOT / "deploy" / "docker" / "entrypoint.py").read_text()
+    assert "socket" not in source and "gethostby" not in source
+    assert not hasattr(entrypoint, "own_names")
 
 
 def test_gpu_image_pins_the_vllm_release_the_tests_exercise():

@@ -32,6 +32,12 @@ def build_dir(folder: Path) -> tuple[dict, ...]:
     return tuple(doc for doc in yaml.safe_load_all(out.stdout) if doc)
 
 
+def copy_sources(dest: Path) -> None:
+    """k8s/ and the folders whose files its ConfigMaps are generated from, as the repository lays them out."""
+    for folder in ("k8s", "configs", "deploy/redis", "deploy/grafana/dashboards"):
+        shutil.copytree(ROOT / folder, dest / folder)
+
+
 def by_kind(overlay: str, kind: str) -> dict[str, dict]:
     return {d["metadata"]["name"]: d for d in build(overlay) if d["kind"] == kind}
 
@@ -118,18 +124,19 @@ def test_learner_and_actor_probes_and_seeds_from_ordinal(overlay):
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     claims = {v["persistentVolumeClaim"]["claimName"] for v in learner["spec"]["template"]["spec"]["volumes"]
               if "persistentVolumeClaim" in v}  # fmt: skip
-    assert claims == {"weights", "checkpoints", "logs"}
+    assert {"weights", "checkpoints", "logs", "hf-cache"} <= claims
     actor = by_kind(overlay, "StatefulSet")["actor"]
     env = {e["name"]: e for e in actor["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["OFFPOLICY_ACTOR_INDEX"]["value"] == "0" and env["OFFPOLICY_NUM_ACTORS"]["value"] == "1"
-    for seed in ("OFFPOLICY_DATASET__SEED", "OFFPOLICY_ENGINE__SEED"):
-        ref = env[seed]["valueFrom"]["fieldRef"]["fieldPath"]
-        assert ref == "metadata.labels['apps.kubernetes.io/pod-index']"
+    # the index is the pod's ordinal (the entry point derives seeds and id from it), never a DNS name
+    ref = env["OFFPOLICY_REPLICA_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert ref == "metadata.labels['apps.kubernetes.io/pod-index']"
+    assert not {"OFFPOLICY_DATASET__SEED", "OFFPOLICY_ENGINE__SEED", "OFFPOLICY_ACTOR_ID"} & set(env)
 
 
 def test_gpu_overlay_requests_gpus_and_scales_actors():
     specs = pod_specs("gpu")
-    assert specs["learner"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert specs["learner"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"  # the 7B row
     resources = specs["actor"]["containers"][0]["resources"]
     assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == "1"
     assert by_kind("gpu", "StatefulSet")["actor"]["spec"]["replicas"] == 4
@@ -168,17 +175,17 @@ def assert_one_rank_per_gpu(docs: tuple[dict, ...]) -> int:
 
 
 def test_gpu_learner_runs_one_rank_per_gpu_with_shared_memory():
-    assert assert_one_rank_per_gpu(build("gpu")) == 2
+    assert assert_one_rank_per_gpu(build("gpu")) == 4
 
 
 def test_gpu_learner_rank_count_follows_its_gpu_limit(tmp_path):
     """Change only the GPU limit: kustomize's replacements carry it to the request and `--nproc-per-node`."""
-    shutil.copytree(ROOT / "k8s", tmp_path / "k8s")
+    copy_sources(tmp_path)
     patch = tmp_path / "k8s" / "overlays" / "gpu" / "learner-gpu.yaml"
     head, limits, tail = patch.read_text().partition("limits:")
-    assert 'nvidia.com/gpu: "2"' in tail
-    patch.write_text(head + limits + tail.replace('nvidia.com/gpu: "2"', 'nvidia.com/gpu: "4"', 1))
-    assert assert_one_rank_per_gpu(build_dir(tmp_path / "k8s" / "overlays" / "gpu")) == 4
+    assert 'nvidia.com/gpu: "4"' in tail
+    patch.write_text(head + limits + tail.replace('nvidia.com/gpu: "4"', 'nvidia.com/gpu: "2"', 1))
+    assert assert_one_rank_per_gpu(build_dir(tmp_path / "k8s" / "overlays" / "gpu")) == 2
 
 
 def test_a_learner_whose_ranks_differ_from_its_gpus_is_caught():
@@ -226,3 +233,81 @@ def test_configmaps_hold_the_same_configs_dashboards_and_rules():
         assert text == (ROOT / "deploy/grafana/dashboards" / file).read_text()
     (rule,) = by_kind("dev", "PrometheusRule").values()
     assert rule["spec"] == yaml.safe_load(ALERTS_FILE.read_text())
+
+
+# --- your model, your code and the Hugging Face cache; one folder per run
+
+
+def container_of(overlay: str, name: str) -> tuple[dict, dict]:
+    """(pod spec, main container) of the learner Deployment or the actor StatefulSet."""
+    doc = {**by_kind(overlay, "Deployment"), **by_kind(overlay, "StatefulSet")}[name]
+    spec = doc["spec"]["template"]["spec"]
+    return spec, spec["containers"][0]
+
+
+def volume_at(spec: dict, container: dict, path: str) -> tuple[dict, dict]:
+    """(the mount at `path`, the pod volume it names)."""
+    (mount,) = (m for m in container["volumeMounts"] if m["mountPath"] == path)
+    (volume,) = (v for v in spec["volumes"] if v["name"] == mount["name"])
+    return mount, volume
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda o: f"{o}-overlay")
+def test_learner_and_actors_mount_the_model_and_the_code_read_only_and_cache_on_a_claim(overlay):
+    for name in ("learner", "actor"):
+        spec, container = container_of(overlay, name)
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["PYTHONPATH"] == "/opt/offpolicy/code", name
+        for path in ("/var/lib/offpolicy/models", "/opt/offpolicy/code"):
+            mount, volume = volume_at(spec, container, path)
+            assert mount["readOnly"] is True, (name, path)
+            if overlay == "gpu":  # the dev overlay fills them in the pod (tiny model, no code)
+                assert volume["persistentVolumeClaim"]["readOnly"] is True, (name, path)
+        assert env["HF_HOME"] == "/var/lib/offpolicy/hf-cache", name
+        _, cache = volume_at(spec, container, "/var/lib/offpolicy/hf-cache")
+        assert cache["persistentVolumeClaim"]["claimName"] == "hf-cache", f"{name}: HF cache in an emptyDir"
+    claims = by_kind(overlay, "PersistentVolumeClaim")
+    assert "hf-cache" in claims
+    if overlay == "gpu":
+        for claim in ("models", "code", "hf-cache", "weights"):
+            assert claims[claim]["spec"]["accessModes"] == ["ReadWriteMany"], claim
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda o: f"{o}-overlay")
+def test_weights_and_checkpoints_are_a_folder_per_run(overlay):
+    _, container = container_of(overlay, "learner")
+    env = {e["name"]: e for e in container["env"]}
+    assert env["OFFPOLICY_PUBLISH__WEIGHTS_DIR"]["value"] == "/var/lib/offpolicy/weights/{run_id}"
+    assert env["OFFPOLICY_CHECKPOINT__CHECKPOINT_DIR"]["value"] == "/var/lib/offpolicy/checkpoints/{run_id}"
+    (run,) = (n for n in by_kind(overlay, "ConfigMap") if n.startswith("offpolicy-run-"))
+    for name in ("learner", "actor"):
+        _, c = container_of(overlay, name)
+        (var,) = (e for e in c["env"] if e["name"] == "OFFPOLICY_RUN_ID")
+        assert var["valueFrom"]["configMapKeyRef"] == {"name": run, "key": "run-id"}, name
+
+
+def test_configs_come_from_the_files_themselves_without_copies():
+    """No copy under k8s/ to refresh: the ConfigMaps are generated from configs/, deploy/redis/ and the
+    dashboards folder, so an edit of a file changes the built ConfigMap with nothing else run."""
+    assert not (ROOT / "k8s" / "base" / "files").exists()
+    copies = [
+        p for p in (ROOT / "k8s").rglob("*") if p.suffix in (".json", ".conf") or p.name == "learner.yaml"
+    ]
+    assert copies == []
+
+
+def test_an_edited_config_file_reaches_the_built_configmap(tmp_path):
+    copy_sources(tmp_path)
+    learner = tmp_path / "configs" / "learner.yaml"
+    learner.write_text(learner.read_text().replace("checkpoint_every: 10", "checkpoint_every: 7"))
+    docs = build_dir(tmp_path / "k8s" / "overlays" / "gpu")
+    (cm,) = (
+        d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("learner-config")
+    )
+    assert "checkpoint_every: 7" in cm["data"]["learner.yaml"]
+    assert cm["metadata"]["name"] != by_kind_name("gpu", "learner-config"), "a new hash rolls the pods"
+
+
+def by_kind_name(overlay: str, prefix: str) -> str:
+    (name,) = (n for n in by_kind(overlay, "ConfigMap") if n.startswith(prefix + "-"))
+    return name

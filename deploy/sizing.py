@@ -1,0 +1,140 @@
+"""Sizing of a deployment for 1.5B, 7B and 70B models: GPUs, host memory, volumes, Redis memory.
+
+The arithmetic of docs/deploy.md "Sizing", as code, so that the table there and the shipped manifests'
+defaults (the 7B row) are checked against it (tests/unit/test_deploy_sizing.py):
+
+- learner GPUs: the fewest ranks (1, 2, 4, 8, then whole 8-GPU nodes) whose memory plan per rank
+  (`learner.memory.estimate`, the same the learner refuses to start above) fits 90 % of an 80 GiB GPU,
+  with configs/learner.yaml's settings (bf16_mixed, packing, `micro_batch_tokens`, checkpointing on);
+- actor GPUs: vLLM's tensor-parallel size, the fewest GPUs holding the bf16 weights (2 B x P) in half of
+  each GPU (the other half for the KV cache);
+- host memory per learner rank: the loader materialises the whole model in fp32 masters on every rank
+  before sharding (4 B x P), plus 4 GiB (CUDA context, Python, NCCL); the pod adds its /dev/shm;
+- weights volume: (`publish.keep_versions` + 1 being written) x 2 B x P (published in bf16);
+- checkpoints volume: (`checkpoint.keep_checkpoints` + 1 being written) x 12 B x P (fp32 masters + AdamW's
+  two fp32 moments);
+- Redis: bytes per group = n x T x 12 (4 B token id + 4 B behaviour logprob + 4 B policy version, the
+  codec's worst case: buffer/codec.py) + 4 B x prompt tokens + 4 B x n (lengths) + `GROUP_OVERHEAD`
+  (header: ids, rewards, sampling, finish reasons; the entry's keys and index); x `buffer.max_size`
+  groups, x 1.5 for Redis' own allocations, in whole 512 MiB, gives `maxmemory`; the container limit
+  is 2 x that (the AOF rewrite forks: copy-on-write pages).
+
+    python deploy/sizing.py        # the table, as docs/deploy.md shows it
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from learner.config import LearnerConfig
+from learner.memory import GIB, HEADROOM, ModelShape, estimate
+
+GPU_GIB = 80  # H100 / A100 80 GB
+GROUP_OVERHEAD = 1024  # bytes: the frame's header and the entry's keys (checked against the codec)
+HOST_OVERHEAD_GIB = 4
+SHM_GIB = 16  # the learner pod's /dev/shm (memory-backed: counts against the pod's limit)
+BYTES_PER_TOKEN = 12  # int32 token id + float32 behaviour logprob + int32 policy version
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One row: a model and the run's sizes."""
+
+    name: str
+    shape: ModelShape
+    response_tokens: int  # T: sampling.max_tokens
+    prompt_tokens: int
+    group_size: int  # n: sampling.n
+    buffer_groups: int  # buffer.max_size
+
+
+ROWS = (
+    Workload("1.5B", ModelShape(1_543_714_304, 1536, 8960, 28, 151_936, 32_768), 1024, 512, 8, 10_000),
+    # configs/*.yaml: max_tokens 1024, n 8, max_size 10000; the shipped manifests are sized for this row
+    Workload("7B", ModelShape(7_615_616_512, 3584, 18_944, 28, 152_064, 32_768), 1024, 512, 8, 10_000),
+    Workload("70B", ModelShape(70_553_706_496, 8192, 28_672, 80, 128_256, 131_072), 4096, 1024, 16, 10_000),
+)
+DEFAULT = "7B"
+
+
+def ceil_to(value_gib: float, step: int) -> int:
+    return step * math.ceil(value_gib / step)
+
+
+def group_bytes(w: Workload) -> int:
+    n, t = w.group_size, w.response_tokens
+    return n * t * BYTES_PER_TOKEN + 4 * w.prompt_tokens + 4 * n + GROUP_OVERHEAD
+
+
+@dataclass(frozen=True)
+class Sizing:
+    learner_gpus: int
+    plan_gib: float  # the learner's memory plan per rank at that count
+    actor_gpus: int
+    host_gib_per_rank: float
+    learner_pod_gib: int  # memory limit of one learner pod (its ranks + /dev/shm), whole 16 GiB
+    weights_gib: int
+    checkpoints_gib: int
+    group_kib: float
+    redis_maxmemory_mib: int
+    redis_limit_gib: int
+
+
+def size(w: Workload, config: LearnerConfig | None = None) -> Sizing:
+    cfg = config or LearnerConfig(model_path="unused")
+    p = w.shape.params
+    limit = HEADROOM * GPU_GIB * GIB
+    for gpus in (1, 2, 4, 8, 16, 24, 32, 48, 64):
+        plan = estimate(cfg, w.shape, gpus, gpus > 1, checkpointing=True, cuda=True)
+        if plan.total <= limit:
+            break
+    else:
+        raise ValueError(f"{w.name}: no rank count up to 64 fits")
+    actor = next(tp for tp in (1, 2, 4, 8) if 2 * p / tp <= GPU_GIB * GIB / 2)
+    host = 4 * p / GIB + HOST_OVERHEAD_GIB
+    per_node = min(gpus, 8)
+    data = w.buffer_groups * group_bytes(w)
+    maxmemory = 2**29 * math.ceil(1.5 * data / 2**29)  # whole 512 MiB
+    return Sizing(
+        learner_gpus=gpus,
+        plan_gib=plan.total / GIB,
+        actor_gpus=actor,
+        host_gib_per_rank=host,
+        learner_pod_gib=ceil_to(per_node * host + SHM_GIB, 16),
+        weights_gib=ceil_to((cfg.publish.keep_versions + 1) * 2 * p / GIB, 16),
+        checkpoints_gib=ceil_to((cfg.checkpoint.keep_checkpoints + 1) * 12 * p / GIB, 16),
+        group_kib=group_bytes(w) / 1024,
+        redis_maxmemory_mib=maxmemory // 2**20,
+        redis_limit_gib=math.ceil(2 * maxmemory / GIB),
+    )
+
+
+def table(config: LearnerConfig | None = None) -> str:
+    """The markdown table of docs/deploy.md "Sizing"."""
+    head = (
+        "| model | T x n, prompt, groups | learner GPUs (plan/rank) | actor GPUs (TP) | host/rank "
+        "| learner pod | weights | checkpoints | group | Redis maxmemory | Redis limit |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
+    )
+    rows = []
+    for w in ROWS:
+        s = size(w, config)
+        rows.append(
+            f"| {w.name} | {w.response_tokens} x {w.group_size}, {w.prompt_tokens}, {w.buffer_groups} "
+            f"| {s.learner_gpus} ({s.plan_gib:.0f} GiB) | {s.actor_gpus} | {s.host_gib_per_rank:.0f} GiB "
+            f"| {s.learner_pod_gib} Gi | {s.weights_gib} Gi | {s.checkpoints_gib} Gi | {s.group_kib:.0f} KiB "
+            f"| {s.redis_maxmemory_mib} mb | {s.redis_limit_gib} Gi |"
+        )
+    return head + "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    from learner.config import load_config
+
+    print(table(load_config(Path(__file__).resolve().parent.parent / "configs" / "learner.yaml", {})), end="")
