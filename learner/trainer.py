@@ -532,7 +532,7 @@ class Learner:
         self.resumed = resumed_config(self.config, meta)
         self._switch_config(self.resumed.config, force_optimizer=True)
         self.config_version, self.config_applied_at_step = 1, self.step_count
-        self.metrics.record_config(1, self.config.buffer.max_staleness)
+        self.metrics.record_config(1, self.config)
         record = self.store.read() if self.store is not None else None
         if record is not None and record.version > self.version:
             log.warning(
