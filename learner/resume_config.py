@@ -6,8 +6,9 @@ file) decides:
 
 - `checkpoint` (the default): the run goes on as it was. Every field that may change while running (the
   optimizer, the rollout correction, the buffer, ...) takes the checkpoint's value; the fields frozen while
-  running (the model, the Redis URL and run, the folders, the trackers) and `checkpoint.resume_config`
-  itself come from the file, since they describe where this process runs, not what it learns.
+  running (the model, the Redis URL and run, the folders, the trackers), `metrics_jsonl` and
+  `checkpoint.resume_config` itself come from the file, since they describe where this process runs,
+  not what it learns.
 - `file`: the file wins for every field: a deliberate edit of the file before a restart takes effect.
 
 Either way the fields where the file and the checkpoint disagree are reported: a warning in the log and the
@@ -28,9 +29,10 @@ from learner.config import LearnerConfig, frozen_field_changes, frozen_field_pat
 
 log = logging.getLogger(__name__)
 
-FROM_FILE = ("redis_url", "checkpoint.resume_config")
+FROM_FILE = ("redis_url", "checkpoint.resume_config", "metrics_jsonl")
 """Taken from the file whatever the rule, beside the frozen fields (the checkpoint's `redis_url` is
-redacted; the rule is the file's by definition)."""
+redacted; the rule is the file's by definition; `metrics_jsonl` is where this process writes, which a
+restart may move)."""
 
 
 @dataclass(frozen=True)

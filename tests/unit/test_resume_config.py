@@ -60,3 +60,10 @@ def test_a_critic_cannot_appear_at_resume() -> None:
 def test_agreement_and_old_checkpoints() -> None:
     assert resumed_config(_file(), _meta(_file())).disagreeing == []
     assert resumed_config(_file(), {}).config == _file()
+
+
+def test_where_the_metrics_go_is_the_files_not_the_checkpoints() -> None:
+    saved = _file(optimizer={"lr": 5e-3}, metrics_jsonl="/old/run/metrics.jsonl")
+    out = resumed_config(_file(metrics_jsonl="/this/run/metrics.jsonl"), _meta(saved))
+    assert out.config.metrics_jsonl == "/this/run/metrics.jsonl" and out.config.optimizer.lr == 5e-3
+    assert out.disagreeing == ["optimizer.lr"]
