@@ -23,7 +23,7 @@ import numpy as np
 
 from actors.errors import RewardError
 from actors.rewards import RewardFn, score
-from buffer.errors import RateLimited, StorageUnavailable
+from buffer.errors import BufferFull, RateLimited, StorageUnavailable
 from buffer.types import SamplingParams, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
@@ -185,17 +185,21 @@ async def push_groups(
     metrics: ActorMetrics,
     stop: threading.Event,
 ) -> int:
-    """Insert `groups`, retrying through Redis outages and rate limiting; return how many were new.
+    """Insert `groups`, retrying through Redis outages, rate limiting and a full buffer; return how many
+    were new.
 
     Retries are safe: inserts are idempotent by `group_id`. Invalid groups are counted and logged (the
-    buffer names the field); they are bugs, never retried. After `stop` each insert is tried once more;
-    groups still unpushed then are counted as `dropped_on_stop`.
+    buffer names the field); they are bugs, never retried. `BufferFull` is back-pressure, not a failure:
+    the pusher waits (counted in `buffer_wait{reason="buffer_full"}`, logged once when the wait starts
+    and once when it ends) while the learner drains. After `stop` each insert is tried once more; groups
+    still unpushed then are counted as `dropped_on_stop`.
     """
     pending, inserted, delay, failed = list(groups), 0, retry.initial_s, False
+    full_since: float | None = None  # when this push first met a full buffer
     while pending:
         if stop.is_set() and failed:  # stopped, and the last attempt failed: give up
             metrics.failures.labels("dropped_on_stop").inc(len(pending))
-            log.error("stopped with %d generated groups not pushed (Redis unavailable)", len(pending))
+            log.error("stopped with %d generated groups not pushed (Redis down or buffer full)", len(pending))
             return inserted
         try:
             result = await buffer.insert_many(pending)
@@ -212,6 +216,15 @@ async def push_groups(
             failed = True
             delay = await _backoff("rate_limited", delay, retry, metrics, stop)
             continue
+        except BufferFull as e:
+            if full_since is None:
+                full_since = time.monotonic()
+                log.info("buffer full (%s); waiting for the learner to drain it", e)
+            failed = True
+            delay = await _backoff("buffer_full", delay, retry, metrics, stop)
+            continue
+        if full_since is not None:
+            log.info("buffer had room again after %.1f s", time.monotonic() - full_since)
         for gid, field in result.rejected.items():
             metrics.failures.labels("invalid_group").inc()
             log.error("buffer rejected group %s as invalid: %s", gid, field)

@@ -29,6 +29,15 @@ class BufferConfig(ConfigModel):
 
     max_size: int = Field(10_000, ge=1)
     """Most groups stored; past it the oldest (by insert order) is evicted."""
+    max_bytes: int | None = Field(None, ge=0)
+    """Most payload bytes stored (leased groups included); an insert past it raises `BufferFull`
+    (back-pressure: the producer waits and retries). Groups sampled at least once are evicted, oldest
+    first, to make room; a group nobody has trained on never is. None = `max_bytes_share` of Redis'
+    `maxmemory` when one is set, else no bound; 0 = no bound."""
+    max_bytes_share: float = Field(0.6, gt=0.0, le=0.9)
+    """With `max_bytes` None: the share of Redis' `maxmemory` the payloads may take. The rest is the
+    headroom of the indexes, the dedupe window, a lease's payload copies and the policy record, so that
+    the learner's leases, acks and publishes never meet Redis' own out-of-memory refusal."""
     max_times_sampled: int | None = Field(1, ge=1)
     """A group is removed once sampled this many times; None = never (replay until evicted or stale)."""
     max_staleness: int | None = Field(None, ge=0)

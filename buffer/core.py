@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -11,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from buffer.codec import decode_group
 from buffer.codec_batch import decode_groups, encode_groups
 from buffer.config import BufferConfig
-from buffer.errors import InvalidTrajectory, RateLimited
+from buffer.errors import BufferFull, InvalidTrajectory, RateLimited
 from buffer.keys import BufferKeys
 from buffer.metrics import BufferMetrics
 from buffer.rate_limiter import Backoff, check_sample_size
@@ -26,6 +27,7 @@ _INDEX = re.compile(r"\[\d+\]")
 _CHUNK_BYTES = 4 * 1024 * 1024  # one insert transaction carries at most this much payload (or one group)
 _CHUNK_GROUPS = 1000  # and at most this many groups (insert.lua unpacks 2 values per group in one call)
 Entry = tuple[str, int, float, bytes]
+MAXMEMORY_REFRESH_S = 30.0  # a derived max_bytes follows a `CONFIG SET maxmemory` within this long
 
 
 class Core:
@@ -35,6 +37,34 @@ class Core:
         self.cfg = config
         self.keys = BufferKeys.for_run(run_id)
         self.metrics = BufferMetrics(registry if registry is not None else CollectorRegistry())
+        self.max_bytes = 0  # the byte budget in force (0: none); see `needs_maxmemory`, `set_maxmemory`
+        self._maxmemory_at: float | None = None  # when Redis' maxmemory was last read (None: never)
+
+    def needs_maxmemory(self) -> bool:
+        """Whether the next insert must (re)read Redis' `maxmemory` first: `max_bytes` None derives the
+        budget from it, read at the first insert and every MAXMEMORY_REFRESH_S after."""
+        if self.cfg.max_bytes is not None:
+            self.max_bytes = self.cfg.max_bytes
+            return False
+        at = self._maxmemory_at
+        return at is None or time.monotonic() - at > MAXMEMORY_REFRESH_S
+
+    def set_maxmemory(self, maxmemory: int) -> None:
+        """The budget derived from Redis' `maxmemory` (0: none set, so no bound): `max_bytes_share` of it."""
+        self.max_bytes = int(self.cfg.max_bytes_share * maxmemory) if maxmemory > 0 else 0
+        self._maxmemory_at = time.monotonic()
+
+    def reconfigured(self) -> None:
+        """A new config: derive the budget again at the next insert."""
+        self._maxmemory_at = None
+
+    def buffer_full(self, reply: InsertReply, inserted: int) -> BufferFull:
+        """The error of an insert the script refused for bytes (status 3)."""
+        self.metrics.full_by["max_bytes"].inc()
+        return BufferFull(
+            f"buffer full: {reply.bytes} payload bytes stored of max_bytes={self.max_bytes} "
+            f"({inserted} group(s) of the batch inserted before that; retrying the batch is safe)"
+        )
 
     def prepare(
         self, groups: Sequence[TrajectoryGroup]
@@ -77,6 +107,9 @@ class Core:
             m.evicted_max_size.inc(reply.evicted)
         if reply.evicted_unsampled:
             m.dropped_evicted_unsampled.inc(reply.evicted_unsampled)
+        if reply.evicted_bytes:
+            m.evicted_max_bytes.inc(reply.evicted_bytes)
+        m.payload_bytes.set(reply.bytes)
         self._size(reply.size)
 
     def on_sample(self, reply: SampleReply) -> None:
@@ -157,6 +190,7 @@ class Core:
 
         return BufferStats(
             size=size,
+            payload_bytes=c.get("bytes", 0),
             max_size=self.cfg.max_size,
             fill_ratio=size / self.cfg.max_size,
             inserted_total=c.get("inserted", 0),
@@ -199,17 +233,20 @@ def _decode_one(payload: bytes, limits) -> TrajectoryGroup | InvalidTrajectory:
 
 def file_statuses(
     chunk: list[Entry], reply: InsertReply, inserted: list[str], dups: list[str]
-) -> list[Entry]:
-    """File each entry of `chunk` by its status; return the entries the rate limiter refused."""
-    limited: list[Entry] = []
+) -> tuple[list[Entry], bool]:
+    """File each entry of `chunk` by its status; return the entries refused (by the rate limiter, or over
+    max_bytes) and whether the refusal was max_bytes (status 3: BufferFull, no waiting here)."""
+    refused: list[Entry] = []
+    full = False
     for entry, status in zip(chunk, reply.statuses, strict=True):
         if status == 1:
             inserted.append(entry[0])
         elif status == 0:
             dups.append(entry[0])
         else:
-            limited.append(entry)
-    return limited
+            refused.append(entry)
+            full = full or status == 3
+    return refused, full
 
 
 def insert_limited(cfg: BufferConfig, inserted: int) -> RateLimited:

@@ -26,3 +26,13 @@ class BufferNotReady(BufferError):
 
 class StorageUnavailable(BufferError):
     """Redis could not be reached (or kept failing) within the retry bound."""
+
+
+class BufferFull(BufferError):
+    """Back-pressure: the insert would take the buffer past `max_bytes` (or Redis reached its own
+    `maxmemory`). Nothing is wrong and nothing of the batch is lost: groups before the refused one are
+    stored, the rest are not; retry the batch after `retry_after_s` (inserts are idempotent)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from buffer.config import BufferConfig
 from buffer.core import Core, Taken, file_statuses, insert_limited, make_result
-from buffer.errors import RateLimited
+from buffer.errors import BufferFull, RateLimited
 from buffer.leases import AsyncLeaseOps, LeaseOps
 from buffer.rate_limiter import SampleStatus, sample_refused
 from buffer.storage import (
@@ -29,6 +29,8 @@ from buffer.storage import (
     call_sync,
     insert_transaction,
     insert_transaction_async,
+    read_maxmemory,
+    read_maxmemory_async,
     sample_transaction,
     sample_transaction_async,
     script_source,
@@ -63,6 +65,7 @@ class _BufferHandle:
         (same registry); the learner calls it at step boundaries. A new `socket_timeout_s` applies to
         connections opened from then on."""
         self._core.cfg = self.config = config
+        self._core.reconfigured()
         kwargs = self._client.connection_pool.connection_kwargs
         kwargs["socket_timeout"] = kwargs["socket_connect_timeout"] = config.socket_timeout_s
 
@@ -70,8 +73,14 @@ class _BufferHandle:
 class ReplayBuffer(_BufferHandle, LeaseOps):
     """Synchronous replay buffer over Redis (the learner's side; also used by tests and tools)."""
 
-    def _call(self, fn, what: str):
-        return call_sync(fn, self.config.storage_timeout_s, what, self._core.metrics.storage_retries.inc)
+    def _call(self, fn, what: str, full_on_oom: bool = False):
+        try:
+            return call_sync(
+                fn, self.config.storage_timeout_s, what, self._core.metrics.storage_retries.inc, full_on_oom
+            )
+        except BufferFull:
+            self._core.metrics.full_by["maxmemory"].inc()
+            raise
 
     def insert(self, group: TrajectoryGroup) -> bool:
         """Insert one group; False when its group_id was already inserted. Invalid: `InvalidTrajectory`."""
@@ -85,6 +94,8 @@ class ReplayBuffer(_BufferHandle, LeaseOps):
 
         Waits (bounded by `insert_timeout_s`) while the samples_per_insert limiter refuses, then raises
         `RateLimited`; groups inserted before that stay inserted and retrying the batch is a no-op for them.
+        Over `max_bytes` (or with Redis at its own `maxmemory`) it raises `BufferFull` at once, without
+        waiting: the producer backs off (the actors' pusher waits and retries; HTTP ingest answers 429).
         """
         return make_result(*self._insert_many(groups))
 
@@ -97,17 +108,22 @@ class ReplayBuffer(_BufferHandle, LeaseOps):
         inserted: list[str] = []
         dups: list[str] = []
         backoff = None
+        if chunks and core.needs_maxmemory():
+            core.set_maxmemory(self._call(lambda: read_maxmemory(self._client), "read maxmemory"))
         for pending in chunks:
             while pending:
                 raw = self._call(
                     lambda p=pending: insert_transaction(
-                        self._client, self._insert, self.config, core.keys, p
+                        self._client, self._insert, self.config, core.keys, p, core.max_bytes
                     ),
                     "insert",
+                    full_on_oom=True,
                 )
                 reply = InsertReply.parse(raw)
                 core.on_insert(reply)
-                pending = file_statuses(pending, reply, inserted, dups)
+                pending, full = file_statuses(pending, reply, inserted, dups)
+                if full:
+                    raise core.buffer_full(reply, len(inserted))
                 if pending:
                     backoff = backoff or core.backoff(self.config.insert_timeout_s)
                     delay = backoff.delay()
@@ -230,10 +246,14 @@ class AsyncReplayBuffer(_BufferHandle, AsyncLeaseOps):
 
     _make_client = staticmethod(async_client)
 
-    async def _call(self, fn, what: str):
-        return await call_async(
-            fn, self.config.storage_timeout_s, what, self._core.metrics.storage_retries.inc
-        )
+    async def _call(self, fn, what: str, full_on_oom: bool = False):
+        try:
+            return await call_async(
+                fn, self.config.storage_timeout_s, what, self._core.metrics.storage_retries.inc, full_on_oom
+            )
+        except BufferFull:
+            self._core.metrics.full_by["maxmemory"].inc()
+            raise
 
     async def insert(self, group: TrajectoryGroup) -> bool:
         """Insert one group; False when its group_id was already inserted. Invalid: `InvalidTrajectory`."""
@@ -255,17 +275,23 @@ class AsyncReplayBuffer(_BufferHandle, AsyncLeaseOps):
         inserted: list[str] = []
         dups: list[str] = []
         backoff = None
+        if chunks and core.needs_maxmemory():
+            maxmemory = await self._call(lambda: read_maxmemory_async(self._client), "read maxmemory")
+            core.set_maxmemory(maxmemory)
         for pending in chunks:
             while pending:
                 raw = await self._call(
                     lambda p=pending: insert_transaction_async(
-                        self._client, self._insert, self.config, core.keys, p
+                        self._client, self._insert, self.config, core.keys, p, core.max_bytes
                     ),
                     "insert",
+                    full_on_oom=True,
                 )
                 reply = InsertReply.parse(raw)
                 core.on_insert(reply)
-                pending = file_statuses(pending, reply, inserted, dups)
+                pending, full = file_statuses(pending, reply, inserted, dups)
+                if full:
+                    raise core.buffer_full(reply, len(inserted))
                 if pending:
                     backoff = backoff or core.backoff(self.config.insert_timeout_s)
                     delay = backoff.delay()

@@ -325,9 +325,19 @@ class Learner:
             self.heartbeat()
             return {"groups_rejected": float(len(rejected))}
         command = self._command("step", groups)
+        applied: dict[str, float] = {}  # the update's metrics, once it is applied
         with self._step_lock:
             trained = [lease_of[id(g)] for g in groups]
-            metrics = self._execute(command, groups, phases, lambda: self.delivery.trained(trained))
+            try:
+                self._execute(command, groups, phases, lambda: self.delivery.trained(trained), applied)
+            except BaseException:
+                if applied:  # applied, then an ack, publish or background write failed: it still counts
+                    self._record(applied, phases, groups)
+                raise
+        return self._record(applied, phases, groups)
+
+    def _record(self, metrics: dict[str, float], phases: dict[str, float], groups: list) -> dict[str, float]:
+        """The metrics line (trackers) and Prometheus record of a step whose update was applied."""
         total = sum(phases.values())
         self._tokens_per_s = metrics["tokens"] / total if total > 0 else None
         metrics |= {
@@ -412,17 +422,22 @@ class Learner:
         groups: list,
         phases: dict[str, float],
         on_trained: Callable[[], None] | None = None,
+        applied: dict[str, float] | None = None,
     ) -> dict[str, float]:
         """Every rank, same step boundary: train on `groups` (op `step`; then `on_trained()`: the leader
-        marks their leases, which a checkpoint of this step then holds), publish, checkpoint when due."""
+        marks their leases, which a checkpoint of this step then holds), publish, checkpoint when due.
+        `applied` gets the step's metrics as soon as the update is applied, before anything that may
+        still fail (the ack, the publish, a background write's error re-raised)."""
         cfg, metrics = self.config, {}
         if command.op == "step":
             result = train_on(self.step_context(), groups, phases)
             self.version += result.optimizer_steps  # the policy version counts optimizer steps
             metrics = result.metrics
+            self.step_count += 1  # applied: it counts, whatever fails after it
+            if applied is not None:
+                applied.update(metrics)
             if on_trained is not None:
                 on_trained()
-            self.step_count += 1
             if self.step_count % cfg.publish.publish_every == 0:
                 with timed(phases, "publish"):
                     self._publish()
