@@ -58,12 +58,14 @@ class Core:
         """A new config: derive the budget again at the next insert."""
         self._maxmemory_at = None
 
-    def buffer_full(self, reply: InsertReply, inserted: int) -> BufferFull:
-        """The error of an insert the script refused for bytes (status 3)."""
+    def buffer_full(self, reply: InsertReply, inserted: list[str]) -> BufferFull:
+        """The error of an insert the script refused for bytes (status 3); `inserted`: the batch's groups
+        stored before the refusal."""
         self.metrics.full_by["max_bytes"].inc()
         return BufferFull(
             f"buffer full: {reply.bytes} payload bytes stored of max_bytes={self.max_bytes} "
-            f"({inserted} group(s) of the batch inserted before that; retrying the batch is safe)"
+            f"({len(inserted)} group(s) of the batch inserted before that; retrying the batch is safe)",
+            inserted=tuple(inserted),
         )
 
     def prepare(

@@ -123,7 +123,7 @@ class ReplayBuffer(_BufferHandle, LeaseOps):
                 core.on_insert(reply)
                 pending, full = file_statuses(pending, reply, inserted, dups)
                 if full:
-                    raise core.buffer_full(reply, len(inserted))
+                    raise core.buffer_full(reply, inserted)
                 if pending:
                     backoff = backoff or core.backoff(self.config.insert_timeout_s)
                     delay = backoff.delay()
@@ -291,7 +291,7 @@ class AsyncReplayBuffer(_BufferHandle, AsyncLeaseOps):
                 core.on_insert(reply)
                 pending, full = file_statuses(pending, reply, inserted, dups)
                 if full:
-                    raise core.buffer_full(reply, len(inserted))
+                    raise core.buffer_full(reply, inserted)
                 if pending:
                     backoff = backoff or core.backoff(self.config.insert_timeout_s)
                     delay = backoff.delay()

@@ -39,6 +39,14 @@ local function multi(cmd, key, members)
   return out
 end
 
+-- The consumer's scripts (sample.lua, lease.lua) free memory, so they must run when Redis is past its
+-- maxmemory. Redis refuses a script's first memory-growing (denyoom) command then, but never one after the
+-- script has written (it cannot stop a script in the middle): they start with a write that grows nothing
+-- (HDEL of a field that never exists). insert.lua does not: a producer at maxmemory is refused (BufferFull).
+local function run_even_at_maxmemory()
+  redis.call('HDEL', K.counters, '-')
+end
+
 -- Redis' clock in milliseconds (lease deadlines, dedupe ages, dead-letter times).
 local function now_ms()
   local t = redis.call('TIME')

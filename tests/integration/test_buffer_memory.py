@@ -23,13 +23,14 @@ from prometheus_client import CollectorRegistry
 
 from buffer.config import BufferConfig
 from buffer.embedded import EmbeddedRedis
+from buffer.errors import StorageUnavailable
 from buffer.keys import BufferKeys
 from buffer.replay_buffer import ReplayBuffer
 from learner.trainer import Learner
 from tests.integration.test_learner_fixes import covering_groups
 from tests.integration.test_learner_loop import config, tiny_dir  # noqa: F401
 
-pytestmark = [pytest.mark.redis, pytest.mark.slow]
+pytestmark = pytest.mark.redis
 PAD = 24_000  # metadata bytes per group: ~25 kB payloads, few tokens to train on
 MAXMEMORY = 6 * 1024 * 1024
 
@@ -98,6 +99,7 @@ def _watch(learner: Learner, trainer: threading.Thread, seconds: float, troubles
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_producers_that_never_stop_do_not_jam_the_learner(small_redis, tiny_dir, tmp_path):  # noqa: F811
     steps_file = tmp_path / "metrics.jsonl"
     cfg = config(
@@ -157,3 +159,32 @@ def test_producers_that_never_stop_do_not_jam_the_learner(small_redis, tiny_dir,
     assert produced["buffer_full_wait_s"] > 0, "the producers never had to wait"
     assert produced["redis_unavailable"] == 0, "a full buffer was reported as an outage"
     assert produced["pushed"] > 48
+
+
+def test_a_step_whose_publish_fails_after_the_update_still_has_its_line(tiny_dir, redis_url, tmp_path):  # noqa: F811
+    """The update is applied and its groups acknowledged, then the policy-record write fails (Redis OOM):
+    the step's metrics line and Prometheus record are written all the same, before the error surfaces."""
+    steps_file, registry = tmp_path / "metrics.jsonl", CollectorRegistry()
+    cfg = config(
+        tiny_dir, redis_url, tmp_path, groups_per_step=2, checkpoint={"checkpoint_dir": None},
+        metrics_jsonl=str(steps_file),
+    )  # fmt: skip
+    groups = covering_groups(4, seed=3, n=2, tokens=4)
+    with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:
+        buf.insert_many(groups)
+    learner = Learner(cfg, registry)
+    try:
+
+        def oom(*_a, **_k) -> None:
+            raise StorageUnavailable("policy record failed: OutOfMemoryError: OOM command not allowed")
+
+        learner.persist.publish = oom
+        with pytest.raises(StorageUnavailable, match="OOM"):
+            learner.step()
+        lines = _steps(steps_file)
+        assert [line["step"] for line in lines] == [1]
+        assert len(lines[0]["group_ids"]) == 2 and set(lines[0]["group_ids"]) <= {g.group_id for g in groups}
+        assert registry.get_sample_value("offpolicy_learner_steps_total") == 1.0
+        assert registry.get_sample_value("offpolicy_learner_groups_total") == 2.0
+    finally:
+        learner.close()
