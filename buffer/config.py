@@ -8,6 +8,11 @@ from pydantic import Field, model_validator
 
 from config.base import ConfigModel
 
+# Fields that belong to one producer or consumer, not to the table: the learner's changes never touch them.
+LOCAL_FIELDS = frozenset(
+    ["max_ahead", "insert_timeout_s", "backoff_initial_s", "backoff_max_s", "storage_timeout_s",
+     "socket_timeout_s"]
+)  # fmt: skip
 Sampler = Literal["fifo", "newest", "uniform", "staleness_weighted", "prioritized"]
 
 
@@ -129,6 +134,18 @@ class BufferConfig(ConfigModel):
         """Fresh groups first (weight 1/(staleness+1)), hard gate at `max_staleness`, each used up to 4x."""
         defaults = {"sampler": "staleness_weighted", "max_times_sampled": 4}
         return cls(**{**defaults, "max_size": max_size, "max_staleness": max_staleness, **overrides})
+
+    # --- the table-wide fields, shared through Redis (the learner's are the run's)
+
+    def table_json(self) -> str:
+        """The table-wide fields (all but LOCAL_FIELDS) as JSON: what the learner publishes."""
+        return self.model_dump_json(exclude=set(LOCAL_FIELDS))
+
+    def with_table(self, table_json: str | bytes) -> BufferConfig:
+        """This config with the table-wide fields of `table_json` (the local ones kept), validated whole;
+        invalid JSON or fields raise pydantic's `ValidationError`."""
+        table = type(self).model_validate_json(table_json).model_dump(exclude=set(LOCAL_FIELDS))
+        return type(self).model_validate({**self.model_dump(), **table})
 
     # --- what the Lua scripts need
 

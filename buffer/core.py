@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
+from pydantic import ValidationError
 
 from buffer.codec import decode_group
 from buffer.codec_batch import decode_groups, encode_groups
@@ -28,17 +30,59 @@ _CHUNK_BYTES = 4 * 1024 * 1024  # one insert transaction carries at most this mu
 _CHUNK_GROUPS = 1000  # and at most this many groups (insert.lua unpacks 2 values per group in one call)
 Entry = tuple[str, int, float, bytes]
 MAXMEMORY_REFRESH_S = 30.0  # a derived max_bytes follows a `CONFIG SET maxmemory` within this long
+TABLE_REFRESH_S = 1.0  # a following producer reads the learner's table config at most this often
+log = logging.getLogger(__name__)
 
 
 class Core:
     """Config, keys, codec and metrics bookkeeping shared by the sync and async buffers."""
 
-    def __init__(self, run_id: str, config: BufferConfig, registry: CollectorRegistry | None) -> None:
+    def __init__(
+        self, run_id: str, config: BufferConfig, registry: CollectorRegistry | None, follow: bool = False
+    ) -> None:
         self.cfg = config
         self.keys = BufferKeys.for_run(run_id)
         self.metrics = BufferMetrics(registry if registry is not None else CollectorRegistry())
         self.max_bytes = 0  # the byte budget in force (0: none); see `needs_maxmemory`, `set_maxmemory`
         self._maxmemory_at: float | None = None  # when Redis' maxmemory was last read (None: never)
+        self.follow = follow  # adopt the learner's table-wide fields (`keys.table`)
+        self._table_at: float | None = None  # when the table config was last read
+        self._table_raw: bytes | None = None  # the last one adopted (or refused)
+
+    def table_due(self) -> bool:
+        """Whether this insert reads the learner's table config too (following, at most every
+        TABLE_REFRESH_S)."""
+        now = time.monotonic()
+        if not self.follow or (self._table_at is not None and now - self._table_at < TABLE_REFRESH_S):
+            return False
+        self._table_at = now
+        return True
+
+    def adopt(self, raw: bytes | None) -> bool:
+        """Take the table-wide fields of the learner's config `raw` (None: none published), keeping the
+        local ones (`LOCAL_FIELDS`); True when the config changed. One that does not validate is logged
+        once and ignored."""
+        if raw is None or raw == self._table_raw:
+            return False
+        self._table_raw = raw
+        try:
+            new = self.cfg.with_table(raw)
+        except ValidationError as e:
+            log.warning("the learner's buffer config is not valid here (ignored): %s", e)
+            return False
+        changed = sorted(k for k in type(new).model_fields if getattr(new, k) != getattr(self.cfg, k))
+        if not changed:
+            return False
+        log.info("buffer config from the learner: %s", ", ".join(f"{k}={getattr(new, k)!r}" for k in changed))
+        self.cfg = new
+        self.reconfigured()
+        return True
+
+    def set_config(self, config: BufferConfig) -> None:
+        """A new local config (`reconfigure`): the learner's table fields are applied over it again at the
+        next read."""
+        self.cfg, self._table_raw, self._table_at = config, None, None
+        self.reconfigured()
 
     def needs_maxmemory(self) -> bool:
         """Whether the next insert must (re)read Redis' `maxmemory` first: `max_bytes` None derives the

@@ -34,6 +34,7 @@ class BufferKeys:
     )
     dead: str  # list of JSON dead-letter records, newest first, bounded by dead_letter_max
     sizes: str  # hash group_id -> payload bytes of each stored group (their sum: counters `bytes`)
+    table: str  # string: the learner's table-wide BufferConfig fields as JSON; producers adopt them
     payload_prefix: str  # string per stored group: the encoded group
     out_prefix: str  # strings living inside one sample transaction: the chosen payloads, read and deleted
     consumer_prefix: str  # set per consumer: its outstanding lease ids, `<consumer_prefix><consumer>`
@@ -55,6 +56,7 @@ class BufferKeys:
             held=f"{p}:buf:held",
             dead=f"{p}:buf:dead",
             sizes=f"{p}:buf:bytes",
+            table=f"{p}:buf:config",
             payload_prefix=f"{p}:buf:g:",
             out_prefix=f"{p}:buf:out:",
             consumer_prefix=f"{p}:buf:lease:c:",

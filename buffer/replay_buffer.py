@@ -41,7 +41,9 @@ from buffer.types import BufferStats, InsertResult, TrajectoryGroup
 
 class _BufferHandle:
     """What both buffers hold: the shared core (config, codec, metrics), a Redis client of their kind and
-    the two registered scripts; `reconfigure` is the same for both."""
+    the two registered scripts; `reconfigure` is the same for both. `follow_learner` (a producer's, the
+    default): an insert reads the learner's table-wide fields (`publish_table`) in its own transaction, at
+    most once a second, and the buffer adopts them from its next call; the learner passes False."""
 
     _make_client = staticmethod(sync_client)
 
@@ -51,9 +53,10 @@ class _BufferHandle:
         run_id: str,
         config: BufferConfig | None = None,
         registry: CollectorRegistry | None = None,
+        follow_learner: bool = True,
     ) -> None:
         self.run_id = run_id
-        self._core = Core(run_id, config or BufferConfig(), registry)
+        self._core = Core(run_id, config or BufferConfig(), registry, follow_learner)
         self.config = self._core.cfg
         self._client = self._make_client(redis_url, self.config.socket_timeout_s)
         self._insert = self._client.register_script(script_source("insert"))
@@ -64,10 +67,15 @@ class _BufferHandle:
         """Apply `config` from the next call on, keeping this object, its connection pool and its metrics
         (same registry); the learner calls it at step boundaries. A new `socket_timeout_s` applies to
         connections opened from then on."""
-        self._core.cfg = self.config = config
-        self._core.reconfigured()
+        self._core.set_config(config)
+        self.config = config
         kwargs = self._client.connection_pool.connection_kwargs
         kwargs["socket_timeout"] = kwargs["socket_connect_timeout"] = config.socket_timeout_s
+
+    def _adopt(self, table: bytes | None) -> None:
+        """Take the learner's table-wide fields read by an insert (`follow_learner`), from the next call."""
+        if self._core.adopt(table):
+            self.config = self._core.cfg
 
 
 class ReplayBuffer(_BufferHandle, LeaseOps):
@@ -112,14 +120,15 @@ class ReplayBuffer(_BufferHandle, LeaseOps):
             core.set_maxmemory(self._call(lambda: read_maxmemory(self._client), "read maxmemory"))
         for pending in chunks:
             while pending:
-                raw = self._call(
-                    lambda p=pending: insert_transaction(
-                        self._client, self._insert, self.config, core.keys, p, core.max_bytes
+                raw, table = self._call(
+                    lambda p=pending, t=core.table_due(): insert_transaction(
+                        self._client, self._insert, self.config, core.keys, p, core.max_bytes, t
                     ),
                     "insert",
                     full_on_oom=True,
                 )
                 reply = InsertReply.parse(raw)
+                self._adopt(table)
                 core.on_insert(reply)
                 pending, full = file_statuses(pending, reply, inserted, dups)
                 if full:
@@ -203,6 +212,11 @@ class ReplayBuffer(_BufferHandle, LeaseOps):
             self._core.metrics.waits["pace"].inc()
             time.sleep(delay)
 
+    def publish_table(self) -> None:
+        """The learner's side: store this config's table-wide fields for the producers that follow it."""
+        raw = self.config.table_json()
+        self._call(lambda: self._client.set(self._core.keys.table, raw), "publish buffer config")
+
     def stats(self) -> BufferStats:
         """Size, lifetime counters (the learner's buffer position) and the stored version range."""
         k = self._core.keys
@@ -280,14 +294,15 @@ class AsyncReplayBuffer(_BufferHandle, AsyncLeaseOps):
             core.set_maxmemory(maxmemory)
         for pending in chunks:
             while pending:
-                raw = await self._call(
-                    lambda p=pending: insert_transaction_async(
-                        self._client, self._insert, self.config, core.keys, p, core.max_bytes
+                raw, table = await self._call(
+                    lambda p=pending, t=core.table_due(): insert_transaction_async(
+                        self._client, self._insert, self.config, core.keys, p, core.max_bytes, t
                     ),
                     "insert",
                     full_on_oom=True,
                 )
                 reply = InsertReply.parse(raw)
+                self._adopt(table)
                 core.on_insert(reply)
                 pending, full = file_statuses(pending, reply, inserted, dups)
                 if full:

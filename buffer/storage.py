@@ -187,10 +187,13 @@ def insert_args(
 
 
 def _queue_insert(
-    pipe, script: Script, cfg: BufferConfig, keys: BufferKeys, entries: list, max_bytes: int
+    pipe, script: Script, cfg: BufferConfig, keys: BufferKeys, entries: list, max_bytes: int, table: bool
 ) -> None:
     """Queue the insert transaction on `pipe` (MULTI): each payload SET NX to its payload key (a stored
-    group's payload is never overwritten), then insert.lua with the metadata."""
+    group's payload is never overwritten), then insert.lua with the metadata; with `table`, first a GET
+    of the learner's table config (`keys.table`), in the same round trip."""
+    if table:
+        pipe.get(keys.table)
     for gid, _, _, payload in entries:
         pipe.set(keys.payload(gid), payload, nx=True)
     index_keys = keys.indexes()
@@ -236,12 +239,15 @@ def insert_transaction(
     keys: BufferKeys,
     entries: list,
     max_bytes: int = 0,
-) -> list:
+    table: bool = False,
+) -> tuple[list, bytes | None]:
     """Run one insert as MULTI / SET NX... / EVALSHA insert / EXEC (one round trip, one AOF entry,
-    atomic: no other command runs in between); return the script's raw reply. A rerun after NOSCRIPT
-    finds the keys the first run's SETs left (NX: unchanged) and this time indexes or deletes them."""
-    queue = lambda pipe: _queue_insert(pipe, script, cfg, keys, entries, max_bytes)  # noqa: E731
-    return _transaction(client, script, queue)[-1]
+    atomic: no other command runs in between); return the script's raw reply and, with `table`, the
+    learner's table config (None: not read, or none published). A rerun after NOSCRIPT finds the keys the
+    first run's SETs left (NX: unchanged) and this time indexes or deletes them."""
+    queue = lambda pipe: _queue_insert(pipe, script, cfg, keys, entries, max_bytes, table)  # noqa: E731
+    replies = _transaction(client, script, queue)
+    return replies[-1], replies[0] if table else None
 
 
 async def insert_transaction_async(
@@ -251,10 +257,12 @@ async def insert_transaction_async(
     keys: BufferKeys,
     entries: list,
     max_bytes: int = 0,
-) -> list:
+    table: bool = False,
+) -> tuple[list, bytes | None]:
     """The asyncio twin of `insert_transaction`."""
-    queue = lambda pipe: _queue_insert(pipe, script, cfg, keys, entries, max_bytes)  # noqa: E731
-    return (await _transaction_async(client, script, queue))[-1]
+    queue = lambda pipe: _queue_insert(pipe, script, cfg, keys, entries, max_bytes, table)  # noqa: E731
+    replies = await _transaction_async(client, script, queue)
+    return replies[-1], replies[0] if table else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -136,7 +136,9 @@ class Learner:
         # --- buffer and policy record (the leader's alone)
         leader = ranks.is_leader
         self.buffer = (
-            ReplayBuffer(config.redis_url, config.run_id, config.buffer, registry) if leader else None
+            ReplayBuffer(config.redis_url, config.run_id, config.buffer, registry, follow_learner=False)
+            if leader
+            else None
         )
         self.store = PolicyStore(config.redis_url, config.run_id) if leader else None
         self.evals = EvalStore(config.redis_url, config.run_id) if leader else None
@@ -147,6 +149,7 @@ class Learner:
         self.state = "starting"
         self.retrying: str | None = None  # why `run` is retrying transient trouble now; None when it is not
         self._pending: tuple[LearnerConfig, int] | None = None
+        self._table_published: object = None  # the buffer config whose table fields producers have
         self._lock = threading.Lock()  # guards _pending
         self._step_lock = threading.Lock()  # held while a step trains, publishes or checkpoints
         self._running = threading.Event()
@@ -309,6 +312,9 @@ class Learner:
         self.delivery.ack_durable()  # leases of checkpoints that became durable since the last step
         self._apply_pending()
         cfg, phases = self.config, {}
+        if self._table_published != cfg.buffer:  # at start and after a `buffer` change: producers follow
+            self.buffer.publish_table()
+            self._table_published = cfg.buffer
         with timed(phases, "sample_wait"):
             leased = self.buffer.lease(
                 cfg.groups_per_step, self.version, cfg.sample_timeout_s,
