@@ -200,36 +200,58 @@ def _queue_insert(
     pipe.evalsha(script.sha, len(index_keys), *index_keys, *insert_args(cfg, keys, entries, max_bytes))
 
 
-def _transaction(client: redis.Redis, script: Script, queue: Callable[[Any], None]) -> list:
+def _transaction(
+    client: redis.Redis, script: Script, queue: Callable[[Any], None], at_maxmemory: bool = False
+) -> list:
     """Run the MULTI/EXEC that `queue` fills in (it holds one EVALSHA of `script`); return EXEC's replies.
     After a restart flushed the script cache, EVALSHA answers NOSCRIPT inside the transaction while the
-    other commands ran: load the script and run the whole transaction once more."""
-    for attempt in (0, 1):
-        pipe = client.pipeline(transaction=True)
+    other commands ran: load the script and run the whole transaction once more. With `at_maxmemory`
+    (the sample: it frees memory), a transaction Redis refused for its maxmemory (past it, Redis queues
+    nothing in a MULTI) is sent again as a plain pipeline: see `_plain_after_oom`."""
+    transaction, loaded = True, False
+    while True:
+        pipe = client.pipeline(transaction=transaction)
         queue(pipe)
         try:
             return pipe.execute()
         except NoScriptError:
-            if attempt:
+            if loaded:
                 raise
+            loaded = True
             client.script_load(script.script)
-    raise AssertionError("unreachable")
+        except redis.RedisError as e:
+            if not _plain_after_oom(e, at_maxmemory and transaction):
+                raise
+            transaction = False
+
+
+def _plain_after_oom(e: redis.RedisError, allowed: bool) -> bool:
+    """Whether to resend a refused sample transaction as a plain pipeline (same commands, one round trip,
+    in order): the script writes before it grows memory, so Redis runs it at maxmemory, and the MGET and
+    UNLINK of its out keys never grow memory. The out keys are this call's alone, so what other clients
+    run in between changes nothing; only a client that dies mid-send could leave its copies behind."""
+    return allowed and is_oom(e)
 
 
 async def _transaction_async(
-    client: aioredis.Redis, script: AsyncScript, queue: Callable[[Any], None]
+    client: aioredis.Redis, script: AsyncScript, queue: Callable[[Any], None], at_maxmemory: bool = False
 ) -> list:
     """The asyncio twin of `_transaction`."""
-    for attempt in (0, 1):
-        pipe = client.pipeline(transaction=True)
+    transaction, loaded = True, False
+    while True:
+        pipe = client.pipeline(transaction=transaction)
         queue(pipe)
         try:
             return await pipe.execute()
         except NoScriptError:
-            if attempt:
+            if loaded:
                 raise
+            loaded = True
             await client.script_load(script.script)
-    raise AssertionError("unreachable")
+        except redis.RedisError as e:
+            if not _plain_after_oom(e, at_maxmemory and transaction):
+                raise
+            transaction = False
 
 
 def insert_transaction(
@@ -372,10 +394,10 @@ def sample_transaction(
     lease: LeaseArgs | None = None,
 ) -> SampleReply:
     """Run one sample as MULTI / EVALSHA sample / MGET out keys / UNLINK out keys / EXEC: one round
-    trip, atomic, no payload left behind (after NOSCRIPT the MGET and UNLINK found nothing)."""
-    raw, payloads, _ = _transaction(
-        client, script, lambda pipe: _queue_sample(pipe, script, cfg, keys, k, version, lease)
-    )
+    trip, atomic, no payload left behind (after NOSCRIPT the MGET and UNLINK found nothing). With Redis
+    past its maxmemory the same commands go as a plain pipeline, so the learner still drains."""
+    queue = lambda pipe: _queue_sample(pipe, script, cfg, keys, k, version, lease)  # noqa: E731
+    raw, payloads, _ = _transaction(client, script, queue, at_maxmemory=True)
     return SampleReply.parse(raw, payloads, lease is not None)
 
 
@@ -390,5 +412,5 @@ async def sample_transaction_async(
 ) -> SampleReply:
     """The asyncio twin of `sample_transaction`."""
     queue = lambda pipe: _queue_sample(pipe, script, cfg, keys, k, version, lease)  # noqa: E731
-    raw, payloads, _ = await _transaction_async(client, script, queue)
+    raw, payloads, _ = await _transaction_async(client, script, queue, at_maxmemory=True)
     return SampleReply.parse(raw, payloads, lease is not None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 
 import pytest
 import redis
@@ -17,6 +18,7 @@ from actors.rollout import push_groups
 from buffer.config import BufferConfig
 from buffer.embedded import EmbeddedRedis
 from buffer.errors import BufferFull
+from buffer.policy import PolicyRecord, PolicyStore
 from buffer.replay_buffer import AsyncReplayBuffer, ReplayBuffer
 from tests.conftest import build_group
 
@@ -124,8 +126,8 @@ def test_max_bytes_is_derived_from_redis_maxmemory(tmp_path, run_id, group_bytes
 
 def test_redis_out_of_memory_is_buffer_full_not_an_outage(tmp_path, run_id) -> None:
     """No byte budget and Redis at its own maxmemory (noeviction): producers get BufferFull, not
-    StorageUnavailable (an outage), and the counter says why; the consumer's acks still run (lease.lua
-    writes before it grows anything) and free the memory they hold."""
+    StorageUnavailable (an outage), and the counter says why; the learner's leases, acks and policy
+    record still go through, and the acks free memory."""
     with EmbeddedRedis.start(tmp_path / "redis") as server:
         with redis.Redis.from_url(server.url) as c:
             used = int(c.info("memory")["used_memory"])
@@ -134,15 +136,27 @@ def test_redis_out_of_memory_is_buffer_full_not_an_outage(tmp_path, run_id) -> N
         reg = CollectorRegistry()
         with ReplayBuffer(server.url, run_id, BufferConfig(**FAST, max_bytes=0, sampler="fifo"), reg) as b:
             b.insert_many([build_group(0, tokens=1024, seed=i) for i in range(8)])
-            leased = b.lease(8, 0, timeout_s=0, consumer="learner-0", lease_s=30)
+            leased = b.lease(4, 0, timeout_s=0, consumer="learner-0", lease_s=30)
             with pytest.raises(BufferFull, match="maxmemory"):
                 for i in range(8, 10_000):
                     b.insert_many([build_group(0, tokens=1024, seed=i)])
             assert full_count(reg, "maxmemory") == 1 and full_count(reg, "max_bytes") == 0
             with redis.Redis.from_url(server.url) as c:
                 assert int(c.info("memory")["used_memory"]) > used + 2 * 1024 * 1024 - 64 * 1024
-            assert b.ack("learner-0", leased.lease_ids).acked == 8  # at maxmemory: the ack runs
-            assert b.insert(build_group(0, tokens=1024, seed=10_001))  # and made room
+                with pytest.raises(redis.exceptions.OutOfMemoryError):  # Redis refuses growing writes
+                    c.set("something", "x" * 1000)
+            # At maxmemory the learner still leases (the sample goes as a plain pipeline), acks, and
+            # publishes its policy record (each script writes before it grows anything).
+            more = b.lease(4, 0, timeout_s=0, consumer="learner-0", lease_s=30)
+            store = PolicyStore(server.url, run_id)
+            try:
+                for v in (3, 4):  # the first creates the record, the second replaces it
+                    store.publish(PolicyRecord(v, f"file:///w/v{v}", "0" * 64, time.time()))
+                assert store.read().version == 4
+            finally:
+                store.close()
+            assert b.ack("learner-0", [*leased.lease_ids, *more.lease_ids]).acked == 8
+            assert b.insert(build_group(0, tokens=1024, seed=10_001))  # the acks made room
 
 
 def test_the_pusher_waits_on_a_full_buffer_and_resumes_when_drained(

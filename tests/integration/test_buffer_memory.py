@@ -107,8 +107,8 @@ def test_producers_that_never_stop_do_not_jam_the_learner(small_redis, tiny_dir,
         buffer={"sampler": "fifo", "max_times_sampled": 1, "max_size": 100_000},
         checkpoint={"checkpoint_dir": None}, metrics_jsonl=str(steps_file),
     )  # fmt: skip
-    with ReplayBuffer(small_redis.url, cfg.run_id, cfg.buffer) as buf:  # the baseline's data
-        for i in range(12):
+    with ReplayBuffer(small_redis.url, cfg.run_id, cfg.buffer) as buf:  # the baseline's data: 32 steps
+        for i in range(32):
             buf.insert_many(padded(4, 1000 + i))
     keys = BufferKeys.for_run(cfg.run_id)
     learner = Learner(cfg)
@@ -117,9 +117,10 @@ def test_producers_that_never_stop_do_not_jam_the_learner(small_redis, tiny_dir,
     trainer.start()
     while len(_steps(steps_file)) < 2:  # warm: the first steps pay for start-up
         time.sleep(0.05)
-    # 1. The baseline: the learner alone on a filled buffer.
+    # 1. The baseline: the learner alone on a filled buffer (3 s: it must not run out of groups).
     n0, t0 = len(_steps(steps_file)), time.monotonic()
-    _watch(learner, trainer, 5.0, troubles)
+    _watch(learner, trainer, 3.0, troubles)
+    assert len(_steps(steps_file)) < 30, "the baseline ran out of groups: it measured waiting"
     baseline = (len(_steps(steps_file)) - n0) / (time.monotonic() - t0)
     # 2. Producers that never stop, in their own process (as actors are).
     stop_file, out = tmp_path / "stop", tmp_path / "producer.json"
