@@ -344,7 +344,9 @@ class ActorConfig(ConfigModel):
     """The vLLM tool parser reading tool calls out of the policy's turns (`hermes`, `llama3_json`,
     `qwen3_xml`, ...: the model's own format); None = turns carry no tool calls."""
     buffer: BufferConfig = BufferConfig()
-    """The replay buffer's config; must equal the learner's (the insert script applies it)."""
+    """The replay buffer's config. Its table-wide fields are replaced by the learner's as soon as the
+    learner has published them (docs/buffer.md "Producers follow the learner's config"); the local ones
+    (`buffer.config.LOCAL_FIELDS`: pacing, timeouts, backoff) stay this actor's."""
     max_inflight_prompts: int = Field(16, ge=1)
     """Prompts in the engine at once (each one request of `sampling.n` completions); a finished prompt's
     group is pushed and the next prompt admitted at once, so the engine's batch stays full."""

@@ -28,7 +28,7 @@ REWARD_FAILURE_REASONS = (  # why a group's reward failed (RewardError.reason); 
     "environment",  # an environment's episode failed
 )
 RELOAD_FAILURE_REASONS = ("missing", "checksum", "timeout", "engine", "restore")
-WAIT_REASONS = ("pacing", "rate_limited", "redis_unavailable")
+WAIT_REASONS = ("pacing", "rate_limited", "redis_unavailable", "buffer_full")
 EPISODE_EVENTS = (
     "opened",  # POST /v1/episodes
     "finished",  # POST /v1/episodes/{id}/finish
@@ -111,7 +111,8 @@ class ActorMetrics:
         )
         self.buffer_wait = Counter(
             "offpolicy_actor_buffer_wait_seconds_total",
-            "Seconds spent waiting on the buffer (pacing, rate limiter, Redis down)", ["reason"], registry=r,
+            "Seconds spent waiting on the buffer (pacing, rate limiter, Redis down, buffer full)", ["reason"],
+            registry=r,
         )  # fmt: skip
         self.episodes = Counter(
             "offpolicy_actor_gateway_episodes_total", "Gateway episodes by event (see actors/metrics.py)",

@@ -23,7 +23,7 @@ import numpy as np
 
 from actors.errors import RewardError
 from actors.rewards import RewardFn, score
-from buffer.errors import RateLimited, StorageUnavailable
+from buffer.errors import BufferFull, RateLimited, StorageUnavailable
 from buffer.types import SamplingParams, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
@@ -178,6 +178,9 @@ async def wait_for_room(
             delay = await _backoff("redis_unavailable", delay, retry, metrics, stop)
 
 
+_full_since: float | None = None  # when this process's pushers met a full buffer (None: not full now)
+
+
 async def push_groups(
     buffer: AsyncReplayBuffer,
     groups: Sequence[TrajectoryGroup],
@@ -185,17 +188,22 @@ async def push_groups(
     metrics: ActorMetrics,
     stop: threading.Event,
 ) -> int:
-    """Insert `groups`, retrying through Redis outages and rate limiting; return how many were new.
+    """Insert `groups`, retrying through Redis outages, rate limiting and a full buffer; return how many
+    were new.
 
     Retries are safe: inserts are idempotent by `group_id`. Invalid groups are counted and logged (the
-    buffer names the field); they are bugs, never retried. After `stop` each insert is tried once more;
-    groups still unpushed then are counted as `dropped_on_stop`.
+    buffer names the field); they are bugs, never retried. `BufferFull` is back-pressure, not a failure:
+    the pusher waits (counted in `buffer_wait{reason="buffer_full"}`, logged once when the process's
+    pushers start waiting and once when the buffer has room again) while the learner drains; the groups
+    stored before the refusal count as pushed. After `stop` each insert is tried once more; groups
+    still unpushed then are counted as `dropped_on_stop`.
     """
+    global _full_since
     pending, inserted, delay, failed = list(groups), 0, retry.initial_s, False
     while pending:
         if stop.is_set() and failed:  # stopped, and the last attempt failed: give up
             metrics.failures.labels("dropped_on_stop").inc(len(pending))
-            log.error("stopped with %d generated groups not pushed (Redis unavailable)", len(pending))
+            log.error("stopped with %d generated groups not pushed (Redis down or buffer full)", len(pending))
             return inserted
         try:
             result = await buffer.insert_many(pending)
@@ -212,6 +220,21 @@ async def push_groups(
             failed = True
             delay = await _backoff("rate_limited", delay, retry, metrics, stop)
             continue
+        except BufferFull as e:
+            if e.inserted:  # stored before the refusal: pushed; the rest waits
+                stored = set(e.inserted)
+                pending = [g for g in pending if g.group_id not in stored]
+                inserted += len(stored)
+                metrics.groups_pushed.inc(len(stored))
+            if _full_since is None:  # logged once per full spell of the process, not per batch
+                _full_since = time.monotonic()
+                log.info("buffer full (%s); waiting for the learner to drain it", e)
+            failed = True
+            delay = await _backoff("buffer_full", delay, retry, metrics, stop)
+            continue
+        if _full_since is not None:
+            log.info("buffer had room again after %.1f s", time.monotonic() - _full_since)
+            _full_since = None
         for gid, field in result.rejected.items():
             metrics.failures.labels("invalid_group").inc()
             log.error("buffer rejected group %s as invalid: %s", gid, field)

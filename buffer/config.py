@@ -8,6 +8,11 @@ from pydantic import Field, model_validator
 
 from config.base import ConfigModel
 
+# Fields that belong to one producer or consumer, not to the table: the learner's changes never touch them.
+LOCAL_FIELDS = frozenset(
+    ["max_ahead", "insert_timeout_s", "backoff_initial_s", "backoff_max_s", "storage_timeout_s",
+     "socket_timeout_s"]
+)  # fmt: skip
 Sampler = Literal["fifo", "newest", "uniform", "staleness_weighted", "prioritized"]
 
 
@@ -29,6 +34,15 @@ class BufferConfig(ConfigModel):
 
     max_size: int = Field(10_000, ge=1)
     """Most groups stored; past it the oldest (by insert order) is evicted."""
+    max_bytes: int | None = Field(None, ge=0)
+    """Most payload bytes stored (leased groups included); an insert past it raises `BufferFull`
+    (back-pressure: the producer waits and retries). Groups sampled at least once are evicted, oldest
+    first, to make room; a group nobody has trained on never is. None = `max_bytes_share` of Redis'
+    `maxmemory` when one is set, else no bound; 0 = no bound."""
+    max_bytes_share: float = Field(0.6, gt=0.0, le=0.9)
+    """With `max_bytes` None: the share of Redis' `maxmemory` the payloads may take. The rest is the
+    headroom of the indexes, the dedupe window, a lease's payload copies and the policy record, so that
+    the learner's leases, acks and publishes never meet Redis' own out-of-memory refusal."""
     max_times_sampled: int | None = Field(1, ge=1)
     """A group is removed once sampled this many times; None = never (replay until evicted or stale)."""
     max_staleness: int | None = Field(None, ge=0)
@@ -120,6 +134,18 @@ class BufferConfig(ConfigModel):
         """Fresh groups first (weight 1/(staleness+1)), hard gate at `max_staleness`, each used up to 4x."""
         defaults = {"sampler": "staleness_weighted", "max_times_sampled": 4}
         return cls(**{**defaults, "max_size": max_size, "max_staleness": max_staleness, **overrides})
+
+    # --- the table-wide fields, shared through Redis (the learner's are the run's)
+
+    def table_json(self) -> str:
+        """The table-wide fields (all but LOCAL_FIELDS) as JSON: what the learner publishes."""
+        return self.model_dump_json(exclude=set(LOCAL_FIELDS))
+
+    def with_table(self, table_json: str | bytes) -> BufferConfig:
+        """This config with the table-wide fields of `table_json` (the local ones kept), validated whole;
+        invalid JSON or fields raise pydantic's `ValidationError`."""
+        table = type(self).model_validate_json(table_json).model_dump(exclude=set(LOCAL_FIELDS))
+        return type(self).model_validate({**self.model_dump(), **table})
 
     # --- what the Lua scripts need
 

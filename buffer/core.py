@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
+from pydantic import ValidationError
 
 from buffer.codec import decode_group
 from buffer.codec_batch import decode_groups, encode_groups
 from buffer.config import BufferConfig
-from buffer.errors import InvalidTrajectory, RateLimited
+from buffer.errors import BufferFull, InvalidTrajectory, RateLimited
 from buffer.keys import BufferKeys
 from buffer.metrics import BufferMetrics
 from buffer.rate_limiter import Backoff, check_sample_size
@@ -26,15 +29,88 @@ _INDEX = re.compile(r"\[\d+\]")
 _CHUNK_BYTES = 4 * 1024 * 1024  # one insert transaction carries at most this much payload (or one group)
 _CHUNK_GROUPS = 1000  # and at most this many groups (insert.lua unpacks 2 values per group in one call)
 Entry = tuple[str, int, float, bytes]
+MAXMEMORY_REFRESH_S = 30.0  # a derived max_bytes follows a `CONFIG SET maxmemory` within this long
+TABLE_REFRESH_S = 1.0  # a following producer reads the learner's table config at most this often
+log = logging.getLogger(__name__)
 
 
 class Core:
     """Config, keys, codec and metrics bookkeeping shared by the sync and async buffers."""
 
-    def __init__(self, run_id: str, config: BufferConfig, registry: CollectorRegistry | None) -> None:
+    def __init__(
+        self, run_id: str, config: BufferConfig, registry: CollectorRegistry | None, follow: bool = False
+    ) -> None:
         self.cfg = config
         self.keys = BufferKeys.for_run(run_id)
         self.metrics = BufferMetrics(registry if registry is not None else CollectorRegistry())
+        self.max_bytes = 0  # the byte budget in force (0: none); see `needs_maxmemory`, `set_maxmemory`
+        self._maxmemory_at: float | None = None  # when Redis' maxmemory was last read (None: never)
+        self.follow = follow  # adopt the learner's table-wide fields (`keys.table`)
+        self._table_at: float | None = None  # when the table config was last read
+        self._table_raw: bytes | None = None  # the last one adopted (or refused)
+
+    def table_due(self) -> bool:
+        """Whether this insert reads the learner's table config too (following, at most every
+        TABLE_REFRESH_S)."""
+        now = time.monotonic()
+        if not self.follow or (self._table_at is not None and now - self._table_at < TABLE_REFRESH_S):
+            return False
+        self._table_at = now
+        return True
+
+    def adopt(self, raw: bytes | None) -> bool:
+        """Take the table-wide fields of the learner's config `raw` (None: none published), keeping the
+        local ones (`LOCAL_FIELDS`); True when the config changed. One that does not validate is logged
+        once and ignored."""
+        if raw is None or raw == self._table_raw:
+            return False
+        self._table_raw = raw
+        try:
+            new = self.cfg.with_table(raw)
+        except ValidationError as e:
+            log.warning("the learner's buffer config is not valid here (ignored): %s", e)
+            return False
+        changed = sorted(k for k in type(new).model_fields if getattr(new, k) != getattr(self.cfg, k))
+        if not changed:
+            return False
+        log.info("buffer config from the learner: %s", ", ".join(f"{k}={getattr(new, k)!r}" for k in changed))
+        self.cfg = new
+        self.reconfigured()
+        return True
+
+    def set_config(self, config: BufferConfig) -> None:
+        """A new local config (`reconfigure`): the learner's table fields are applied over it again at the
+        next read."""
+        self.cfg, self._table_raw, self._table_at = config, None, None
+        self.reconfigured()
+
+    def needs_maxmemory(self) -> bool:
+        """Whether the next insert must (re)read Redis' `maxmemory` first: `max_bytes` None derives the
+        budget from it, read at the first insert and every MAXMEMORY_REFRESH_S after."""
+        if self.cfg.max_bytes is not None:
+            self.max_bytes = self.cfg.max_bytes
+            return False
+        at = self._maxmemory_at
+        return at is None or time.monotonic() - at > MAXMEMORY_REFRESH_S
+
+    def set_maxmemory(self, maxmemory: int) -> None:
+        """The budget derived from Redis' `maxmemory` (0: none set, so no bound): `max_bytes_share` of it."""
+        self.max_bytes = int(self.cfg.max_bytes_share * maxmemory) if maxmemory > 0 else 0
+        self._maxmemory_at = time.monotonic()
+
+    def reconfigured(self) -> None:
+        """A new config: derive the budget again at the next insert."""
+        self._maxmemory_at = None
+
+    def buffer_full(self, reply: InsertReply, inserted: list[str]) -> BufferFull:
+        """The error of an insert the script refused for bytes (status 3); `inserted`: the batch's groups
+        stored before the refusal."""
+        self.metrics.full_by["max_bytes"].inc()
+        return BufferFull(
+            f"buffer full: {reply.bytes} payload bytes stored of max_bytes={self.max_bytes} "
+            f"({len(inserted)} group(s) of the batch inserted before that; retrying the batch is safe)",
+            inserted=tuple(inserted),
+        )
 
     def prepare(
         self, groups: Sequence[TrajectoryGroup]
@@ -77,6 +153,9 @@ class Core:
             m.evicted_max_size.inc(reply.evicted)
         if reply.evicted_unsampled:
             m.dropped_evicted_unsampled.inc(reply.evicted_unsampled)
+        if reply.evicted_bytes:
+            m.evicted_max_bytes.inc(reply.evicted_bytes)
+        m.payload_bytes.set(reply.bytes)
         self._size(reply.size)
 
     def on_sample(self, reply: SampleReply) -> None:
@@ -157,6 +236,7 @@ class Core:
 
         return BufferStats(
             size=size,
+            payload_bytes=c.get("bytes", 0),
             max_size=self.cfg.max_size,
             fill_ratio=size / self.cfg.max_size,
             inserted_total=c.get("inserted", 0),
@@ -199,17 +279,20 @@ def _decode_one(payload: bytes, limits) -> TrajectoryGroup | InvalidTrajectory:
 
 def file_statuses(
     chunk: list[Entry], reply: InsertReply, inserted: list[str], dups: list[str]
-) -> list[Entry]:
-    """File each entry of `chunk` by its status; return the entries the rate limiter refused."""
-    limited: list[Entry] = []
+) -> tuple[list[Entry], bool]:
+    """File each entry of `chunk` by its status; return the entries refused (by the rate limiter, or over
+    max_bytes) and whether the refusal was max_bytes (status 3: BufferFull, no waiting here)."""
+    refused: list[Entry] = []
+    full = False
     for entry, status in zip(chunk, reply.statuses, strict=True):
         if status == 1:
             inserted.append(entry[0])
         elif status == 0:
             dups.append(entry[0])
         else:
-            limited.append(entry)
-    return limited
+            refused.append(entry)
+            full = full or status == 3
+    return refused, full
 
 
 def insert_limited(cfg: BufferConfig, inserted: int) -> RateLimited:

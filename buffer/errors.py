@@ -26,3 +26,15 @@ class BufferNotReady(BufferError):
 
 class StorageUnavailable(BufferError):
     """Redis could not be reached (or kept failing) within the retry bound."""
+
+
+class BufferFull(BufferError):
+    """Back-pressure: the insert would take the buffer past `max_bytes` (or Redis reached its own
+    `maxmemory`). Nothing is wrong and nothing of the batch is lost: groups before the refused one are
+    stored (`inserted`: their group ids), the rest are not; retry the rest, or the whole batch (inserts are
+    idempotent), after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0, inserted: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.inserted = inserted

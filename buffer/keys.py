@@ -33,6 +33,8 @@ class BufferKeys:
         str  # hash group_id -> "seq pv priority": stored, out of the sampler indexes (leased to its last use)
     )
     dead: str  # list of JSON dead-letter records, newest first, bounded by dead_letter_max
+    sizes: str  # hash group_id -> payload bytes of each stored group (their sum: counters `bytes`)
+    table: str  # string: the learner's table-wide BufferConfig fields as JSON; producers adopt them
     payload_prefix: str  # string per stored group: the encoded group
     out_prefix: str  # strings living inside one sample transaction: the chosen payloads, read and deleted
     consumer_prefix: str  # set per consumer: its outstanding lease ids, `<consumer_prefix><consumer>`
@@ -53,6 +55,8 @@ class BufferKeys:
             leased=f"{p}:buf:leased",
             held=f"{p}:buf:held",
             dead=f"{p}:buf:dead",
+            sizes=f"{p}:buf:bytes",
+            table=f"{p}:buf:config",
             payload_prefix=f"{p}:buf:g:",
             out_prefix=f"{p}:buf:out:",
             consumer_prefix=f"{p}:buf:lease:c:",
@@ -62,7 +66,7 @@ class BufferKeys:
         """KEYS for the scripts, in declaration order (scripts/lib.lua names them)."""
         return [
             self.order, self.by_version, self.uses, self.priority, self.seen, self.counters,
-            self.leases, self.deadlines, self.leased, self.held, self.dead,
+            self.leases, self.deadlines, self.leased, self.held, self.dead, self.sizes,
         ]  # fmt: skip
 
     def payload(self, group_id: str) -> str:

@@ -14,7 +14,8 @@ REJECTED_FIELDS = (
     "priority", "metadata",
     "sampling",
 )  # fmt: skip
-EVICTION_REASONS = ("max_size", "max_times_sampled")
+EVICTION_REASONS = ("max_size", "max_times_sampled", "max_bytes")
+FULL_REASONS = ("max_bytes", "maxmemory")  # why an insert was refused with BufferFull
 DROP_REASONS = ("stale", "evicted_unsampled", "payload_missing")
 # Groups set aside to the dead-letter list: `invalid:<field>`, field from REJECTED_FIELDS or `other`.
 INVALID_REASONS = tuple(f"invalid:{f}" for f in (*REJECTED_FIELDS, "other"))
@@ -51,7 +52,8 @@ class BufferMetrics:
         )
         self.evictions = Counter(
             "offpolicy_buffer_evictions_total",
-            "Groups removed by the remover, by reason (max_size, max_times_sampled)",
+            "Groups removed by the remover, by reason (max_size, max_times_sampled, max_bytes: used groups "
+            "evicted to make room for bytes)",
             ["reason"],
             registry=registry,
         )
@@ -79,6 +81,17 @@ class BufferMetrics:
             ["op"],
             registry=registry,
         )
+        self.payload_bytes = Gauge(
+            "offpolicy_buffer_payload_bytes", "Payload bytes of the stored groups, leased ones included "
+            "(last seen by an insert)", registry=registry,
+        )  # fmt: skip
+        self.full = Counter(
+            "offpolicy_buffer_full_total",
+            "Insert calls refused with BufferFull (back-pressure), by reason (max_bytes: the buffer's byte "
+            "budget; maxmemory: Redis' own out-of-memory refusal)",
+            ["reason"],
+            registry=registry,
+        )
         self.storage_retries = Counter(
             "offpolicy_buffer_storage_retries_total", "Redis calls retried after a connection error",
             registry=registry,
@@ -101,6 +114,8 @@ class BufferMetrics:
             self.rejected.labels(f)
         self.evicted_max_size = self.evictions.labels("max_size")
         self.evicted_max_times_sampled = self.evictions.labels("max_times_sampled")
+        self.evicted_max_bytes = self.evictions.labels("max_bytes")
+        self.full_by = {r: self.full.labels(r) for r in FULL_REASONS}
         self.dropped_stale = self.drops.labels("stale")
         self.dropped_evicted_unsampled = self.drops.labels("evicted_unsampled")
         self.dropped_payload_missing = self.drops.labels("payload_missing")

@@ -14,11 +14,9 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-from prometheus_client import CollectorRegistry
-
-from buffer.config import BufferConfig
-from buffer.core import Core, Taken, file_statuses, insert_limited, make_result
-from buffer.errors import RateLimited
+from buffer.core import Taken, file_statuses, insert_limited, make_result
+from buffer.errors import BufferFull, RateLimited
+from buffer.handle import BufferHandle
 from buffer.leases import AsyncLeaseOps, LeaseOps
 from buffer.rate_limiter import SampleStatus, sample_refused
 from buffer.storage import (
@@ -29,49 +27,25 @@ from buffer.storage import (
     call_sync,
     insert_transaction,
     insert_transaction_async,
+    read_maxmemory,
+    read_maxmemory_async,
     sample_transaction,
     sample_transaction_async,
-    script_source,
-    sync_client,
 )
 from buffer.types import BufferStats, InsertResult, TrajectoryGroup
 
 
-class _BufferHandle:
-    """What both buffers hold: the shared core (config, codec, metrics), a Redis client of their kind and
-    the two registered scripts; `reconfigure` is the same for both."""
-
-    _make_client = staticmethod(sync_client)
-
-    def __init__(
-        self,
-        redis_url: str,
-        run_id: str,
-        config: BufferConfig | None = None,
-        registry: CollectorRegistry | None = None,
-    ) -> None:
-        self.run_id = run_id
-        self._core = Core(run_id, config or BufferConfig(), registry)
-        self.config = self._core.cfg
-        self._client = self._make_client(redis_url, self.config.socket_timeout_s)
-        self._insert = self._client.register_script(script_source("insert"))
-        self._sample = self._client.register_script(script_source("sample"))
-        self._lease_script = self._client.register_script(script_source("lease"))
-
-    def reconfigure(self, config: BufferConfig) -> None:
-        """Apply `config` from the next call on, keeping this object, its connection pool and its metrics
-        (same registry); the learner calls it at step boundaries. A new `socket_timeout_s` applies to
-        connections opened from then on."""
-        self._core.cfg = self.config = config
-        kwargs = self._client.connection_pool.connection_kwargs
-        kwargs["socket_timeout"] = kwargs["socket_connect_timeout"] = config.socket_timeout_s
-
-
-class ReplayBuffer(_BufferHandle, LeaseOps):
+class ReplayBuffer(BufferHandle, LeaseOps):
     """Synchronous replay buffer over Redis (the learner's side; also used by tests and tools)."""
 
-    def _call(self, fn, what: str):
-        return call_sync(fn, self.config.storage_timeout_s, what, self._core.metrics.storage_retries.inc)
+    def _call(self, fn, what: str, full_on_oom: bool = False):
+        try:
+            return call_sync(
+                fn, self.config.storage_timeout_s, what, self._core.metrics.storage_retries.inc, full_on_oom
+            )
+        except BufferFull:
+            self._core.metrics.full_by["maxmemory"].inc()
+            raise
 
     def insert(self, group: TrajectoryGroup) -> bool:
         """Insert one group; False when its group_id was already inserted. Invalid: `InvalidTrajectory`."""
@@ -85,6 +59,8 @@ class ReplayBuffer(_BufferHandle, LeaseOps):
 
         Waits (bounded by `insert_timeout_s`) while the samples_per_insert limiter refuses, then raises
         `RateLimited`; groups inserted before that stay inserted and retrying the batch is a no-op for them.
+        Over `max_bytes` (or with Redis at its own `maxmemory`) it raises `BufferFull` at once, without
+        waiting: the producer backs off (the actors' pusher waits and retries; HTTP ingest answers 429).
         """
         return make_result(*self._insert_many(groups))
 
@@ -97,17 +73,23 @@ class ReplayBuffer(_BufferHandle, LeaseOps):
         inserted: list[str] = []
         dups: list[str] = []
         backoff = None
+        if chunks and core.needs_maxmemory():
+            core.set_maxmemory(self._call(lambda: read_maxmemory(self._client), "read maxmemory"))
         for pending in chunks:
             while pending:
-                raw = self._call(
-                    lambda p=pending: insert_transaction(
-                        self._client, self._insert, self.config, core.keys, p
+                raw, table = self._call(
+                    lambda p=pending, t=core.table_due(): insert_transaction(
+                        self._client, self._insert, self.config, core.keys, p, core.max_bytes, t
                     ),
                     "insert",
+                    full_on_oom=True,
                 )
                 reply = InsertReply.parse(raw)
+                self._adopt(table)
                 core.on_insert(reply)
-                pending = file_statuses(pending, reply, inserted, dups)
+                pending, full = file_statuses(pending, reply, inserted, dups)
+                if full:
+                    raise core.buffer_full(reply, inserted)
                 if pending:
                     backoff = backoff or core.backoff(self.config.insert_timeout_s)
                     delay = backoff.delay()
@@ -187,6 +169,11 @@ class ReplayBuffer(_BufferHandle, LeaseOps):
             self._core.metrics.waits["pace"].inc()
             time.sleep(delay)
 
+    def publish_table(self) -> None:
+        """The learner's side: store this config's table-wide fields for the producers that follow it."""
+        raw = self.config.table_json()
+        self._call(lambda: self._client.set(self._core.keys.table, raw), "publish buffer config")
+
     def stats(self) -> BufferStats:
         """Size, lifetime counters (the learner's buffer position) and the stored version range."""
         k = self._core.keys
@@ -225,15 +212,19 @@ class ReplayBuffer(_BufferHandle, LeaseOps):
         self.close()
 
 
-class AsyncReplayBuffer(_BufferHandle, AsyncLeaseOps):
+class AsyncReplayBuffer(BufferHandle, AsyncLeaseOps):
     """The asyncio twin of `ReplayBuffer` (actors and services); same scripts, same codec, same errors."""
 
     _make_client = staticmethod(async_client)
 
-    async def _call(self, fn, what: str):
-        return await call_async(
-            fn, self.config.storage_timeout_s, what, self._core.metrics.storage_retries.inc
-        )
+    async def _call(self, fn, what: str, full_on_oom: bool = False):
+        try:
+            return await call_async(
+                fn, self.config.storage_timeout_s, what, self._core.metrics.storage_retries.inc, full_on_oom
+            )
+        except BufferFull:
+            self._core.metrics.full_by["maxmemory"].inc()
+            raise
 
     async def insert(self, group: TrajectoryGroup) -> bool:
         """Insert one group; False when its group_id was already inserted. Invalid: `InvalidTrajectory`."""
@@ -255,17 +246,24 @@ class AsyncReplayBuffer(_BufferHandle, AsyncLeaseOps):
         inserted: list[str] = []
         dups: list[str] = []
         backoff = None
+        if chunks and core.needs_maxmemory():
+            maxmemory = await self._call(lambda: read_maxmemory_async(self._client), "read maxmemory")
+            core.set_maxmemory(maxmemory)
         for pending in chunks:
             while pending:
-                raw = await self._call(
-                    lambda p=pending: insert_transaction_async(
-                        self._client, self._insert, self.config, core.keys, p
+                raw, table = await self._call(
+                    lambda p=pending, t=core.table_due(): insert_transaction_async(
+                        self._client, self._insert, self.config, core.keys, p, core.max_bytes, t
                     ),
                     "insert",
+                    full_on_oom=True,
                 )
                 reply = InsertReply.parse(raw)
+                self._adopt(table)
                 core.on_insert(reply)
-                pending = file_statuses(pending, reply, inserted, dups)
+                pending, full = file_statuses(pending, reply, inserted, dups)
+                if full:
+                    raise core.buffer_full(reply, inserted)
                 if pending:
                     backoff = backoff or core.backoff(self.config.insert_timeout_s)
                     delay = backoff.delay()

@@ -2,7 +2,8 @@
 
 Redis errors become buffer errors here and nowhere else: connection errors and timeouts are retried
 with backoff for `storage_timeout_s`, then raise `StorageUnavailable`; any other Redis error raises
-`StorageUnavailable` at once.
+`StorageUnavailable` at once, except Redis' own out-of-memory refusal of an insert (`full_on_oom`), which
+is back-pressure (`BufferFull`), not an outage.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ import redis.asyncio as aioredis
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript, Script
 from redis.connection import Encoder, PythonRespSerializer
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, OutOfMemoryError
 from redis.retry import Retry
 
 from buffer.config import BufferConfig
-from buffer.errors import StorageUnavailable
+from buffer.errors import BufferFull, StorageUnavailable
 from buffer.keys import BufferKeys
 from buffer.rate_limiter import Backoff, SampleStatus
 
@@ -77,8 +78,44 @@ def _unavailable(e: redis.RedisError, what: str, attempts: int) -> StorageUnavai
     return StorageUnavailable(f"{what} failed after {attempts} attempt(s): {type(e).__name__}: {e}")
 
 
-def call_sync(fn: Callable[[], T], timeout_s: float, what: str, on_retry: Callable[[], None]) -> T:
-    """Run `fn`, retrying connection errors for `timeout_s` seconds; translate Redis errors."""
+def is_oom(e: BaseException) -> bool:
+    """Redis refused a write for its `maxmemory` (`-OOM ...`, also from inside a script)."""
+    return isinstance(e, OutOfMemoryError) or (isinstance(e, redis.ResponseError) and "OOM " in str(e))
+
+
+def _translate(
+    e: redis.RedisError, what: str, attempts: int, full_on_oom: bool
+) -> BufferFull | StorageUnavailable:
+    if full_on_oom and is_oom(e):
+        return BufferFull(f"{what} refused: Redis is at its maxmemory ({e})", retry_after_s=1.0)
+    return _unavailable(e, what, attempts)
+
+
+def read_maxmemory(client: redis.Redis) -> int:
+    """Redis' `maxmemory` in bytes (0: none set, or INFO not allowed to this client)."""
+    try:
+        return int(client.info("memory").get("maxmemory", 0))
+    except redis.ResponseError:  # INFO renamed or denied by an ACL: no bound known
+        return 0
+
+
+async def read_maxmemory_async(client: aioredis.Redis) -> int:
+    """The asyncio twin of `read_maxmemory`."""
+    try:
+        return int((await client.info("memory")).get("maxmemory", 0))
+    except redis.ResponseError:
+        return 0
+
+
+def call_sync(
+    fn: Callable[[], T],
+    timeout_s: float,
+    what: str,
+    on_retry: Callable[[], None],
+    full_on_oom: bool = False,
+) -> T:
+    """Run `fn`, retrying connection errors for `timeout_s` seconds; translate Redis errors (with
+    `full_on_oom`, an out-of-memory refusal raises `BufferFull`)."""
     backoff = Backoff(timeout_s, _RETRY_INITIAL_S, _RETRY_MAX_S)
     while True:
         try:
@@ -90,11 +127,15 @@ def call_sync(fn: Callable[[], T], timeout_s: float, what: str, on_retry: Callab
             on_retry()
             time.sleep(delay)
         except redis.RedisError as e:
-            raise _unavailable(e, what, backoff.waits + 1) from e
+            raise _translate(e, what, backoff.waits + 1, full_on_oom) from e
 
 
 async def call_async(
-    fn: Callable[[], Awaitable[T]], timeout_s: float, what: str, on_retry: Callable[[], None]
+    fn: Callable[[], Awaitable[T]],
+    timeout_s: float,
+    what: str,
+    on_retry: Callable[[], None],
+    full_on_oom: bool = False,
 ) -> T:
     """The asyncio twin of `call_sync`."""
     backoff = Backoff(timeout_s, _RETRY_INITIAL_S, _RETRY_MAX_S)
@@ -108,7 +149,7 @@ async def call_async(
             on_retry()
             await asyncio.sleep(delay)
         except redis.RedisError as e:
-            raise _unavailable(e, what, backoff.waits + 1) from e
+            raise _translate(e, what, backoff.waits + 1, full_on_oom) from e
 
 
 # --- script arguments and replies
@@ -118,9 +159,12 @@ def _num(x: float) -> str:
     return repr(float(x))
 
 
-def insert_args(cfg: BufferConfig, keys: BufferKeys, entries: list[tuple[str, int, float, bytes]]) -> list:
-    """ARGV of insert.lua for (group_id, policy_version, priority, payload) entries: metadata only (the
-    payloads are SET NX in the same transaction, see `insert_transaction`)."""
+def insert_args(
+    cfg: BufferConfig, keys: BufferKeys, entries: list[tuple[str, int, float, bytes]], max_bytes: int = 0
+) -> list:
+    """ARGV of insert.lua for (group_id, policy_version, priority, payload) entries: metadata and payload
+    lengths only (the payloads are SET NX in the same transaction, see `insert_transaction`).
+    `max_bytes`: the byte budget in force (0: none), resolved by the buffer (`Core.max_bytes`)."""
     _, max_diff = cfg.limiter_bounds()
     ratio = cfg.samples_per_insert is not None
     args: list = [
@@ -135,84 +179,131 @@ def insert_args(cfg: BufferConfig, keys: BufferKeys, entries: list[tuple[str, in
         keys.consumer_prefix,
         cfg.dedupe_window or 0,
         round(cfg.dedupe_window_s * 1000) if cfg.dedupe_window_s is not None else 0,
+        max_bytes,
     ]
-    for gid, version, priority, _ in entries:
-        args += [gid, version, _num(priority)]
+    for gid, version, priority, payload in entries:
+        args += [gid, version, _num(priority), len(payload)]
     return args
 
 
-def _queue_insert(pipe, script: Script, cfg: BufferConfig, keys: BufferKeys, entries: list) -> None:
+def _queue_insert(
+    pipe, script: Script, cfg: BufferConfig, keys: BufferKeys, entries: list, max_bytes: int, table: bool
+) -> None:
     """Queue the insert transaction on `pipe` (MULTI): each payload SET NX to its payload key (a stored
-    group's payload is never overwritten), then insert.lua with the metadata."""
+    group's payload is never overwritten), then insert.lua with the metadata; with `table`, first a GET
+    of the learner's table config (`keys.table`), in the same round trip."""
+    if table:
+        pipe.get(keys.table)
     for gid, _, _, payload in entries:
         pipe.set(keys.payload(gid), payload, nx=True)
     index_keys = keys.indexes()
-    pipe.evalsha(script.sha, len(index_keys), *index_keys, *insert_args(cfg, keys, entries))
+    pipe.evalsha(script.sha, len(index_keys), *index_keys, *insert_args(cfg, keys, entries, max_bytes))
 
 
-def _transaction(client: redis.Redis, script: Script, queue: Callable[[Any], None]) -> list:
+def _transaction(
+    client: redis.Redis, script: Script, queue: Callable[[Any], None], at_maxmemory: bool = False
+) -> list:
     """Run the MULTI/EXEC that `queue` fills in (it holds one EVALSHA of `script`); return EXEC's replies.
     After a restart flushed the script cache, EVALSHA answers NOSCRIPT inside the transaction while the
-    other commands ran: load the script and run the whole transaction once more."""
-    for attempt in (0, 1):
-        pipe = client.pipeline(transaction=True)
+    other commands ran: load the script and run the whole transaction once more. With `at_maxmemory`
+    (the sample: it frees memory), a transaction Redis refused for its maxmemory (past it, Redis queues
+    nothing in a MULTI) is sent again as a plain pipeline: see `_plain_after_oom`."""
+    transaction, loaded = True, False
+    while True:
+        pipe = client.pipeline(transaction=transaction)
         queue(pipe)
         try:
             return pipe.execute()
         except NoScriptError:
-            if attempt:
+            if loaded:
                 raise
+            loaded = True
             client.script_load(script.script)
-    raise AssertionError("unreachable")
+        except redis.RedisError as e:
+            if not _plain_after_oom(e, at_maxmemory and transaction):
+                raise
+            transaction = False
+
+
+def _plain_after_oom(e: redis.RedisError, allowed: bool) -> bool:
+    """Whether to resend a refused sample transaction as a plain pipeline (same commands, one round trip,
+    in order): the script writes before it grows memory, so Redis runs it at maxmemory, and the MGET and
+    UNLINK of its out keys never grow memory. The out keys are this call's alone, so what other clients
+    run in between changes nothing; only a client that dies mid-send could leave its copies behind."""
+    return allowed and is_oom(e)
 
 
 async def _transaction_async(
-    client: aioredis.Redis, script: AsyncScript, queue: Callable[[Any], None]
+    client: aioredis.Redis, script: AsyncScript, queue: Callable[[Any], None], at_maxmemory: bool = False
 ) -> list:
     """The asyncio twin of `_transaction`."""
-    for attempt in (0, 1):
-        pipe = client.pipeline(transaction=True)
+    transaction, loaded = True, False
+    while True:
+        pipe = client.pipeline(transaction=transaction)
         queue(pipe)
         try:
             return await pipe.execute()
         except NoScriptError:
-            if attempt:
+            if loaded:
                 raise
+            loaded = True
             await client.script_load(script.script)
-    raise AssertionError("unreachable")
+        except redis.RedisError as e:
+            if not _plain_after_oom(e, at_maxmemory and transaction):
+                raise
+            transaction = False
 
 
 def insert_transaction(
-    client: redis.Redis, script: Script, cfg: BufferConfig, keys: BufferKeys, entries: list
-) -> list:
+    client: redis.Redis,
+    script: Script,
+    cfg: BufferConfig,
+    keys: BufferKeys,
+    entries: list,
+    max_bytes: int = 0,
+    table: bool = False,
+) -> tuple[list, bytes | None]:
     """Run one insert as MULTI / SET NX... / EVALSHA insert / EXEC (one round trip, one AOF entry,
-    atomic: no other command runs in between); return the script's raw reply. A rerun after NOSCRIPT
-    finds the keys the first run's SETs left (NX: unchanged) and this time indexes or deletes them."""
-    return _transaction(client, script, lambda pipe: _queue_insert(pipe, script, cfg, keys, entries))[-1]
+    atomic: no other command runs in between); return the script's raw reply and, with `table`, the
+    learner's table config (None: not read, or none published). A rerun after NOSCRIPT finds the keys the
+    first run's SETs left (NX: unchanged) and this time indexes or deletes them."""
+    queue = lambda pipe: _queue_insert(pipe, script, cfg, keys, entries, max_bytes, table)  # noqa: E731
+    replies = _transaction(client, script, queue)
+    return replies[-1], replies[0] if table else None
 
 
 async def insert_transaction_async(
-    client: aioredis.Redis, script: AsyncScript, cfg: BufferConfig, keys: BufferKeys, entries: list
-) -> list:
+    client: aioredis.Redis,
+    script: AsyncScript,
+    cfg: BufferConfig,
+    keys: BufferKeys,
+    entries: list,
+    max_bytes: int = 0,
+    table: bool = False,
+) -> tuple[list, bytes | None]:
     """The asyncio twin of `insert_transaction`."""
-    queue = lambda pipe: _queue_insert(pipe, script, cfg, keys, entries)  # noqa: E731
-    return (await _transaction_async(client, script, queue))[-1]
+    queue = lambda pipe: _queue_insert(pipe, script, cfg, keys, entries, max_bytes, table)  # noqa: E731
+    replies = await _transaction_async(client, script, queue)
+    return replies[-1], replies[0] if table else None
 
 
 @dataclass(frozen=True, slots=True)
 class InsertReply:
-    """insert.lua's reply: per-entry status (1 inserted, 0 duplicate, 2 rate limited), removals, and the
-    leases it found expired (returned to the buffer)."""
+    """insert.lua's reply: per-entry status (1 inserted, 0 duplicate, 2 rate limited, 3 over max_bytes),
+    removals, the leases it found expired (returned to the buffer), the payload bytes stored after it, and
+    the used groups it evicted to make room for bytes."""
 
     statuses: list[int]
     size: int
     evicted: int
     evicted_unsampled: int
     expired: int = 0
+    bytes: int = 0
+    evicted_bytes: int = 0
 
     @classmethod
     def parse(cls, raw: list) -> InsertReply:
-        return cls([int(s) for s in raw[0]], int(raw[1]), int(raw[2]), int(raw[3]), int(raw[4]))
+        return cls([int(s) for s in raw[0]], *(int(x) for x in raw[1:7]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,10 +394,10 @@ def sample_transaction(
     lease: LeaseArgs | None = None,
 ) -> SampleReply:
     """Run one sample as MULTI / EVALSHA sample / MGET out keys / UNLINK out keys / EXEC: one round
-    trip, atomic, no payload left behind (after NOSCRIPT the MGET and UNLINK found nothing)."""
-    raw, payloads, _ = _transaction(
-        client, script, lambda pipe: _queue_sample(pipe, script, cfg, keys, k, version, lease)
-    )
+    trip, atomic, no payload left behind (after NOSCRIPT the MGET and UNLINK found nothing). With Redis
+    past its maxmemory the same commands go as a plain pipeline, so the learner still drains."""
+    queue = lambda pipe: _queue_sample(pipe, script, cfg, keys, k, version, lease)  # noqa: E731
+    raw, payloads, _ = _transaction(client, script, queue, at_maxmemory=True)
     return SampleReply.parse(raw, payloads, lease is not None)
 
 
@@ -321,5 +412,5 @@ async def sample_transaction_async(
 ) -> SampleReply:
     """The asyncio twin of `sample_transaction`."""
     queue = lambda pipe: _queue_sample(pipe, script, cfg, keys, k, version, lease)  # noqa: E731
-    raw, payloads, _ = await _transaction_async(client, script, queue)
+    raw, payloads, _ = await _transaction_async(client, script, queue, at_maxmemory=True)
     return SampleReply.parse(raw, payloads, lease is not None)

@@ -115,7 +115,7 @@ class BufferStats:
     inserted_total: int  # groups accepted since the buffer was created (or cleared)
     duplicates_total: int  # inserts that were no-ops because the group_id had been seen
     sampled_total: int  # groups handed out by `sample` (a group sampled twice counts twice)
-    evicted_total: dict[str, int]  # removals by the remover: "max_size", "max_times_sampled"
+    evicted_total: dict[str, int]  # removals by the remover: "max_size", "max_times_sampled", "max_bytes"
     dropped_total: dict[str, int]  # data lost: "stale" (past max_staleness), "evicted_unsampled"
     rejected_total: dict[str, int]  # invalid groups by field name (indices stripped)
     policy_version_min: int | None  # oldest policy_version stored; None when empty
@@ -125,6 +125,7 @@ class BufferStats:
     redelivered_total: int = 0  # leases that ended without an ack (released or expired): the use went back
     leases_outstanding: int = 0  # leases handed out and not yet acked, released, expired or dead-lettered
     held: int = 0  # stored groups not sampleable now: leased up to max_times_sampled (part of `size`)
+    payload_bytes: int = 0  # payload bytes of the stored groups, leased ones included (max_bytes counts it)
 
 
 @dataclass(frozen=True, slots=True)

@@ -136,7 +136,9 @@ class Learner:
         # --- buffer and policy record (the leader's alone)
         leader = ranks.is_leader
         self.buffer = (
-            ReplayBuffer(config.redis_url, config.run_id, config.buffer, registry) if leader else None
+            ReplayBuffer(config.redis_url, config.run_id, config.buffer, registry, follow_learner=False)
+            if leader
+            else None
         )
         self.store = PolicyStore(config.redis_url, config.run_id) if leader else None
         self.evals = EvalStore(config.redis_url, config.run_id) if leader else None
@@ -147,6 +149,7 @@ class Learner:
         self.state = "starting"
         self.retrying: str | None = None  # why `run` is retrying transient trouble now; None when it is not
         self._pending: tuple[LearnerConfig, int] | None = None
+        self._table_published: object = None  # the buffer config whose table fields producers have
         self._lock = threading.Lock()  # guards _pending
         self._step_lock = threading.Lock()  # held while a step trains, publishes or checkpoints
         self._running = threading.Event()
@@ -309,6 +312,9 @@ class Learner:
         self.delivery.ack_durable()  # leases of checkpoints that became durable since the last step
         self._apply_pending()
         cfg, phases = self.config, {}
+        if self._table_published != cfg.buffer:  # at start and after a `buffer` change: producers follow
+            self.buffer.publish_table()
+            self._table_published = cfg.buffer
         with timed(phases, "sample_wait"):
             leased = self.buffer.lease(
                 cfg.groups_per_step, self.version, cfg.sample_timeout_s,
@@ -325,9 +331,19 @@ class Learner:
             self.heartbeat()
             return {"groups_rejected": float(len(rejected))}
         command = self._command("step", groups)
+        applied: dict[str, float] = {}  # the update's metrics, once it is applied
         with self._step_lock:
             trained = [lease_of[id(g)] for g in groups]
-            metrics = self._execute(command, groups, phases, lambda: self.delivery.trained(trained))
+            try:
+                self._execute(command, groups, phases, lambda: self.delivery.trained(trained), applied)
+            except BaseException:
+                if applied:  # applied, then an ack, publish or background write failed: it still counts
+                    self._record(applied, phases, groups)
+                raise
+        return self._record(applied, phases, groups)
+
+    def _record(self, metrics: dict[str, float], phases: dict[str, float], groups: list) -> dict[str, float]:
+        """The metrics line (trackers) and Prometheus record of a step whose update was applied."""
         total = sum(phases.values())
         self._tokens_per_s = metrics["tokens"] / total if total > 0 else None
         metrics |= {
@@ -412,17 +428,22 @@ class Learner:
         groups: list,
         phases: dict[str, float],
         on_trained: Callable[[], None] | None = None,
+        applied: dict[str, float] | None = None,
     ) -> dict[str, float]:
         """Every rank, same step boundary: train on `groups` (op `step`; then `on_trained()`: the leader
-        marks their leases, which a checkpoint of this step then holds), publish, checkpoint when due."""
+        marks their leases, which a checkpoint of this step then holds), publish, checkpoint when due.
+        `applied` gets the step's metrics as soon as the update is applied, before anything that may
+        still fail (the ack, the publish, a background write's error re-raised)."""
         cfg, metrics = self.config, {}
         if command.op == "step":
             result = train_on(self.step_context(), groups, phases)
             self.version += result.optimizer_steps  # the policy version counts optimizer steps
             metrics = result.metrics
+            self.step_count += 1  # applied: it counts, whatever fails after it
+            if applied is not None:
+                applied.update(metrics)
             if on_trained is not None:
                 on_trained()
-            self.step_count += 1
             if self.step_count % cfg.publish.publish_every == 0:
                 with timed(phases, "publish"):
                     self._publish()

@@ -1,15 +1,16 @@
 -- Insert a batch of groups atomically: return expired leases, dedupe, index, count, evict past max_size
--- (oldest indexed group first), trim the dedupe window.
+-- (oldest indexed group first), keep the payload bytes within max_bytes, trim the dedupe window.
 -- Runs inside the client's MULTI/EXEC, right after a `SET <payload key> <payload> NX` of every group:
 -- no payload passes through Lua. A new group's payload is then already in place; NX left a stored
 -- group's payload untouched, and the script DELetes the payload keys those SETs created for groups it
--- does not store (a duplicate whose original is gone, a group the ratio limiter refused).
+-- does not store (a duplicate whose original is gone, a group the ratio limiter or max_bytes refused).
 -- ARGV: max_size, use_ratio (0|1), samples_per_insert, max_diff, min_size_to_sample, use_priority (0|1),
 --       payload_prefix, max_times_sampled (0 = none), consumer_prefix, dedupe_window (0 = no count bound),
---       dedupe_window_ms (0 = no age bound), then 3 per group: group_id, policy_version, priority
+--       dedupe_window_ms (0 = no age bound), max_bytes (0 = no bound), then 4 per group: group_id,
+--       policy_version, priority, payload bytes
 --       (payload keys are payload_prefix .. group_id: same hash tag, same Cluster slot)
--- Returns: {statuses (1 inserted, 0 duplicate, 2 rate limited), size, evicted_max_size, evicted_unsampled,
---   n_expired}
+-- Returns: {statuses (1 inserted, 0 duplicate, 2 rate limited, 3 over max_bytes), size, evicted_max_size,
+--   evicted_unsampled, n_expired, payload bytes stored after, evicted_max_bytes}
 -- Every redis.call costs a few microseconds of its own, so the indexes are written with one variadic
 -- call each (the batch is at most 1000 groups: the client splits larger ones).
 local max_size = tonumber(ARGV[1])
@@ -21,19 +22,45 @@ local use_priority = ARGV[6] == '1'
 local payload_prefix = ARGV[7]
 local max_times, consumer_prefix = tonumber(ARGV[8]), ARGV[9]
 local window, window_ms = tonumber(ARGV[10]), tonumber(ARGV[11])
-local FIRST = 12
+local max_bytes = tonumber(ARGV[12])
+local FIRST, PER = 13, 4
+local ROOM_SCAN = 64  -- oldest indexed groups looked at to make room for bytes
 
 local now = now_ms()
 local n_expired = expire_leases(now, max_times, consumer_prefix)
 
 local gids = {}
-for i = FIRST, #ARGV, 3 do gids[#gids + 1] = ARGV[i] end
+for i = FIRST, #ARGV, PER do gids[#gids + 1] = ARGV[i] end
 -- A duplicate: in the dedupe window, or stored (a group may outlive its window entry).
 local in_window = redis.call('ZMSCORE', K.seen, unpack(gids))
 local stored_now = stored_set(gids)
 local c = redis.call('HMGET', K.counters, 'inserted', 'sampled')
 local inserted, sampled = tonumber(c[1] or '0'), tonumber(c[2] or '0') + redis.call('HLEN', K.leases)
 local size = redis.call('ZCARD', K.order) + redis.call('HLEN', K.held)
+local bytes = tonumber(redis.call('HGET', K.counters, 'bytes') or '0')
+local n_room = 0  -- groups evicted to make room for bytes
+
+-- Evict the oldest indexed groups already sampled at least once (among the ROOM_SCAN oldest) until `need`
+-- bytes are free; a group nobody has used is never evicted for bytes. True when that made the room (only
+-- then is anything evicted). With max_times 1 an indexed group has no uses: nothing to evict.
+local function make_room(need)
+  if max_times == 1 then return false end
+  local oldest = redis.call('ZRANGE', K.order, 0, ROOM_SCAN - 1)
+  if #oldest == 0 then return false end
+  local used, sizes = multi('HMGET', K.uses, oldest), multi('HMGET', K.sizes, oldest)
+  local victims, freed = {}, 0
+  for i, gid in ipairs(oldest) do
+    if freed >= need then break end
+    if used[i] then
+      victims[#victims + 1] = gid
+      freed = freed + tonumber(sizes[i] or '0')
+    end
+  end
+  if freed < need then return false end
+  retire(victims, payload_prefix, false)
+  bytes, size, n_room = bytes - freed, size - #victims, n_room + #victims
+  return true
+end
 -- Dedupe window scores: insert time in ms, strictly increasing (+1/1024 ms per id), so the window is
 -- trimmed in insert order even within one batch or one millisecond.
 local STEP = 1 / 1024
@@ -41,29 +68,38 @@ local stamp = now
 local newest = redis.call('ZREVRANGE', K.seen, 0, 0, 'WITHSCORES')[2]
 if newest and tonumber(newest) >= stamp then stamp = tonumber(newest) + STEP end
 
--- 1. Decide each group in batch order: duplicate, refused by the ratio limiter (and all after it), new.
+-- 1. Decide each group in batch order: duplicate, refused by the ratio limiter or max_bytes (and all
+-- after it), new.
 local statuses, new, others, taken = {}, {}, {}, {}
 local by_order, by_version, by_priority, by_time = {}, {}, {}, {}
-local n_dup, limited = 0, false
+local by_size, added = {}, 0
+local n_dup, refused = 0, nil  -- refused: the status of every group after a refusal (2 or 3)
 for j, gid in ipairs(gids) do
   local status = 1
-  if limited then
-    status = 2
+  local a = FIRST + PER * (j - 1)
+  local nb = tonumber(ARGV[a + 3])
+  if refused then
+    status = refused
   elseif in_window[j] or stored_now[gid] or taken[gid] then
     status = 0
     n_dup = n_dup + 1
   elseif use_ratio and math.min(size, max_size) + 1 > min_size and (inserted + 1) * spi - sampled > max_diff then
     -- Reverb's SampleToInsertRatio: inserts may run ahead of uses (acked + leased) by at most max_diff.
-    limited = true
-    status = 2
+    refused, status = 2, 2
+  elseif max_bytes > 0 and bytes > 0 and bytes + nb > max_bytes and not make_room(bytes + nb - max_bytes) then
+    -- Over the byte budget (an empty buffer takes any one group, so none is refused for good).
+    refused, status = 3, 3
   end
   statuses[j] = status
   if status == 1 then
     taken[gid] = true
     inserted = inserted + 1
     size = size + 1
+    bytes = bytes + nb
+    added = added + nb
+    by_size[#by_size + 1] = gid
+    by_size[#by_size + 1] = nb
     new[#new + 1] = gid
-    local a = FIRST + 3 * (j - 1)
     by_order[#by_order + 1] = inserted
     by_order[#by_order + 1] = gid
     by_version[#by_version + 1] = ARGV[a + 1]
@@ -87,7 +123,10 @@ if #new > 0 then
   redis.call('ZADD', K.byver, unpack(by_version))
   if use_priority then redis.call('ZADD', K.prio, unpack(by_priority)) end
   redis.call('HSET', K.counters, 'inserted', inserted)
+  redis.call('HSET', K.sizes, unpack(by_size))
+  redis.call('HINCRBY', K.counters, 'bytes', added)
 end
+if n_room > 0 then redis.call('HINCRBY', K.counters, 'evicted:max_bytes', n_room) end
 local unstored = {}
 for _, gid in ipairs(others) do
   if not stored_now[gid] then unstored[#unstored + 1] = payload_prefix .. gid end
@@ -121,4 +160,5 @@ if window_ms > 0 then
   excess = math.max(excess, redis.call('ZCOUNT', K.seen, '-inf', '(' .. (now - window_ms)))
 end
 if excess > 0 then redis.call('ZREMRANGEBYRANK', K.seen, 0, math.min(excess, CHUNK) - 1) end
-return {statuses, size, n_evicted, n_unsampled, n_expired}
+bytes = tonumber(redis.call('HGET', K.counters, 'bytes') or '0')  -- after any eviction
+return {statuses, size, n_evicted, n_unsampled, n_expired, bytes, n_room}

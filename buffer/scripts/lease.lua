@@ -12,6 +12,7 @@
 --            (payload deleted), a JSON record is pushed on the dead-letter list (trimmed to dead_max),
 --            `dropped:invalid:<counter field>` counted. Returns the number of records pushed.
 local op = ARGV[1]
+run_even_at_maxmemory()
 
 -- The consumer's lease ids among `ids` (others: unknown, expired or someone else's) and their values.
 local function owned(consumer, ids)

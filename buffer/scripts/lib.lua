@@ -1,14 +1,17 @@
 -- Shared by insert.lua, sample.lua and lease.lua (buffer/storage.py puts this text in front of each):
 -- the index keys, variadic calls, and the group and lease life cycle.
--- KEYS: order by_version uses priority seen counters leases deadlines leased held dead
+-- KEYS: order by_version uses priority seen counters leases deadlines leased held dead sizes
 --       (all under one {run_id} hash tag; buffer/keys.py `BufferKeys.indexes`)
 -- A stored group is either *indexed* (in order, by_version and, for `prioritized`, priority: a sampler
 -- may choose it) or *held* (acked uses + outstanding leases reached max_times_sampled: out of the
 -- sampler indexes, its "seq pv priority" kept in `held` until an ack retires it or a release returns it).
 -- Invariant: indexed iff uses[gid] + leased[gid] < max_times (max_times 0 = no limit: never held).
+-- Bytes: `sizes` holds each stored group's payload length (set by insert.lua), counters `bytes` their sum;
+-- every removal goes through `retire`, which takes them off (a lease or its end changes neither).
 local K = {
   order = KEYS[1], byver = KEYS[2], uses = KEYS[3], prio = KEYS[4], seen = KEYS[5], counters = KEYS[6],
   leases = KEYS[7], deadlines = KEYS[8], leased = KEYS[9], held = KEYS[10], dead = KEYS[11],
+  sizes = KEYS[12],
 }
 local CHUNK = 1000  -- unpack has a stack limit; every variadic call takes at most this many members
 
@@ -36,6 +39,14 @@ local function multi(cmd, key, members)
   return out
 end
 
+-- The consumer's scripts (sample.lua, lease.lua) free memory, so they must run when Redis is past its
+-- maxmemory. Redis refuses a script's first memory-growing (denyoom) command then, but never one after the
+-- script has written (it cannot stop a script in the middle): they start with a write that grows nothing
+-- (HDEL of a field that never exists). insert.lua does not: a producer at maxmemory is refused (BufferFull).
+local function run_even_at_maxmemory()
+  redis.call('HDEL', K.counters, '-')
+end
+
 -- Redis' clock in milliseconds (lease deadlines, dedupe ages, dead-letter times).
 local function now_ms()
   local t = redis.call('TIME')
@@ -54,6 +65,12 @@ end
 -- the caller moves them itself (keep_payload). Leases still naming them stay until acked or released.
 local function retire(gids, payload_prefix, keep_payload)
   if #gids == 0 then return end
+  local sizes, freed = multi('HMGET', K.sizes, gids), 0
+  for i = 1, #gids do freed = freed + tonumber(sizes[i] or '0') end
+  if freed > 0 then
+    variadic('HDEL', K.sizes, gids)
+    redis.call('HINCRBY', K.counters, 'bytes', -freed)
+  end
   unindex(gids)
   variadic('HDEL', K.held, gids)
   variadic('HDEL', K.uses, gids)

@@ -28,6 +28,7 @@ local payload_prefix, out_prefix = ARGV[12], ARGV[13]
 local consumer, lease_ms, consumer_prefix = ARGV[14], tonumber(ARGV[15]), ARGV[16]
 local STALE_CHUNK = 2000  -- stale groups dropped per call (the rest: status 5, the client calls again)
 
+run_even_at_maxmemory()
 local now = now_ms()
 local n_expired = expire_leases(now, max_times, consumer_prefix)
 

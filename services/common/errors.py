@@ -31,7 +31,14 @@ from actors.errors import (
     TooManyEpisodes,
     WeightLoadError,
 )
-from buffer.errors import BufferError, BufferNotReady, InvalidTrajectory, RateLimited, StorageUnavailable
+from buffer.errors import (
+    BufferError,
+    BufferFull,
+    BufferNotReady,
+    InvalidTrajectory,
+    RateLimited,
+    StorageUnavailable,
+)
 from config.secrets import Redactor
 from learner.errors import (
     BatchError,
@@ -156,6 +163,7 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
     BufferError: (500, "buffer_error"),
     InvalidTrajectory: (422, "invalid_trajectory"),
     RateLimited: (429, "rate_limited"),
+    BufferFull: (429, "buffer_full"),
     BufferNotReady: (503, "buffer_not_ready"),
     StorageUnavailable: (503, "storage_unavailable"),
     # learner/errors.py
@@ -244,6 +252,8 @@ async def _domain_error(request: Request, exc: Exception) -> JSONResponse:
         return _envelope(request, status, code, "internal error; see the service log")
     detail = detail_for(exc)
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    if isinstance(exc, BufferFull):  # back-pressure: the client waits this long, then retries
+        headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
     if isinstance(exc, ValidationError):
         detail = field_errors(exc.errors(include_url=False))
         return _envelope(request, status, code, f"{exc.error_count()} invalid field(s)", detail)

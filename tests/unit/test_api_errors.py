@@ -12,7 +12,7 @@ import actors.errors
 import buffer.errors
 import learner.errors
 from actors.errors import DatasetError, EngineError, RewardError, WeightLoadError
-from buffer.errors import BufferNotReady, InvalidTrajectory, RateLimited, StorageUnavailable
+from buffer.errors import BufferFull, BufferNotReady, InvalidTrajectory, RateLimited, StorageUnavailable
 from learner.errors import (
     BatchError,
     CheckpointsDisabled,
@@ -36,7 +36,7 @@ def _domain_errors() -> list[type[BaseException]]:
 
 def test_every_domain_error_has_its_own_row() -> None:
     errors = _domain_errors()
-    assert len(errors) == 5 + 9 + 11  # buffer, learner, actors: a new error class must be added here
+    assert len(errors) == 6 + 9 + 11  # buffer, learner, actors: a new error class must be added here
     missing = [cls.__qualname__ for cls in errors if cls not in ERROR_TABLE]
     assert missing == []
 
@@ -46,6 +46,7 @@ def test_every_domain_error_has_its_own_row() -> None:
     [
         (InvalidTrajectory("trajectories[0].reward", "not finite"), 422, "invalid_trajectory"),
         (RateLimited("ratio"), 429, "rate_limited"),
+        (BufferFull("max_bytes"), 429, "buffer_full"),
         (BufferNotReady("empty"), 503, "buffer_not_ready"),
         (StorageUnavailable("down"), 503, "storage_unavailable"),
         (LearnerError("x"), 500, "learner_error"),
@@ -105,3 +106,15 @@ def test_frozen_field_change_answers_409_naming_the_fields() -> None:
     }
     r = client.get("/disabled")
     assert (r.status_code, r.json()["error"]["code"]) == (409, "checkpoints_disabled")
+
+
+def test_buffer_full_answers_429_with_retry_after() -> None:
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/ingest")
+    def ingest() -> dict:
+        raise BufferFull("buffer full: 7 payload bytes stored of max_bytes=8", retry_after_s=2.4)
+
+    r = TestClient(app).post("/ingest")
+    assert (r.status_code, r.json()["error"]["code"], r.headers["Retry-After"]) == (429, "buffer_full", "2")
