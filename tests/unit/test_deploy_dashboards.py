@@ -299,3 +299,40 @@ def test_version_lag_alert_compares_each_run_with_its_own_learner(tmp_path):
         [promtool(), "test", "rules", str(path)], capture_output=True, text=True, check=False
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_buffer_full_alert_fires_on_sustained_back_pressure_only(tmp_path):
+    """Refusals every minute for 20 minutes fire (per run and reason); a counter that stopped does not."""
+    from deploy.checks import ALERTS_FILE
+
+    (rule,) = [r for r in alert_rules() if r["alert"] == "OffpolicyBufferFull"]
+    rising = 'offpolicy_buffer_full_total{instance="a-0:8001",job="actor",run_id="a",reason="max_bytes"}'
+    stopped = 'offpolicy_buffer_full_total{instance="b-0:8001",job="actor",run_id="b",reason="max_bytes"}'
+    case = {
+        "interval": "1m",
+        "input_series": [
+            {"series": rising, "values": "0+3x30"},
+            {"series": stopped, "values": "0+3x5 15x25"},
+        ],
+        "alert_rule_test": [
+            {
+                "eval_time": "25m",
+                "alertname": "OffpolicyBufferFull",
+                "exp_alerts": [
+                    {
+                        "exp_labels": {"severity": "warning", "run_id": "a", "reason": "max_bytes"},
+                        "exp_annotations": {
+                            "summary": "Producers held back by a full buffer (max_bytes) for 15 minutes",
+                            "description": rule["annotations"]["description"],
+                        },
+                    }
+                ],
+            }
+        ],
+    }
+    path = tmp_path / "buffer_full_test.yml"
+    path.write_text(yaml.safe_dump({"rule_files": [str(ALERTS_FILE)], "tests": [case]}))
+    out = subprocess.run(
+        [promtool(), "test", "rules", str(path)], capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
