@@ -97,10 +97,10 @@ class FakeEngine:
         finally:
             self._resumed.set()
 
-    async def reload_weights(self, path, version, timeout_s=None):
+    async def reload_weights(self, path, version, timeout_s=None, source=None):
         self.running_at_reload.append(set(self.running))
         await asyncio.sleep(0.01)
-        self.loaded_version, self.loaded_path = version, path
+        self.loaded_version, self.loaded_path = version, source or path
 
 
 @pytest.fixture

