@@ -376,6 +376,7 @@ def publish_weights(
     store: PolicyStore | None = None,
     keep_versions: int | None = None,
     dtype: torch.dtype | None = None,
+    weights_root: str | Path | None = None,
 ) -> PolicyRecord:
     """Snapshot `model` (cast to `dtype`, None = as it is) and publish it in the calling thread: the
     synchronous path (tests, tools, the benchmark's baseline); the learner uses the background writer."""
@@ -387,4 +388,6 @@ def publish_weights(
         dtype=dtype or next(model.parameters()).dtype,
         generation_config=getattr(model, "generation_config", None),
     )
-    return publish_snapshot(snap, weights_dir, store=store, keep_versions=keep_versions)
+    return publish_snapshot(
+        snap, weights_dir, store=store, keep_versions=keep_versions, weights_root=weights_root
+    )
