@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import shutil
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -34,6 +35,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _CHUNK = 8 << 20  # bytes read at a time
+
+
+class Cancelled(Exception):
+    """The prefetch was stopped (the actor is shutting down); nothing is left staged."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,12 +95,16 @@ def _stage(config: ReloadConfig, version: int, size: int) -> Path | None:
     return stage
 
 
-def _read(path: Path, hashing: bool, copy_to: Path | None, buf: bytearray) -> str | None:
+def _read(
+    path: Path, hashing: bool, copy_to: Path | None, buf: bytearray, cancel: threading.Event | None
+) -> str | None:
     """Read `path` once, start to end; hash it (its hex sha256) and copy it to `copy_to` on the way."""
     digest = hashlib.sha256() if hashing else None
     view = memoryview(buf)
     with path.open("rb", buffering=0) as src, copy_to.open("wb") if copy_to else nullcontext() as dst:
         while n := src.readinto(buf):
+            if cancel is not None and cancel.is_set():
+                raise Cancelled(str(path))
             if digest is not None:
                 digest.update(view[:n])
             if dst is not None:
@@ -103,10 +112,17 @@ def _read(path: Path, hashing: bool, copy_to: Path | None, buf: bytearray) -> st
     return None if digest is None else digest.hexdigest()
 
 
-def prefetch_folder(folder: Path, record_sha256: str, version: int, config: ReloadConfig) -> Prefetched:
+def prefetch_folder(
+    folder: Path,
+    record_sha256: str,
+    version: int,
+    config: ReloadConfig,
+    cancel: threading.Event | None = None,
+) -> Prefetched:
     """Verify `folder` for the record (`config.verify`) and read it ahead (`config.prefetch`).
 
-    Raises `WeightLoadError` (`checksum` or `missing`) as `verify_folder` does; no staged copy is left then.
+    Raises `WeightLoadError` (`checksum` or `missing`) as `verify_folder` does, or `Cancelled` once `cancel`
+    is set (checked at each chunk read); no staged copy is left then.
     """
     t0 = time.perf_counter()
     has_manifest = (folder / MANIFEST).is_file()
@@ -124,7 +140,7 @@ def prefetch_folder(folder: Path, record_sha256: str, version: int, config: Relo
         for name in names:
             if not (folder / name).is_file():
                 continue  # verify_folder names what is missing
-            digest = _read(folder / name, hashing, stage / name if stage else None, buf)
+            digest = _read(folder / name, hashing, stage / name if stage else None, buf, cancel)
             if digest is not None:
                 digests[name] = digest
         if hashing:

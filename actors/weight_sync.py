@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from actors.errors import WeightLoadError
-from actors.prefetch import Prefetched, prefetch_folder
+from actors.prefetch import Cancelled, Prefetched, prefetch_folder
 from buffer.errors import InvalidTrajectory, StorageUnavailable
 from buffer.policy import weights_sha256
 
@@ -82,6 +84,8 @@ class WeightSync:
         self.reloads = 0
         self.last_prefetch_s = self.last_pause_s = 0.0  # of the last prepared / loaded version
         self._prefetched: Prefetched | None = None  # the prepared version, read ahead, until loaded
+        self._preparing: tuple[PolicyRecord, asyncio.Task[bool]] | None = None  # `ready`'s background prepare
+        self._cancel = threading.Event()  # set by `close`: a prefetch under way stops at its next chunk
         self._failed: dict[int, int] = {}  # version -> failed attempts
         metrics.policy_version.set(engine.loaded_version)
 
@@ -160,15 +164,57 @@ class WeightSync:
             if not folder.is_dir() or not any(folder.glob("*.safetensors")):
                 hint = " (the learner's own path: see publish.weights_root)" if folder.is_absolute() else ""
                 raise WeightLoadError(record.version, "missing", f"no *.safetensors in {folder}{hint}")
-            got = await asyncio.to_thread(prefetch_folder, folder, record.sha256, record.version, self.config)
+            try:
+                got = await asyncio.to_thread(
+                    prefetch_folder, folder, record.sha256, record.version, self.config, self._cancel
+                )
+            except OSError as e:  # e.g. the learner pruned the folder while it was read
+                raise WeightLoadError(record.version, "missing", f"reading {folder}: {e}") from e
         except WeightLoadError as e:
             self._fail(record, e)
+            return False
+        except Cancelled:
             return False
         self._prefetched, self.last_prefetch_s = got, got.seconds
         self.metrics.reload_prefetch.observe(got.seconds)
         if got.where != "none":
             self.metrics.prefetched_bytes.labels(got.where).inc(got.bytes)
         return True
+
+    def ready(self, on_done: Callable[[], None] | None = None) -> PolicyRecord | None:
+        """The version to load once it is prepared, else None; never waits.
+
+        For a pending version it starts `prepare` as a task and returns None: the caller keeps admitting
+        prompts while the files are checked and read ahead (seconds to minutes at 7B-70B); `on_done` is
+        called when the task ends (the caller's wake-up). A later call returns the record when it
+        prepared well and is still the newest published one; a prepared version superseded meanwhile
+        (a newer publish, or a learner's rollback) is dropped and the newest one prepared instead."""
+        if self._preparing is not None:
+            record, task = self._preparing
+            if not task.done():
+                return None
+            self._preparing = None
+            if task.result() and record == self.latest and record.version != self.engine.loaded_version:
+                return record
+            if task.result():
+                log.info("v%d was read ahead but is superseded by v%s", record.version, self.latest.version)
+            self._discard()
+        record = self.pending()
+        if record is None:
+            return None
+        task = asyncio.create_task(self.prepare(record))
+        if on_done is not None:
+            task.add_done_callback(lambda _: on_done())
+        self._preparing = (record, task)
+        return None
+
+    async def close(self) -> None:
+        """Stop a background prepare (its read stops at the next chunk) and drop any staged copy."""
+        self._cancel.set()
+        if self._preparing is not None:
+            await asyncio.gather(self._preparing[1], return_exceptions=True)
+            self._preparing = None
+        self._discard()
 
     def _discard(self) -> None:
         """Drop the prepared version's staged copy, if any."""

