@@ -4,9 +4,11 @@ Hermetic: a fake engine that records its pauses and what it was given to load; r
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
+import threading
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -15,6 +17,7 @@ import actors.manifest as manifest_mod
 from actors.config import ReloadConfig, RetryConfig, load_config
 from actors.manifest import write_manifest
 from actors.metrics import ActorMetrics
+from actors.prefetch import Cancelled, prefetch_folder
 from actors.weight_sync import WeightSync, weights_path
 from buffer.policy import PolicyRecord, file_sha256
 
@@ -176,3 +179,52 @@ def test_sha256_of_shards_is_the_sha256_of_their_listing(tmp_path):
         for p in sorted(folder.glob("*.safetensors"))
     )
     assert sha == hashlib.sha256(lines.encode()).hexdigest()
+
+
+async def test_ready_prepares_in_the_background_and_hands_over_the_newest_version(tmp_path):
+    """`ready` never waits: the first call starts the read, a later one hands over the prepared record;
+    a version superseded while it was read is dropped (its staged copy too) and the newest one read."""
+    v1, sha1 = _folder(tmp_path / "volume", version=1)
+    v2, sha2 = _folder(tmp_path / "volume", version=2, shards=(b"z" * 3000,))
+    shm = tmp_path / "shm"
+    engine = Engine()
+    sync, _ = _sync(engine, prefetch="memory", prefetch_dir=str(shm))
+    woken = asyncio.Event()
+    sync.see(PolicyRecord(1, str(v1), sha1, 1.0))
+    assert sync.ready(on_done=woken.set) is None  # started, not waited for
+    await asyncio.wait_for(woken.wait(), 10)
+    assert len(list(shm.iterdir())) == 1  # v1 staged
+    sync.see(PolicyRecord(2, str(v2), sha2, 2.0))  # published while v1 was read
+    woken.clear()
+    assert sync.ready(on_done=woken.set) is None  # v1 dropped, v2 started
+    await asyncio.wait_for(woken.wait(), 10)
+    record = sync.ready()
+    assert record is not None and record.version == 2
+    (staged,) = shm.iterdir()
+    assert staged.name.endswith("-v2") and engine.events == []
+    assert await sync.load(record) and engine.loaded_version == 2 and list(shm.iterdir()) == []
+    assert sync.ready() is None  # nothing newer
+
+
+async def test_close_stops_a_prefetch_under_way_and_leaves_nothing_staged(tmp_path):
+    folder, sha = _folder(tmp_path / "volume", shards=(b"a" * (64 << 20),))  # 8 chunks
+    shm = tmp_path / "shm"
+    engine = Engine()
+    sync, reg = _sync(engine, prefetch="memory", prefetch_dir=str(shm), verify="full")
+    sync.see(PolicyRecord(1, str(folder), sha, 1.0))
+    assert sync.ready() is None
+    await sync.close()  # cancels at the next chunk, or finds it done
+    assert list(shm.iterdir()) == [] and engine.events == []
+    assert _bytes(reg, "memory") == 0  # stopped, not read to the end
+    assert reg.get_sample_value("offpolicy_actor_reload_failures_total", {"reason": "checksum"}) == 0
+    assert sync.ready() is None and engine.loaded_version == 0
+
+
+def test_a_cancelled_prefetch_raises_and_removes_its_copy(tmp_path):
+    folder, sha = _folder(tmp_path / "volume", shards=(b"a" * (20 << 20),))
+    cancel = threading.Event()
+    cancel.set()
+    config = ReloadConfig(prefetch="memory", prefetch_dir=str(tmp_path / "shm"))
+    with pytest.raises(Cancelled):
+        prefetch_folder(folder, sha, 1, config, cancel)
+    assert list((tmp_path / "shm").iterdir()) == []
