@@ -11,7 +11,8 @@ the learner's hashes: the manifest must name the record's checksum and every lis
 its listed size (no hashing, so a reload costs no second read of the weights). `full` re-hashes each file
 once (against the manifest when there is one; the shards' digests combined against the record's checksum).
 A folder without a manifest under `manifest` falls back to `full`, logged. A format-1 manifest (an older
-learner's, whose sharded checksum was defined otherwise) is refused as `checksum`: the next version loads.
+learner's, whose sharded checksum was the sha256 of the shards' concatenation) is read the same way; under
+`full` its shards are checked against their manifest digests, and the manifest against the record.
 `write_manifest` is the format's reference writer (tests; the learner's background writer writes the same).
 """
 
@@ -29,6 +30,7 @@ from buffer.policy import combine_sha256, file_sha256
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 FORMAT = 2
+LEGACY_FORMAT = 1  # an older learner's: the same per-file entries, shards' `sha256` defined otherwise
 
 
 def write_manifest(folder: str | Path, version: int) -> Path:
@@ -53,10 +55,8 @@ def read_manifest(folder: Path, version: int) -> dict[str, Any] | None:
         return None
     try:
         doc = json.loads(path.read_text())
-        if doc.get("format") == 1:
-            raise WeightLoadError(version, "checksum", f"{path} is format 1 (an older learner's): republish")
         ok = (
-            doc["format"] == FORMAT
+            doc["format"] in (LEGACY_FORMAT, FORMAT)
             and isinstance(doc["sha256"], str)
             and all(
                 isinstance(f["bytes"], int) and isinstance(f["sha256"], str) for f in doc["files"].values()
@@ -118,7 +118,10 @@ def verify_folder(
                 f"sha256 of {folder / name} is {digests[name]}, the manifest says "
                 f"{manifest['files'][name]['sha256']}",
             )
-    got = combine_sha256([(n, digests[n]) for n in sorted(names) if n.endswith(".safetensors")])
+    shards = [(n, digests[n]) for n in sorted(names) if n.endswith(".safetensors")]
+    if manifest is not None and manifest["format"] == LEGACY_FORMAT and len(shards) > 1:
+        return "full"  # every file matched its manifest digest, and the manifest names the record's sha256
+    got = combine_sha256(shards)
     if got != record_sha256:
         raise WeightLoadError(
             version, "checksum", f"sha256 of {folder} is {got}, the record says {record_sha256}"

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 import actors.manifest as manifest_mod
 from actors.config import ReloadConfig, RetryConfig, load_config
+from actors.errors import WeightLoadError
 from actors.manifest import write_manifest
 from actors.metrics import ActorMetrics
 from actors.prefetch import Cancelled, prefetch_folder
@@ -228,3 +229,24 @@ def test_a_cancelled_prefetch_raises_and_removes_its_copy(tmp_path):
     with pytest.raises(Cancelled):
         prefetch_folder(folder, sha, 1, config, cancel)
     assert list((tmp_path / "shm").iterdir()) == []
+
+
+def test_an_older_learners_format_1_folder_still_verifies(tmp_path):
+    """Format 1: the shards' record checksum was the sha256 of their concatenation; the per-file entries
+    are the same. Both checks accept it, and `full` still catches a flipped byte."""
+    folder, _ = _folder(tmp_path)
+    doc = json.loads((folder / "manifest.json").read_text())
+    shards = sorted(folder.glob("*.safetensors"))
+    doc["format"], doc["sha256"] = 1, hashlib.sha256(b"".join(p.read_bytes() for p in shards)).hexdigest()
+    (folder / "manifest.json").write_text(json.dumps(doc))
+    for mode in ("manifest", "full"):
+        assert manifest_mod.verify_folder(folder, doc["sha256"], 1, mode) == mode
+    data = bytearray(shards[0].read_bytes())
+    data[0] ^= 1
+    shards[0].write_bytes(bytes(data))
+    with pytest.raises(WeightLoadError, match="the manifest says"):
+        manifest_mod.verify_folder(folder, doc["sha256"], 1, "full")
+    doc["format"] = 3
+    (folder / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(WeightLoadError, match="unknown format"):
+        manifest_mod.verify_folder(folder, doc["sha256"], 1, "manifest")
