@@ -102,7 +102,7 @@ def measure_files(model_dir: Path, work: Path, args: argparse.Namespace) -> dict
     from actors.engine import VLLMEngine
 
     t0 = time.perf_counter()
-    engine = VLLMEngine(EngineConfig.cpu_tiny(str(model_dir), max_model_len=256))
+    engine = VLLMEngine(EngineConfig.cpu_tiny(max_model_len=256), str(model_dir))
     started = time.perf_counter() - t0
     try:
         volume = Path(args.volume) if args.volume else work

@@ -43,7 +43,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path) -> VLLMEngine:
-    eng = VLLMEngine(EngineConfig.cpu_tiny(str(model_dir), max_model_len=256))
+    eng = VLLMEngine(EngineConfig.cpu_tiny(max_model_len=256), str(model_dir))
     yield eng
     eng.shutdown()
 

@@ -166,10 +166,10 @@ async def test_a_relative_uri_without_a_root_is_refused_naming_the_setting(tmp_p
 
 def test_verify_sha256_is_refused_naming_reload_verify(tmp_path):
     path = tmp_path / "actor.yaml"
-    path.write_text("engine: {model: /m}\ngateway: {enabled: true}\nreload: {verify_sha256: false}\n")
+    path.write_text("model_path: /m\ngateway: {enabled: true}\nreload: {verify_sha256: false}\n")
     with pytest.raises(ValueError, match=r"verify_sha256.*reload\.verify.*verify: none"):
         load_config(path, {})
-    path.write_text("engine: {model: /m}\ngateway: {enabled: true}\nreload: {verify: none}\n")
+    path.write_text("model_path: /m\ngateway: {enabled: true}\nreload: {verify: none}\n")
     assert load_config(path, {}).reload.verify == "none"
 
 
