@@ -1,8 +1,8 @@
 """The actor's configuration as data: one frozen model per concern, loaded from YAML + `OFFPOLICY_` env.
 
 `ActorConfig` nests `EngineConfig` (vLLM), `SamplingConfig`, `DatasetConfig`, `RewardConfig`,
-`ReloadConfig` (`mode`: drain | abort | inflight, `verify`: manifest | full | none) and `RetryConfig`,
-plus `max_inflight_prompts`, the run's Redis URL, run id and `BufferConfig` (the same one the
+`ReloadConfig` (`mode`: drain | abort | inflight, `verify`: manifest | full | none, `prefetch`) and
+`RetryConfig`, plus `max_inflight_prompts`, the run's Redis URL, run id and `BufferConfig` (the same one the
 learner uses: the insert script applies its `max_size` and rate limiter). Nothing reads the environment
 at import time: `load_config(path, environ)` reads only the mapping it is given.
 """
@@ -274,8 +274,6 @@ class ReloadConfig(ConfigModel):
     """Most seconds one weight load may take before it counts as failed (`timeout`)."""
     max_attempts: int = Field(3, ge=1)
     """Loads tried for one published version before the actor gives up on it (until a newer one)."""
-    verify_sha256: bool = True
-    """False = `verify: none` whatever `verify` says (the older switch, kept for existing configs)."""
     mode: Literal["drain", "abort", "inflight"] = "inflight"
     """How a newer version reaches the engine. `drain`: stop admitting, let in-flight requests finish,
     load, resume. `abort`: abort in-flight requests, load, re-admit their prompts (their tokens are
@@ -286,7 +284,30 @@ class ReloadConfig(ConfigModel):
     """What is checked before loading a folder. `manifest`: the folder's `manifest.json` names the
     record's sha256 and every listed file has its listed size (no hashing; a folder without a manifest
     falls back to `full`, logged). `full`: re-hash the `*.safetensors` (the record's sha256) and, when a
-    manifest exists, every listed file against it. `none`: check nothing."""
+    manifest exists, every listed file against it. `none`: check nothing. With `prefetch` the hashing
+    of `full` is done on the prefetch's read: each byte is read and hashed once, before the pause."""
+    prefetch: Literal["page_cache", "memory", "none"] = "page_cache"
+    """What the actor does with a new version's files before it pauses the engine, so that the pause
+    covers only the load into the engine. `page_cache`: read every file once (the engine's load then
+    reads memory, not the volume; the kernel may evict it under memory pressure, and actors on one node
+    share it). `memory`: copy the folder into `prefetch_dir` (a tmpfs) and load from there, when it holds
+    at most `prefetch_max_bytes` and the tmpfs has room; else as `page_cache` (logged). `none`: the
+    engine reads the volume inside the pause."""
+    prefetch_dir: PathStr = "/dev/shm/offpolicy-weights"
+    """The tmpfs folder `prefetch: memory` copies a version into (one staged version at a time per
+    actor, deleted once loaded; on Kubernetes mount an `emptyDir` with `medium: Memory` there)."""
+    prefetch_max_bytes: int = Field(16 * 2**30, ge=0)
+    """Most bytes `prefetch: memory` holds in host memory, in bytes (a 7B model in bf16 is ~15 GB, 70B
+    ~141 GB); a larger folder is prefetched into the page cache instead."""
+    weights_root: PathStr | None = None
+    """Where this actor sees the learner's weights volume: a relative `weights_uri` in the policy record
+    (the learner's `publish.weights_root` set) is resolved under it. An absolute `weights_uri` is loaded
+    from that path as it is. None = relative URIs are refused (reason `missing`, with this setting named)."""
+
+    renamed_keys: ClassVar[Mapping[str, str]] = {
+        "verify_sha256": "merged into reload.verify; `verify: none` replaces `verify_sha256: false`, "
+        "and `verify_sha256: true` is the default (`verify: manifest`): remove the key"
+    }
 
 
 class RetryConfig(ConfigModel):

@@ -184,8 +184,11 @@ class VLLMEngine:
         finally:
             await self.acall(self.llm.resume_generation())
 
-    async def reload_weights(self, path: str, version: int, timeout_s: float | None = None) -> None:
-        """Load the safetensors in folder `path` into the engine; then `loaded_version = version`.
+    async def reload_weights(
+        self, path: str, version: int, timeout_s: float | None = None, source: str | None = None
+    ) -> None:
+        """Load the safetensors in folder `path` into the engine; then `loaded_version = version` and
+        `loaded_path = source or path` (`source`: the published folder when `path` is a staged copy of it).
 
         Call it inside `paused()`. Raises `WeightLoadError` (`timeout` or `engine`); on error
         `loaded_version` is unchanged, but the engine may hold partly loaded weights: the caller restores
@@ -204,7 +207,7 @@ class VLLMEngine:
         if not await self.acall(self.llm.reset_prefix_cache(reset_running_requests=True)):
             raise WeightLoadError(version, "engine", "vLLM refused to reset the prefix cache")
         self.loaded_version = version
-        self.loaded_path = path
+        self.loaded_path = source or path
 
     def shutdown(self) -> None:
         """Stop the engine-core process (and its workers) by handle, then the engine's loop thread."""

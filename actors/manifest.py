@@ -2,41 +2,35 @@
 
 The learner writes into each published folder `v<version>/` a `manifest.json`:
 
-    {"format": 1, "version": <int>, "sha256": <the policy record's checksum>,
+    {"format": 2, "version": <int>, "sha256": <the policy record's checksum>,
      "files": {"<name>": {"bytes": <int>, "sha256": "<hex>"}, ...}}
 
-covering every file of the folder, where `sha256` is `buffer.policy.weights_sha256` of the folder (sha256
-over its `*.safetensors` in name order). `verify="manifest"` trusts the learner's hashes: the manifest must
-name the record's checksum and every listed file must exist with its listed size (no hashing, so a reload
-costs no second read of the weights). `full` re-hashes (the record's checksum, and each listed file against
-the manifest when there is one). A folder without a manifest under `manifest` falls back to `full`, logged.
+covering every file of the folder, where `sha256` is `buffer.policy.weights_sha256` of the folder (one
+`*.safetensors`: its sha256; shards: the sha256 of their `sha256sum` listing). `verify="manifest"` trusts
+the learner's hashes: the manifest must name the record's checksum and every listed file must exist with
+its listed size (no hashing, so a reload costs no second read of the weights). `full` re-hashes each file
+once (against the manifest when there is one; the shards' digests combined against the record's checksum).
+A folder without a manifest under `manifest` falls back to `full`, logged. A format-1 manifest (an older
+learner's, whose sharded checksum was the sha256 of the shards' concatenation) is read the same way; under
+`full` its shards are checked against their manifest digests, and the manifest against the record.
 `write_manifest` is the format's reference writer (tests; the learner's background writer writes the same).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from actors.errors import WeightLoadError
-from buffer.policy import weights_sha256
+from buffer.policy import combine_sha256, file_sha256
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
-FORMAT = 1
-_CHUNK = 1 << 20
-
-
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of one file, read in 1 MiB chunks."""
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+FORMAT = 2
+LEGACY_FORMAT = 1  # an older learner's: the same per-file entries, shards' `sha256` defined otherwise
 
 
 def write_manifest(folder: str | Path, version: int) -> Path:
@@ -47,7 +41,8 @@ def write_manifest(folder: str | Path, version: int) -> Path:
         for p in sorted(root.iterdir())
         if p.is_file() and p.name != MANIFEST
     }
-    doc = {"format": FORMAT, "version": version, "sha256": weights_sha256(root), "files": files}
+    shards = [(name, f["sha256"]) for name, f in files.items() if name.endswith(".safetensors")]
+    doc = {"format": FORMAT, "version": version, "sha256": combine_sha256(shards), "files": files}
     out = root / MANIFEST
     out.write_text(json.dumps(doc, indent=1, sort_keys=True))
     return out
@@ -61,7 +56,7 @@ def read_manifest(folder: Path, version: int) -> dict[str, Any] | None:
     try:
         doc = json.loads(path.read_text())
         ok = (
-            doc["format"] == FORMAT
+            doc["format"] in (LEGACY_FORMAT, FORMAT)
             and isinstance(doc["sha256"], str)
             and all(
                 isinstance(f["bytes"], int) and isinstance(f["sha256"], str) for f in doc["files"].values()
@@ -87,10 +82,14 @@ def _check_sizes(folder: Path, manifest: dict[str, Any], version: int) -> None:
             )
 
 
-def verify_folder(folder: Path, record_sha256: str, version: int, mode: str) -> str:
+def verify_folder(
+    folder: Path, record_sha256: str, version: int, mode: str, digests: Mapping[str, str] | None = None
+) -> str:
     """Check `folder` for the record (`mode`: manifest | full | none); return the check really made.
 
-    Raises `WeightLoadError` with reason `checksum` (a hash, size or manifest mismatch) or `missing`.
+    `digests`: files' sha256 already computed while reading them (the prefetch), by name; `full` hashes
+    only the files missing from it. Raises `WeightLoadError` with reason `checksum` (a hash, size or
+    manifest mismatch) or `missing`.
     """
     if mode == "none":
         return "none"
@@ -107,16 +106,22 @@ def verify_folder(folder: Path, record_sha256: str, version: int, mode: str) -> 
         _check_sizes(folder, manifest, version)
         if mode == "manifest":
             return "manifest"
-        for name, entry in manifest["files"].items():
-            if name.endswith(".safetensors"):
-                continue  # covered by the folder's checksum below: each byte is read once
-            if (got := file_sha256(folder / name)) != entry["sha256"]:
-                raise WeightLoadError(
-                    version,
-                    "checksum",
-                    f"sha256 of {folder / name} is {got}, the manifest says {entry['sha256']}",
-                )
-    got = weights_sha256(folder)
+    digests = dict(digests or {})
+    names = manifest["files"] if manifest is not None else [p.name for p in folder.glob("*.safetensors")]
+    for name in names:
+        if name not in digests:
+            digests[name] = file_sha256(folder / name)  # each byte is hashed once
+        if manifest is not None and digests[name] != manifest["files"][name]["sha256"]:
+            raise WeightLoadError(
+                version,
+                "checksum",
+                f"sha256 of {folder / name} is {digests[name]}, the manifest says "
+                f"{manifest['files'][name]['sha256']}",
+            )
+    shards = [(n, digests[n]) for n in sorted(names) if n.endswith(".safetensors")]
+    if manifest is not None and manifest["format"] == LEGACY_FORMAT and len(shards) > 1:
+        return "full"  # every file matched its manifest digest, and the manifest names the record's sha256
+    got = combine_sha256(shards)
     if got != record_sha256:
         raise WeightLoadError(
             version, "checksum", f"sha256 of {folder} is {got}, the record says {record_sha256}"

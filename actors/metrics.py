@@ -91,8 +91,18 @@ class ActorMetrics:
         )  # fmt: skip
         self.reloads = Counter("offpolicy_actor_reloads_total", "Successful weight reloads", registry=r)
         self.reload_seconds = Histogram(
-            "offpolicy_actor_reload_seconds", "Duration of successful weight reloads (checksum + load)",
+            "offpolicy_actor_reload_seconds",
+            "Engine paused for one successful weight load (the load into the engine; checks and prefetch "
+            "run before)", buckets=_RELOAD_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.reload_prefetch = Histogram(
+            "offpolicy_actor_reload_prefetch_seconds",
+            "Checking and reading a new version's files ahead of its load, while the engine generates",
             buckets=_RELOAD_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.prefetched_bytes = Counter(
+            "offpolicy_actor_reload_prefetched_bytes_total",
+            "Bytes of published weights read ahead of their load, by where they went", ["where"], registry=r,
         )  # fmt: skip
         self.reload_pause = Histogram(
             "offpolicy_actor_reload_pause_seconds",
@@ -157,6 +167,8 @@ class ActorMetrics:
             self.reload_failures.labels(reason)
         for reason in WAIT_REASONS:
             self.buffer_wait.labels(reason)
+        for where in ("memory", "page_cache"):
+            self.prefetched_bytes.labels(where)
 
     def record_eval(self, record: EvalRecord) -> None:
         """Set the evaluation gauges from one evaluation."""

@@ -2,24 +2,29 @@
 
 `follow()` runs beside the rollout loop and keeps `latest` up to date (pub/sub with polling fallback,
 from `AsyncPolicyStore.watch`; Redis outages are waited out, bounded and counted). The loop asks
-`pending()` whether a newer version waits, `prepare()` checks its folder (`reload.verify`, outside any
-engine pause: actors/manifest.py), and `load()` loads it in place while the engine's scheduler is paused,
-and only then moves `loaded_version`. A failed load is logged and counted by reason, tried again later up
-to `max_attempts` per version, and the engine keeps the version it really holds. After an engine-side
-failure (the weights may be half loaded) the last good folder is loaded back before the engine resumes.
+`pending()` whether a newer version waits; `prepare()` checks its folder (`reload.verify`:
+actors/manifest.py) and reads it ahead (`reload.prefetch`: actors/prefetch.py), both while the engine
+generates; `load()` loads it in place while the engine's scheduler is paused (the pause covers only the
+load into the engine), and only then moves `loaded_version`. A `weights_uri` relative to the learner's
+`publish.weights_root` is resolved under `reload.weights_root`; an absolute one is used as it is.
+A failed load is logged and counted by reason, tried again later up to `max_attempts` per version, and
+the engine keeps the version it really holds. After an engine-side failure (the weights may be half
+loaded) the last good folder is loaded back before the engine resumes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from actors.errors import WeightLoadError
-from actors.manifest import verify_folder
+from actors.prefetch import Cancelled, Prefetched, prefetch_folder
 from buffer.errors import InvalidTrajectory, StorageUnavailable
 from buffer.policy import weights_sha256
 
@@ -38,16 +43,29 @@ class ReloadableEngine(Protocol):
     loaded_path: str
 
     def paused(self) -> AbstractAsyncContextManager[None]: ...
-    async def reload_weights(self, path: str, version: int, timeout_s: float | None = None) -> None: ...
+    async def reload_weights(
+        self, path: str, version: int, timeout_s: float | None = None, source: str | None = None
+    ) -> None: ...
 
 
 safetensors_sha256 = weights_sha256
 """The policy record's checksum of a weights folder (`buffer.policy.weights_sha256`), under its old name."""
 
 
-def weights_path(uri: str) -> Path:
-    """The local folder of a `weights_uri` (`file:///x` or a plain path)."""
-    return Path(uri.removeprefix("file://"))
+def weights_path(uri: str, weights_root: str | None = None) -> Path:
+    """The local folder of a `weights_uri` (`file:///x` or a plain path): an absolute one as it is, a
+    relative one under `weights_root` (`ValueError` without a root, or when it climbs out with `..`)."""
+    path = Path(uri.removeprefix("file://"))
+    if path.is_absolute():
+        return path
+    if weights_root is None:
+        raise ValueError(
+            f"weights_uri {uri!r} is relative to the learner's publish.weights_root: set reload.weights_root "
+            "to where this actor mounts the weights volume"
+        )
+    if ".." in path.parts:
+        raise ValueError(f"weights_uri {uri!r} climbs out of the weights root")
+    return Path(weights_root) / path
 
 
 class WeightSync:
@@ -64,6 +82,10 @@ class WeightSync:
         self.store, self.engine, self.config, self.retry, self.metrics = store, engine, config, retry, metrics
         self.latest: PolicyRecord | None = None
         self.reloads = 0
+        self.last_prefetch_s = self.last_pause_s = 0.0  # of the last prepared / loaded version
+        self._prefetched: Prefetched | None = None  # the prepared version, read ahead, until loaded
+        self._preparing: tuple[PolicyRecord, asyncio.Task[bool]] | None = None  # `ready`'s background prepare
+        self._cancel = threading.Event()  # set by `close`: a prefetch under way stops at its next chunk
         self._failed: dict[int, int] = {}  # version -> failed attempts
         metrics.policy_version.set(engine.loaded_version)
 
@@ -131,36 +153,103 @@ class WeightSync:
         )  # fmt: skip
 
     async def prepare(self, record: PolicyRecord) -> bool:
-        """Check `record`'s folder (`reload.verify`) in a thread; False (counted) when it fails."""
-        mode = self.config.verify if self.config.verify_sha256 else "none"
-        folder = weights_path(record.weights_uri)
+        """Check `record`'s folder (`reload.verify`) and read it ahead (`reload.prefetch`) in a thread while
+        the engine generates; False (counted) when it fails."""
+        self._discard()
         try:
+            try:
+                folder = weights_path(record.weights_uri, self.config.weights_root)
+            except ValueError as e:
+                raise WeightLoadError(record.version, "missing", str(e)) from e
             if not folder.is_dir() or not any(folder.glob("*.safetensors")):
-                raise WeightLoadError(record.version, "missing", f"no *.safetensors in {folder}")
-            await asyncio.to_thread(verify_folder, folder, record.sha256, record.version, mode)
+                hint = " (the learner's own path: see publish.weights_root)" if folder.is_absolute() else ""
+                raise WeightLoadError(record.version, "missing", f"no *.safetensors in {folder}{hint}")
+            try:
+                got = await asyncio.to_thread(
+                    prefetch_folder, folder, record.sha256, record.version, self.config, self._cancel
+                )
+            except OSError as e:  # e.g. the learner pruned the folder while it was read
+                raise WeightLoadError(record.version, "missing", f"reading {folder}: {e}") from e
         except WeightLoadError as e:
             self._fail(record, e)
             return False
+        except Cancelled:
+            return False
+        self._prefetched, self.last_prefetch_s = got, got.seconds
+        self.metrics.reload_prefetch.observe(got.seconds)
+        if got.where != "none":
+            self.metrics.prefetched_bytes.labels(got.where).inc(got.bytes)
         return True
+
+    def ready(self, on_done: Callable[[], None] | None = None) -> PolicyRecord | None:
+        """The version to load once it is prepared, else None; never waits.
+
+        For a pending version it starts `prepare` as a task and returns None: the caller keeps admitting
+        prompts while the files are checked and read ahead (seconds to minutes at 7B-70B); `on_done` is
+        called when the task ends (the caller's wake-up). A later call returns the record when it
+        prepared well and is still the newest published one; a prepared version superseded meanwhile
+        (a newer publish, or a learner's rollback) is dropped and the newest one prepared instead."""
+        if self._preparing is not None:
+            record, task = self._preparing
+            if not task.done():
+                return None
+            self._preparing = None
+            if task.result() and record == self.latest and record.version != self.engine.loaded_version:
+                return record
+            if task.result():
+                log.info("v%d was read ahead but is superseded by v%s", record.version, self.latest.version)
+            self._discard()
+        record = self.pending()
+        if record is None:
+            return None
+        task = asyncio.create_task(self.prepare(record))
+        if on_done is not None:
+            task.add_done_callback(lambda _: on_done())
+        self._preparing = (record, task)
+        return None
+
+    async def close(self) -> None:
+        """Stop a background prepare (its read stops at the next chunk) and drop any staged copy."""
+        self._cancel.set()
+        if self._preparing is not None:
+            await asyncio.gather(self._preparing[1], return_exceptions=True)
+            self._preparing = None
+        self._discard()
+
+    def _discard(self) -> None:
+        """Drop the prepared version's staged copy, if any."""
+        if self._prefetched is not None:
+            self._prefetched.discard()
+            self._prefetched = None
 
     async def load(self, record: PolicyRecord) -> bool:
         """Load a prepared record with the engine paused; True when the engine moved forward."""
+        got = self._prefetched
+        if got is None or got.version != record.version:
+            raise RuntimeError(f"load(v{record.version}) without a prepare of it")  # a caller's bug
         t0 = time.perf_counter()
-        async with self.engine.paused():
-            try:
-                await self.engine.reload_weights(
-                    str(weights_path(record.weights_uri)), record.version, self.config.timeout_s
-                )
-            except WeightLoadError as e:
-                self._fail(record, e)
-                await self._restore()
-                return False
+        try:
+            async with self.engine.paused():
+                try:
+                    await self.engine.reload_weights(
+                        str(got.load_from), record.version, self.config.timeout_s, source=str(got.folder)
+                    )
+                except WeightLoadError as e:
+                    self._fail(record, e)
+                    await self._restore()
+                    return False
+        finally:
+            self._discard()
+        self.last_pause_s = time.perf_counter() - t0
         self.reloads += 1
         self.metrics.reloads.inc()
-        self.metrics.reload_seconds.observe(time.perf_counter() - t0)
+        self.metrics.reload_seconds.observe(self.last_pause_s)
         self.metrics.policy_version.set(self.engine.loaded_version)
         self._update_lag()
-        log.info("loaded policy v%d in %.3f s", record.version, time.perf_counter() - t0)
+        log.info(
+            "loaded policy v%d: engine paused %.3f s; %.1f MB read ahead (%s) in %.3f s before the pause",
+            record.version, self.last_pause_s, got.bytes / 1e6, got.where, got.seconds,
+        )  # fmt: skip
         return True
 
     async def maybe_reload(self) -> bool:

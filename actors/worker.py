@@ -171,6 +171,7 @@ class Actor:
             await pusher
             if follower is not None:
                 await cancel_and_wait([follower])
+            await self.sync.close()
             await store.close()
             await self._evals.close()
             await buffer.close()
@@ -227,8 +228,9 @@ class Actor:
         self._raise_fatal()
         if self._eval_task is not None:
             return  # an evaluation holds the version it evaluates; loaded when it is done
-        record = None if self.sync is None else self.sync.pending()
-        if record is None or not await self.sync.prepare(record):  # checks run before any pause
+        # checked and read ahead in the background (`reload.prefetch`) while prompts are admitted
+        record = None if self.sync is None else self.sync.ready(on_done=self._wake.set)
+        if record is None:
             return
         mode, t0 = self.config.reload.mode, time.perf_counter()
         if mode == "abort":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,7 +25,7 @@ class PolicyRecord:
 
     version: int
     weights_uri: str  # e.g. file:///weights/v12 or a path; what actors pass to their weight loader
-    sha256: str  # hex sha256 over the safetensors files
+    sha256: str  # hex sha256 of the safetensors files (`combine_sha256`)
     published_at: float  # unix seconds
 
     def encode(self) -> str:
@@ -52,15 +52,31 @@ class PolicyRecord:
         return cls(doc["version"], doc["weights_uri"], doc["sha256"], float(doc["published_at"]))
 
 
-def weights_sha256(folder: str | Path) -> str:
-    """`PolicyRecord.sha256` of a published weights folder: sha256 over its `*.safetensors` files in name
-    order (one file: that file's sha256); the learner computes it when publishing, the actors check it."""
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of one file, read in 1 MiB chunks."""
     digest = hashlib.sha256()
-    for path in sorted(Path(folder).glob("*.safetensors")):
-        with path.open("rb") as fh:
-            while chunk := fh.read(_CHUNK):
-                digest.update(chunk)
+    with Path(path).open("rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            digest.update(chunk)
     return digest.hexdigest()
+
+
+def combine_sha256(digests: Sequence[tuple[str, str]]) -> str:
+    """`PolicyRecord.sha256` from the `*.safetensors` files' own digests `[(name, hex), ...]` in name order:
+    one file: its own sha256; several (shards): the sha256 of their `sha256sum` listing, one line
+    `"<hex>  <name>\\n"` per file (`sha256sum model-*.safetensors | sha256sum`). Each byte of the weights
+    is hashed once, by its own file's digest, which the manifest lists too."""
+    if len(digests) == 1:
+        return digests[0][1]
+    listing = "".join(f"{hex_}  {name}\n" for name, hex_ in digests)
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
+def weights_sha256(folder: str | Path) -> str:
+    """`PolicyRecord.sha256` of a published weights folder (`combine_sha256` over its `*.safetensors` in name
+    order); the learner computes it while writing, the actors check it."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    return combine_sha256([(p.name, file_sha256(p)) for p in files])
 
 
 def _noop() -> None:

@@ -97,6 +97,11 @@ class PublishConfig(ConfigModel):
     """Publish after every this many learner steps."""
     keep_versions: int = Field(3, ge=1)
     """How many published versions stay on disk; older folders are deleted."""
+    weights_root: PathStr | None = Field(None, json_schema_extra=FROZEN)
+    """Where the shared weights volume is mounted on the learner; `weights_dir` must lie under it, and the
+    policy record names each version's folder relative to it (`run-a/weights/v12`), so actors may mount
+    the volume elsewhere (their `reload.weights_root`). None = the record holds the folder's absolute
+    path, and every actor must see the volume at the learner's path."""
 
 
 class CheckpointConfig(ConfigModel):
@@ -361,6 +366,14 @@ class LearnerConfig(ConfigModel):
         mb = self.mini_batch_groups
         if mb is not None and self.groups_per_step % mb != 0:
             raise ValueError(f"mini_batch_groups={mb} must divide groups_per_step={self.groups_per_step}")
+        root = self.publish.weights_root
+        if root is not None and not Path(os.path.abspath(self.weights_path)).is_relative_to(
+            os.path.abspath(root)
+        ):
+            raise ValueError(
+                f"publish.weights_dir={self.publish.weights_dir!r} is not under publish.weights_root="
+                f"{root!r}: the policy record names folders relative to the root"
+            )
         periodic = self.checkpoint.checkpoint_dir is not None and self.checkpoint.checkpoint_every is not None
         if self.delivery == "checkpoint" and not periodic:
             raise ValueError(

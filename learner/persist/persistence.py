@@ -27,7 +27,13 @@ from learner.model.load import unique_state
 from learner.persist.checkpoint import Checkpoints, NoCheckpoints, base_meta
 from learner.persist.sharded import ShardedCheckpoints
 from learner.persist.single import FileCheckpoints
-from learner.persist.weights import HostCopy, WeightsSnapshot, publish_snapshot, remove_leftovers
+from learner.persist.weights import (
+    HostCopy,
+    WeightsSnapshot,
+    publish_snapshot,
+    remove_leftovers,
+    uri_folder,
+)
 from learner.persist.writer import BackgroundWriter, Kind, WeightsBuffers
 
 if TYPE_CHECKING:
@@ -119,7 +125,9 @@ class Persistence:
                 dtype=dtype,
                 generation_config=getattr(model, "generation_config", None),
             )
-            return publish_snapshot(snap, wdir, store=store, keep_versions=pc.keep_versions)
+            return publish_snapshot(
+                snap, wdir, store=store, keep_versions=pc.keep_versions, weights_root=pc.weights_root
+            )
 
         self.writer.submit("weights", version, write, buffers=copy.tensors)
         self.metrics.writes_coalesced.inc(self.writer.coalesced - self._coalesced_seen)
@@ -131,7 +139,8 @@ class Persistence:
         record = self.store.read() if self.store is not None else None
         ours = (
             record is not None
-            and Path(record.weights_uri).parent.resolve() == self.config.weights_path.resolve()
+            and uri_folder(record.weights_uri, self.config.publish.weights_root).parent.resolve()
+            == self.config.weights_path.resolve()
         )
         if record is not None and record.version == version and ours:
             self.published_version = record.version

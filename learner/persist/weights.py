@@ -5,14 +5,17 @@ shards + `model.safetensors.index.json` past `max_shard_bytes`), `config.json` (
 weights are written in), `generation_config.json` when the model has one, the tokenizer files, and
 `manifest.json`:
 
-    {"format": 1, "version": 7, "sha256": "<PolicyRecord.sha256>",
+    {"format": 2, "version": 7, "sha256": "<PolicyRecord.sha256>",
      "files": {"model.safetensors": {"bytes": 123, "sha256": "<hex>"}, "config.json": {...}, ...}}
 
-Every file's sha256 is computed while the file is written (no second read), and `sha256` is the policy
-record's checksum (`buffer.policy.weights_sha256`: one digest over the `*.safetensors` files in name order),
-fed from the same writes. Actors verify a load against the manifest without hashing the folder again.
+Every file's sha256 is computed while the file is written (no second read), each byte by one hasher: its
+file's. `sha256` is the policy record's checksum, combined from the shards' own digests
+(`buffer.policy.combine_sha256`: one file = its digest; shards = the sha256 of their `sha256sum` listing).
+Actors verify a load against the manifest without hashing the folder again.
 The folder is written under a hidden temporary name, fsynced, then renamed into place: a reader, or a
-learner resumed after `kill -9`, never sees half a version. `weights_uri` is the folder's absolute path.
+learner resumed after `kill -9`, never sees half a version. `weights_uri` is the folder's path relative to
+`publish.weights_root` when one is set (`weights_uri`; the actors resolve it under their own
+`reload.weights_root`, so pods may mount the volume anywhere), else its absolute path.
 
 `HostCopy` takes the snapshot (device -> host copy, cast to the publish dtype, into reused pinned buffers on
 CUDA) on a helper thread that overlaps the next forward/backward; the learner waits for it only before its
@@ -36,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from buffer.policy import PolicyRecord, weights_sha256
+from buffer.policy import PolicyRecord, combine_sha256, weights_sha256
 from learner.model.load import unique_state
 
 if TYPE_CHECKING:
@@ -46,7 +49,7 @@ if TYPE_CHECKING:
 
 VERSION_DIR = re.compile(r"^v(\d+)$")
 MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2
 _ST_DTYPES = {
     torch.float32: "F32",
     torch.float16: "F16",
@@ -169,19 +172,16 @@ def snapshot_to_host(
 
 
 class _HashingFile:
-    """A binary file opened for writing whose bytes also feed its own sha256 and an optional shared one."""
+    """A binary file opened for writing whose bytes also feed its sha256."""
 
-    def __init__(self, path: Path, shared: Any | None = None) -> None:
+    def __init__(self, path: Path) -> None:
         self.fh = path.open("wb")
         self.own = hashlib.sha256()
-        self.shared = shared
         self.bytes = 0
 
     def write(self, data: bytes | memoryview) -> None:
         self.fh.write(data)
         self.own.update(data)
-        if self.shared is not None:
-            self.shared.update(data)
         self.bytes += len(data)
 
     def close(self) -> dict[str, Any]:
@@ -196,7 +196,7 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], shared: Any | None = None) -> dict:
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict:
     """Write `tensors` in the safetensors format, hashing as it writes; return {"bytes", "sha256"}."""
     header: dict[str, Any] = {}
     offset = 0
@@ -210,7 +210,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], shared: Any 
         offset += n
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-aligned, as the reference writer does
-    out = _HashingFile(path, shared)
+    out = _HashingFile(path)
     out.write(len(head).to_bytes(8, "little"))
     out.write(head)
     for t in tensors.values():
@@ -266,17 +266,15 @@ def write_version(snap: WeightsSnapshot, weights_dir: str | Path, max_shard_byte
     tmp = final.parent / f".tmp-v{snap.version}-{uuid.uuid4().hex}"
     tmp.mkdir()
     files: dict[str, dict[str, Any]] = {}
-    # The record's checksum = weights_sha256(folder): one digest over the safetensors files in name order.
-    # With one file it is that file's own digest: no second hasher over the same bytes.
+    # The record's checksum is combined from the files' own digests (combine_sha256): each byte hashed once.
     shards = _shards(snap.tensors, max_shard_bytes)
     names = (
         ["model.safetensors"]
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
-    record_sha = hashlib.sha256() if len(shards) > 1 else None
     for name, shard in zip(names, shards, strict=True):  # names sort in write order
-        files[name] = write_safetensors(tmp / name, shard, record_sha)
+        files[name] = write_safetensors(tmp / name, shard)
     if len(shards) > 1:
         index = {
             "metadata": {"total_size": sum(f["bytes"] for f in files.values())},
@@ -299,7 +297,7 @@ def write_version(snap: WeightsSnapshot, weights_dir: str | Path, max_shard_byte
     manifest = {
         "format": MANIFEST_FORMAT,
         "version": snap.version,
-        "sha256": record_sha.hexdigest() if record_sha is not None else files[names[0]]["sha256"],
+        "sha256": combine_sha256([(name, files[name]["sha256"]) for name in names]),
         "files": files,
     }
     _write_small(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
@@ -325,18 +323,40 @@ def prune_versions(weights_dir: str | Path, keep: int, protect: int | None = Non
     return doomed
 
 
+def weights_uri(folder: str | Path, weights_root: str | Path | None = None) -> str:
+    """The record's `weights_uri` for a published folder: its POSIX path relative to `weights_root`, or its
+    absolute path when there is no root. A folder outside the root is a `ValueError` naming both."""
+    path = Path(folder).resolve()
+    if weights_root is None:
+        return str(path)
+    root = Path(weights_root).resolve()
+    if not path.is_relative_to(root):
+        raise ValueError(f"published folder {path} is not under publish.weights_root {root}")
+    return path.relative_to(root).as_posix()
+
+
+def uri_folder(uri: str, weights_root: str | Path | None = None) -> Path:
+    """The learner's folder of a record's `weights_uri` (`weights_uri` undone): a relative one under
+    `weights_root` (the current folder when None), an absolute one as it is."""
+    path = Path(uri.removeprefix("file://"))
+    return path if path.is_absolute() else Path(weights_root or ".") / path
+
+
 def publish_snapshot(
     snap: WeightsSnapshot,
     weights_dir: str | Path,
     *,
     store: PolicyStore | None = None,
     keep_versions: int | None = None,
+    weights_root: str | Path | None = None,
 ) -> PolicyRecord:
-    """Write `v<version>/`, then SET + announce the policy record in `store`, then prune old versions."""
+    """Write `v<version>/`, then SET + announce the policy record in `store`, then prune old versions.
+    `weights_root`: the record names the folder relative to it (`weights_uri`); None = absolute path."""
+    uri_of = weights_uri(version_dir(weights_dir, snap.version), weights_root)  # refused before writing
     folder = write_version(snap, weights_dir)
     record = PolicyRecord(
         version=snap.version,
-        weights_uri=str(folder.resolve()),
+        weights_uri=uri_of,
         sha256=read_manifest(folder)["sha256"],
         published_at=time.time(),
     )
@@ -356,6 +376,7 @@ def publish_weights(
     store: PolicyStore | None = None,
     keep_versions: int | None = None,
     dtype: torch.dtype | None = None,
+    weights_root: str | Path | None = None,
 ) -> PolicyRecord:
     """Snapshot `model` (cast to `dtype`, None = as it is) and publish it in the calling thread: the
     synchronous path (tests, tools, the benchmark's baseline); the learner uses the background writer."""
@@ -367,4 +388,6 @@ def publish_weights(
         dtype=dtype or next(model.parameters()).dtype,
         generation_config=getattr(model, "generation_config", None),
     )
-    return publish_snapshot(snap, weights_dir, store=store, keep_versions=keep_versions)
+    return publish_snapshot(
+        snap, weights_dir, store=store, keep_versions=keep_versions, weights_root=weights_root
+    )

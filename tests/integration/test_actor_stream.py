@@ -97,10 +97,10 @@ class FakeEngine:
         finally:
             self._resumed.set()
 
-    async def reload_weights(self, path, version, timeout_s=None):
+    async def reload_weights(self, path, version, timeout_s=None, source=None):
         self.running_at_reload.append(set(self.running))
         await asyncio.sleep(0.01)
-        self.loaded_version, self.loaded_path = version, path
+        self.loaded_version, self.loaded_path = version, source or path
 
 
 @pytest.fixture
@@ -231,3 +231,40 @@ async def test_groups_are_kept_while_redis_refuses_inserts(dataset, redis_url, r
     assert (
         reg.get_sample_value("offpolicy_actor_buffer_wait_seconds_total", {"reason": "redis_unavailable"}) > 0
     )
+
+
+async def test_the_loop_keeps_admitting_while_a_version_is_read_ahead(
+    redis_url, run_id, tmp_path, monkeypatch
+):
+    """The new version's files are read in the background: prompts keep being admitted (more requests
+    finish than were in flight when the read began) and the engine is paused only once it is done."""
+    import actors.weight_sync as weight_sync
+
+    started, release = threading.Event(), threading.Event()
+    real = weight_sync.prefetch_folder
+
+    def slow_volume(*args, **kwargs):
+        started.set()
+        assert release.wait(30), "never released"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(weight_sync, "prefetch_folder", slow_volume)
+    engine = FakeEngine()
+    actor = _actor(write_target_token_dataset(tmp_path / "toy.jsonl", 80), redis_url, run_id, engine)
+    task = asyncio.create_task(actor.arun(threading.Event()))
+
+    async def until(cond, what):
+        deadline = time.monotonic() + 30
+        while not cond():
+            assert time.monotonic() < deadline and not task.done(), f"timed out waiting for {what}"
+            await asyncio.sleep(0.005)
+
+    await until(lambda: len(engine.finished) >= 2, "the first requests")
+    _publish(tmp_path, redis_url, run_id, 1)
+    await until(started.is_set, "the read ahead")
+    at_start = len(engine.finished)
+    await until(lambda: len(engine.finished) >= at_start + 8, "admissions during the read")  # 4 in flight
+    assert engine.loaded_version == 0 and engine.running_at_reload == []  # not paused meanwhile
+    release.set()
+    await asyncio.wait_for(task, 60)
+    assert engine.loaded_version == 1 and actor.sync.reloads == 1

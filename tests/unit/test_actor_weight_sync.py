@@ -12,7 +12,7 @@ from actors.config import ReloadConfig, RetryConfig
 from actors.errors import WeightLoadError
 from actors.metrics import ActorMetrics
 from actors.weight_sync import WeightSync, safetensors_sha256, weights_path
-from buffer.policy import PolicyRecord, weights_sha256
+from buffer.policy import PolicyRecord, file_sha256, weights_sha256
 
 
 class FakeEngine:
@@ -34,13 +34,13 @@ class FakeEngine:
         finally:
             self.is_paused = False
 
-    async def reload_weights(self, path, version, timeout_s=None):
+    async def reload_weights(self, path, version, timeout_s=None, source=None):
         assert self.is_paused, "weights are loaded only while the engine is paused"
         self.calls.append((path, version))
         if self.fail > 0 and path != self.loaded_path:
             self.fail -= 1
             raise WeightLoadError(version, self.reason, "boom")
-        self.loaded_version, self.loaded_path = version, path
+        self.loaded_version, self.loaded_path = version, source or path
 
 
 def _publish(tmp_path, version: int, payload: bytes = b"weights") -> PolicyRecord:
@@ -70,11 +70,23 @@ def test_sha256_matches_the_learners_definition(tmp_path):
     assert weights_path("file:///x/v1") == weights_path("/x/v1")
 
 
-def test_weights_sha256_hashes_the_safetensors_in_name_order(tmp_path):
+def test_weights_sha256_combines_the_shards_digests_in_name_order(tmp_path):
+    """One file: its own sha256. Shards: the sha256 of their `sha256sum` listing (each byte hashed once)."""
+    import shutil
+    import subprocess
+
     (tmp_path / "b.safetensors").write_bytes(b"2" * 3_000_000)  # spans several read chunks
-    (tmp_path / "a.safetensors").write_bytes(b"1")
     (tmp_path / "config.json").write_text("{}")  # not hashed
-    assert weights_sha256(tmp_path) == hashlib.sha256(b"1" + b"2" * 3_000_000).hexdigest()
+    assert weights_sha256(tmp_path) == hashlib.sha256(b"2" * 3_000_000).hexdigest()
+    (tmp_path / "a.safetensors").write_bytes(b"1")
+    a, b = hashlib.sha256(b"1").hexdigest(), hashlib.sha256(b"2" * 3_000_000).hexdigest()
+    listing = f"{a}  a.safetensors\n{b}  b.safetensors\n"
+    assert weights_sha256(tmp_path) == hashlib.sha256(listing.encode()).hexdigest()
+    if shutil.which("sha256sum"):  # what the docs say an operator can run
+        out = subprocess.run(
+            "sha256sum *.safetensors | sha256sum", shell=True, cwd=tmp_path, capture_output=True, text=True
+        )
+        assert out.stdout.split()[0] == weights_sha256(tmp_path)
 
 
 async def test_reload_moves_version_and_lag(tmp_path):
@@ -141,7 +153,7 @@ async def test_engine_failure_restores_then_a_retry_succeeds(tmp_path):
 
 async def test_failed_restore_stops_loudly(tmp_path):
     class Broken(FakeEngine):
-        async def reload_weights(self, path, version, timeout_s=None):
+        async def reload_weights(self, path, version, timeout_s=None, source=None):
             raise WeightLoadError(version, "engine", "dead")
 
     sync, reg = _sync(Broken())
@@ -170,7 +182,7 @@ def test_write_manifest_covers_every_file_with_the_records_checksum(tmp_path):
     record = _published(tmp_path)
     folder = weights_path(record.weights_uri)
     doc = json.loads((folder / "manifest.json").read_text())
-    assert (doc["format"], doc["version"], doc["sha256"]) == (1, 1, record.sha256)
+    assert (doc["format"], doc["version"], doc["sha256"]) == (2, 1, record.sha256)
     assert sorted(doc["files"]) == ["config.json", "model.safetensors"]
     entry = doc["files"]["model.safetensors"]
     data = (folder / "model.safetensors").read_bytes()
@@ -183,9 +195,10 @@ def test_verify_modes_catch_what_they_promise(tmp_path, monkeypatch):
     record = _published(tmp_path)
     folder = weights_path(record.weights_uri)
     hashed = []
-    monkeypatch.setattr(manifest, "weights_sha256", lambda f: hashed.append(f) or weights_sha256(f))
+    monkeypatch.setattr(manifest, "file_sha256", lambda p: hashed.append(p.name) or file_sha256(p))
     assert manifest.verify_folder(folder, record.sha256, 1, "manifest") == "manifest" and hashed == []
-    assert manifest.verify_folder(folder, record.sha256, 1, "full") == "full" and len(hashed) == 1
+    assert manifest.verify_folder(folder, record.sha256, 1, "full") == "full"
+    assert sorted(hashed) == ["config.json", "model.safetensors"]  # each file hashed once
     # same size, other bytes: only a full check sees it
     data = bytearray((folder / "model.safetensors").read_bytes())
     data[-1] ^= 1

