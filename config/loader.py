@@ -44,6 +44,19 @@ def merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def changed_fields(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """Dotted paths of the leaves that differ between two plain dicts (a nested dict counts as a node),
+    sorted; used for a config change's `changed_fields` and for a resumed config's disagreements."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out.extend(changed_fields(a, b, f"{prefix}{key}."))
+        elif a != b:
+            out.append(prefix + key)
+    return out
+
+
 def load_layered(
     model_cls: type[M],
     path: str | Path | None = None,

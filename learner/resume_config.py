@@ -25,6 +25,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from config.loader import changed_fields
 from learner.config import LearnerConfig, frozen_field_changes, frozen_field_paths
 
 log = logging.getLogger(__name__)
@@ -63,17 +64,6 @@ def _take(target: dict[str, Any], source: dict[str, Any], path: str) -> None:
         dst[0][dst[1]] = copy.deepcopy(src[0][src[1]])
 
 
-def _differences(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
-    out = []
-    for key in sorted(set(a) | set(b)):
-        x, y = a.get(key), b.get(key)
-        if isinstance(x, dict) and isinstance(y, dict):
-            out.extend(_differences(x, y, f"{prefix}{key}."))
-        elif x != y:
-            out.append(prefix + key)
-    return out
-
-
 def resumed_config(file: LearnerConfig, meta: dict[str, Any]) -> ResumedConfig:
     """The config to run after resuming a checkpoint whose `meta.json` is `meta`, `file` being the config
     this process was started with (see the module doc for the rule)."""
@@ -95,7 +85,7 @@ def resumed_config(file: LearnerConfig, meta: dict[str, Any]) -> ResumedConfig:
         detail = "the checkpoint's config needs another model layout (critic, reference): the file's is used"
         log.warning("resume: %s", detail)
         return ResumedConfig(file, saved_version, [], detail)
-    disagreeing = _differences(file_data, candidate.model_dump(mode="json"))
+    disagreeing = changed_fields(file_data, candidate.model_dump(mode="json"))
     rule = file.checkpoint.resume_config
     if not disagreeing:
         detail = f"reapplied config version {saved_version} of the checkpoint; the file agrees with it"

@@ -22,23 +22,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from config.loader import changed_fields
 from config.secrets import redact_url
 from learner.config import LearnerConfig, frozen_field_changes, merge, writable_path_fields
 from learner.errors import FrozenFieldChange
 from services.common.errors import InvalidConfig, field_errors
 from services.learner_api.schemas import ConfigEntry, ConfigSource
-
-
-def changed_fields(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:
-    """Dotted paths of the leaves that differ between two plain dicts (a nested dict counts as a node)."""
-    out = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out.extend(changed_fields(a, b, f"{prefix}{key}."))
-        elif a != b:
-            out.append(prefix + key)
-    return out
 
 
 def validate_body(body: Mapping[str, Any]) -> LearnerConfig:
