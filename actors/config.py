@@ -17,6 +17,7 @@ from pydantic import Field, model_validator
 
 from buffer.config import BufferConfig
 from config.base import ConfigModel, IdStr, PathStr
+from config.transfer import TransferConfig
 from config.loader import load_layered
 
 
@@ -287,6 +288,13 @@ class ReloadConfig(ConfigModel):
     record's sha256 and every listed file has its listed size (no hashing; a folder without a manifest
     falls back to `full`, logged). `full`: re-hash the `*.safetensors` (the record's sha256) and, when a
     manifest exists, every listed file against it. `none`: check nothing."""
+    transport: Literal["files", "vllm"] = "files"
+    """How new versions arrive. `files`: load each published folder. `vllm`: load the newest file
+    generation at start (and after a missed or failed update), then receive every version from the
+    learner through vLLM's weight-transfer engine (`transfer`; the learner's `publish.transport: vllm`).
+    docs/actor.md "Transports"."""
+    transfer: TransferConfig = TransferConfig()
+    """The transfer group's settings (`transport: vllm`): backend, timeout, heartbeat."""
 
 
 class RetryConfig(ConfigModel):

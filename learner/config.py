@@ -15,6 +15,7 @@ from typing import Any, Literal, Self
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from buffer.config import BufferConfig
+from config.transfer import TransferConfig
 from config.base import ConfigModel, IdStr, PathStr
 from config.loader import env_overrides as env_overrides
 from config.loader import load_layered
@@ -97,6 +98,15 @@ class PublishConfig(ConfigModel):
     """Publish after every this many learner steps."""
     keep_versions: int = Field(3, ge=1)
     """How many published versions stay on disk; older folders are deleted."""
+    transport: Literal["files", "vllm"] = "files"
+    """How a published version reaches the actors. `files`: every version is written as a folder (the
+    actors load it). `vllm`: every version is sent through vLLM's weight-transfer engine (`transfer`) to
+    the actors in the group, and a file generation is still written every `persist_every` versions and at
+    each checkpoint (what starting, restarted and failed actors load). docs/actor.md "Transports"."""
+    persist_every: int = Field(10, ge=1)
+    """`transport: vllm`: write a file generation every this many publishes (and at checkpoints)."""
+    transfer: TransferConfig = TransferConfig()
+    """The transfer group's settings (`transport: vllm`)."""
 
 
 class CheckpointConfig(ConfigModel):
