@@ -17,8 +17,8 @@ from pydantic import Field, model_validator
 
 from buffer.config import BufferConfig
 from config.base import ConfigModel, IdStr, PathStr
-from config.transfer import TransferConfig
 from config.loader import load_layered
+from config.transfer import TransferConfig
 
 
 class EngineConfig(ConfigModel):

@@ -110,7 +110,9 @@ class LearnerControl:
             got = self._client.blpop([key], timeout=min(max(left, 0.01), 5.0))  # < the socket timeout
             if got is not None:
                 doc = json.loads(got[1])
-                out.append(Ack(doc["actor_id"], bool(doc["ok"]), doc.get("error", ""), doc.get("seconds", 0.0)))
+                out.append(
+                    Ack(doc["actor_id"], bool(doc["ok"]), doc.get("error", ""), doc.get("seconds", 0.0))
+                )
         self._client.delete(key)
         return out
 
@@ -135,14 +137,18 @@ class ActorControl:
         await self._client.set(self.keys.member_prefix + self.actor_id, member.encode(), px=int(ttl_s * 1000))
 
     async def leave(self) -> None:
-        await self._client.delete(self.keys.member_prefix + self.actor_id, self.keys.inbox_prefix + self.actor_id)
+        await self._client.delete(
+            self.keys.member_prefix + self.actor_id, self.keys.inbox_prefix + self.actor_id
+        )
 
     async def next_command(self, wait_s: float) -> dict[str, Any] | None:
         """The next command for this actor, or None after `wait_s`."""
         got = await self._client.blpop([self.keys.inbox_prefix + self.actor_id], timeout=wait_s)
         return None if got is None else json.loads(got[1])
 
-    async def answer(self, token: str, ok: bool, error: str = "", seconds: float = 0.0, ttl_s: float = 60) -> None:
+    async def answer(
+        self, token: str, ok: bool, error: str = "", seconds: float = 0.0, ttl_s: float = 60
+    ) -> None:
         key = self.keys.ack_prefix + token
         body = json.dumps({"actor_id": self.actor_id, "ok": ok, "error": error[:500], "seconds": seconds})
         pipe = self._client.pipeline(transaction=False)

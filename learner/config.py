@@ -15,11 +15,11 @@ from typing import Any, Literal, Self
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from buffer.config import BufferConfig
-from config.transfer import TransferConfig
 from config.base import ConfigModel, IdStr, PathStr
 from config.loader import env_overrides as env_overrides
 from config.loader import load_layered
 from config.loader import merge as merge
+from config.transfer import TransferConfig
 from learner.correction.config import RolloutCorrectionConfig
 
 PrecisionName = Literal["bf16_mixed", "fp32", "bf16_pure"]

@@ -115,7 +115,9 @@ def buckets(sizes: list[int], bucket_bytes: int) -> Iterator[tuple[int, int]]:
         yield start, len(sizes)
 
 
-class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
+class GlooWeightTransferEngine(
+    WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]
+):
     """Inference-worker side: joins the trainer's gloo group and loads the packed buckets it receives."""
 
     init_info_cls = GlooWeightTransferInitInfo
@@ -190,7 +192,11 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     @classmethod
     def trainer_init(
-        cls, init_info: GlooTrainerInitInfo, *, client: VLLMWeightSyncClient, source: WeightSource | None = None
+        cls,
+        init_info: GlooTrainerInitInfo,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
     ) -> Self:
         if source is None:
             raise ValueError("the gloo trainer engine needs a WeightSource")

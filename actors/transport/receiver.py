@@ -50,7 +50,9 @@ class ReceiverMetrics:
             "Seconds one weight transfer held the engine paused (receive, tag, cache reset)",
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=r,
         )  # fmt: skip
-        self.transfers = Counter("offpolicy_actor_transfers_total", "Versions received by transfer", registry=r)
+        self.transfers = Counter(
+            "offpolicy_actor_transfers_total", "Versions received by transfer", registry=r
+        )
         self.failures = Counter(
             "offpolicy_actor_transfer_failures_total", "Failed transfer commands", ["op"], registry=r
         )
@@ -101,7 +103,9 @@ class TransferReceiver:
         while True:
             if self.ready():
                 try:
-                    await self.control.heartbeat(workers, self.engine.loaded_version, 3 * self.config.heartbeat_s)
+                    await self.control.heartbeat(
+                        workers, self.engine.loaded_version, 3 * self.config.heartbeat_s
+                    )
                 except Exception as e:  # translated: Redis away; the membership lapses and is renewed later
                     log.warning("transfer heartbeat failed: %s", e)
             await asyncio.sleep(self.config.heartbeat_s)
@@ -122,7 +126,9 @@ class TransferReceiver:
                 self.metrics.epoch.set(self.epoch)
             elif op == "update":
                 if cmd.get("epoch") != self.epoch:
-                    raise WeightLoadError(cmd.get("version", -1), "transfer", f"not in epoch {cmd.get('epoch')}")
+                    raise WeightLoadError(
+                        cmd.get("version", -1), "transfer", f"not in epoch {cmd.get('epoch')}"
+                    )
                 await self._receive(cmd["update_info"], int(cmd["version"]))
             else:
                 raise WeightLoadError(-1, "transfer", f"unknown command {op!r}")

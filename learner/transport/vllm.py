@@ -106,9 +106,9 @@ class FanoutClient:
             self.control.command(self.ids, {"op": "leave", "epoch": self.epoch}, ttl_s=2 * self.timeout_s)
 
 
-def _free_port(address: str) -> int:
+def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((address if address not in ("", "0.0.0.0") else "", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 
@@ -185,9 +185,9 @@ class VllmTransport:
         self.epoch += 1
         cfg = self.config
         client = FanoutClient(self.control, members, self.epoch, cfg.timeout_s)
-        port = cfg.port or _free_port(cfg.bind_address)
+        port = cfg.port or _free_port()
         world = 1 + sum(m.workers for m in members)
-        info = _trainer_init_info(cfg, cfg.advertise_address, port, world)
+        info = _trainer_init_info(cfg, cfg.address, port, world)
         self.engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=self.source)
         self.client = client
         log.info("transfer group epoch %d formed: %s (%d ranks)", self.epoch, client.ids, world)

@@ -34,6 +34,38 @@ PROMPTS = [[5, 9, 13, 2], [7, 7, 3], [11, 4, 8, 15, 6]]
 CFG = TransferConfig(backend="gloo", timeout_s=20.0, heartbeat_s=0.5, bucket_bytes=1 << 20)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def vllm_plugin(tmp_path_factory: pytest.TempPathFactory):
+    """The project's `vllm.general_plugins` entry point (pyproject.toml), visible to every process vLLM
+    starts. An install made before the entry point existed lacks it: then a dist-info declaring the same
+    entry point is put on PYTHONPATH for this module (with this checkout first, so the engine-core
+    process imports this code)."""
+    import os
+    import sys
+    from importlib.metadata import entry_points
+
+    if any(e.value == "actors.transport.plugin:register" for e in entry_points(group="vllm.general_plugins")):
+        yield
+        return
+    root = tmp_path_factory.mktemp("plugin")
+    info = root / "offpolicy_vllm_plugin-0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: offpolicy-vllm-plugin\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\noffpolicy = actors.transport.plugin:register\n"
+    )
+    repo = str(Path(__file__).resolve().parents[2])
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([repo, str(root)] + ([old] if old else []))
+    sys.path.insert(0, str(root))
+    yield
+    sys.path.remove(str(root))
+    if old is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = old
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny"))
@@ -106,6 +138,7 @@ def test_transfer_gives_the_engine_exactly_the_files_weights(engines, model_dir,
         assert result.bytes >= sum(t.numel() * 4 for t in unique_state(model).values())
         assert engine.loaded_version == 1 and receiver.received == 1
         sent = _generate(engine)
+
         # the same version from its files, into the same engine
         async def load():
             async with engine.paused():
