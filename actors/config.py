@@ -296,6 +296,15 @@ class ReloadConfig(ConfigModel):
     transfer: TransferConfig = TransferConfig()
     """The transfer group's settings (`transport: vllm`): backend, timeout, heartbeat."""
 
+    @model_validator(mode="after")
+    def _transfer_pauses_in_place(self) -> Self:
+        if self.transport == "vllm" and self.mode != "inflight":
+            raise ValueError(
+                "reload.transport vllm receives with the scheduler paused in place: "
+                "reload.mode must be inflight"
+            )
+        return self
+
 
 class RetryConfig(ConfigModel):
     """Bounded waits when Redis is down or the buffer says back off (pacing, rate limiter)."""

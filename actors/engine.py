@@ -104,6 +104,7 @@ class VLLMEngine:
         self.loaded_version = initial_version
         self.loaded_path = model_path  # the weights the engine holds now (for restoring after a failure)
         self._weights_lock: asyncio.Lock | None = None  # one weight change at a time (files or transfer)
+        self.broken: str | None = None  # set when the weights are unknown: the scheduler stays paused
         self.call(self.llm.update_weight_version(str(initial_version)))
 
     # --- running coroutines on the engine's loop
@@ -199,7 +200,8 @@ class VLLMEngine:
             try:
                 yield
             finally:
-                await self.acall(self.llm.resume_generation())
+                if self.broken is None:
+                    await self.acall(self.llm.resume_generation())
 
     async def reload_weights(self, path: str, version: int, timeout_s: float | None = None) -> None:
         """Load the safetensors in folder `path` into the engine; then `loaded_version = version`.
@@ -222,6 +224,11 @@ class VLLMEngine:
             raise WeightLoadError(version, "engine", "vLLM refused to reset the prefix cache")
         self.loaded_version = version
         self.loaded_path = path
+
+    @property
+    def alive(self) -> bool:
+        """The engine process runs and the weights are known (False once either is lost)."""
+        return self.broken is None and not self.llm.errored
 
     # --- weights through vLLM's weight-transfer engine (actors/transport/)
 

@@ -133,13 +133,18 @@ class VllmTransport:
         self._thread: threading.Thread | None = None  # a send that outlived its bound, still unwinding
 
     @property
+    def busy(self) -> bool:
+        """A send that outlived its bound is still unwinding (the next `send` fails at once until it ends)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def group_size(self) -> int:
         return 0 if self.client is None else len(self.client.members)
 
     def send(self, version: int) -> TransferResult:
         """Send `version` to the live members; never waits longer than `timeout_s` (+ one Redis read)."""
         t0 = time.perf_counter()
-        if self._thread is not None and self._thread.is_alive():  # the last one is still unwinding
+        if self.busy:  # the last one is still unwinding
             return TransferResult(version, 0.0, ok=False, error="the previous send is still unwinding")
         members = [m for m in self.control.members() if self._stalled.get(m.actor_id) != m.beats]
         for m in members:  # beating again (or restarted): back in
@@ -208,6 +213,7 @@ class VllmTransport:
 
     def close(self) -> None:
         self._teardown()
+        self.control.close()
 
 
 def _trainer_init_info(cfg: TransferConfig, address: str, port: int, world: int):
