@@ -58,7 +58,7 @@ def engine_figures(model_dir: Path, work: Path, redis_url: str, repeats: int = 3
     model = load_model(model_dir, "cpu")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     params = sum(t.numel() for t in unique_state(model).values())
-    engine_config = EngineConfig.cpu_tiny(str(model_dir), max_model_len=256, cpu_kv_cache_gib=0.5)
+    engine_config = EngineConfig.cpu_tiny(str(model_dir), max_model_len=256)
     engine = VLLMEngine(engine_config, transfer_backend="gloo")
     registry = CollectorRegistry()
     store, control = PolicyStore(redis_url, run_id), LearnerControl(redis_url, run_id)
