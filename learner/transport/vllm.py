@@ -9,8 +9,8 @@ carries the control calls to every member through Redis. At a version boundary `
    group is torn down and formed again with them (a new epoch; each actor gets its rank offset);
 2. sends: each member pauses its engine in place, receives, tags the version, resumes, and answers.
 
-Every wait is bounded by `transfer.timeout_s` (the group's collective timeout and the acks' deadline); the
-whole send runs on a helper thread that the training step waits for at most `timeout_s`. A failure (a
+Every wait inside a send (the rendezvous, the collectives, the acks) is bounded by 0.6 x `transfer.timeout_s`,
+and the whole send runs on a helper thread that the training step waits for at most `timeout_s`. A failure (a
 member died mid-update, an answer missing or an error) tears the group down, is counted, and the learner
 goes on training and writing file generations; members whose heartbeat count has not moved since are left
 out of the next group until it moves again (a restarted actor has a new incarnation and joins afresh,
@@ -38,7 +38,11 @@ log = logging.getLogger(__name__)
 
 
 class TransferFailed(RuntimeError):
-    """A member did not answer a transfer command in time, or answered with an error."""
+    """Members did not answer a transfer command in time, or answered with an error (`culprits`)."""
+
+    def __init__(self, message: str, culprits: list[str]) -> None:
+        super().__init__(message)
+        self.culprits = culprits
 
 
 def _weight_source(state: Callable[[], dict[str, torch.Tensor]], dtype: torch.dtype, host: bool):
@@ -80,7 +84,8 @@ class FanoutClient:
         if bad or missing:
             raise TransferFailed(
                 f"{body['op']} (epoch {self.epoch}): errors {bad or 'none'}; "
-                f"no answer in {self.timeout_s:g} s from {missing or 'none'}"
+                f"no answer in {self.timeout_s:g} s from {missing or 'none'}",
+                sorted({a.actor_id for a in acks if not a.ok} | set(missing)),
             )
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -126,10 +131,13 @@ class VllmTransport:
     ) -> None:
         self.config, self.control = config, control
         self.source = _weight_source(state, dtype, host=config.backend == "gloo")
+        _trainer_init_info(config, config.address, 0, 1)  # imports (and registers) now, not in a send's bound
         self.engine = None
         self.client: FanoutClient | None = None
         self.epoch = 0
         self._stalled: dict[str, int] = {}  # actor id -> heartbeat count at the last failure
+        self._benched: dict[str, tuple[str, int, int]] = {}  # id -> (incarnation, until send no., strikes)
+        self._sends = 0
         self._thread: threading.Thread | None = None  # a send that outlived its bound, still unwinding
 
     @property
@@ -146,7 +154,8 @@ class VllmTransport:
         t0 = time.perf_counter()
         if self.busy:  # the last one is still unwinding
             return TransferResult(version, 0.0, ok=False, error="the previous send is still unwinding")
-        members = [m for m in self.control.members() if self._stalled.get(m.actor_id) != m.beats]
+        self._sends += 1
+        members = [m for m in self.control.members() if self._admitted(m)]
         for m in members:  # beating again (or restarted): back in
             self._stalled.pop(m.actor_id, None)
         if not members:
@@ -164,10 +173,21 @@ class VllmTransport:
         else:
             error = outcome.get("error", "")
         if error:
-            self._failed(members)
+            self._failed(members, outcome.get("culprits"))
             log.warning("weight transfer of v%d failed after %.2f s: %s", version, seconds, error)
             return TransferResult(version, seconds, 0, len(members), ok=False, error=error)
+        for m in members:  # a clean send clears past strikes
+            self._benched.pop(m.actor_id, None)
         return TransferResult(version, seconds, outcome["bytes"], len(members))
+
+    def _admitted(self, m: Member) -> bool:
+        """Whether a live member goes into this send's group: not stalled since a failure (its heartbeat
+        count has moved or it restarted) and not benched (an actor named by a failed command sits out
+        1, 2, 4, ... up to 16 sends, unless it restarted: a new incarnation comes in at once)."""
+        if self._stalled.get(m.actor_id) == m.beats:
+            return False
+        benched = self._benched.get(m.actor_id)
+        return benched is None or benched[0] != m.incarnation or self._sends >= benched[1]
 
     def _run(self, version: int, members: list[Member], outcome: dict[str, Any]) -> None:
         try:
@@ -181,6 +201,7 @@ class VllmTransport:
             outcome["bytes"] = getattr(self.engine, "bytes_sent", 0)
         except Exception as e:  # translated: reported as a failed transfer, never raised into the step
             outcome["error"] = f"{type(e).__name__}: {e}"
+            outcome["culprits"] = e.culprits if isinstance(e, TransferFailed) else None
 
     def _form(self, members: list[Member]) -> None:
         """Tear the old group down and form one with `members` (a new epoch)."""
@@ -189,7 +210,7 @@ class VllmTransport:
         self._teardown()
         self.epoch += 1
         cfg = self.config
-        client = FanoutClient(self.control, members, self.epoch, cfg.timeout_s)
+        client = FanoutClient(self.control, members, self.epoch, _inner(cfg))
         port = cfg.port or _free_port()
         world = 1 + sum(m.workers for m in members)
         info = _trainer_init_info(cfg, cfg.address, port, world)
@@ -197,8 +218,17 @@ class VllmTransport:
         self.client = client
         log.info("transfer group epoch %d formed: %s (%d ranks)", self.epoch, client.ids, world)
 
-    def _failed(self, members: list[Member]) -> None:
-        self._stalled.update({m.actor_id: m.beats for m in members})
+    def _failed(self, members: list[Member], culprits: list[str] | None) -> None:
+        """After a failed send: the members named by the failure are benched; when the failure names no one
+        (the broadcast broke: a peer died), every member sits out until its heartbeat moves again."""
+        if culprits:
+            for m in members:
+                if m.actor_id in culprits:
+                    strikes = self._benched.get(m.actor_id, ("", 0, 0))[2] + 1
+                    until = self._sends + 1 + min(2 ** (strikes - 1), 16)
+                    self._benched[m.actor_id] = (m.incarnation, until, strikes)
+        else:
+            self._stalled.update({m.actor_id: m.beats for m in members})
         self._teardown()
 
     def _teardown(self) -> None:
@@ -216,6 +246,12 @@ class VllmTransport:
         self.control.close()
 
 
+def _inner(cfg: TransferConfig) -> float:
+    """The bound of each wait inside a send (rendezvous, collective, answers): shorter than the send's own
+    bound, so that a member that does not answer is named (and benched) before the send gives up."""
+    return 0.6 * cfg.timeout_s  # the rendezvous store overshoots its timeout by up to ~1 s
+
+
 def _trainer_init_info(cfg: TransferConfig, address: str, port: int, world: int):
     """vLLM's trainer init info for `cfg.backend` (the learner is rank 0, the only sender)."""
     if cfg.backend == "gloo":
@@ -229,7 +265,7 @@ def _trainer_init_info(cfg: TransferConfig, address: str, port: int, world: int)
             master_port=port,
             world_size=world,
             packed_buffer_size_bytes=cfg.bucket_bytes,
-            timeout_s=cfg.timeout_s,
+            timeout_s=_inner(cfg),
         )
     if cfg.backend == "nccl":
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
