@@ -73,7 +73,7 @@ def test_actor_catches_up_from_files_then_receives_by_transfer_with_exact_versio
         dataset,
         redis_url,
         run_id,
-        dataset=DatasetConfig(path=str(dataset), prompts_per_batch=4),  # epochs without end
+        dataset=DatasetConfig(path=str(dataset), chat_template=False),  # epochs without end
         reload=ReloadConfig(poll_interval_s=0.2, transport="vllm", transfer=CFG),
     )
     registry = CollectorRegistry()

@@ -75,9 +75,8 @@ class Actor:
 
     def __init__(self, name: str, model: str, version: int, redis_url: str, run_id: str) -> None:
         self.name = name
-        self.engine = VLLMEngine(
-            EngineConfig.cpu_tiny(model, max_model_len=256), initial_version=version, transfer_backend="gloo"
-        )
+        config = EngineConfig.cpu_tiny(max_model_len=256)
+        self.engine = VLLMEngine(config, model, initial_version=version, transfer_backend="gloo")
         self.store = AsyncPolicyStore(redis_url, run_id)
         self.control = ActorControl(redis_url, run_id, name)
         self.receiver = TransferReceiver(self.control, self.engine, self.store, CFG, CollectorRegistry())
