@@ -18,6 +18,7 @@ from pydantic import Field, model_validator
 from buffer.config import BufferConfig
 from config.base import ConfigModel, IdStr, PathStr
 from config.loader import load_layered
+from config.transfer import TransferConfig
 
 
 class EngineConfig(ConfigModel):
@@ -286,6 +287,13 @@ class ReloadConfig(ConfigModel):
     falls back to `full`, logged). `full`: re-hash the `*.safetensors` (the record's sha256) and, when a
     manifest exists, every listed file against it. `none`: check nothing. With `prefetch` the hashing
     of `full` is done on the prefetch's read: each byte is read and hashed once, before the pause."""
+    transport: Literal["files", "vllm"] = "files"
+    """How new versions arrive. `files`: load each published folder. `vllm`: load the newest file
+    generation at start (and after a missed or failed update), then receive every version from the
+    learner through vLLM's weight-transfer engine (`transfer`; the learner's `publish.transport: vllm`).
+    docs/actor.md "Transports"."""
+    transfer: TransferConfig = TransferConfig()
+    """The transfer group's settings (`transport: vllm`): backend, timeout, heartbeat."""
     prefetch: Literal["page_cache", "memory", "none"] = "page_cache"
     """What the actor does with a new version's files before it pauses the engine, so that the pause
     covers only the load into the engine. `page_cache`: read every file once (the engine's load then
@@ -308,6 +316,15 @@ class ReloadConfig(ConfigModel):
         "verify_sha256": "merged into reload.verify; `verify: none` replaces `verify_sha256: false`, "
         "and `verify_sha256: true` is the default (`verify: manifest`): remove the key"
     }
+
+    @model_validator(mode="after")
+    def _transfer_pauses_in_place(self) -> Self:
+        if self.transport == "vllm" and self.mode != "inflight":
+            raise ValueError(
+                "reload.transport vllm receives with the scheduler paused in place: "
+                "reload.mode must be inflight"
+            )
+        return self
 
 
 class RetryConfig(ConfigModel):

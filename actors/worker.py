@@ -38,6 +38,7 @@ from actors.metrics import ActorMetrics
 from actors.prompts import Prompt, encode, epoch_batches, load_prompts, shard
 from actors.rollout import push_groups, stamp_group, stamped_sampling, wait_for_room
 from actors.scoring import RewardFailures, Scorer
+from actors.transport.receiver import start_receiver
 from actors.weight_sync import WeightSync
 from buffer.errors import StorageUnavailable
 from buffer.evaluations import AsyncEvalStore
@@ -76,10 +77,17 @@ class Actor:
                 f"actor {config.actor_index}/{config.num_actors} has an empty shard of {config.dataset.path}"
             )
         self._owns_engine = engine is None
+        transfer = config.reload.transfer.backend if config.reload.transport == "vllm" else None
         self.engine = engine or VLLMEngine(
-            config.engine, config.model_path, config.reload.initial_version, seed_offset=config.actor_index
+            config.engine,
+            config.model_path,
+            config.reload.initial_version,
+            config.actor_index,
+            transfer_backend=transfer,
         )
         self.sync: WeightSync | None = None
+        self.transfer = None  # the TransferReceiver (reload.transport: vllm)
+        self._receiver: asyncio.Task | None = None
         self.gateway = Gateway(self) if config.gateway.enabled else None
         self.evaluator = (
             Evaluator(config, self.engine, self.scorer, self.environment) if config.eval is not None else None
@@ -143,6 +151,7 @@ class Actor:
         self._evals = AsyncEvalStore(cfg.redis_url, cfg.run_id, cfg.buffer.storage_timeout_s)
         self.sync = WeightSync(store, self.engine, cfg.reload, cfg.retry, self.metrics)
         follower = asyncio.create_task(self.sync.follow()) if cfg.reload.enabled else None
+        self._receiver = start_receiver(self, store) if cfg.reload.enabled else None  # transport vllm
         self._params = self.engine.sampling_params(cfg.sampling)
         self._inflight: dict[str, asyncio.Task] = {}  # request id -> its task, while in the engine
         self._scoring: dict[str, asyncio.Task] = {}  # request id -> its task, generated and being scored
@@ -170,7 +179,7 @@ class Actor:
             self._push_wake.set()
             await pusher
             if follower is not None:
-                await cancel_and_wait([follower])
+                await cancel_and_wait([follower] + ([self._receiver] if self._receiver is not None else []))
             await self.sync.close()
             await store.close()
             await self._evals.close()
@@ -226,8 +235,8 @@ class Actor:
     async def _update_weights(self, stop: threading.Event) -> None:
         """Load the newer published version, if any, the way `reload.mode` says; observe the pause."""
         self._raise_fatal()
-        if self._eval_task is not None:
-            return  # an evaluation holds the version it evaluates; loaded when it is done
+        if self._eval_task is not None or self._receiver is not None:
+            return  # an evaluation holds its version; with transport vllm the receiver changes the weights
         # checked and read ahead in the background (`reload.prefetch`) while prompts are admitted
         record = None if self.sync is None else self.sync.ready(on_done=self._wake.set)
         if record is None:

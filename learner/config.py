@@ -19,6 +19,7 @@ from config.base import ConfigModel, IdStr, PathStr
 from config.loader import env_overrides as env_overrides
 from config.loader import load_layered
 from config.loader import merge as merge
+from config.transfer import TransferConfig
 from learner.correction.config import RolloutCorrectionConfig
 
 PrecisionName = Literal["bf16_mixed", "fp32", "bf16_pure"]
@@ -102,6 +103,15 @@ class PublishConfig(ConfigModel):
     policy record names each version's folder relative to it (`run-a/weights/v12`), so actors may mount
     the volume elsewhere (their `reload.weights_root`). None = the record holds the folder's absolute
     path, and every actor must see the volume at the learner's path."""
+    transport: Literal["files", "vllm"] = "files"
+    """How a published version reaches the actors. `files`: every version is written as a folder (the
+    actors load it). `vllm`: every version is sent through vLLM's weight-transfer engine (`transfer`) to
+    the actors in the group, and a file generation is still written every `persist_every` versions and at
+    each checkpoint (what starting, restarted and failed actors load). docs/actor.md "Transports"."""
+    persist_every: int = Field(10, ge=1)
+    """`transport: vllm`: write a file generation every this many publishes (and at checkpoints)."""
+    transfer: TransferConfig = TransferConfig()
+    """The transfer group's settings (`transport: vllm`)."""
 
 
 class CheckpointConfig(ConfigModel):

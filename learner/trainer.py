@@ -67,6 +67,7 @@ from learner.persist import BackgroundWriter, Persistence
 from learner.resume_config import ResumedConfig, resumed_config
 from learner.rl import ModelLimits, StepContext, field_label, screen, train_on
 from learner.tracking import build_tracker
+from learner.transport.publisher import make_publisher
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,15 @@ class Learner:
             self.metrics,
             self._on_durable,
             ranks,
+        )
+        self.publisher = make_publisher(
+            config,
+            self.persist,
+            self.model,
+            checkpoint_dtype(config.model_path),
+            self.metrics.registry,
+            ranks.distributed,
+            leader,
         )
         self.delivery = (
             Delivery(self.buffer, config.run_id, config.delivery_mode, config.lease_s, self.metrics)
@@ -465,7 +475,7 @@ class Learner:
 
     def _publish(self) -> None:
         """Publish the current weights (N ranks: every rank joins the gather to rank 0's host memory)."""
-        self.persist.publish(self.version, self._publish_keys if self.ranks.distributed else None)
+        self.publisher.publish(self.version, self._publish_keys if self.ranks.distributed else None)
 
     def _stop_followers(self) -> None:
         """Leader: send `stop` once (the followers return from `follow`)."""
@@ -535,6 +545,7 @@ class Learner:
             stats = self.buffer.stats()
             position = {"inserted_total": stats.inserted_total, "sampled_total": stats.sampled_total}
             leases = self.delivery.checkpointed(self.version)
+        self.publisher.at_checkpoint(self.version, self._publish_keys if self.ranks.distributed else None)
         return self.persist.checkpoint(
             self.trainables(), self.version, self.step_count, position, leases, self.config_version
         )
@@ -565,6 +576,7 @@ class Learner:
         """Finish the background writes and acknowledge what they made durable, give back the leases whose
         updates are in no durable checkpoint, then close the Redis connections (leader)."""
         self._stop_followers()
+        self.publisher.close()
         self.persist.close()
         self.tracker.close()
         if self.delivery is not None and self.buffer is not None and self.store is not None:

@@ -104,6 +104,7 @@ MAY_IMPORT = {  # docs/architecture.md's map: top-level part -> the parts of lea
     "delivery": {"metrics"},
     "memory": {"config", "errors"},
     "tracking": {"config", "metrics"},
+    "transport": {"config", "model", "persist"},
     "resume_config": {"config"},
     "trainer": {
         "batch",
@@ -119,6 +120,7 @@ MAY_IMPORT = {  # docs/architecture.md's map: top-level part -> the parts of lea
         "resume_config",
         "rl",
         "tracking",
+        "transport",
     },
     "launch": {"config", "distributed", "model", "trainer"},
 }

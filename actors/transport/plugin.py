@@ -1,0 +1,47 @@
+"""The project's vLLM plugin (`vllm.general_plugins` entry point `offpolicy`): registers the `gloo`
+weight-transfer engine pair in vLLM's factories. vLLM runs it in every process it starts (front end,
+engine core, workers); it may run more than once per process, so it is idempotent."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+
+def register() -> None:
+    """Register `gloo` (worker side and trainer side) unless it already is."""
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+
+    module = "actors.transport.gloo_engine"
+    if "gloo" not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine("gloo", module, "GlooWeightTransferEngine")
+    if "gloo" not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine("gloo", module, "GlooTrainerWeightTransferEngine")
+
+
+ENTRY_POINT = "actors.transport.plugin:register"
+
+
+def expose_entry_point(folder: str | Path) -> bool:
+    """Make the entry point visible to the processes vLLM starts from this one, where the installed package
+    metadata predates it (a checkout installed before; `pip install -e .` makes this unnecessary): a
+    dist-info declaring it is written under `folder`, which goes on PYTHONPATH (after this checkout's root)
+    and `sys.path`. False when the installed metadata already declares it (nothing done)."""
+    from importlib.metadata import entry_points
+
+    if any(e.value == ENTRY_POINT for e in entry_points(group="vllm.general_plugins")):
+        return False
+    root = Path(folder)
+    info = root / "offpolicy_vllm_plugin-0.0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: offpolicy-vllm-plugin\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\noffpolicy = {ENTRY_POINT}\n")
+    repo = str(Path(__file__).resolve().parents[2])
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([repo, str(root)] + ([old] if old else []))
+    sys.path.insert(0, str(root))
+    return True

@@ -1,0 +1,28 @@
+"""The transport interface: the learner sends a version; both sides report the version and the time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class TransferResult:
+    """What one send did: `ok` when every member of the group confirmed the version."""
+
+    version: int
+    seconds: float
+    bytes: int = 0
+    group_size: int = 0  # receiving actors (the learner's rank is not counted)
+    ok: bool = True
+    error: str = ""
+
+
+class WeightTransport(Protocol):
+    """Sends the learner's current weights as `version` to the actors."""
+
+    name: str
+
+    def send(self, version: int) -> TransferResult: ...
+
+    def close(self) -> None: ...

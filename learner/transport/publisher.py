@@ -1,0 +1,137 @@
+"""The learner's publish path, chosen once by `publish.transport`.
+
+- `files`: every publish writes a verified file generation (learner/persist/), which the actors load.
+- `vllm`: every publish is sent through vLLM's weight-transfer engine (transport/vllm.py) to the actors in
+  the group; a file generation is still written every `publish.persist_every` publishes, at the first
+  publish and at every checkpoint: the durable generation that starting, restarted and failed actors load
+  before they join the group. A failed send is counted and logged; training and file generations go on.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from learner.transport.base import TransferResult, WeightTransport
+
+if TYPE_CHECKING:
+    import torch
+    from prometheus_client import CollectorRegistry
+
+    from learner.config import LearnerConfig
+    from learner.persist.persistence import Persistence
+
+log = logging.getLogger(__name__)
+
+
+class TransferMetrics:
+    """The learner's transfer metrics (`publish.transport: vllm`)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.seconds = Histogram(
+            "offpolicy_learner_transfer_seconds",
+            "Seconds one weight transfer took at the learner (group re-formed when needed, send, answers)",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=r,
+        )  # fmt: skip
+        self.bytes = Counter(
+            "offpolicy_learner_transfer_bytes_total", "Bytes broadcast to the group", registry=r
+        )
+        self.group_size = Gauge(
+            "offpolicy_learner_transfer_group_size",
+            "Actors in the transfer group at the last send",
+            registry=r,
+        )
+        self.transfers = Counter(
+            "offpolicy_learner_transfers_total", "Versions sent to the group", registry=r
+        )
+        self.failures = Counter(
+            "offpolicy_learner_transfer_failures_total",
+            "Sends that failed (the group is re-formed)",
+            registry=r,
+        )
+        self.version = Gauge(
+            "offpolicy_learner_transfer_version", "Newest version every group member confirmed", registry=r
+        )
+
+    def observe(self, result: TransferResult) -> None:
+        self.group_size.set(result.group_size)
+        if not result.ok:
+            self.failures.inc()
+            return
+        if result.group_size:
+            self.seconds.observe(result.seconds)
+            self.bytes.inc(result.bytes)
+            self.transfers.inc()
+            self.version.set(result.version)
+
+
+class Publisher:
+    """Files every `persist_every` publishes (all of them with `transport: files`) plus the transport."""
+
+    def __init__(
+        self,
+        config: LearnerConfig,
+        persist: Persistence,
+        transport: WeightTransport | None,
+        metrics: TransferMetrics | None,
+    ) -> None:
+        self.config, self.persist, self.transport, self.metrics = config, persist, transport, metrics
+        self.publishes = 0  # the same count on every rank: file writes stay a collective in step
+        self.persisted: int | None = None  # newest version written as files by this publisher
+        self.last: TransferResult | None = None
+
+    def publish(self, version: int, gather: set[str] | None) -> None:
+        every = 1 if self.transport is None else self.config.publish.persist_every
+        if self.publishes % every == 0:
+            self.persist_files(version, gather)
+        self.publishes += 1
+        if self.transport is not None:
+            self.last = self.transport.send(version)
+            if self.metrics is not None:
+                self.metrics.observe(self.last)
+            if self.last.ok and self.last.group_size:
+                log.info(
+                    "sent v%d to %d actor(s) in %.3f s (%d bytes)",
+                    version, self.last.group_size, self.last.seconds, self.last.bytes,
+                )  # fmt: skip
+
+    def persist_files(self, version: int, gather: set[str] | None) -> None:
+        """Write `version` as a file generation unless it already is."""
+        if self.persisted != version:
+            self.persist.publish(version, gather)
+            self.persisted = version
+
+    def at_checkpoint(self, version: int, gather: set[str] | None) -> None:
+        """A checkpoint is a durable point for the actors too: its version as a file generation."""
+        if self.transport is not None:
+            self.persist_files(version, gather)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+def make_publisher(
+    config: LearnerConfig,
+    persist: Persistence,
+    model: torch.nn.Module,
+    dtype: torch.dtype,
+    registry: CollectorRegistry,
+    distributed: bool,
+    is_leader: bool,
+) -> Publisher:
+    """The publish path for `config.publish.transport` (a single-process learner for `vllm`)."""
+    if config.publish.transport == "files" or not is_leader:
+        return Publisher(config, persist, None, None)
+    if distributed:  # every rank would have to iterate the FSDP shards in step with the leader's sends
+        raise ValueError("publish.transport vllm needs a single-process learner (--nproc-per-node 1) for now")
+    from buffer.transfer import LearnerControl
+    from learner.model.load import unique_state
+    from learner.transport.vllm import VllmTransport
+
+    control = LearnerControl(config.redis_url, config.run_id)
+    transport = VllmTransport(config.publish.transfer, control, lambda: unique_state(model), dtype)
+    return Publisher(config, persist, transport, TransferMetrics(registry))

@@ -1,0 +1,127 @@
+"""The actor service's loop with `reload.transport: vllm` (real vLLM on CPU over the `gloo` engine, real
+Redis): it builds its engine with the weight-transfer engine, starts from the base model, loads the newest
+file generation before it announces itself, then receives a version by transfer while it generates; every
+token pushed to the buffer carries the version its engine held, and its behaviour log-prob is the
+learner's log-prob under that version's weights."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+from transformers import AutoTokenizer
+
+from actors.config import DatasetConfig, ReloadConfig
+from actors.toy import write_target_token_dataset
+from actors.transport.plugin import expose_entry_point
+from actors.worker import Actor
+from buffer.policy import PolicyStore
+from buffer.transfer import LearnerControl
+from config.transfer import TransferConfig
+from learner.batch import collate
+from learner.model import load_model, make_tiny_model
+from learner.model.load import unique_state
+from learner.model.policy import token_logprobs
+from learner.persist.weights import publish_weights
+from learner.transport.vllm import VllmTransport
+from tests.integration.test_actor_vllm import _config, _drain, _run_in_thread, _wait_until
+
+pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow]
+
+CFG = TransferConfig(backend="gloo", timeout_s=20.0, heartbeat_s=0.5, bucket_bytes=1 << 20)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_plugin(tmp_path_factory: pytest.TempPathFactory):
+    old_env, old_path = os.environ.get("PYTHONPATH"), list(sys.path)
+    expose_entry_point(tmp_path_factory.mktemp("plugin"))
+    yield
+    sys.path[:] = old_path
+    if old_env is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = old_env
+
+
+def _perturb(model: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in unique_state(model).values():
+            if t.is_floating_point():
+                t.add_(0.05 * torch.randn(t.shape, generator=g))
+
+
+def test_actor_catches_up_from_files_then_receives_by_transfer_with_exact_versions(
+    tmp_path, redis_url, run_id
+):
+    model_dir = make_tiny_model(tmp_path / "tiny")
+    dataset = write_target_token_dataset(tmp_path / "toy.jsonl", 12)
+    model = load_model(model_dir, "cpu").eval()
+    policies = {0: copy.deepcopy(model)}
+    store = PolicyStore(redis_url, run_id)
+    _perturb(model, 1)
+    policies[1] = copy.deepcopy(model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    publish_weights(model, tmp_path / "weights", 1, tokenizer=tokenizer, store=store, dtype=torch.float32)
+    cfg = _config(
+        model_dir,
+        dataset,
+        redis_url,
+        run_id,
+        dataset=DatasetConfig(path=str(dataset), chat_template=False),  # epochs without end
+        reload=ReloadConfig(poll_interval_s=0.2, transport="vllm", transfer=CFG),
+    )
+    registry = CollectorRegistry()
+    actor = Actor(cfg, registry)  # builds its engine with the gloo weight-transfer engine
+    control = LearnerControl(redis_url, run_id)
+    transport = VllmTransport(CFG, control, lambda: unique_state(model), torch.float32)
+    thread, stop, errors = _run_in_thread(actor)
+    try:
+        _wait_until(
+            lambda: [m.actor_id for m in control.members()] == ["actor-0"], 60, "the actor to announce"
+        )
+        assert actor.engine.loaded_version == 1, "it loads the newest file generation before it announces"
+        _perturb(model, 2)
+        policies[2] = copy.deepcopy(model)
+        result = transport.send(2)
+        assert result.ok and result.group_size == 1, result.error
+        assert actor.engine.loaded_version == 2
+        pushed = registry.get_sample_value("offpolicy_actor_groups_pushed_total") or 0
+        _wait_until(
+            lambda: (registry.get_sample_value("offpolicy_actor_groups_pushed_total") or 0) >= pushed + 4,
+            120,
+            "groups generated after the transfer",
+        )
+        assert registry.get_sample_value("offpolicy_actor_transfers_total") == 1
+    finally:
+        stop.set()
+        thread.join(60)
+        transport.close()
+        actor.close()
+        store.close()
+    assert not errors, errors
+    groups = _drain(redis_url, run_id, 2)
+    seen: set[int] = set()
+    checked, teeth = 0, 0.0
+    for g in groups:
+        batch = collate([g], pad_token_id=0)
+        with torch.no_grad():
+            lps = {v: token_logprobs(m, batch) for v, m in policies.items()}  # (n, R) per version
+        for i, t in enumerate(g.trajectories):
+            versions = (
+                t.versions if t.versions is not None else np.full(len(t.response_ids), g.policy_version)
+            )
+            assert g.policy_version == versions.min()
+            for j, v in enumerate(versions.tolist()):
+                seen.add(v)
+                assert abs(float(lps[v][i, j]) - float(t.behavior_logprobs[j])) < 1e-4, (v, i, j)
+                if v == 2:
+                    teeth = max(teeth, abs(float(lps[1][i, j]) - float(t.behavior_logprobs[j])))
+                checked += 1
+    assert 2 in seen and checked > 50
+    assert teeth > 1e-3, "the v2 tokens' log-probs under v1's weights must differ (the check has teeth)"
