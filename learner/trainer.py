@@ -60,6 +60,7 @@ from learner.distributed import (
     local_device,
 )
 from learner.errors import FrozenFieldChange, WriteFailed
+from learner.hostmem import PeakHostMemory
 from learner.memory import check, device_limit, plan_for
 from learner.metrics import LearnerMetrics, timed
 from learner.model import Precision, checkpoint_dtype, load_tokenizer, pick_device
@@ -120,11 +121,23 @@ class Learner:
         cuda = self.device.type == "cuda"
         self.memory_plan = plan_for(config, ranks.world_size, ranks.distributed, checkpointing, cuda)
         check(self.memory_plan, device_limit(config, self.device), config, ranks.world_size, checkpointing)
-        parts, self._publish_keys = build_trainables(config, self.device, self.precision, ranks.distributed)
+        with PeakHostMemory() as startup:  # the models' host memory at start-up (lean start: ~shards)
+            parts, self._publish_keys = build_trainables(
+                config, self.device, self.precision, ranks.distributed
+            )
+            self.reference = build_reference(config, self.device, self.precision, ranks.distributed)
+        self.startup_host_bytes = startup.added_bytes
+        log.info(
+            "start-up host memory: rank %d peak %d bytes above the %d before the models were built "
+            "(lean_start=%s)",
+            ranks.rank,
+            startup.added_bytes,
+            startup.base_bytes,
+            ranks.distributed and config.fsdp.lean_start,
+        )
         self.model, self.policy = parts.model, parts.policy
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
         self.critic, self.critic_optimizer = parts.critic, parts.critic_optimizer
-        self.reference = build_reference(config, self.device, self.precision, ranks.distributed)
         self.tokenizer = load_tokenizer(config.model_path)
         self.limits = ModelLimits(
             vocab_size=self.model.get_input_embeddings().num_embeddings,
@@ -187,8 +200,7 @@ class Learner:
         need = self.persist.needs_publish(self.version) if ranks.is_leader else False
         command = Command("publish" if need else "noop") if ranks.is_leader else None
         if broadcast_command(ranks, command).op == "publish":
-            self._publish()
-            self.persist.flush()
+            self._publish()  # written by the background writer while the first steps train
 
     # --- control (called from other threads)
 

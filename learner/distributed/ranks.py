@@ -19,6 +19,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import msgpack
@@ -78,11 +80,50 @@ def init_from_env(device_type: str) -> Ranks:
     if not dist.is_initialized():
         if device_type == "cuda":
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend_for(device_type), timeout=timeout)
+        rank, world = node_ordered_rank(os.environ), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend_for(device_type), timeout=timeout, rank=rank, world_size=world)
     control = dist.new_group(backend="gloo", timeout=timeout)
     ranks = _current = Ranks(dist.get_rank(), dist.get_world_size(), local_rank, control)
     log.info("learner rank %d of %d (local rank %d)", ranks.rank, ranks.world_size, local_rank)
     return ranks
+
+
+def node_ordered_rank(env: Mapping[str, str]) -> int:
+    """This process's global rank: torchrun's `RANK`, except on several nodes with a node rank
+    (`OFFPOLICY_NODE_RANK`, set by `offpolicy learner`): node rank x ranks per node + local rank, so that
+    global rank 0 (the leader) is on node 0 whatever order c10d's rendezvous put the nodes in. Every
+    process claims its rank in torchrun's store first: two nodes with one node rank fail at once, on every
+    node, instead of waiting out the process group's timeout."""
+    rank = int(env["RANK"])
+    if int(env.get("OFFPOLICY_NNODES", "1")) <= 1 or env.get("OFFPOLICY_NODE_RANK", "") == "":
+        return rank
+    local_world, world = int(env["LOCAL_WORLD_SIZE"]), int(env["WORLD_SIZE"])
+    wanted = int(env["OFFPOLICY_NODE_RANK"]) * local_world + int(env["LOCAL_RANK"])
+    store = dist.TCPStore(
+        env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=datetime.timedelta(seconds=600)
+    )
+    prefix = (
+        f"offpolicy/ranks/{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    )
+    claims = int(store.add(f"{prefix}/rank/{wanted}", 1))
+    store.add(f"{prefix}/joined", 1)
+    deadline = time.monotonic() + 600
+    while int(store.add(f"{prefix}/joined", 0)) < world:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {int(store.add(f'{prefix}/joined', 0))} of {world} ranks joined")
+        time.sleep(0.05)
+    missing = [r for r in range(world) if not store.check([f"{prefix}/rank/{r}"])]
+    if claims > 1 or missing:
+        raise RuntimeError(
+            f"OFFPOLICY_NODE_RANK={env['OFFPOLICY_NODE_RANK']}: global rank {wanted} is claimed twice "
+            f"(ranks {missing} by nobody): give every node its own node rank, 0 to "
+            f"{int(env['OFFPOLICY_NNODES']) - 1}"
+        )
+    if wanted != rank:
+        log.info(
+            "torchrun rank %d is learner rank %d (node rank %s)", rank, wanted, env["OFFPOLICY_NODE_RANK"]
+        )
+    return wanted
 
 
 def backend_for(device_type: str) -> str:
