@@ -38,16 +38,18 @@ def _service_overrides(args: argparse.Namespace) -> dict:
 
 def _learner(args: argparse.Namespace) -> int:
     from learner.distributed.layout import Layout, LayoutError
+    from services.learner_api.main import serve
 
+    if "LOCAL_RANK" in os.environ:  # a rank that torchrun started: the launching command read the layout
+        return serve(**_service_overrides(args))
     given = {name: getattr(args, name) for name in LAYOUT_FLAGS}
     try:
         layout = Layout.resolve(given, os.environ)
     except LayoutError as e:
         print(f"learner: {e}", file=sys.stderr)
         return 2
-    if layout.needs_torchrun and "LOCAL_RANK" not in os.environ:  # start torchrun; every rank comes back
+    if layout.needs_torchrun:  # start torchrun; every rank comes back here
         return _torchrun(args, layout)
-    from services.learner_api.main import serve
 
     return serve(**_service_overrides(args))
 

@@ -30,6 +30,7 @@ def main(model_dir: str, dtype_name: str, out: str) -> None:
     first = GatheredWeights(model, keys, dtype, leader).wait()
     again = GatheredWeights(model, keys, dtype, leader, into=first).wait()  # reuses the buffers
     small = GatheredWeights(model, keys, dtype, leader, bucket_bytes=8192)  # many buckets of <= 8 KiB
+    whole = GatheredWeights(model, keys, dtype, leader)  # the default bucket: the tiny model in one
     if leader:
         want = {
             k: v.to(dtype) if v.is_floating_point() else v
@@ -47,7 +48,8 @@ def main(model_dir: str, dtype_name: str, out: str) -> None:
             "small_buckets": small.buckets,
             "small_max_bucket_bytes": small.max_bucket_bytes,
             "largest_tensor_bytes": max(v.numel() * v.element_size() for v in want.values()),
-            "one_bucket": GatheredWeights(model, keys, dtype, leader).buckets,
+            "largest_row_bytes": max(v[0].numel() * v.element_size() for v in want.values() if v.dim()),
+            "one_bucket": whole.buckets,
         }
         with open(out, "w") as fh:
             json.dump(result, fh)

@@ -103,6 +103,7 @@ MAY_IMPORT = {  # docs/architecture.md's map: top-level part -> the parts of lea
     "persist": {"build", "config", "distributed", "errors", "metrics", "model"},
     "delivery": {"metrics"},
     "memory": {"config", "errors"},
+    "hostmem": set(),
     "tracking": {"config", "metrics"},
     "resume_config": {"config"},
     "trainer": {
@@ -112,6 +113,7 @@ MAY_IMPORT = {  # docs/architecture.md's map: top-level part -> the parts of lea
         "delivery",
         "distributed",
         "errors",
+        "hostmem",
         "memory",
         "metrics",
         "model",
