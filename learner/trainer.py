@@ -126,7 +126,8 @@ class Learner:
                 config, self.device, self.precision, ranks.distributed
             )
             self.reference = build_reference(config, self.device, self.precision, ranks.distributed)
-        self.startup_host_bytes = startup.added_bytes
+        self.startup_host_bytes = startup.added_bytes  # the peak above what the process held before
+        self.startup_host_exact = startup.exact  # False: ru_maxrss, the peak since the process started
         log.info(
             "start-up host memory: rank %d peak %d bytes above the %d before the models were built "
             "(lean_start=%s)",

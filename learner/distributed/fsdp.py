@@ -15,6 +15,7 @@ gradient of the global loss (gloo has no pre-multiplied sum, so `set_gradient_di
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +28,8 @@ from torch.distributed.tensor import DTensor
 if TYPE_CHECKING:
     from learner.distributed.ranks import Ranks
     from learner.model.precision import Precision
+
+log = logging.getLogger(__name__)
 
 
 def decoder_layers(module: nn.Module, num_layers: int) -> nn.ModuleList:
@@ -56,6 +59,7 @@ def fsdp_mesh(replicate: int, device: torch.device) -> DeviceMesh | None:
         _MESHES[key] = init_device_mesh(
             device.type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard")
         )
+        log.info("hybrid sharding: %d replica groups of %d ranks", replicate, world // replicate)
     return _MESHES[key]
 
 
