@@ -110,8 +110,13 @@ class Layout:
         return self.world_size > 1
 
     def env(self) -> dict[str, str]:
-        """The variables every rank inherits: the node rank the learner numbers its ranks by."""
-        return {ENV["nnodes"]: str(self.nnodes), ENV["node_rank"]: str(self.node_rank)}
+        """The variables torchrun and every rank inherit: the node rank the learner numbers its ranks by;
+        on several nodes a fresh TCP store per rendezvous round (`ranks.node_store`: torchrun's shared
+        store breaks restarts, pytorch/pytorch#135712)."""
+        out = {ENV["nnodes"]: str(self.nnodes), ENV["node_rank"]: str(self.node_rank)}
+        if self.nnodes > 1:
+            out["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        return out
 
     def torchrun_argv(self, entry: list[str]) -> list[str]:
         """`python -m torch.distributed.run ... <entry>` for this layout (`entry`: `-m module args...`)."""

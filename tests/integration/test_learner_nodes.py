@@ -9,6 +9,7 @@ process) resumes from the sharded checkpoint the two nodes wrote into their shar
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -153,3 +154,53 @@ def test_two_nodes_like_one_process_serve_on_node_0_end_and_resume(tiny2, groups
     # nothing lost, nothing counted twice: 8 groups acked with checkpoint v4; the last 4 trained twice but
     # in no checkpoint yet (checkpoint_every 2), so given back at each stop, waiting in the buffer
     assert (stats.acked_total, stats.size, stats.leases_outstanding) == (8, 4, 0)
+
+
+def test_max_restarts_restarts_both_nodes_from_the_checkpoint(tiny2, groups, redis_url, tmp_path):  # noqa: F811
+    cfg = make_config(tiny2, redis_url, tmp_path, "two", max_steps=None)
+    with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:
+        buf.insert_many(groups)
+    cfg_file = tmp_path / "two.yaml"
+    cfg_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    endpoint, ports = f"127.0.0.1:{free_port()}", [free_port(), free_port()]
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
+    rdzv = ["--nnodes", "2", "--rdzv-endpoint", endpoint, "--nproc-per-node", "1", "--max-restarts", "1"]
+    agents = [service(cfg_file, ports[n], logs[n], *rdzv, "--node-rank", str(n)) for n in (0, 1)]
+    try:
+        wait_for(lambda: checkpoint_versions(cfg.checkpoint_path) == [4], 300)
+        wait_for(lambda: (s := status(ports[0])) is not None and s["policy_version"] >= 2 * STEPS, 120)
+        (victim,) = ranks_under(agents[1])
+        os.kill(victim.pid, signal.SIGKILL)
+        # node 1's agent restarts its rank and re-enters the rendezvous; node 0's agent sees a node
+        # waiting and restarts rank 0: the whole job starts again and resumes from checkpoint v4
+        resumed = f"resumed from {cfg.checkpoint_path / 'ckpt-0000000004'} at version 4"
+        wait_for(lambda: resumed in logs[0].read_text(), 300)
+        wait_for(lambda: (s := status(ports[0])) is not None and s["state"] != "starting", 180)
+        assert status(ports[0])["world_size"] == 2 and agents[0].poll() is None and agents[1].poll() is None
+        (restarted,) = ranks_under(agents[1])
+        assert restarted.pid != victim.pid
+        assert status(ports[1]) is None
+    finally:
+        for agent in agents:
+            agent.send_signal(signal.SIGTERM)
+        for agent in agents:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                agent.wait(timeout=60)
+            kill_tree(agent)
+
+
+def test_two_nodes_with_one_node_rank_fail_at_once_on_both(tiny2, redis_url, tmp_path):  # noqa: F811
+    cfg = make_config(tiny2, redis_url, tmp_path, "two", max_steps=None)
+    cfg_file = tmp_path / "two.yaml"
+    cfg_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    endpoint = f"127.0.0.1:{free_port()}"
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    rdzv = ["--nnodes", "2", "--rdzv-endpoint", endpoint, "--nproc-per-node", "1", "--node-rank", "0"]
+    agents = [service(cfg_file, free_port(), log, *rdzv) for log in logs]
+    try:
+        assert [a.wait(timeout=180) != 0 for a in agents] == [True, True]
+    finally:
+        for agent in agents:
+            kill_tree(agent)
+    for log in logs:
+        assert "global rank 0 is claimed twice" in log.read_text()

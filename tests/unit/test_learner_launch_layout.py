@@ -34,7 +34,12 @@ def test_several_nodes_meet_at_the_c10d_rendezvous():
     assert {"--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=learner-0.learner:29400"} <= set(argv)
     assert "--rdzv-id=offpolicy-learner" in argv and "--nproc-per-node=8" in argv
     assert layout.world_size == 16 and layout.needs_torchrun
-    assert layout.env() == {"OFFPOLICY_NNODES": "2", "OFFPOLICY_NODE_RANK": "1"}  # what every rank inherits
+    # what torchrun and every rank inherit: the node rank, a fresh store per rendezvous round
+    assert layout.env() == {
+        "OFFPOLICY_NNODES": "2",
+        "OFFPOLICY_NODE_RANK": "1",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
 
 
 def test_the_environment_sets_the_layout_and_a_flag_wins():
