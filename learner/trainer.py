@@ -119,8 +119,10 @@ class Learner:
         self.precision = Precision.resolve(config.precision, self.device)
         checkpointing = gradient_checkpointing(config, self.device)  # the plan, before any weight loads
         cuda = self.device.type == "cuda"
-        self.memory_plan = plan_for(config, ranks.world_size, ranks.distributed, checkpointing, cuda)
-        check(self.memory_plan, device_limit(config, self.device), config, ranks.world_size, checkpointing)
+        # the ranks a parameter is sharded over: all of them, or one replica group's (fsdp.replicate)
+        shard_ranks = max(1, ranks.world_size // config.fsdp.replicate) if ranks.distributed else 1
+        self.memory_plan = plan_for(config, shard_ranks, ranks.distributed, checkpointing, cuda)
+        check(self.memory_plan, device_limit(config, self.device), config, shard_ranks, checkpointing)
         with PeakHostMemory() as startup:  # the models' host memory at start-up (lean start: ~shards)
             parts, self._publish_keys = build_trainables(
                 config, self.device, self.precision, ranks.distributed
