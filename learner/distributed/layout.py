@@ -15,7 +15,10 @@ the agent on the endpoint's host, the others connect), so that one failed rank e
 `--max-restarts`, restarts every rank on every node. c10d orders the nodes by host name and process id,
 not by node rank; the learner re-numbers its ranks so that global rank = R x G + local rank
 (`ranks.init_from_env`): global rank 0, the one that serves the API, `/metrics` and talks to Redis, is
-always on node 0, which is what a Kubernetes Service selecting node 0's pod relies on.
+always on node 0, which is what a Kubernetes Service selecting node 0's pod relies on. On several nodes
+torchrun runs with `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (`Layout.env`): each rendezvous round, a restart
+included, gets a fresh TCP store (`ranks.node_store`); torchrun's default store, shared by every round,
+hands restarted ranks the previous round's addresses (pytorch/pytorch#135712).
 """
 
 from __future__ import annotations
