@@ -1,8 +1,10 @@
 """What a learner trains, built from its config: the policy (master weights in the precision's dtype),
 its AdamW and LR schedule, and the critic with its own AdamW under GAE; on N ranks each sharded by FSDP2.
 
-On N ranks the models load into host memory and each decoder layer moves to the GPU as it is sharded
-(learner/distributed/fsdp.py), so no rank ever holds a whole fp32 copy on its GPU. `Trainables` is what
+On N ranks the models are built on the meta device, sharded, and each rank then allocates and reads its
+own shards (learner/distributed/lean.py: `fsdp.lean_start`), so no rank holds a whole fp32 copy in host
+memory or on its GPU; with `lean_start: false` every rank loads the whole model into host memory and each
+decoder layer moves to the GPU as it is sharded. `Trainables` is what
 a step trains and a checkpoint saves; `set_optimizer_hparams` applies a new optimizer config in place.
 `build_reference` loads the frozen reference policy of the KL loss (never checkpointed: it is reloaded
 from its `model_path` on resume).
@@ -10,6 +12,7 @@ from its `model_path` on resume).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,13 +20,17 @@ from dataclasses import dataclass
 import torch
 
 from learner.config import LearnerConfig, OptimizerConfig
-from learner.distributed.fsdp import decoder_layers, shard
+from learner.distributed.fsdp import decoder_layers, fsdp_mesh, shard
+from learner.distributed.lean import broadcast_from_rank0, load_shards, materialize, meta_model, unique_names
+from learner.distributed.ranks import current
 from learner.model import attention
 from learner.model.critic import ValueModel
 from learner.model.load import load_model, unique_state
 from learner.model.policy import LogProbs
 from learner.model.precision import Precision
 from learner.model.reference import freeze, stream_layers
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -44,20 +51,30 @@ def build_trainables(
     """The policy, optimizer, scheduler and (GAE) critic of `config` on `device` (`sharded`: FSDP2), and
     the names of the weights to publish (the state dict's, tied names dropped as `save_pretrained` does;
     taken before sharding, which hides the ties)."""
-    load_on = "cpu" if sharded else device
     checkpointing = gradient_checkpointing(config, device)
     attn = attention.resolve(config.attn_implementation, device)
-    model = load_model(
-        config.model_path,
-        load_on,
-        precision.param_dtype,
-        gradient_checkpointing=checkpointing,
-        attn_implementation=attn,
-    )
-    publish_keys = set(unique_state(model))
+    lean = sharded and config.fsdp.lean_start
+    mesh = fsdp_mesh(config.fsdp.replicate, device) if sharded else None
+    dtype, offload = precision.param_dtype, config.fsdp.cpu_offload
+    if lean:
+        model = meta_model(config.model_path, dtype, attn_implementation=attn)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        publish_keys = set(unique_names(model))
+    else:
+        model = load_model(
+            config.model_path,
+            "cpu" if sharded else device,
+            dtype,
+            gradient_checkpointing=checkpointing,
+            attn_implementation=attn,
+        )
+        publish_keys = set(unique_state(model))
     policy = LogProbs(model)  # what the loop calls for log-probs
     if sharded:
-        shard(policy, model.config.num_hidden_layers, precision, config.fsdp.cpu_offload)
+        shard(policy, model.config.num_hidden_layers, precision, offload, mesh)
+    if lean:
+        fill(policy, "lm", model, config.model_path, dtype, _init_device(offload, device))
     oc = config.optimizer
     # fused: one kernel over all parameters (5x faster than foreach for 160M fp32 parameters on CPU)
     optimizer = torch.optim.AdamW(
@@ -71,16 +88,27 @@ def build_trainables(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(oc))
     critic, critic_optimizer = None, None
     if config.adv_estimator == "gae":
+        path = config.critic.model_path or config.model_path
+        backbone = None
+        if lean:
+            backbone = meta_model(path, dtype, causal=False, attn_implementation=attn)
+            if checkpointing:
+                backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         critic = ValueModel(
-            config.critic.model_path or config.model_path,
-            load_on,
-            precision.param_dtype,
+            path,
+            "cpu" if sharded else device,
+            dtype,
             gradient_checkpointing=checkpointing,
             attn_implementation=attn,
+            backbone=backbone,
         )
         if sharded:
-            layers = critic.backbone.config.num_hidden_layers
-            shard(critic, layers, precision, config.fsdp.cpu_offload)
+            shard(critic, critic.backbone.config.num_hidden_layers, precision, offload, mesh)
+        if lean:
+            fill(
+                critic, "backbone", critic.backbone, path, dtype, _init_device(offload, device), causal=False
+            )
+            critic.zero_head()
         critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=config.critic.lr, fused=True)
     return Trainables(model, optimizer, scheduler, critic, critic_optimizer, policy), publish_keys
 
@@ -91,25 +119,62 @@ def build_reference(
     """The frozen reference policy (`LogProbs`) of the KL loss, or None when `kl_loss_coef` is 0. Its
     weights are in the compute dtype (bf16 under `bf16_mixed`: what autocast computes with anyway), from
     `reference.model_path` or the policy's `model_path`. `sharded`: FSDP2 like the policy (with
-    `reference.cpu_offload`: `CPUOffloadPolicy`); one process with `reference.cpu_offload`: decoder layers
-    streamed from host memory (`model.reference.stream_layers`)."""
+    `reference.cpu_offload`: `CPUOffloadPolicy`; lean start like the policy); one process with
+    `reference.cpu_offload`: decoder layers streamed from host memory (`model.reference.stream_layers`)."""
     if config.kl_loss_coef == 0:
         return None
     rc = config.reference
     offload = rc.cpu_offload and device.type == "cuda"
-    model = load_model(
-        rc.model_path or config.model_path,
-        "cpu" if sharded or offload else device,
-        precision.compute_dtype or precision.param_dtype,
-        attn_implementation=attention.resolve(config.attn_implementation, device),
-    )
+    path, dtype = rc.model_path or config.model_path, precision.compute_dtype or precision.param_dtype
+    attn = attention.resolve(config.attn_implementation, device)
+    lean = sharded and config.fsdp.lean_start
+    if lean:
+        model = meta_model(path, dtype, attn_implementation=attn)
+    else:
+        model = load_model(path, "cpu" if sharded or offload else device, dtype, attn_implementation=attn)
     reference = freeze(LogProbs(model))
     layers = model.config.num_hidden_layers
     if sharded:
-        shard(reference, layers, precision, rc.cpu_offload)
+        shard(reference, layers, precision, rc.cpu_offload, fsdp_mesh(config.fsdp.replicate, device))
+        if lean:
+            fill(reference, "lm", model, path, dtype, _init_device(rc.cpu_offload, device))
+            freeze(reference)
     elif offload:
         stream_layers(model, decoder_layers(model, layers), device)
     return reference
+
+
+def fill(
+    root: torch.nn.Module,
+    prefix: str,
+    model: torch.nn.Module,
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    causal: bool = True,
+) -> str:
+    """Lean start: allocate the sharded `root`'s shards on `device` and load `model`'s (= `root.<prefix>`)
+    weights from `path` into them: each rank its slices, or rank 0 reads and broadcasts when the
+    checkpoint does not map one to one (learner/distributed/lean.py). Returns the way taken."""
+    materialize(root, device)
+    if load_shards(model, path):
+        log.info("lean start: %s read from %s, each rank its own slices", type(root).__name__, path)
+        return "slices"
+    full = None
+    if current().is_leader:  # the one full copy, on rank 0
+        from transformers import AutoModel
+
+        full = (
+            load_model(path, "cpu", dtype) if causal else AutoModel.from_pretrained(path, dtype=dtype)
+        ).state_dict()
+    broadcast_from_rank0(root, prefix, full)
+    log.info("lean start: %s read from %s by rank 0 and broadcast", type(root).__name__, path)
+    return "broadcast"
+
+
+def _init_device(cpu_offload: bool, device: torch.device) -> torch.device:
+    """Where the shards live: host memory with FSDP2's CPU offload, else the rank's device."""
+    return torch.device("cpu") if cpu_offload else device
 
 
 def gradient_checkpointing(config: LearnerConfig, device: torch.device) -> bool:

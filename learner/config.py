@@ -112,6 +112,10 @@ class PublishConfig(ConfigModel):
     """`transport: vllm`: write a file generation every this many publishes (and at checkpoints)."""
     transfer: TransferConfig = TransferConfig()
     """The transfer group's settings (`transport: vllm`)."""
+    gather_bucket_mb: int = Field(256, ge=1, le=65536, json_schema_extra=FROZEN)
+    """N ranks: a publish gathers the full weights to rank 0 in buckets of about this many MiB (in the
+    publish dtype; a larger tensor is a bucket of its own): the device and pinned host memory the gather
+    needs on rank 0, one bucket in flight; every other rank only sends its shards."""
 
 
 class CheckpointConfig(ConfigModel):
@@ -142,6 +146,18 @@ class FsdpConfig(ConfigModel):
     cpu_offload: bool = Field(False, json_schema_extra=FROZEN)
     """FSDP2's `CPUOffloadPolicy`: sharded parameters, gradients and AdamW state live in host memory and
     the optimizer steps on the CPU (fits larger models, slower steps)."""
+    replicate: int = Field(1, ge=1, json_schema_extra=FROZEN)
+    """Hybrid sharding (HSDP): the ranks form this many replica groups of consecutive ranks; parameters,
+    gradients and AdamW state are sharded within a group and replicated across groups. Set it to the
+    number of nodes when the network between nodes is much slower than within one (each micro-batch's
+    all-gathers and reduce-scatters then stay inside a node; only the gradient all-reduce crosses) and
+    a node's GPUs hold the model's shards. 1 = one flat mesh over every rank (the least memory per rank).
+    Must divide the world size."""
+    lean_start: bool = Field(True, json_schema_extra=FROZEN)
+    """Build the models on the meta device and read each rank's shards alone from the safetensors files
+    (host memory at start-up: about a rank's shards, not the whole fp32 model per rank); rank 0 reads
+    and broadcasts when the checkpoint's tensors do not map one to one onto the model. False = every rank
+    loads the whole model, then shards it (the old start, kept for comparison)."""
 
 
 def require_package(module: str, extra: str) -> None:

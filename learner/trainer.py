@@ -60,6 +60,7 @@ from learner.distributed import (
     local_device,
 )
 from learner.errors import FrozenFieldChange, WriteFailed
+from learner.hostmem import PeakHostMemory
 from learner.memory import check, device_limit, plan_for
 from learner.metrics import LearnerMetrics, timed
 from learner.model import Precision, checkpoint_dtype, load_tokenizer, pick_device
@@ -119,13 +120,28 @@ class Learner:
         self.precision = Precision.resolve(config.precision, self.device)
         checkpointing = gradient_checkpointing(config, self.device)  # the plan, before any weight loads
         cuda = self.device.type == "cuda"
-        self.memory_plan = plan_for(config, ranks.world_size, ranks.distributed, checkpointing, cuda)
-        check(self.memory_plan, device_limit(config, self.device), config, ranks.world_size, checkpointing)
-        parts, self._publish_keys = build_trainables(config, self.device, self.precision, ranks.distributed)
+        # the ranks a parameter is sharded over: all of them, or one replica group's (fsdp.replicate)
+        shard_ranks = max(1, ranks.world_size // config.fsdp.replicate) if ranks.distributed else 1
+        self.memory_plan = plan_for(config, shard_ranks, ranks.distributed, checkpointing, cuda)
+        check(self.memory_plan, device_limit(config, self.device), config, shard_ranks, checkpointing)
+        with PeakHostMemory() as startup:  # the models' host memory at start-up (lean start: ~shards)
+            parts, self._publish_keys = build_trainables(
+                config, self.device, self.precision, ranks.distributed
+            )
+            self.reference = build_reference(config, self.device, self.precision, ranks.distributed)
+        self.startup_host_bytes = startup.added_bytes  # the peak above what the process held before
+        self.startup_host_exact = startup.exact  # False: ru_maxrss, the peak since the process started
+        log.info(
+            "start-up host memory: rank %d peak %d bytes above the %d before the models were built "
+            "(lean_start=%s)",
+            ranks.rank,
+            startup.added_bytes,
+            startup.base_bytes,
+            ranks.distributed and config.fsdp.lean_start,
+        )
         self.model, self.policy = parts.model, parts.policy
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
         self.critic, self.critic_optimizer = parts.critic, parts.critic_optimizer
-        self.reference = build_reference(config, self.device, self.precision, ranks.distributed)
         self.tokenizer = load_tokenizer(config.model_path)
         self.limits = ModelLimits(
             vocab_size=self.model.get_input_embeddings().num_embeddings,
@@ -200,8 +216,7 @@ class Learner:
         need = self.persist.needs_publish(self.version) if ranks.is_leader else False
         command = Command("publish" if need else "noop") if ranks.is_leader else None
         if broadcast_command(ranks, command).op == "publish":
-            self._publish()
-            self.persist.flush()
+            self._publish()  # written by the background writer while the first steps train
 
     # --- control (called from other threads)
 

@@ -8,9 +8,14 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.cli_control import add_control_parsers
 
+if TYPE_CHECKING:
+    from learner.distributed.layout import Layout
+
+LAYOUT_FLAGS = ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "nproc_per_node", "max_restarts")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = (
     "correction", "buffer", "learner", "learner_fsdp", "publish_gather", "actor", "reward_latency", "e2e",
@@ -32,20 +37,30 @@ def _service_overrides(args: argparse.Namespace) -> dict:
 
 
 def _learner(args: argparse.Namespace) -> int:
-    nproc = args.nproc_per_node
-    if nproc > 1 and "LOCAL_RANK" not in os.environ:  # start torchrun; every rank comes back here
-        return _torchrun(args, nproc)
+    from learner.distributed.layout import Layout, LayoutError
     from services.learner_api.main import serve
+
+    if "LOCAL_RANK" in os.environ:  # a rank that torchrun started: the launching command read the layout
+        return serve(**_service_overrides(args))
+    given = {name: getattr(args, name) for name in LAYOUT_FLAGS}
+    try:
+        layout = Layout.resolve(given, os.environ)
+    except LayoutError as e:
+        print(f"learner: {e}", file=sys.stderr)
+        return 2
+    if layout.needs_torchrun:  # start torchrun; every rank comes back here
+        return _torchrun(args, layout)
 
     return serve(**_service_overrides(args))
 
 
-def _torchrun(args: argparse.Namespace, nproc: int) -> int:
-    """Replace this process by torchrun running the learner service on `nproc` ranks (one per GPU): its
-    elastic agent forwards SIGTERM to the ranks and ends the job when one dies (or restarts them all,
-    up to `--max-restarts`)."""
+def _torchrun(args: argparse.Namespace, layout: Layout) -> int:
+    """Replace this process by torchrun running the learner service on this node's ranks (one per GPU):
+    its elastic agent forwards SIGTERM to the ranks and ends the job when one dies, on every node (or
+    restarts them all, up to `--max-restarts`). Several nodes meet at torchrun's c10d rendezvous."""
     import torch
 
+    nproc = layout.nproc_per_node
     if torch.cuda.is_available() and nproc > torch.cuda.device_count():
         print(f"--nproc-per-node {nproc}: only {torch.cuda.device_count()} GPU(s) visible", file=sys.stderr)
         return 2
@@ -54,10 +69,8 @@ def _torchrun(args: argparse.Namespace, nproc: int) -> int:
         for name, value in _service_overrides(args).items()
         for flag in (f"--{name.replace('_', '-').replace('config-path', 'config')}", str(value))
     ]
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        f"--max-restarts={args.max_restarts}", "-m", "services.learner_api", *service,
-    ]  # fmt: skip
+    os.environ.update(layout.env())  # every rank numbers itself by this node's rank
+    cmd = layout.torchrun_argv(["-m", "services.learner_api", *service])
     os.execv(sys.executable, cmd)
     return 0  # not reached
 
@@ -220,16 +233,39 @@ def build_parser() -> argparse.ArgumentParser:
     learner.add_argument(
         "--nproc-per-node",
         type=int,
-        default=1,
+        metavar="G",
+        help="ranks on this node, one per GPU (torchrun + FSDP2); global rank 0 serves the API "
+        "(default 1; env OFFPOLICY_NPROC_PER_NODE)",
+    )
+    learner.add_argument(
+        "--nnodes",
+        type=int,
         metavar="N",
-        help="train on N processes, one per GPU (torchrun + FSDP2); rank 0 serves the API (default 1)",
+        help="nodes of the job: N > 1 meets at torchrun's c10d rendezvous (default 1: standalone; env "
+        "OFFPOLICY_NNODES)",
+    )
+    learner.add_argument(
+        "--node-rank",
+        type=int,
+        metavar="R",
+        help="this node's index 0..N-1; node 0 holds global rank 0 (default 0; env OFFPOLICY_NODE_RANK)",
+    )
+    learner.add_argument(
+        "--rdzv-endpoint",
+        metavar="HOST:PORT",
+        help="the c10d rendezvous, e.g. node 0's address and a free port (env OFFPOLICY_RDZV_ENDPOINT)",
+    )
+    learner.add_argument(
+        "--rdzv-id",
+        metavar="ID",
+        help="the job's rendezvous id, the same on every node (default offpolicy-learner; env "
+        "OFFPOLICY_RDZV_ID)",
     )
     learner.add_argument(
         "--max-restarts",
         type=int,
-        default=0,
-        help="with N > 1: times torchrun restarts every rank after one fails (they resume from the newest "
-        "checkpoint; default 0: the job ends)",
+        help="under torchrun: times the whole job is restarted after a rank fails (every rank on every "
+        "node; they resume from the newest checkpoint; default 0: the job ends; env OFFPOLICY_MAX_RESTARTS)",
     )
     actor = _add_service_parser(
         sub,

@@ -15,16 +15,21 @@ gradient of the global loss (gloo has no pre-multiplied sum, so `set_gradient_di
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
     from learner.distributed.ranks import Ranks
     from learner.model.precision import Precision
+
+log = logging.getLogger(__name__)
 
 
 def decoder_layers(module: nn.Module, num_layers: int) -> nn.ModuleList:
@@ -36,9 +41,41 @@ def decoder_layers(module: nn.Module, num_layers: int) -> nn.ModuleList:
     raise ValueError(f"no ModuleList of {num_layers} decoder layers in {type(module).__name__}")
 
 
-def shard(root: nn.Module, num_layers: int, precision: Precision, cpu_offload: bool) -> nn.Module:
-    """`fully_shard` each decoder layer of `root`, then `root` itself (in place; returned)."""
-    kwargs: dict = {}
+def fsdp_mesh(replicate: int, device: torch.device) -> DeviceMesh | None:
+    """The ranks' mesh: None = one flat mesh over every rank (FSDP2's default); `replicate` > 1 = a 2-D
+    mesh (`replicate` groups x world / `replicate` ranks): parameters sharded within a group (its ranks
+    consecutive: a node's GPUs with `replicate` = nodes), replicated across the groups (HSDP: gradients
+    reduce-scattered within a group, then all-reduced across groups). One mesh per process, reused."""
+    if replicate == 1:
+        return None
+    world = dist.get_world_size()
+    if world % replicate:
+        raise ValueError(
+            f"fsdp.replicate = {replicate} does not divide the {world} ranks: replica groups must be equal "
+            "(e.g. the number of nodes)"
+        )
+    key = (replicate, device.type)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(
+            device.type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard")
+        )
+        log.info("hybrid sharding: %d replica groups of %d ranks", replicate, world // replicate)
+    return _MESHES[key]
+
+
+_MESHES: dict[tuple[int, str], DeviceMesh] = {}
+
+
+def shard(
+    root: nn.Module,
+    num_layers: int,
+    precision: Precision,
+    cpu_offload: bool,
+    mesh: DeviceMesh | None = None,
+) -> nn.Module:
+    """`fully_shard` each decoder layer of `root`, then `root` itself (in place; returned), over `mesh`
+    (`fsdp_mesh`; None = every rank, one dimension)."""
+    kwargs: dict = {} if mesh is None else {"mesh": mesh}
     if precision.compute_dtype is not None:  # bf16_mixed: bf16 compute copies, fp32 masters and reduction
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=precision.compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False

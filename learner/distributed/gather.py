@@ -1,25 +1,57 @@
-"""Full weights of a sharded module, gathered into rank 0's host memory in the publish dtype.
+"""Full weights of a sharded module, gathered to rank 0 alone, in bounded buckets, in the publish dtype.
 
 `GatheredWeights` stands in for `persist.weights.HostCopy` when the learner runs on N ranks: every rank
 constructs one at the same step boundary (a collective); only the leader's holds tensors.
+
+The tensors are taken in state-dict order in buckets of about `bucket_bytes` (in the publish dtype; a
+larger tensor is a bucket of its own). For a bucket, each rank of rank 0's shard group (every rank; with
+hybrid sharding the ranks of rank 0's replica group, which together hold every shard, while the other
+replica groups send nothing) casts its shards to the publish dtype, packs them into one flat buffer on
+its device and sends it with one `gather` to rank 0: the other ranks never receive full tensors (an
+all-gather would give every rank every tensor). Rank 0 copies the gathered bucket to host memory (through
+one pinned staging buffer of the bucket's size on CUDA), and from there each shard's rows into the full
+host tensors the writer reads. Rank 0's extra device memory and its pinned host memory are one bucket
+(`publish.gather_bucket_mb`), whatever the model's size.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+
+
+def _rows(n: int, parts: int, i: int) -> tuple[int, int]:
+    """Rows [start, stop) of part `i` when `n` rows are cut in `parts` as `torch.chunk` cuts (FSDP2)."""
+    size = -(-n // parts) if n else 0
+    start = min(n, i * size)
+    return start, min(n, start + size)
+
+
+def _layout(t: torch.Tensor) -> tuple[dist.ProcessGroup, int, bool] | None:
+    """(shard group, its size, whether this rank sends) of an FSDP2 parameter sharded on dim 0 over the
+    last mesh dimension (replicated over any other); None for another layout (gathered whole)."""
+    if not isinstance(t, DTensor):
+        return None
+    *outer, last = t.placements
+    if last != Shard(0) or any(p != Replicate() for p in outer):
+        return None
+    mesh = t.device_mesh
+    coord = mesh.get_coordinate() or []
+    sends = all(c == 0 for c in coord[:-1])  # rank 0's replica group
+    return mesh.get_group(mesh.ndim - 1), mesh.size(mesh.ndim - 1), sends
 
 
 class GatheredWeights:
     """The full weights of a sharded module in rank 0's host memory, in the publish dtype (a collective:
     every rank constructs one; only the leader's holds tensors). Stands in for `persist.weights.HostCopy`.
 
-    Each shard is cast to `dtype` on its own rank before the all-gather (a bf16 publish of fp32 masters
-    moves half the bytes), the tensors are gathered one at a time (one full tensor on a device at once), and
-    the leader copies each into its host buffers (`into` reused when shape and dtype match; pinned on CUDA)
-    on the compute stream without blocking. `wait()` returns once the last copy has landed.
-    """
+    `into`: host tensors to reuse (matching name, shape and dtype). The host tensors are pageable; on
+    CUDA one pinned staging buffer of a bucket's size carries each bucket off the device. `wait()` returns
+    the host tensors (complete when the constructor returns)."""
 
     def __init__(
         self,
@@ -28,31 +60,106 @@ class GatheredWeights:
         dtype: torch.dtype,
         leader: bool,
         into: dict[str, torch.Tensor] | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
-        self._done: torch.cuda.Event | None = None
-        device: torch.device | None = None
-        for name, t in module.state_dict().items():  # the same names in the same order on every rank
-            if name not in keys:
+        self.buckets = 0
+        self.max_bucket_bytes = 0  # the largest bucket rank 0 received (device and pinned staging)
+        self._staging: torch.Tensor | None = None
+        state = [
+            (k, t.detach()) for k, t in module.state_dict().items() if k in keys
+        ]  # same order everywhere
+        bucket: list[tuple[str, torch.Tensor, torch.dtype]] = []
+        size = 0
+        for name, t in state:
+            want = dtype if t.is_floating_point() else t.dtype
+            if leader:
+                buf = into.get(name) if into is not None else None
+                if buf is None or buf.shape != t.shape or buf.dtype != want:
+                    buf = torch.empty(t.shape, dtype=want)
+                self.tensors[name] = buf
+            layout = _layout(t)
+            if layout is None:  # not sharded on dim 0: whole, one tensor at a time
+                self._flush(bucket, leader)
+                bucket, size = [], 0
+                full = _full_tensor(t, want)
+                if leader:
+                    self.tensors[name].copy_(full)
                 continue
-            full = _full_tensor(t.detach(), dtype if t.is_floating_point() else t.dtype)
-            if not leader:
-                continue
-            buf = into.get(name) if into is not None else None
-            if buf is None or buf.shape != full.shape or buf.dtype != full.dtype:
-                buf = torch.empty(full.shape, dtype=full.dtype, pin_memory=full.is_cuda)
-            buf.copy_(full, non_blocking=full.is_cuda)  # same stream: `full`'s memory is reused only after
-            self.tensors[name] = buf
-            if full.is_cuda and self._done is None:
-                self._done, device = torch.cuda.Event(), full.device
-        if self._done is not None:
-            self._done.record(torch.cuda.current_stream(device))  # the copies' stream, on their GPU
+            n = t.numel() * want.itemsize
+            if bucket and size + n > bucket_bytes:
+                self._flush(bucket, leader)
+                bucket, size = [], 0
+            bucket.append((name, t, want))
+            size += n
+        self._flush(bucket, leader)
+        self._staging = None
+
+    def _flush(self, bucket: list[tuple[str, torch.Tensor, torch.dtype]], leader: bool) -> None:
+        """Gather one bucket's shards to rank 0 of the shard group and copy them into the host tensors."""
+        if not bucket:
+            return
+        group, parts, sends = _layout(bucket[0][1])  # type: ignore[misc]
+        if not sends:
+            return
+        first = bucket[0][1]
+        kind = first.device_mesh.device_type
+        device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
+        me = dist.get_rank(group)
+        # per rank of the group: its shard of each tensor, packed in bucket order, as bytes
+        sizes = [
+            sum(
+                (_rows(t.shape[0], parts, r)[1] - _rows(t.shape[0], parts, r)[0]) * _row_bytes(t, want)
+                for _, t, want in bucket
+            )
+            for r in range(parts)
+        ]
+        width = max(sizes)
+        flat = torch.zeros(width, dtype=torch.uint8, device=device)
+        at = 0
+        for _, t, want in bucket:
+            local = t.to_local()
+            if local.numel():
+                nbytes = local.numel() * want.itemsize
+                flat[at : at + nbytes].copy_(
+                    local.to(device=device, dtype=want).contiguous().view(-1).view(torch.uint8)
+                )
+                at += nbytes
+        out = (
+            [torch.empty(width, dtype=torch.uint8, device=device) for _ in range(parts)] if me == 0 else None
+        )
+        dist.gather(flat, out, group_dst=0, group=group)
+        if me != 0 or not leader:
+            return
+        self.buckets += 1
+        self.max_bucket_bytes = max(self.max_bucket_bytes, width * parts)
+        for r, part in enumerate(out):  # type: ignore[arg-type]
+            host = part[: sizes[r]]
+            if host.is_cuda:  # one pinned staging buffer, reused bucket after bucket
+                if self._staging is None or self._staging.numel() < host.numel():
+                    self._staging = torch.empty(max(host.numel(), width), dtype=torch.uint8, pin_memory=True)
+                stage = self._staging[: host.numel()]
+                stage.copy_(host)
+                host = stage
+            at = 0
+            for name, t, want in bucket:
+                start, stop = _rows(t.shape[0], parts, r)
+                nbytes = (stop - start) * _row_bytes(t, want)
+                if nbytes:
+                    rows = host[at : at + nbytes].view(want).view(stop - start, *t.shape[1:])
+                    self.tensors[name][start:stop].copy_(rows)
+                at += nbytes
 
     def wait(self) -> dict[str, torch.Tensor]:
-        """Block until every copy has landed; return the host tensors (the leader's; empty elsewhere)."""
-        if self._done is not None:
-            self._done.synchronize()
+        """The host tensors (the leader's; empty elsewhere): complete once the constructor returned."""
         return self.tensors
+
+
+def _row_bytes(t: torch.Tensor, dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for d in t.shape[1:]:
+        n *= d
+    return n
 
 
 def _full_tensor(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

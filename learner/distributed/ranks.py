@@ -19,6 +19,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import msgpack
@@ -78,11 +80,77 @@ def init_from_env(device_type: str) -> Ranks:
     if not dist.is_initialized():
         if device_type == "cuda":
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend_for(device_type), timeout=timeout)
+        world, store = int(os.environ["WORLD_SIZE"]), node_store(os.environ)
+        rank = node_ordered_rank(os.environ, store)
+        kwargs = {} if store is None else {"store": store}
+        dist.init_process_group(
+            backend_for(device_type), timeout=timeout, rank=rank, world_size=world, **kwargs
+        )
     control = dist.new_group(backend="gloo", timeout=timeout)
     ranks = _current = Ranks(dist.get_rank(), dist.get_world_size(), local_rank, control)
     log.info("learner rank %d of %d (local rank %d)", ranks.rank, ranks.world_size, local_rank)
     return ranks
+
+
+def node_store(env: Mapping[str, str]) -> dist.Store | None:
+    """Several nodes (`OFFPOLICY_NNODES` > 1): the TCP store of this rendezvous round, hosted by torchrun's
+    rank 0 at `MASTER_ADDR:MASTER_PORT` (`offpolicy learner` sets `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, so
+    that every round, after a restart, has a fresh store: torchrun's agent-shared store keeps the previous
+    round's keys and the restarted ranks read stale addresses, pytorch/pytorch#135712). Made here because
+    the learner's global ranks differ from torchrun's (`node_ordered_rank`): the store's host is torchrun's
+    rank 0, which need not be the learner's. None with one node or torchrun's shared agent store."""
+    if int(env.get("OFFPOLICY_NNODES", "1")) <= 1 or env.get("OFFPOLICY_NODE_RANK", "") == "":
+        return None
+    host = int(env["RANK"]) == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE", "False") != "True"
+    return dist.TCPStore(
+        env["MASTER_ADDR"],
+        int(env["MASTER_PORT"]),
+        int(env["WORLD_SIZE"]),
+        is_master=host,
+        timeout=datetime.timedelta(seconds=600),
+    )
+
+
+def node_ordered_rank(env: Mapping[str, str], store: dist.Store | None = None) -> int:
+    """This process's global rank: torchrun's `RANK`, except on several nodes with a node rank
+    (`OFFPOLICY_NODE_RANK`, set by `offpolicy learner`): node rank x ranks per node + local rank, so that
+    global rank 0 (the leader) is on node 0 whatever order c10d's rendezvous put the nodes in. Every
+    process claims its rank in the round's store (`node_store`) first: two nodes with one node rank fail
+    at once, on every node, instead of waiting out the process group's timeout."""
+    rank = int(env["RANK"])
+    if (
+        store is None
+        or int(env.get("OFFPOLICY_NNODES", "1")) <= 1
+        or env.get("OFFPOLICY_NODE_RANK", "") == ""
+    ):
+        return rank
+    local_world, world = int(env["LOCAL_WORLD_SIZE"]), int(env["WORLD_SIZE"])
+    wanted = int(env["OFFPOLICY_NODE_RANK"]) * local_world + int(env["LOCAL_RANK"])
+    # a fresh store per round (agents' restart counts differ: one whose rank failed counts a restart, the
+    # others, restarted by the membership change, do not); torchrun's shared agent store outlives the
+    # rounds: one prefix per restart count there, the best it allows (restarts break there anyway)
+    prefix = "offpolicy/ranks"
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        prefix += f"/{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    claims = int(store.add(f"{prefix}/rank/{wanted}", 1))
+    store.add(f"{prefix}/joined", 1)
+    deadline = time.monotonic() + 600
+    while int(store.add(f"{prefix}/joined", 0)) < world:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {int(store.add(f'{prefix}/joined', 0))} of {world} ranks joined")
+        time.sleep(0.05)
+    missing = [r for r in range(world) if not store.check([f"{prefix}/rank/{r}"])]
+    if claims > 1 or missing:
+        raise RuntimeError(
+            f"OFFPOLICY_NODE_RANK={env['OFFPOLICY_NODE_RANK']}: global rank {wanted} is claimed twice "
+            f"(ranks {missing} by nobody): give every node its own node rank, 0 to "
+            f"{int(env['OFFPOLICY_NNODES']) - 1}"
+        )
+    if wanted != rank:
+        log.info(
+            "torchrun rank %d is learner rank %d (node rank %s)", rank, wanted, env["OFFPOLICY_NODE_RANK"]
+        )
+    return wanted
 
 
 def backend_for(device_type: str) -> str:

@@ -31,19 +31,33 @@ class ValueModel(nn.Module):
         dtype: torch.dtype,
         gradient_checkpointing: bool = False,
         attn_implementation: str | None = None,
+        backbone: nn.Module | None = None,
     ) -> None:
+        """`backbone`: one built already (the lean start's, its parameters on the meta device: so is the
+        head's, zeroed by `zero_head` once allocated); None = loaded from `path_or_id` onto `device`."""
         super().__init__()
-        self.backbone = AutoModel.from_pretrained(
+        lean = backbone is not None
+        self.backbone = backbone or AutoModel.from_pretrained(
             str(path_or_id), dtype=dtype, attn_implementation=attn_implementation
         )
         if gradient_checkpointing:
             self.backbone.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
-        self.head = nn.Linear(self.backbone.config.hidden_size, 1, dtype=dtype)
-        nn.init.zeros_(self.head.weight)
-        nn.init.zeros_(self.head.bias)
+        self.head = nn.Linear(
+            self.backbone.config.hidden_size, 1, dtype=dtype, device="meta" if lean else None
+        )
+        if lean:
+            self.train()
+            return
+        self.zero_head()
         self.to(device).train()
+
+    def zero_head(self) -> None:
+        """V = 0 everywhere at the start: the head's weight and bias zeroed (sharded or not)."""
+        with torch.no_grad():
+            self.head.weight.zero_()
+            self.head.bias.zero_()
 
     def forward(self, batch: Batch, packed: bool = False) -> torch.Tensor:
         """Values of the states before each response token: (B, R), 0 on padding. `packed`: the backbone

@@ -101,13 +101,16 @@ class Persistence:
         `gather`: on N ranks every rank calls this (a collective) with the names to publish, and the full
         weights are gathered from every rank's shards into the leader's host buffers
         (distributed/gather.py)."""
+        bucket = self.config.publish.gather_bucket_mb * 2**20
         if gather is not None and not self.ranks.is_leader:
-            GatheredWeights(self.model, gather, self.publish_dtype, leader=False)
+            GatheredWeights(self.model, gather, self.publish_dtype, leader=False, bucket_bytes=bucket)
             return
         self.fence()  # the buffers about to be reused must not be mid-copy (normally long finished)
         into = self._weights_buffers.acquire()
         copy: HostCopy | GatheredWeights = (
-            GatheredWeights(self.model, gather, self.publish_dtype, leader=True, into=into)
+            GatheredWeights(
+                self.model, gather, self.publish_dtype, leader=True, into=into, bucket_bytes=bucket
+            )
             if gather is not None
             else HostCopy(unique_state(self.model), self.publish_dtype, into=into)
         )

@@ -29,6 +29,8 @@ def main(model_dir: str, dtype_name: str, out: str) -> None:
     leader = dist.get_rank() == 0
     first = GatheredWeights(model, keys, dtype, leader).wait()
     again = GatheredWeights(model, keys, dtype, leader, into=first).wait()  # reuses the buffers
+    small = GatheredWeights(model, keys, dtype, leader, bucket_bytes=8192)  # many buckets of <= 8 KiB
+    whole = GatheredWeights(model, keys, dtype, leader)  # the default bucket: the tiny model in one
     if leader:
         want = {
             k: v.to(dtype) if v.is_floating_point() else v
@@ -40,9 +42,19 @@ def main(model_dir: str, dtype_name: str, out: str) -> None:
             "dtypes": sorted({str(t.dtype) for t in first.values()}),
             "buffers_reused": all(again[k] is first[k] for k in first),
             "shapes_match": all(first[k].shape == want[k].shape for k in want),
+            "small_buckets_diff": max(
+                float((small.tensors[k].float() - want[k].float()).abs().max()) for k in want
+            ),
+            "small_buckets": small.buckets,
+            "small_max_bucket_bytes": small.max_bucket_bytes,
+            "largest_tensor_bytes": max(v.numel() * v.element_size() for v in want.values()),
+            "largest_row_bytes": max(v[0].numel() * v.element_size() for v in want.values() if v.dim()),
+            "one_bucket": whole.buckets,
         }
         with open(out, "w") as fh:
             json.dump(result, fh)
+    else:
+        assert not small.tensors and not first  # rank 1 holds nothing
     dist.barrier()  # rank 1 must not tear gloo down while rank 0 still compares (it aborted under load)
     dist.destroy_process_group()
 

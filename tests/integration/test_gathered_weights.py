@@ -39,3 +39,8 @@ def test_rank0_gets_the_full_weights_in_the_publish_dtype(tmp_path, dtype):
     assert result["names_match"] and result["shapes_match"] and result["buffers_reused"]
     assert result["dtypes"] == [f"torch.{dtype}"]
     assert result["max_abs_diff"] == 0.0  # cast per shard, then gathered: the same values as cast whole
+    # publish.gather_bucket_mb bounds what rank 0 receives at once: 8 KiB buckets (a larger tensor alone)
+    assert result["small_buckets_diff"] == 0.0 and result["small_buckets"] > 3 * result["one_bucket"]
+    # each rank's part is padded to the largest part (uneven shards: at most one row more per rank)
+    bound = max(8192, result["largest_tensor_bytes"]) + 2 * result["largest_row_bytes"]
+    assert result["small_max_bucket_bytes"] <= bound

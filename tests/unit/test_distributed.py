@@ -80,7 +80,7 @@ def test_one_process_is_the_plain_learner(monkeypatch):
     monkeypatch.setattr(cli.os, "execv", lambda *a: pytest.fail("no torchrun for one process"))
     monkeypatch.setattr(learner_main, "serve", lambda **kw: served.append(kw) or 0)
     args = cli.build_parser().parse_args(["learner"])
-    assert args.nproc_per_node == 1 and args.max_restarts == 0
+    assert args.nproc_per_node is None and args.max_restarts is None  # not given: the environment's or 1, 0
     assert args.func(args) == 0 and len(served) == 1  # the service in this process, no torchrun
 
 

@@ -1,0 +1,207 @@
+"""Lean start of a learner on N ranks: the model built without weights, each rank reading only its shards.
+
+Loading the whole model on every rank and then sharding it costs each rank the full fp32 model in host
+memory at start-up (8 ranks x 28 GB at 7B on one node). Here every rank
+
+1. builds the model's modules with their parameters on the meta device (`meta_model`: no memory; buffers
+   such as the rotary tables stay real, computed by the model's own constructor);
+2. shards it (`fully_shard`, learner/distributed/fsdp.py), still on meta;
+3. allocates its shards alone (`materialize`: `to_empty` on the GPU, or in host memory with CPU offload);
+4. fills them (`load_shards`): for each parameter, the rows of its shard are read from the safetensors
+   files straight into the shard (plain reads at the rows' byte offsets: no mmap, no full tensor), cast
+   to the master dtype on the way; the transient is at most one shard of one tensor in the checkpoint's
+   dtype.
+
+A checkpoint whose tensors do not map one to one onto the model's parameters (renamed or fused tensors
+that transformers converts while loading, a missing tensor, another layout) takes the other way: rank 0
+loads it with transformers (the one full copy, in host memory, on rank 0 only) and
+`set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)` sends every rank its shards,
+one tensor at a time (`broadcast_from_rank0`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered inside lands on the meta device (buffers stay where they are made):
+    a model's constructor runs, allocating no weights (`torch.empty` pages never touched, then dropped)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            p = module._parameters[name]
+            module._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def meta_model(path: str | Path, dtype: torch.dtype, *, causal: bool = True, **kwargs: Any) -> nn.Module:
+    """The model at `path` (a causal LM, or with `causal=False` its backbone) with its parameters on the
+    meta device in `dtype` and its buffers real, in train mode; its generation config read as
+    `from_pretrained` reads it. `kwargs` go to `from_config` (e.g. `attn_implementation`)."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(str(path))
+    auto = AutoModelForCausalLM if causal else AutoModel
+    with parameters_on_meta():
+        model = auto.from_config(config, dtype=dtype, **kwargs)
+    if causal:
+        with contextlib.suppress(OSError, ValueError):
+            model.generation_config = GenerationConfig.from_pretrained(str(path))
+    return model.train()
+
+
+def unique_names(module: nn.Module) -> list[str]:
+    """`module.state_dict()`'s names without the second name of a tied tensor (as `save_pretrained`
+    drops them), by identity: works on meta tensors, whose storages all look alike."""
+    seen: set[int] = set()
+    out = []
+    for name, t in module.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(name)
+    return out
+
+
+def materialize(root: nn.Module, device: torch.device) -> None:
+    """Allocate the sharded `root`'s parameters (each rank its shards) on `device`, keeping its buffers:
+    `to_empty` gives every tensor fresh, uninitialised memory, so the buffers are copied back."""
+    buffers = {name: b.detach().clone() for name, b in root.named_buffers()}
+    root.to_empty(device=device)
+    with torch.no_grad():
+        for name, b in root.named_buffers():
+            b.copy_(buffers[name])
+
+
+# --- reading the checkpoint's slices
+
+
+class _Index:
+    """Where each tensor of a safetensors checkpoint lies: file, byte offset of its data, dtype, shape."""
+
+    def __init__(self, folder: Path) -> None:
+        self.entries: dict[str, tuple[Path, int, torch.dtype, tuple[int, ...]]] = {}
+        files = sorted(folder.glob("*.safetensors"))
+        for f in files:
+            with f.open("rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+            for name, e in header.items():
+                if name == "__metadata__" or e["dtype"] not in _DTYPES:
+                    continue
+                self.entries[name] = (f, 8 + n + e["data_offsets"][0], _DTYPES[e["dtype"]], tuple(e["shape"]))
+
+    def find(self, name: str, prefix: str) -> str | None:
+        for key in (name, f"{prefix}.{name}", name.removeprefix(f"{prefix}.")):
+            if key in self.entries:
+                return key
+        return None
+
+
+def _plan(model: nn.Module, index: _Index) -> dict[str, tuple[str, torch.Tensor]] | None:
+    """model tensor name -> (checkpoint name, the model's tensor), for every parameter and persistent
+    buffer; None when the checkpoint does not map one to one (another name, shape, or a tensor missing)."""
+    prefix = getattr(model, "base_model_prefix", "model")
+    plan = {}
+    state = model.state_dict(keep_vars=True)
+    for name in unique_names(model):
+        t = state[name]
+        key = index.find(name, prefix)
+        if key is None or index.entries[key][3] != tuple(t.shape):
+            log.info("lean start: %s has no tensor of shape %s in the checkpoint", name, tuple(t.shape))
+            return None
+        plan[name] = (key, t)
+    return plan
+
+
+def _read_rows(
+    entry: tuple[Path, int, torch.dtype, tuple[int, ...]], start: int, rows: int, out: torch.Tensor
+) -> None:
+    """Copy rows [start, start + rows) of a checkpoint tensor into `out` (any dtype and device)."""
+    path, offset, dtype, shape = entry
+    row_bytes = dtype.itemsize
+    for d in shape[1:]:
+        row_bytes *= d
+    if rows == 0 or row_bytes == 0:
+        return
+    direct = out.dtype == dtype and out.device.type == "cpu" and out.is_contiguous()
+    buf = out if direct else torch.empty((rows, *shape[1:]), dtype=dtype)
+    with path.open("rb", buffering=0) as fh:
+        fh.seek(offset + start * row_bytes)
+        view = memoryview(buf.view(torch.uint8).numpy()).cast("B") if buf.numel() else memoryview(b"")
+        got = 0
+        while got < len(view):
+            n = fh.readinto(view[got:])
+            if not n:
+                raise OSError(f"{path}: short read at {offset + start * row_bytes + got}")
+            got += n
+    if not direct:
+        out.copy_(buf.view(out.shape))
+
+
+def load_shards(model: nn.Module, folder: str | Path) -> bool:
+    """Fill the materialised, sharded `model`'s shards from the safetensors files in `folder`, each rank
+    reading the rows of its own shards only. False (nothing read) when the checkpoint does not map one to
+    one onto the model: use `broadcast_from_rank0` then (every rank decides the same: same files)."""
+    index = _Index(Path(folder))
+    plan = _plan(model, index) if index.entries else None
+    if plan is None:
+        return False
+    with torch.no_grad():
+        for key, t in plan.values():
+            entry = index.entries[key]
+            if not isinstance(t, DTensor):  # not sharded (a persistent buffer): whole
+                _read_rows(entry, 0, t.shape[0] if t.dim() else 1, t.data)
+                continue
+            local = t.to_local()
+            shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+            if tuple(shape[1:]) == tuple(t.shape[1:]):  # FSDP2: a block of whole rows (dim 0)
+                _read_rows(entry, offset[0], shape[0], local)
+            else:  # another layout: the whole tensor, then this rank's block
+                whole = torch.empty(t.shape, dtype=entry[2])
+                _read_rows(entry, 0, t.shape[0], whole)
+                block = whole[tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
+                local.copy_(block)
+    return True
+
+
+def broadcast_from_rank0(root: nn.Module, prefix: str, full: dict[str, torch.Tensor] | None) -> None:
+    """Every rank: `root`'s shards from the full state dict that rank 0 alone holds (`full`, names relative
+    to `root.<prefix>`; None elsewhere), sent one tensor at a time. Tensors of `root` outside `prefix`
+    (a critic's head) are left as they are."""
+    state = {f"{prefix}.{k}": v for k, v in full.items()} if full is not None else {}
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    set_model_state_dict(root, state, options=opts)
