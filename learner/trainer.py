@@ -40,13 +40,7 @@ from buffer.errors import BufferNotReady, RateLimited, StorageUnavailable
 from buffer.evaluations import EvalStore
 from buffer.policy import PolicyStore
 from buffer.replay_buffer import ReplayBuffer
-from learner.build import (
-    Trainables,
-    build_reference,
-    build_trainables,
-    gradient_checkpointing,
-    set_optimizer_hparams,
-)
+from learner.build import Trainables, build_models, set_optimizer_hparams
 from learner.config import LearnerConfig, frozen_field_changes
 from learner.delivery import Delivery
 from learner.distributed import (
@@ -57,17 +51,14 @@ from learner.distributed import (
     barrier,
     broadcast_command,
     current,
-    local_device,
 )
 from learner.errors import FrozenFieldChange, WriteFailed
-from learner.hostmem import PeakHostMemory
-from learner.memory import check, device_limit, plan_for
 from learner.metrics import LearnerMetrics, timed
-from learner.model import Precision, checkpoint_dtype, load_tokenizer, pick_device
+from learner.model import checkpoint_dtype, load_tokenizer
 from learner.persist import BackgroundWriter, Persistence
 from learner.resume_config import ResumedConfig, resumed_config
 from learner.rl import ModelLimits, StepContext, field_label, screen, train_on
-from learner.tracking import build_tracker
+from learner.tracking import StepLog, build_tracker
 from learner.transport.publisher import make_publisher
 
 log = logging.getLogger(__name__)
@@ -116,29 +107,11 @@ class Learner:
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
         # --- model (master weights in the precision's dtype), optimizer, schedule, critic; tokenizer
-        self.device = local_device(ranks, pick_device(config.device))
-        self.precision = Precision.resolve(config.precision, self.device)
-        checkpointing = gradient_checkpointing(config, self.device)  # the plan, before any weight loads
-        cuda = self.device.type == "cuda"
-        # the ranks a parameter is sharded over: all of them, or one replica group's (fsdp.replicate)
-        shard_ranks = max(1, ranks.world_size // config.fsdp.replicate) if ranks.distributed else 1
-        self.memory_plan = plan_for(config, shard_ranks, ranks.distributed, checkpointing, cuda)
-        check(self.memory_plan, device_limit(config, self.device), config, shard_ranks, checkpointing)
-        with PeakHostMemory() as startup:  # the models' host memory at start-up (lean start: ~shards)
-            parts, self._publish_keys = build_trainables(
-                config, self.device, self.precision, ranks.distributed
-            )
-            self.reference = build_reference(config, self.device, self.precision, ranks.distributed)
-        self.startup_host_bytes = startup.added_bytes  # the peak above what the process held before
-        self.startup_host_exact = startup.exact  # False: ru_maxrss, the peak since the process started
-        log.info(
-            "start-up host memory: rank %d peak %d bytes above the %d before the models were built "
-            "(lean_start=%s)",
-            ranks.rank,
-            startup.added_bytes,
-            startup.base_bytes,
-            ranks.distributed and config.fsdp.lean_start,
-        )
+        built = build_models(config, ranks)
+        self.device, self.precision, self.memory_plan = built.device, built.precision, built.memory_plan
+        self.reference, self._publish_keys = built.reference, built.publish_keys
+        self.startup_host_bytes, self.startup_host_exact = built.startup_host_bytes, built.startup_host_exact
+        parts = built.parts
         self.model, self.policy = parts.model, parts.policy
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
         self.critic, self.critic_optimizer = parts.critic, parts.critic_optimizer
@@ -158,8 +131,8 @@ class Learner:
             else None
         )
         self.store = PolicyStore(config.redis_url, config.run_id) if leader else None
-        self.evals = EvalStore(config.redis_url, config.run_id) if leader else None
-        self._eval_after = self._latest_evaluation()  # evaluations from before this start are old
+        evals = EvalStore(config.redis_url, config.run_id) if leader else None
+        self.step_log = StepLog(self.tracker, self.metrics, evals)  # each applied step's line and record
         # --- state shared with the control thread
         self.version = 0  # optimizer steps taken = policy version
         self.step_count = 0  # learner steps taken
@@ -171,7 +144,6 @@ class Learner:
         self._step_lock = threading.Lock()  # held while a step trains, publishes or checkpoints
         self._running = threading.Event()
         self._running.set()
-        self._tokens_per_s: float | None = None
         self.channel = LeaderChannel(ranks) if ranks.distributed and leader else None  # N ranks: rank 0
         # --- published weights and checkpoints (off the critical path); resume, then publish what we hold
         self.persist = Persistence(
@@ -277,7 +249,7 @@ class Learner:
             "step": self.step_count,
             "config_version": self.config_version,
             "config_applied_at_step": self.config_applied_at_step,
-            "tokens_per_s": self._tokens_per_s,
+            "tokens_per_s": self.step_log.tokens_per_s,
             "leases_unacked": len(self.delivery.unacked) if self.delivery is not None else 0,
             "buffer": self.buffer.stats() if self.buffer is not None else None,
             "last_step": dict(self.metrics.last),
@@ -369,46 +341,12 @@ class Learner:
 
     def _record(self, metrics: dict[str, float], phases: dict[str, float], groups: list) -> dict[str, float]:
         """The metrics line (trackers) and Prometheus record of a step whose update was applied."""
-        total = sum(phases.values())
-        self._tokens_per_s = metrics["tokens"] / total if total > 0 else None
-        metrics |= {
-            "tokens_per_s": self._tokens_per_s or 0.0,
+        counters = {
             "step": float(self.step_count),
             "config_version": float(self.config_version),
             "published_lag": float(self.version - (self.persist.published_version or 0)),
         }
-        metrics |= {f"time/{k}": v for k, v in phases.items()}
-        evaluation = self._new_evaluation()  # an evaluating actor's newest, on this step's line
-        metrics |= evaluation
-        self.tracker.log_step(self.step_count, metrics, groups)  # before the metrics are visible
-        if evaluation:
-            self.tracker.log_eval(int(evaluation["eval/policy_version"]), evaluation)
-        self.metrics.record_step(metrics, phases)
-        return metrics
-
-    def _latest_evaluation(self) -> str | None:
-        """The id of the newest evaluation in the stream now (None: not known yet, Redis unreachable)."""
-        try:
-            return None if self.evals is None else self.evals.latest_id()
-        except StorageUnavailable:
-            return None
-
-    def _new_evaluation(self) -> dict[str, float]:
-        """The newest evaluation an evaluating actor recorded since the last step, as `eval/...` metrics
-        (none: {}); an unreachable stream costs this step its evaluation line, nothing else."""
-        if self.evals is None:
-            return {}
-        try:
-            if self._eval_after is None:
-                self._eval_after = self.evals.latest_id()
-            new = self.evals.after(self._eval_after)
-        except StorageUnavailable as e:
-            log.warning("evaluations not read this step: %s", e)
-            return {}
-        if not new:
-            return {}
-        self._eval_after = new[-1][0]
-        return new[-1][1].metrics()
+        return self.step_log.record(metrics, phases, groups, counters)
 
     # --- N ranks: the leader's commands, the followers' loop
 

@@ -98,7 +98,7 @@ MAY_IMPORT = {  # docs/architecture.md's map: top-level part -> the parts of lea
     "batch": {"errors"},
     "model": {"batch", "config"},
     "distributed": {"config", "errors", "model"},
-    "build": {"config", "model", "distributed"},
+    "build": {"config", "model", "distributed", "memory", "hostmem"},
     "rl": {"batch", "build", "config", "correction", "distributed", "errors", "metrics", "model"},
     "persist": {"build", "config", "distributed", "errors", "metrics", "model"},
     "delivery": {"metrics"},
