@@ -5,6 +5,10 @@
   the group; a file generation is still written every `publish.persist_every` publishes, at the first
   publish and at every checkpoint: the durable generation that starting, restarted and failed actors load
   before they join the group. A failed send is counted and logged; training and file generations go on.
+
+On N ranks (`vllm`), every rank joins each publish's gather of the full weights to rank 0's host memory
+in buckets (distributed/gather.py, the gather the file generations use), and rank 0 sends those: the
+followers never wait on the actors, and no rank but 0 holds more than its shards.
 """
 
 from __future__ import annotations
@@ -12,12 +16,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+import torch
 from prometheus_client import Counter, Gauge, Histogram
 
+from learner.distributed.gather import GatheredWeights
 from learner.transport.base import TransferResult, WeightTransport
 
 if TYPE_CHECKING:
-    import torch
     from prometheus_client import CollectorRegistry
 
     from learner.config import LearnerConfig
@@ -69,7 +74,10 @@ class TransferMetrics:
 
 
 class Publisher:
-    """Files every `persist_every` publishes (all of them with `transport: files`) plus the transport."""
+    """Files every `persist_every` publishes (all of them with `transport: files`) plus the transport.
+
+    `gather` (N ranks, `transport: vllm`): (model, publish dtype, bucket bytes, leader): every rank joins
+    each publish's gather; the leader's transport reads the gathered tensors (`gathered`)."""
 
     def __init__(
         self,
@@ -77,19 +85,37 @@ class Publisher:
         persist: Persistence,
         transport: WeightTransport | None,
         metrics: TransferMetrics | None,
+        gather: tuple[torch.nn.Module, torch.dtype, int, bool] | None = None,
     ) -> None:
         self.config, self.persist, self.transport, self.metrics = config, persist, transport, metrics
         self.publishes = 0  # the same count on every rank: file writes stay a collective in step
         self.persisted: int | None = None  # newest version written as files by this publisher
         self.last: TransferResult | None = None
+        self._gather = gather
+        self._gathered: dict[str, torch.Tensor] = {}
+
+    @property
+    def transfers(self) -> bool:
+        """Whether versions go through a transport (every rank agrees: the config says so)."""
+        return self.config.publish.transport != "files"
+
+    def gathered(self) -> dict[str, torch.Tensor]:
+        """N ranks: the full weights of the publish being sent (the leader's; the transport's source)."""
+        return self._gathered
 
     def publish(self, version: int, gather: set[str] | None) -> None:
-        every = 1 if self.transport is None else self.config.publish.persist_every
+        every = self.config.publish.persist_every if self.transfers else 1
         if self.publishes % every == 0:
             self.persist_files(version, gather)
         self.publishes += 1
+        if self._gather is not None and gather is not None:  # every rank, in step: a collective
+            model, dtype, bucket, leader = self._gather
+            self._gathered = GatheredWeights(model, gather, dtype, leader, bucket_bytes=bucket).wait()
         if self.transport is not None:
-            self.last = self.transport.send(version)
+            try:
+                self.last = self.transport.send(version)
+            finally:
+                self._gathered = {}  # the host copy lives for one send
             if self.metrics is not None:
                 self.metrics.observe(self.last)
             if self.last.ok and self.last.group_size:
@@ -106,7 +132,7 @@ class Publisher:
 
     def at_checkpoint(self, version: int, gather: set[str] | None) -> None:
         """A checkpoint is a durable point for the actors too: its version as a file generation."""
-        if self.transport is not None:
+        if self.transfers:  # every rank: on N ranks the file write is a collective
             self.persist_files(version, gather)
 
     def close(self) -> None:
@@ -123,15 +149,21 @@ def make_publisher(
     distributed: bool,
     is_leader: bool,
 ) -> Publisher:
-    """The publish path for `config.publish.transport` (a single-process learner for `vllm`)."""
-    if config.publish.transport == "files" or not is_leader:
+    """The publish path for `config.publish.transport`; on N ranks every rank's (the leader sends)."""
+    if config.publish.transport == "files":
         return Publisher(config, persist, None, None)
-    if distributed:  # every rank would have to iterate the FSDP shards in step with the leader's sends
-        raise ValueError("publish.transport vllm needs a single-process learner (--nproc-per-node 1) for now")
+    bucket = config.publish.gather_bucket_mb * 2**20
+    publisher = Publisher(
+        config, persist, None, None, gather=(model, dtype, bucket, is_leader) if distributed else None
+    )
+    if not is_leader:
+        return publisher
     from buffer.transfer import LearnerControl
     from learner.model.load import unique_state
     from learner.transport.vllm import VllmTransport
 
     control = LearnerControl(config.redis_url, config.run_id)
-    transport = VllmTransport(config.publish.transfer, control, lambda: unique_state(model), dtype)
-    return Publisher(config, persist, transport, TransferMetrics(registry))
+    state = publisher.gathered if distributed else (lambda: unique_state(model))
+    publisher.transport = VllmTransport(config.publish.transfer, control, state, dtype)
+    publisher.metrics = TransferMetrics(registry)
+    return publisher

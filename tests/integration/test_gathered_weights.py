@@ -44,3 +44,6 @@ def test_rank0_gets_the_full_weights_in_the_publish_dtype(tmp_path, dtype):
     # each rank's part is padded to the largest part (uneven shards: at most one row more per rank)
     bound = max(8192, result["largest_tensor_bytes"]) + 2 * result["largest_row_bytes"]
     assert result["small_max_bucket_bytes"] <= bound
+    # publish.transport vllm on 2 ranks: both join each publish's gather, rank 0 sends the full weights
+    assert result["sent_versions"] == [1, 2] and result["sent_names_match"]
+    assert result["sent_max_abs_diff"] == 0.0

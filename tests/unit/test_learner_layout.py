@@ -105,7 +105,7 @@ MAY_IMPORT = {  # docs/architecture.md's map: top-level part -> the parts of lea
     "memory": {"config", "errors"},
     "hostmem": set(),
     "tracking": {"config", "metrics"},
-    "transport": {"config", "model", "persist"},
+    "transport": {"config", "distributed", "model", "persist"},
     "resume_config": {"config"},
     "trainer": {
         "batch",
