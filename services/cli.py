@@ -139,6 +139,7 @@ def _quickstart(args: argparse.Namespace) -> int:
         timeout_s=args.timeout_s,
         environment=args.environment,
         reward=args.reward,
+        transport=args.transport,
     )
     return run_quickstart(options)
 
@@ -209,6 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--reward",
         help="the reward that scores --dataset: exact_match, math_answer or pkg.module.fn "
         "(the toy task has its own)",
+    )
+    quick.add_argument(
+        "--transport",
+        choices=["files", "gloo"],
+        default="files",
+        help="weights to the actor as file generations (default) or over vLLM's weight-transfer engine "
+        "(gloo: the CPU stand-in for NCCL; files every 10 versions)",
     )
     quick.add_argument("--redis-url", help="use this Redis instead of starting the embedded one")
     quick.add_argument("--max-steps", type=int, default=60, help="stop after this many learner steps")

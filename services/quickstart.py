@@ -47,6 +47,9 @@ class QuickstartOptions:
     environment: str | None = None
     """Dotted path of an environment (e.g. `actors.environments.guessing_game`): multi-turn episodes
     instead of one generation per completion; None = the single-turn toy task."""
+    transport: str = "files"
+    """How weights reach the actor: `files` (a file generation per version) or `gloo` (vLLM's
+    weight-transfer engine over the project's gloo pair, a file generation every 10 versions)."""
     reward: str | None = None
     """The reward that scores `dataset` (a built-in or `pkg.mod.fn`); required with `dataset`, refused
     without it (the toy task has its own)."""
@@ -89,8 +92,15 @@ def toy_dataset(path: Path, environment: str | None = None) -> Path:
     return write_target_token_dataset(path)
 
 
-def learner_config(run_dir: Path, model: str, redis_url: str, run_id: str) -> dict[str, Any]:
-    """The learner's config for the toy task: small batches, a high learning rate, staleness bound 2."""
+TRANSFER = {"backend": "gloo", "timeout_s": 30.0}
+"""`--transport gloo`: vLLM's weight-transfer engine over gloo (the CPU stand-in for NCCL)."""
+
+
+def learner_config(
+    run_dir: Path, model: str, redis_url: str, run_id: str, transport: str = "files"
+) -> dict[str, Any]:
+    """The learner's config for the toy task: small batches, a high learning rate, staleness bound 2;
+    `transport` `gloo`: every version sent over vLLM's weight-transfer engine, files every 10."""
     import os
     from importlib.util import find_spec
 
@@ -110,7 +120,12 @@ def learner_config(run_dir: Path, model: str, redis_url: str, run_id: str) -> di
             "rollout_correction": "decoupled_token_is",
             "buffer": TOY_BUFFER,
             "sample_timeout_s": 5.0,
-            "publish": {"weights_dir": str(run_dir / "weights"), "publish_every": 1, "keep_versions": 3},
+            "publish": {"weights_dir": str(run_dir / "weights"), "publish_every": 1, "keep_versions": 3}
+            | (
+                {"transport": "vllm", "persist_every": 10, "transfer": TRANSFER}
+                if transport == "gloo"
+                else {}
+            ),
             "checkpoint": {"checkpoint_dir": str(run_dir / "checkpoints"), "checkpoint_every": None},
             "metrics_jsonl": str(run_dir / "learner_steps.jsonl"),
             # TensorBoard event files beside it when the package is installed (`make quickstart` installs it)
@@ -134,6 +149,7 @@ def actor_config(
     *,
     reward: str | None = None,
     max_model_len: int | None = None,
+    transport: str = "files",
 ) -> dict[str, Any]:
     """The actor's config for the toy task: vLLM on CPU (float32, eager, 1 GiB KV cache), 4 completions
     of up to 32 tokens per prompt at temperature 0.7, reward = share of the target character (or
@@ -147,6 +163,8 @@ def actor_config(
         extra["reward"] = RewardConfig(name=reward)
     if max_model_len is not None:
         extra["engine"] = EngineConfig.cpu_tiny(max_model_len=max_model_len)
+    if transport == "gloo":  # receives every version in place (reload.mode inflight, the default)
+        extra["reload"] = {"transport": "vllm", "transfer": TRANSFER}
     config = ActorConfig.cpu_tiny(
         model, str(dataset), redis_url=redis_url, run_id=run_id, buffer=TOY_BUFFER, **extra
     )
@@ -197,6 +215,7 @@ def run_quickstart(options: QuickstartOptions) -> int:
             eval_dataset=options.dataset is None,  # the toy task's held-out prompts; a user's: none
             reward=options.reward,
             max_model_len=max_model_len,
+            transport=options.transport,
         )
         tracker = _follow(run_dir, learner, actor, options)
         for line in summary_lines(tracker, run_dir):
@@ -284,9 +303,10 @@ def _start_services(
     eval_dataset: bool = False,
     reward: str | None = None,
     max_model_len: int | None = None,
+    transport: str = "files",
 ) -> tuple[ServiceProcess, ServiceProcess]:
     learner_yaml = run_dir / "learner.yaml"
-    learner_yaml.write_text(yaml.safe_dump(learner_config(run_dir, model, redis_url, run_id)))
+    learner_yaml.write_text(yaml.safe_dump(learner_config(run_dir, model, redis_url, run_id, transport)))
     actor_yaml = run_dir / "actor.yaml"
     held_out = _write_held_out(run_dir, environment) if eval_dataset else None
     actor_yaml.write_text(
@@ -300,6 +320,7 @@ def _start_services(
                 held_out,
                 reward=reward,
                 max_model_len=max_model_len,
+                transport=transport,
             )
         )
     )

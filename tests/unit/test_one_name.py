@@ -104,3 +104,18 @@ def test_the_quickstart_honours_a_users_model_and_reward(tmp_path):
     assert cfg.reward.name == "math_answer"
     toy = ActorConfig.model_validate(actor_config(str(model), tmp_path / "p.jsonl", "redis://h:1/0", "r"))
     assert toy.reward.name == "target_token_share" and toy.engine.max_model_len == 512
+
+
+def test_the_quickstart_gloo_variant_sends_versions_over_the_transfer_engine(tmp_path):
+    from learner.config import LearnerConfig
+    from services.quickstart import learner_config
+
+    learner = LearnerConfig.model_validate(learner_config(tmp_path, "/m", "redis://h:1/0", "r", "gloo"))
+    assert learner.publish.transport == "vllm" and learner.publish.transfer.backend == "gloo"
+    assert learner.publish.persist_every == 10
+    actor = ActorConfig.model_validate(
+        actor_config("/m", tmp_path / "p.jsonl", "redis://h:1/0", "r", transport="gloo")
+    )
+    assert actor.reload.transport == "vllm" and actor.reload.transfer.backend == "gloo"
+    files = LearnerConfig.model_validate(learner_config(tmp_path, "/m", "redis://h:1/0", "r"))
+    assert files.publish.transport == "files"
