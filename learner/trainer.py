@@ -182,7 +182,9 @@ class Learner:
         meta = self.persist.restore_latest(self.trainables())
         if meta is not None:
             self._resumed(meta)
-        self.tracker.log_config(self.config, "initial" if meta is None else "resume", 0, self.step_count)
+        self.tracker.log_config(
+            self.config, "initial" if meta is None else "resume", self.config_version, self.step_count
+        )
         if self.delivery is not None:
             self.delivery.recover(meta.get("lease_ids", []) if meta is not None else [])
         need = self.persist.needs_publish(self.version) if ranks.is_leader else False

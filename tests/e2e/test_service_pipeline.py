@@ -168,7 +168,8 @@ def test_config_patch_mid_run(stack: Stack) -> None:
     assert [e["config_version"] for e in entries][-2:] == [version - 1, version]
     assert all(e["applied_at"] is not None for e in entries)
     metrics = stack.get("/metrics").text
-    assert f"offpolicy_learner_config_version {float(version)}" in metrics
+    run_id = running["config"]["run_id"]  # every exported sample carries the run's id
+    assert f'offpolicy_learner_config_version{{run_id="{run_id}"}} {float(version)}' in metrics
     # the next steps run with it: sequence-level IS metrics appear in the step records
     wait_for(lambda: stack.get("/v1/status").json()["step"] > running["applied_at_step"] + 1, 120, "a step")
     assert "rollout_corr/rollout_is_seq_mean" in stack.get("/v1/status").json()["last_step"]

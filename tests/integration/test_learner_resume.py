@@ -72,6 +72,7 @@ def test_resume_after_kill_9(tiny_dir, redis_url, tmp_path):  # noqa: F811
     learner = Learner(cfg)
     try:
         assert learner.version == newest_ckpt  # the version of the weights it holds, never relabelled
+        learner.writer.flush()  # the first publish goes through the background writer too
         assert store.read().version == newest_ckpt  # re-published, so the actors follow these weights
         resumed = learner.version
         learner.step()
@@ -121,6 +122,7 @@ def test_resume_keeps_the_checkpoints_version_and_weights_when_newer_ones_were_p
     resumed = Learner(cfg)
     try:
         assert resumed.version == 2
+        resumed.writer.flush()  # the first publish goes through the background writer too
         record = store.read()
         assert record.version == 2 and Path(record.weights_uri).name == "v2"
         published = load_model(record.weights_uri, "cpu").state_dict()

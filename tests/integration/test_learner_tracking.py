@@ -212,4 +212,4 @@ def test_a_resumed_learner_logs_its_config_as_resume(tiny_dir, redis_url, tmp_pa
     configs = [
         e.tensor_proto.string_val[0].decode().split(":")[0] for e in events.Tensors("config/text_summary")
     ]
-    assert configs == ["config_version 0 (initial) from step 1", "config_version 0 (resume) from step 2"]
+    assert configs == ["config_version 0 (initial) from step 1", "config_version 1 (resume) from step 2"]
