@@ -195,6 +195,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for the figures
     # Run as a script, sys.path[0] is benchmarks/, whose buffer.py would shadow the `buffer` package.
     sys.path[0] = str(Path(__file__).resolve().parents[1])
     main()

@@ -160,4 +160,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for the figures
     main()
