@@ -240,7 +240,6 @@ def encode(
 ) -> list[int]:
     """Token ids of a prompt: the raw text (with the tokenizer's special tokens), or the chat template's
     rendering (which has its own)."""
-    text = render(tokenizer, prompt, chat_template, system_prompt)
-    return list(
-        tokenizer(text, add_special_tokens=not uses_chat_template(tokenizer, chat_template))["input_ids"]
-    )
+    templated = uses_chat_template(tokenizer, chat_template)
+    text = render(tokenizer, prompt, templated, system_prompt)
+    return list(tokenizer(text, add_special_tokens=not templated)["input_ids"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from actors.config import ActorConfig, DatasetConfig, EngineConfig, load_config
+from actors.config import ActorConfig, DatasetConfig, load_config
 from actors.errors import DatasetError
 from actors.prompts import Prompt, encode, render, uses_chat_template
 from learner.model.tiny import build_char_tokenizer, make_tiny_model
@@ -36,10 +36,6 @@ def test_the_old_environment_variable_is_refused_too_and_the_new_one_names_the_m
 def test_prompts_per_batch_is_refused_with_what_replaced_it():
     with pytest.raises(ValidationError, match="max_inflight_prompts"):
         DatasetConfig(path="/d.jsonl", prompts_per_batch=8)
-
-
-def test_engine_config_has_no_model_any_more():
-    assert "model" not in EngineConfig.model_fields and "model_path" in ActorConfig.model_fields
 
 
 @pytest.fixture
