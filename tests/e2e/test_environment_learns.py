@@ -5,7 +5,10 @@ services, real vLLM on CPU) on each built-in environment, with the quickstart's 
 - the calculator: the policy's call, the tool's result, the policy's answer (sums `a+b`).
 
 The environment's turns are attended but not trained. The reward rises: the mean of the last 3 learner
-steps exceeds the mean of the first 3 by the margin the runs on the development machine justify."""
+steps exceeds the mean of the first 3 by the margin the runs on the development machine justify, within
+a bounded number of steps (the run stops as soon as it has, after a minimum; it fails if it never does).
+The bound leaves room for a slow start: the learner trains on whatever the actor has pushed, so when the
+first correct answers come is partly luck."""
 
 from __future__ import annotations
 
@@ -28,15 +31,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.vllm]
 
 # On the 2-core development machine (first 3 -> last 3 steps): the guessing game 0.014 -> 0.84 in 12
 # steps; the calculator starts later (a result's digits differ by prompt), 0.008-0.021 -> 0.41-0.82 in 20
-# steps over 5 runs.
+# steps over 5 runs, and one CI run was still at 0.056 after 20 steps: it gets up to 40.
 @pytest.mark.parametrize(
-    ("environment", "steps", "margin"),
+    ("environment", "min_steps", "max_steps", "margin"),
     [
-        pytest.param("actors.environments.guessing_game", 12, 0.05, id="guessing_game"),
-        pytest.param("actors.environments.calculator", 20, 0.1, id="calculator"),
+        pytest.param("actors.environments.guessing_game", 12, 24, 0.05, id="guessing_game"),
+        pytest.param("actors.environments.calculator", 20, 40, 0.1, id="calculator"),
     ],
 )
-def test_the_environment_learns(tmp_path: Path, environment: str, steps: int, margin: float) -> None:
+def test_the_environment_learns(
+    tmp_path: Path, environment: str, min_steps: int, max_steps: int, margin: float
+) -> None:
     model = str(make_tiny_model(tmp_path / "model"))
     dataset = toy_dataset(tmp_path / "dataset.jsonl", environment)
     steps_file = tmp_path / "learner_steps.jsonl"
@@ -49,16 +54,22 @@ def test_the_environment_learns(tmp_path: Path, environment: str, steps: int, ma
         try:
             learner.wait_ready(timeout_s=180)
             actor.wait_ready(timeout_s=300)
-            deadline = time.monotonic() + 400
-            while len(lines := steps_file.read_text().splitlines() if steps_file.exists() else []) < steps:
+            deadline = time.monotonic() + 20 * max_steps
+            rewards: list[float] = []
+            while len(rewards) < max_steps and not (len(rewards) >= min_steps and _rose(rewards, margin)):
                 assert time.monotonic() < deadline, actor.log_tail()
                 time.sleep(0.5)
+                lines = steps_file.read_text().split("\n")[:-1] if steps_file.exists() else []  # whole lines
+                rewards = [json.loads(line)["reward_mean"] for line in lines[:max_steps]]
             status = httpx.get(f"{learner.url}/v1/status", timeout=10).json()
         finally:
             codes = actor.stop(), learner.stop()
         assert all(code in (0, -signal.SIGTERM) for code in codes), codes
-    rewards = [json.loads(line)["reward_mean"] for line in lines[:steps]]
     print(f"{environment}: rewards per step {[round(r, 3) for r in rewards]}")
-    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    assert last > first + margin, rewards
-    assert status["policy_version"] >= steps
+    assert _rose(rewards, margin), rewards
+    assert status["policy_version"] >= len(rewards)
+
+
+def _rose(rewards: list[float], margin: float) -> bool:
+    """The mean of the last 3 steps exceeds the mean of the first 3 by `margin`."""
+    return sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + margin
