@@ -162,8 +162,7 @@ class Learner:
             self.model,
             checkpoint_dtype(config.model_path),
             self.metrics.registry,
-            ranks.distributed,
-            leader,
+            ranks,
         )
         self.delivery = (
             Delivery(self.buffer, config.run_id, config.delivery_mode, config.lease_s, self.metrics)

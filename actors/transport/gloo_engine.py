@@ -18,6 +18,7 @@ Registered by `actors.transport.plugin.register` (the `vllm.general_plugins` ent
 from __future__ import annotations
 
 import math
+import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -87,11 +88,15 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
 
 
 def init_group(address: str, port: int, rank: int, world_size: int, timeout_s: float) -> ProcessGroup:
-    """A stateless gloo group (rank 0 hosts its TCPStore); joining waits at most `timeout_s`."""
+    """A stateless gloo group (rank 0 hosts its TCPStore); joining waits at most `timeout_s`.
+
+    Rank 0 opens the store's socket itself: under torchrun (a learner on N ranks) torch's `tcp://`
+    rendezvous would otherwise only connect, to the agent's store (`TORCHELASTIC_USE_AGENT_STORE`)."""
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
+    listen = socket.create_server(("", port)) if rank == 0 else None
     return stateless_init_torch_distributed_process_group(
-        address, port, rank, world_size, "gloo", timeout=timedelta(seconds=timeout_s)
+        address, port, rank, world_size, "gloo", timeout=timedelta(seconds=timeout_s), listen_socket=listen
     )
 
 

@@ -1,6 +1,6 @@
-"""The project's vLLM plugin (`vllm.general_plugins` entry point `offpolicy`): registers the `gloo`
-weight-transfer engine pair in vLLM's factories. vLLM runs it in every process it starts (front end,
-engine core, workers); it may run more than once per process, so it is idempotent."""
+"""The project's vLLM plugin (`vllm.general_plugins` entry point `offpolicy`): registers the `gloo` and
+`gloo_m2n` weight-transfer engine pairs in vLLM's factories. vLLM runs it in every process it starts
+(front end, engine core, workers); it may run more than once per process, so it is idempotent."""
 
 from __future__ import annotations
 
@@ -8,19 +8,29 @@ import os
 import sys
 from pathlib import Path
 
+ENGINES = {
+    "gloo": ("actors.transport.gloo_engine", "GlooWeightTransferEngine", "GlooTrainerWeightTransferEngine"),
+    "gloo_m2n": (
+        "actors.transport.gloo_m2n",
+        "GlooM2NWeightTransferEngine",
+        "GlooM2NTrainerWeightTransferEngine",
+    ),
+}
+"""Backend name -> (module, worker-side class, trainer-side class)."""
+
 
 def register() -> None:
-    """Register `gloo` (worker side and trainer side) unless it already is."""
+    """Register each of `ENGINES` (worker side and trainer side) unless it already is."""
     from vllm.distributed.weight_transfer.factory import (
         WeightTransferEngineFactory,
         WeightTransferTrainerFactory,
     )
 
-    module = "actors.transport.gloo_engine"
-    if "gloo" not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine("gloo", module, "GlooWeightTransferEngine")
-    if "gloo" not in WeightTransferTrainerFactory._registry:
-        WeightTransferTrainerFactory.register_engine("gloo", module, "GlooTrainerWeightTransferEngine")
+    for name, (module, worker, trainer) in ENGINES.items():
+        if name not in WeightTransferEngineFactory._registry:
+            WeightTransferEngineFactory.register_engine(name, module, worker)
+        if name not in WeightTransferTrainerFactory._registry:
+            WeightTransferTrainerFactory.register_engine(name, module, trainer)
 
 
 ENTRY_POINT = "actors.transport.plugin:register"

@@ -6,9 +6,11 @@
   publish and at every checkpoint: the durable generation that starting, restarted and failed actors load
   before they join the group. A failed send is counted and logged; training and file generations go on.
 
-On N ranks (`vllm`), every rank joins each publish's gather of the full weights to rank 0's host memory
-in buckets (distributed/gather.py, the gather the file generations use), and rank 0 sends those: the
-followers never wait on the actors, and no rank but 0 holds more than its shards.
+On N ranks (`vllm`) with a broadcast backend (`nccl`, `gloo`), every rank joins each publish's gather of
+the full weights to rank 0's host memory in buckets (distributed/gather.py, the gather the file
+generations use), and rank 0 sends those: the followers never wait on the actors, and no rank but 0
+holds more than its shards. With an m2n backend (`nccl_m2n`, `gloo_m2n`) nothing is gathered: every rank
+sends its own shards (transport/sharded.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from learner.config import LearnerConfig
+    from learner.distributed.ranks import Ranks
     from learner.persist.persistence import Persistence
 
 log = logging.getLogger(__name__)
@@ -118,7 +121,7 @@ class Publisher:
                 self._gathered = {}  # the host copy lives for one send
             if self.metrics is not None:
                 self.metrics.observe(self.last)
-            if self.last.ok and self.last.group_size:
+            if self.last.ok and self.last.group_size and self.metrics is not None:
                 log.info(
                     "sent v%d to %d actor(s) in %.3f s (%d bytes)",
                     version, self.last.group_size, self.last.seconds, self.last.bytes,
@@ -146,24 +149,30 @@ def make_publisher(
     model: torch.nn.Module,
     dtype: torch.dtype,
     registry: CollectorRegistry,
-    distributed: bool,
-    is_leader: bool,
+    ranks: Ranks,
 ) -> Publisher:
-    """The publish path for `config.publish.transport`; on N ranks every rank's (the leader sends)."""
+    """The publish path for `config.publish.transport`, on every rank: with a broadcast backend the leader
+    sends what every rank gathers to it; with an m2n backend every rank sends its own shards."""
     if config.publish.transport == "files":
         return Publisher(config, persist, None, None)
-    bucket = config.publish.gather_bucket_mb * 2**20
-    publisher = Publisher(
-        config, persist, None, None, gather=(model, dtype, bucket, is_leader) if distributed else None
-    )
-    if not is_leader:
-        return publisher
     from buffer.transfer import LearnerControl
+
+    control = LearnerControl(config.redis_url, config.run_id) if ranks.is_leader else None
+    metrics = TransferMetrics(registry) if ranks.is_leader else None
+    if config.publish.transfer.sharded:
+        from learner.transport.sharded import ShardedTransport
+
+        transport = ShardedTransport(config.publish.transfer, control, model, dtype, ranks)
+        return Publisher(config, persist, transport, metrics)
+    bucket = config.publish.gather_bucket_mb * 2**20
+    gather = (model, dtype, bucket, ranks.is_leader) if ranks.distributed else None
+    publisher = Publisher(config, persist, None, None, gather=gather)
+    if control is None:
+        return publisher
     from learner.model.load import unique_state
     from learner.transport.vllm import VllmTransport
 
-    control = LearnerControl(config.redis_url, config.run_id)
-    state = publisher.gathered if distributed else (lambda: unique_state(model))
+    state = publisher.gathered if ranks.distributed else (lambda: unique_state(model))
     publisher.transport = VllmTransport(config.publish.transfer, control, state, dtype)
-    publisher.metrics = TransferMetrics(registry)
+    publisher.metrics = metrics
     return publisher

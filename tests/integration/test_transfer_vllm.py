@@ -73,13 +73,15 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class Actor:
     """One receiving actor: an engine (started from `model` holding `version`) and its receiver."""
 
-    def __init__(self, name: str, model: str, version: int, redis_url: str, run_id: str) -> None:
+    def __init__(
+        self, name: str, model: str, version: int, redis_url: str, run_id: str, cfg: TransferConfig = CFG
+    ) -> None:
         self.name = name
         config = EngineConfig.cpu_tiny(max_model_len=256)
-        self.engine = VLLMEngine(config, model, initial_version=version, transfer_backend="gloo")
+        self.engine = VLLMEngine(config, model, initial_version=version, transfer_backend=cfg.backend)
         self.store = AsyncPolicyStore(redis_url, run_id)
         self.control = ActorControl(redis_url, run_id, name)
-        self.receiver = TransferReceiver(self.control, self.engine, self.store, CFG, CollectorRegistry())
+        self.receiver = TransferReceiver(self.control, self.engine, self.store, cfg, CollectorRegistry())
         self.task: asyncio.Task | None = None
 
     def start(self) -> None:

@@ -88,9 +88,10 @@ def test_files_checkpoint_writes_nothing_extra():
 
 
 def test_backends_vllm_has_but_the_learner_does_not_drive_are_config_errors():
-    for name in ("nccl_m2n", "sparse_nccl"):
-        with pytest.raises(ValidationError, match="does not drive it yet"):
-            TransferConfig(backend=name)
+    with pytest.raises(ValidationError, match="does not drive it yet"):
+        TransferConfig(backend="sparse_nccl")
+    assert TransferConfig(backend="nccl_m2n").sharded and TransferConfig(backend="gloo_m2n").sharded
+    assert not TransferConfig(backend="nccl").sharded
     with pytest.raises(ValidationError, match="backend"):
         TransferConfig(backend="tcp")
     assert TransferConfig(backend="gloo").backend == "gloo"

@@ -1,0 +1,82 @@
+"""Run by torchrun from test_sharded_transfer.py: a learner's weights on 2 ranks (FSDP2, gloo), perturbed
+alike on every rank (rank 0 first writes them as the file generation of v1), sent to the actors by
+`ShardedTransport` (`gloo_m2n`): every rank sends its own shards, nothing is gathered. v1 forms the group,
+v2 (the same weights) reuses it. Each rank writes what its sends returned and the bytes it sent.
+Arguments: MODEL_DIR REDIS_URL RUN_ID WEIGHTS_DIR OUT_PREFIX."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from buffer.transfer import LearnerControl
+from config.transfer import TransferConfig
+from learner.distributed.fsdp import shard
+from learner.distributed.ranks import Ranks
+from learner.model import load_model, load_tokenizer
+from learner.model.load import unique_state
+from learner.model.policy import LogProbs
+from learner.model.precision import Precision
+from learner.persist.weights import publish_weights
+from learner.transport.sharded import ShardedTransport, _state
+
+CFG = TransferConfig(backend="gloo_m2n", timeout_s=30.0, heartbeat_s=0.5, bucket_bytes=1 << 20)
+
+
+def main(model_dir: str, redis_url: str, run_id: str, weights: str, out: str) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    ranks = Ranks(rank=rank, world_size=dist.get_world_size(), local_rank=rank, control=dist.group.WORLD)
+    model = load_model(model_dir, "cpu", torch.float32)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for t in unique_state(model).values():
+            if t.is_floating_point():
+                t.add_(0.05 * torch.randn(t.shape, generator=g))
+    if rank == 0:
+        publish_weights(model, weights, 1, tokenizer=load_tokenizer(model_dir), dtype=torch.float32)
+    shard(
+        LogProbs(model), model.config.num_hidden_layers, Precision.resolve("fp32", torch.device("cpu")), False
+    )
+    control = LearnerControl(redis_url, run_id) if rank == 0 else None
+    if control is not None:
+        deadline = time.monotonic() + 120
+        while not control.members():
+            assert time.monotonic() < deadline, "no actor announced itself"
+            time.sleep(0.2)
+    transport = ShardedTransport(CFG, control, model, torch.float32, ranks)
+    results = []
+    for version in (1, 2):
+        r = transport.send(version)
+        results.append(
+            {
+                "version": r.version,
+                "ok": r.ok,
+                "error": r.error,
+                "group_size": r.group_size,
+                "bytes": r.bytes,
+                "epoch": transport.epoch,
+            }
+        )
+    local = sum(t.to_local().numel() * 4 for t in _state(model).values() if hasattr(t, "to_local"))
+    with open(f"{out}{rank}.json", "w") as fh:
+        json.dump(
+            {
+                "results": results,
+                "trainer_rank": transport.trainer_rank,
+                "trainers": transport.trainers,
+                "local_shard_bytes": local,
+            },
+            fh,
+        )
+    transport.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:6])
