@@ -1,14 +1,17 @@
 """Run by torchrun from test_sharded_transfer.py: a learner's weights on 2 ranks (FSDP2, gloo), perturbed
 alike on every rank (rank 0 first writes them as the file generation of v1), sent to the actors by
 `ShardedTransport` (`gloo_m2n`): every rank sends its own shards, nothing is gathered. v1 forms the group,
-v2 (the same weights) reuses it. Each rank writes what its sends returned and the bytes it sent.
-Arguments: MODEL_DIR REDIS_URL RUN_ID WEIGHTS_DIR OUT_PREFIX."""
+v2 (the same weights) reuses it. Then rank 0 writes `OUT_PREFIX.sent`, waits for `OUT_PREFIX.killed` (the
+test killed the actor's engine) and every rank sends v3 (it must fail on both ranks, within the bound);
+once the actor's membership lapsed, v4 finds no one (both ranks, at once). Each rank writes what its
+sends returned and the bytes it sent. Arguments: MODEL_DIR REDIS_URL RUN_ID WEIGHTS_DIR OUT_PREFIX."""
 
 from __future__ import annotations
 
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,7 +27,7 @@ from learner.model.precision import Precision
 from learner.persist.weights import publish_weights
 from learner.transport.sharded import ShardedTransport, _state
 
-CFG = TransferConfig(backend="gloo_m2n", timeout_s=30.0, heartbeat_s=0.5, bucket_bytes=1 << 20)
+CFG = TransferConfig(backend="gloo_m2n", timeout_s=15.0, heartbeat_s=0.5, bucket_bytes=1 << 20)
 
 
 def main(model_dir: str, redis_url: str, run_id: str, weights: str, out: str) -> None:
@@ -43,25 +46,23 @@ def main(model_dir: str, redis_url: str, run_id: str, weights: str, out: str) ->
         LogProbs(model), model.config.num_hidden_layers, Precision.resolve("fp32", torch.device("cpu")), False
     )
     control = LearnerControl(redis_url, run_id) if rank == 0 else None
-    if control is not None:
-        deadline = time.monotonic() + 120
-        while not control.members():
-            assert time.monotonic() < deadline, "no actor announced itself"
-            time.sleep(0.2)
+    _wait_for(control, lambda: control.members(), "no actor announced itself")
     transport = ShardedTransport(CFG, control, model, torch.float32, ranks)
     results = []
-    for version in (1, 2):
+
+    def send(version: int) -> None:
         r = transport.send(version)
-        results.append(
-            {
-                "version": r.version,
-                "ok": r.ok,
-                "error": r.error,
-                "group_size": r.group_size,
-                "bytes": r.bytes,
-                "epoch": transport.epoch,
-            }
-        )
+        keys = ("version", "ok", "error", "group_size", "bytes", "seconds")
+        results.append({k: getattr(r, k) for k in keys} | {"epoch": transport.epoch})
+
+    send(1)
+    send(2)
+    if rank == 0:
+        Path(f"{out}.sent").touch()
+    _wait_for(control, lambda: Path(f"{out}.killed").exists(), "the test did not kill the actor")
+    send(3)
+    _wait_for(control, lambda: not control.members(), "the killed actor's membership did not lapse")
+    send(4)
     local = sum(t.to_local().numel() * 4 for t in _state(model).values() if hasattr(t, "to_local"))
     with open(f"{out}{rank}.json", "w") as fh:
         json.dump(
@@ -76,6 +77,14 @@ def main(model_dir: str, redis_url: str, run_id: str, weights: str, out: str) ->
     transport.close()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _wait_for(control, cond, message: str) -> None:
+    """Rank 0 waits for `cond` (the others wait in the next collective)."""
+    deadline = time.monotonic() + 120
+    while control is not None and not cond():
+        assert time.monotonic() < deadline, message
+        time.sleep(0.2)
 
 
 if __name__ == "__main__":

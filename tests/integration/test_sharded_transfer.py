@@ -2,17 +2,22 @@
 engine on CPU, with real Redis: every learner rank sends its own shards to the actor's worker (no rank
 gathers the full weights), which puts the tensors together and loads them. After the update the engine
 generates exactly what the same engine generates from the same version's file generation (greedy, the
-log-probs bit for bit), which differs from what it generated before; every token records the version."""
+log-probs bit for bit), which differs from what it generated before; every token records the version.
+Then `kill -9` of the actor's engine: the next send fails on both learner ranks within its bound, and once
+the membership lapsed both ranks find no one to send to; nothing hangs."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -23,7 +28,7 @@ from tests.integration.test_transfer_vllm import Actor, vllm_plugin  # noqa: F40
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
-CFG = TransferConfig(backend="gloo_m2n", timeout_s=30.0, heartbeat_s=0.5, bucket_bytes=1 << 20)
+CFG = TransferConfig(backend="gloo_m2n", timeout_s=15.0, heartbeat_s=0.5, bucket_bytes=1 << 20)
 
 
 def test_two_learner_ranks_send_their_shards_into_a_vllm_engine(tmp_path, redis_url, run_id):
@@ -36,30 +41,45 @@ def test_two_learner_ranks_send_their_shards_into_a_vllm_engine(tmp_path, redis_
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
         script = str(ROOT / "tests" / "integration" / "m2n_ranks.py")
-        proc = subprocess.run(
+        log = (tmp_path / "ranks.log").open("w")
+        proc = subprocess.Popen(
             [*cmd, script, str(model_dir), redis_url, run_id, str(weights), str(out)],
-            cwd=ROOT, env=env | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+            cwd=ROOT, env=env | {"OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
-        (tmp_path / "ranks.log").write_text(proc.stdout + proc.stderr)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-        after = actor.generate()
-        assert actor.engine.loaded_version == 2
-        # the same engine from v1's files (v2 holds the same weights)
-        folder = next(weights.glob("v*1"))
+        try:
+            deadline = time.monotonic() + 240
+            while not Path(f"{out}.sent").exists():
+                assert proc.poll() is None and time.monotonic() < deadline, _tail(tmp_path / "ranks.log")
+                time.sleep(0.2)
+            after = actor.generate()
+            assert actor.engine.loaded_version == 2
+            # the same engine from v1's files (v2 holds the same weights)
+            folder = next(weights.glob("v*1"))
 
-        async def reload():
-            async with actor.engine.paused():
-                await actor.engine.reload_weights(str(folder), 2)
+            async def reload():
+                async with actor.engine.paused():
+                    await actor.engine.reload_weights(str(folder), 2)
 
-        actor.engine.call(reload())
-        from_files = actor.generate()
+            actor.engine.call(reload())
+            from_files = actor.generate()
+            for pid in actor.engine_pids():  # kill -9 of the engine (and its worker)
+                for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+                    os.kill(p.pid, signal.SIGKILL)
+            Path(f"{out}.killed").touch()
+            assert proc.wait(timeout=180) == 0, _tail(tmp_path / "ranks.log")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
     finally:
         actor.close()
-    for rank in ranks:  # both ranks' sends succeeded; v2 went through the group v1 formed
-        assert [r["ok"] for r in rank["results"]] == [True, True], rank["results"]
-        assert [r["epoch"] for r in rank["results"]] == [1, 1]
-    assert [r["group_size"] for r in ranks[0]["results"]] == [1, 1]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank in ranks:  # v1, v2 sent (v2 through the group v1 formed); v3 failed everywhere; v4 to no one
+        results = rank["results"]
+        assert [r["ok"] for r in results] == [True, True, False, True], results
+        assert [r["epoch"] for r in results[:2]] == [1, 1]
+        assert results[2]["seconds"] < CFG.timeout_s + 5, results[2]
+        assert results[3]["seconds"] < 1.0, results[3]
+    assert [r["group_size"] for r in ranks[0]["results"]] == [1, 1, 1, 0]
     assert (ranks[0]["trainers"], ranks[0]["trainer_rank"], ranks[1]["trainer_rank"]) == (2, 0, 1)
     # every rank sent its own shards (rank 1 too): each no more than its shards, together the whole model
     full = sum(t.numel() * 4 for t in unique_state(_load(model_dir)).values())
@@ -71,6 +91,10 @@ def test_two_learner_ranks_send_their_shards_into_a_vllm_engine(tmp_path, redis_
         np.testing.assert_array_equal(lps, f_lps)
         assert versions is not None and (versions == 2).all()
     assert [o[0] for o in after] != [o[0] for o in before]  # the update changed what the engine generates
+
+
+def _tail(path: Path) -> str:
+    return path.read_text()[-3000:]
 
 
 def _load(model_dir: Path) -> torch.nn.Module:
