@@ -213,10 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     quick.add_argument(
         "--transport",
-        choices=["files", "gloo"],
+        choices=["files", "gloo", "gloo_m2n"],
         default="files",
         help="weights to the actor as file generations (default) or over vLLM's weight-transfer engine "
-        "(gloo: the CPU stand-in for NCCL; files every 10 versions)",
+        "(gloo: the CPU stand-in for nccl, gloo_m2n for nccl_m2n; files every 10 versions)",
     )
     quick.add_argument("--redis-url", help="use this Redis instead of starting the embedded one")
     quick.add_argument("--max-steps", type=int, default=60, help="stop after this many learner steps")

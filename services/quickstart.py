@@ -92,15 +92,21 @@ def toy_dataset(path: Path, environment: str | None = None) -> Path:
     return write_target_token_dataset(path)
 
 
-TRANSFER = {"backend": "gloo", "timeout_s": 30.0}
-"""`--transport gloo`: vLLM's weight-transfer engine over gloo (the CPU stand-in for NCCL)."""
+TRANSPORTS = ("gloo", "gloo_m2n")
+"""`--transport` values that send over vLLM's weight-transfer engine (the CPU stand-ins of `nccl` and
+`nccl_m2n`); the value is the backend."""
+
+
+def _transfer(transport: str) -> dict[str, Any]:
+    return {"backend": transport, "timeout_s": 30.0}
 
 
 def learner_config(
     run_dir: Path, model: str, redis_url: str, run_id: str, transport: str = "files"
 ) -> dict[str, Any]:
     """The learner's config for the toy task: small batches, a high learning rate, staleness bound 2;
-    `transport` `gloo`: every version sent over vLLM's weight-transfer engine, files every 10."""
+    `transport` `gloo` / `gloo_m2n`: every version sent over vLLM's weight-transfer engine (that backend),
+    files every 10."""
     import os
     from importlib.util import find_spec
 
@@ -122,8 +128,8 @@ def learner_config(
             "sample_timeout_s": 5.0,
             "publish": {"weights_dir": str(run_dir / "weights"), "publish_every": 1, "keep_versions": 3}
             | (
-                {"transport": "vllm", "persist_every": 10, "transfer": TRANSFER}
-                if transport == "gloo"
+                {"transport": "vllm", "persist_every": 10, "transfer": _transfer(transport)}
+                if transport in TRANSPORTS
                 else {}
             ),
             "checkpoint": {"checkpoint_dir": str(run_dir / "checkpoints"), "checkpoint_every": None},
@@ -163,8 +169,8 @@ def actor_config(
         extra["reward"] = RewardConfig(name=reward)
     if max_model_len is not None:
         extra["engine"] = EngineConfig.cpu_tiny(max_model_len=max_model_len)
-    if transport == "gloo":  # receives every version in place (reload.mode inflight, the default)
-        extra["reload"] = {"transport": "vllm", "transfer": TRANSFER}
+    if transport in TRANSPORTS:  # receives every version in place (reload.mode inflight, the default)
+        extra["reload"] = {"transport": "vllm", "transfer": _transfer(transport)}
     config = ActorConfig.cpu_tiny(
         model, str(dataset), redis_url=redis_url, run_id=run_id, buffer=TOY_BUFFER, **extra
     )

@@ -1,7 +1,8 @@
 """End to end over vLLM's weight-transfer engine: the quickstart's stack (`offpolicy quickstart --transport
 gloo`: embedded Redis, learner and actor services, real vLLM on CPU) with every version sent through the
-project's gloo engine pair instead of a file generation. The actor receives the versions in place, the
-learner writes files only every 10 versions, and the reward rises as it does with files."""
+project's gloo engine pair (`--transport gloo`) or its m2n stand-in (`--transport gloo_m2n`: the learner's
+shards sent as they are, here one rank's) instead of a file generation. The actor receives the versions in
+place, the learner writes files only every 10 versions, and the reward rises as it does with files."""
 
 from __future__ import annotations
 
@@ -30,16 +31,17 @@ def _sample(text: str, name: str) -> float:
 
 
 # On the 2-core development machine: reward 0.008 over the first 3 steps -> 0.63-0.67 at steps 9-10.
-def test_the_quickstart_learns_over_the_gloo_transfer_engine(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["gloo", "gloo_m2n"])
+def test_the_quickstart_learns_over_the_gloo_transfer_engine(tmp_path: Path, transport: str) -> None:
     steps = 12
     model = str(make_tiny_model(tmp_path / "model"))
     dataset = toy_dataset(tmp_path / "dataset.jsonl")
     steps_file = tmp_path / "learner_steps.jsonl"
     with EmbeddedRedis.start(tmp_path / "redis") as redis:
         learner_yaml, actor_yaml = tmp_path / "learner.yaml", tmp_path / "actor.yaml"
-        learner_yaml.write_text(yaml.safe_dump(learner_config(tmp_path, model, redis.url, "xfer", "gloo")))
+        learner_yaml.write_text(yaml.safe_dump(learner_config(tmp_path, model, redis.url, "xfer", transport)))
         actor_yaml.write_text(
-            yaml.safe_dump(actor_config(model, dataset, redis.url, "xfer", transport="gloo"))
+            yaml.safe_dump(actor_config(model, dataset, redis.url, "xfer", transport=transport))
         )
         learner = start_service("learner", learner_yaml, tmp_path / "learner.log")
         actor = start_service("actor", actor_yaml, tmp_path / "actor.log")
@@ -56,7 +58,7 @@ def test_the_quickstart_learns_over_the_gloo_transfer_engine(tmp_path: Path) -> 
             codes = actor.stop(), learner.stop()
         assert all(code in (0, -signal.SIGTERM) for code in codes), codes
     rewards = [json.loads(line)["reward_mean"] for line in lines[:steps]]
-    print(f"gloo transfer: rewards per step {[round(r, 3) for r in rewards]}")
+    print(f"{transport} transfer: rewards per step {[round(r, 3) for r in rewards]}")
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
     # the versions went through the engine, not through files: files at v0 and every 10 versions only
     assert _sample(exported, "offpolicy_learner_transfers_total") >= steps - 4
