@@ -71,12 +71,32 @@ def main(model_dir: str, redis_url: str, run_id: str, weights: str, out: str) ->
                 "trainer_rank": transport.trainer_rank,
                 "trainers": transport.trainers,
                 "local_shard_bytes": local,
+                "nccl_m2n": vllm_m2n_source(model, rank),
             },
             fh,
         )
     transport.close()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def vllm_m2n_source(model: torch.nn.Module, rank: int) -> dict:
+    """What `nccl_m2n` would read (vLLM's M2N source classes over this rank's shards, bfloat16) and that
+    its trainer init info is accepted; the NCCL engine itself needs GPUs."""
+    from learner.transport.sharded import _trainer_init_info, _vllm_m2n_source
+
+    source = _vllm_m2n_source(model, torch.bfloat16, 2)
+    metas = source.metadata()
+    pairs = list(source)
+    info = _trainer_init_info(TransferConfig(backend="nccl_m2n", port=29999), 29999, 3, 2, rank)
+    return {
+        "mesh_dims": list(source.mesh().dims),
+        "names_match": [m.name for m in metas] == [n for n, _ in pairs] == list(_state(model)),
+        "placements": sorted({str(m.placements) for m in metas}),
+        "dtypes": sorted({str(t.dtype) for _, t in pairs}),
+        "local_bytes": sum(t.numel() * t.element_size() for _, t in pairs),
+        "init": [info.rank, info.num_trainer_ranks, info.world_size],
+    }
 
 
 def _wait_for(control, cond, message: str) -> None:

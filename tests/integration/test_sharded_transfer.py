@@ -86,6 +86,14 @@ def test_two_learner_ranks_send_their_shards_into_a_vllm_engine(tmp_path, redis_
     sent = [rank["results"][0]["bytes"] for rank in ranks]
     assert all(0 < b < full for b in sent) and sum(sent) == full, (sent, full)
     assert sent[1] == ranks[1]["local_shard_bytes"]
+    # nccl_m2n (GPUs only) reads the same shards through vLLM's own M2N source classes, cast to the publish
+    # dtype, each rank its rows over a (2, 1) mesh; its trainer init info is accepted
+    for r, rank in enumerate(ranks):
+        m2n = rank["nccl_m2n"]
+        assert m2n["mesh_dims"] == [2, 1] and m2n["names_match"] and m2n["dtypes"] == ["torch.bfloat16"]
+        assert m2n["placements"] == ["(0, -1)"], m2n["placements"]  # Shard(0) over the trainer axis
+        assert m2n["local_bytes"] * 2 == rank["local_shard_bytes"]
+        assert m2n["init"] == [r, 2, 3]
     for (ids, lps, versions), (f_ids, f_lps, _), (_, _, _) in zip(after, from_files, before, strict=True):
         assert ids == f_ids
         np.testing.assert_array_equal(lps, f_lps)
