@@ -120,8 +120,36 @@ def buckets(sizes: list[int], bucket_bytes: int) -> Iterator[tuple[int, int]]:
         yield start, len(sizes)
 
 
+class LayerwiseGlooReceiver:
+    """What the gloo worker engines share: the group, and loading inside vLLM's layerwise-reload lifecycle
+    (every received tensor goes through the model's `load_weights`, processed once its layer is whole)."""
+
+    group: ProcessGroup | None
+    model: Any
+    model_config: Any
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class synchronizes the accelerator afterwards; gloo's receive is synchronous.
+        self.receive_weights(self.parse_update_info(update_info))  # type: ignore[attr-defined]
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            group, self.group = self.group, None
+            group.shutdown()
+
+
 class GlooWeightTransferEngine(
-    WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]
+    LayerwiseGlooReceiver, WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]
 ):
     """Inference-worker side: joins the trainer's gloo group and loads the packed buckets it receives."""
 
@@ -141,20 +169,6 @@ class GlooWeightTransferEngine(
         self.group = init_group(
             init_info.master_address, init_info.master_port, rank, init_info.world_size, init_info.timeout_s
         )
-
-    def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
-
-    def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        finalize_layerwise_reload(self.model, self.model_config)
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        # The base class synchronizes the accelerator afterwards; gloo's receive is synchronous.
-        self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
         if self.group is None:
@@ -176,11 +190,6 @@ class GlooWeightTransferEngine(
                         sizes[start:end],
                     )
                 )
-
-    def shutdown(self) -> None:
-        if self.group is not None:
-            group, self.group = self.group, None
-            group.shutdown()
 
 
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):

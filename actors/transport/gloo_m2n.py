@@ -33,7 +33,13 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from actors.transport.gloo_engine import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S, buckets, init_group
+from actors.transport.gloo_engine import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_TIMEOUT_S,
+    LayerwiseGlooReceiver,
+    buckets,
+    init_group,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
@@ -144,7 +150,8 @@ class _Plan:
 
 
 class GlooM2NWeightTransferEngine(
-    WeightTransferEngine[GlooM2NWeightTransferInitInfo, GlooM2NWeightTransferUpdateInfo]
+    LayerwiseGlooReceiver,
+    WeightTransferEngine[GlooM2NWeightTransferInitInfo, GlooM2NWeightTransferUpdateInfo],
 ):
     """Inference-worker side: joins the group, receives every trainer rank's rows of each bucket, puts the
     tensors together and loads them."""
@@ -173,19 +180,6 @@ class GlooM2NWeightTransferEngine(
             init_info.master_address, init_info.master_port, rank, init_info.world_size, init_info.timeout_s
         )
 
-    def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
-
-    def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        finalize_layerwise_reload(self.model, self.model_config)
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.receive_weights(self.parse_update_info(update_info))
-
     def receive_weights(self, update_info: GlooM2NWeightTransferUpdateInfo) -> None:
         if self.group is None or self.plan is None:
             raise RuntimeError("gloo_m2n weight transfer not initialized: call init_transfer_engine() first")
@@ -204,11 +198,6 @@ class GlooM2NWeightTransferEngine(
                         self.group.recv([buf], r, tag).wait()
                     parts.append(buf)
                 self.model.load_weights(list(_assemble(plan, start, end, parts)))
-
-    def shutdown(self) -> None:
-        if self.group is not None:
-            group, self.group = self.group, None
-            group.shutdown()
 
 
 def _assemble(

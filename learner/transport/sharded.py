@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from learner.transport.base import TransferResult
-from learner.transport.vllm import FanoutClient, TransferFailed, VllmTransport, _free_port, _inner
+from learner.transport.vllm import FanoutClient, VllmTransport, _free_port, _inner
 
 if TYPE_CHECKING:
     from buffer.transfer import LearnerControl, Member
@@ -220,17 +220,7 @@ class ShardedTransport(VllmTransport):
         }
 
     def _run_rank(self, version: int, plan: dict[str, Any], outcome: dict[str, Any]) -> None:
-        try:
-            if plan["reform"]:
-                self._form_rank(plan)
-            assert self.engine is not None
-            if self.client is not None:
-                self.client.version = version
-            self.engine.send_weights()
-            outcome["bytes"] = getattr(self.engine, "bytes_sent", 0)
-        except Exception as e:  # translated: reported as a failed transfer, never raised into the step
-            outcome["error"] = f"{type(e).__name__}: {e}"
-            outcome["culprits"] = e.culprits if isinstance(e, TransferFailed) else None
+        self._attempt(version, outcome, (lambda: self._form_rank(plan)) if plan["reform"] else None)
 
     def _form_rank(self, plan: dict[str, Any]) -> None:
         """Tear the old group down and join the new one as trainer rank `trainer_rank` (rank 0 with the

@@ -190,13 +190,20 @@ class VllmTransport:
         return benched is None or benched[0] != m.incarnation or self._sends >= benched[1]
 
     def _run(self, version: int, members: list[Member], outcome: dict[str, Any]) -> None:
+        changed = self.client is None or [(m.actor_id, m.incarnation) for m in self.client.members] != [
+            (m.actor_id, m.incarnation) for m in members
+        ]
+        self._attempt(version, outcome, (lambda: self._form(members)) if changed else None)
+
+    def _attempt(self, version: int, outcome: dict[str, Any], form: Callable[[], None] | None) -> None:
+        """Form the group first when `form` is given, then send `version`; the outcome (bytes, or the
+        error and the members it names) goes into `outcome`, never raised into the step."""
         try:
-            if self.client is None or [(m.actor_id, m.incarnation) for m in self.client.members] != [
-                (m.actor_id, m.incarnation) for m in members
-            ]:
-                self._form(members)
-            assert self.client is not None and self.engine is not None
-            self.client.version = version
+            if form is not None:
+                form()
+            assert self.engine is not None
+            if self.client is not None:  # the controller (on N ranks, rank 0 only)
+                self.client.version = version
             self.engine.send_weights()
             outcome["bytes"] = getattr(self.engine, "bytes_sent", 0)
         except Exception as e:  # translated: reported as a failed transfer, never raised into the step
