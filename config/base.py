@@ -32,6 +32,9 @@ from pydantic import (
 
 MAX_STR = 4096
 """Longest string any config field holds, in characters (PATH_MAX on Linux)."""
+FROZEN = {"frozen_while_running": True}
+"""`json_schema_extra` of a field that cannot change while a learner's loop runs (the REST API answers 409
+naming it: learner/config.py `frozen_field_changes`)."""
 MAX_ID = 128
 """Longest id (run id, actor id), in characters."""
 MAX_PATH_COMPONENT = 255

@@ -6,7 +6,6 @@ answers 409 naming them; `frozen_field_changes(old, new)` lists the ones a new c
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -15,17 +14,17 @@ from typing import Any, Literal, Self
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from buffer.config import BufferConfig
-from config.base import ConfigModel, IdStr, PathStr
+from config.base import FROZEN, ConfigModel, IdStr, PathStr
 from config.loader import env_overrides as env_overrides
 from config.loader import load_layered
 from config.loader import merge as merge
-from config.transfer import TransferConfig
+from config.publish import CheckpointConfig, PublishConfig
+from config.tracking import TrackingConfig
 from learner.correction.config import RolloutCorrectionConfig
 
 PrecisionName = Literal["bf16_mixed", "fp32", "bf16_pure"]
 """Master weights, optimizer state and compute dtype by one name (learner/model/precision.py)."""
 
-FROZEN = {"frozen_while_running": True}
 WRITABLE = {"writable_path": True}
 
 AttnImplementation = Literal[
@@ -88,58 +87,6 @@ class CriticConfig(ConfigModel):
     """Weight of the value loss (the critic has its own optimizer; this scales its gradient)."""
 
 
-class PublishConfig(ConfigModel):
-    """Where and how often the learner publishes weights for the actors."""
-
-    weights_dir: PathStr = Field("runs/{run_id}/weights", json_schema_extra=FROZEN)
-    """Folder holding `v<version>/` (safetensors + manifest + config + tokenizer), shared with the actors;
-    `{run_id}` is replaced by the run's id (`LearnerConfig.weights_path`), so runs never share a folder."""
-    publish_every: int = Field(1, ge=1)
-    """Publish after every this many learner steps."""
-    keep_versions: int = Field(3, ge=1)
-    """How many published versions stay on disk; older folders are deleted."""
-    weights_root: PathStr | None = Field(None, json_schema_extra=FROZEN)
-    """Where the shared weights volume is mounted on the learner; `weights_dir` must lie under it, and the
-    policy record names each version's folder relative to it (`run-a/weights/v12`), so actors may mount
-    the volume elsewhere (their `reload.weights_root`). None = the record holds the folder's absolute
-    path, and every actor must see the volume at the learner's path."""
-    transport: Literal["files", "vllm"] = "files"
-    """How a published version reaches the actors. `files`: every version is written as a folder (the
-    actors load it). `vllm`: every version is sent through vLLM's weight-transfer engine (`transfer`) to
-    the actors in the group, and a file generation is still written every `persist_every` versions and at
-    each checkpoint (what starting, restarted and failed actors load). docs/actor.md "Transports"."""
-    persist_every: int = Field(10, ge=1)
-    """`transport: vllm`: write a file generation every this many publishes (and at checkpoints)."""
-    transfer: TransferConfig = TransferConfig()
-    """The transfer group's settings (`transport: vllm`)."""
-    gather_bucket_mb: int = Field(256, ge=1, le=65536, json_schema_extra=FROZEN)
-    """N ranks: a publish gathers the full weights to rank 0 in buckets of about this many MiB (in the
-    publish dtype; a larger tensor is a bucket of its own): the device and pinned host memory the gather
-    needs on rank 0, one bucket in flight; every other rank only sends its shards."""
-
-
-class CheckpointConfig(ConfigModel):
-    """Where and how often the learner writes resumable checkpoints."""
-
-    checkpoint_dir: PathStr | None = Field("runs/{run_id}/checkpoints", json_schema_extra=FROZEN)
-    """Folder of `ckpt-<version>/` checkpoints; the newest is resumed on start, and one written for another
-    run or model is refused. `{run_id}` is replaced by the run's id. None = no checkpoints."""
-    checkpoint_every: int | None = Field(10, ge=1)
-    """Checkpoint after every this many learner steps; None = only on demand (`POST /v1/checkpoints`)."""
-    keep_checkpoints: int = Field(2, ge=1)
-    """How many checkpoints stay on disk."""
-    async_staging: bool = Field(True, json_schema_extra=FROZEN)
-    """N ranks: copy each rank's shards to host memory on a background thread (pinned on CUDA, the buffers
-    kept between checkpoints: host memory of about the shards' size stays taken), waited for only before
-    the next optimizer step. False = copy at the step boundary into pageable memory, on the critical path."""
-    resume_config: Literal["checkpoint", "file"] = "checkpoint"
-    """Which config a resumed learner runs where the file and the newest checkpoint disagree: `checkpoint`
-    = the run goes on as it was (the changes applied through the API survive a restart; the fields frozen
-    while running still come from the file), `file` = the file wins (an edit before the restart takes
-    effect). Always read from the file; the disagreeing fields are logged and shown in the config history's
-    `resume` entry (learner/resume_config.py)."""
-
-
 class FsdpConfig(ConfigModel):
     """How a learner on N ranks (`offpolicy learner --nproc-per-node N`) shards; ignored on one process."""
 
@@ -158,76 +105,6 @@ class FsdpConfig(ConfigModel):
     (host memory at start-up: about a rank's shards, not the whole fp32 model per rank); rank 0 reads
     and broadcasts when the checkpoint's tensors do not map one to one onto the model. False = every rank
     loads the whole model, then shards it (the old start, kept for comparison)."""
-
-
-def require_package(module: str, extra: str) -> None:
-    """Raise (a field error where a validator calls it) when `module` is not installed."""
-    if importlib.util.find_spec(module) is None:
-        raise ValueError(f"needs the `{module}` package: pip install 'offpolicy[{extra}]'")
-
-
-class WandbConfig(ConfigModel):
-    """A Weights & Biases run per learner process (learner/tracking/wandb_sink.py)."""
-
-    project: IdStr
-    """W&B project the run goes to."""
-    mode: Literal["offline", "online"] = "offline"
-    """`offline` writes the run under `dir` only (`wandb sync` uploads it later); `online` streams it to
-    the W&B server (needs `WANDB_API_KEY` in the learner's environment)."""
-    dir: PathStr | None = None
-    """Folder W&B writes its `wandb/` run folders into; None = the working directory."""
-    run_name: IdStr | None = None
-    """Display name of the run; None = the learner's `run_id`."""
-
-    @model_validator(mode="after")
-    def _installed(self) -> Self:
-        require_package("wandb", "wandb")
-        return self
-
-
-class MlflowConfig(ConfigModel):
-    """An MLflow run per learner process (learner/tracking/mlflow_sink.py)."""
-
-    tracking_uri: str = Field(min_length=1)
-    """MLflow tracking server or store: `http://mlflow:5000`, or a local `sqlite:///runs/mlflow.db`
-    (MLflow 3 refuses a `file:` store unless `MLFLOW_ALLOW_FILE_STORE=true` is set)."""
-    experiment: IdStr = "offpolicy"
-    """Experiment the run goes to (created when missing)."""
-    artifact_location: str | None = Field(None, min_length=1)
-    """Where an experiment created by the learner keeps its artifacts (config records, samples), e.g.
-    `file:runs/mlflow-artifacts` or `s3://bucket/mlflow`; None = the store's default (for a local
-    `sqlite:` store that is `./mlruns` in the learner's working directory). An existing experiment keeps
-    its own."""
-    run_name: IdStr | None = None
-    """Display name of the run; None = the learner's `run_id`."""
-
-    @model_validator(mode="after")
-    def _installed(self) -> Self:
-        require_package("mlflow", "mlflow")
-        return self
-
-
-class TrackingConfig(ConfigModel):
-    """Experiment trackers beside `metrics_jsonl` (learner/tracking/): chosen at start, rank 0 only. A
-    tracker that fails is logged once and counted (`offpolicy_learner_tracking_errors_total{sink}`); the
-    step goes on."""
-
-    tensorboard_dir: PathStr | None = Field(None, json_schema_extra=FROZEN)
-    """Folder of TensorBoard event files (`tensorboard --logdir` it); None = no TensorBoard."""
-    wandb: WandbConfig | None = Field(None, json_schema_extra=FROZEN)
-    """Weights & Biases run settings; None = no W&B."""
-    mlflow: MlflowConfig | None = Field(None, json_schema_extra=FROZEN)
-    """MLflow run settings; None = no MLflow."""
-    samples_per_version: int = Field(4, ge=0, le=256)
-    """Completions (prompt, completion, reward) decoded and logged as a table per policy version, at most
-    once per version (the newest version among a step's groups); 0 = none."""
-
-    @field_validator("tensorboard_dir")
-    @classmethod
-    def _tensorboard_installed(cls, value: str | None) -> str | None:
-        if value is not None:
-            require_package("tensorboard", "tensorboard")
-        return value
 
 
 class ReferenceConfig(ConfigModel):

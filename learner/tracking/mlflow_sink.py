@@ -6,7 +6,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from learner.config import MlflowConfig
+from config.tracking import MlflowConfig
 from learner.tracking.sink import SAMPLE_COLUMNS, MetricsSink, flatten, scalars
 
 BATCH = 1000  # MLflow's limit of metrics per log_batch call

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from learner.config import WandbConfig
+from config.tracking import WandbConfig
 from learner.tracking.sink import SAMPLE_COLUMNS, MetricsSink, scalars
 
 

@@ -36,7 +36,7 @@ from learner.transport.vllm import FanoutClient, VllmTransport, _free_port, _inn
 
 if TYPE_CHECKING:
     from buffer.transfer import LearnerControl, Member
-    from learner.config import TransferConfig
+    from config.transfer import TransferConfig
     from learner.distributed.ranks import Ranks
 
 

@@ -32,7 +32,7 @@ from learner.transport.base import TransferResult
 
 if TYPE_CHECKING:
     from buffer.transfer import LearnerControl, Member
-    from learner.config import TransferConfig
+    from config.transfer import TransferConfig
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from pydantic import ValidationError
 
 from actors.config import ReloadConfig
 from actors.transport.gloo_engine import buckets
+from config.publish import PublishConfig
 from config.transfer import TransferConfig
-from learner.config import PublishConfig
 from learner.transport.base import TransferResult
 from learner.transport.publisher import Publisher, TransferMetrics
 
