@@ -129,12 +129,17 @@ def _broadcast(ranks: Ranks, doc: dict[str, Any] | None) -> dict[str, Any]:
     return doc if ranks.is_leader and doc is not None else msgpack.unpackb(buf.numpy().tobytes())
 
 
-def _any(ranks: Ranks, flag: bool) -> bool:
-    """Whether `flag` holds on any rank (every rank gets the same answer)."""
-    t = torch.tensor([int(flag)], dtype=torch.long)
+def _reduce(ranks: Ranks, value: int, op: dist.ReduceOp.RedOpType) -> int:
+    """`value` reduced over the ranks by `op` (every rank gets the same answer)."""
+    t = torch.tensor([value], dtype=torch.long)
     if ranks.control is not None:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ranks.control)
-    return bool(t.item())
+        dist.all_reduce(t, op=op, group=ranks.control)
+    return int(t.item())
+
+
+def _any(ranks: Ranks, flag: bool) -> bool:
+    """Whether `flag` holds on any rank."""
+    return bool(_reduce(ranks, int(flag), dist.ReduceOp.MAX))
 
 
 class ShardedTransport(VllmTransport):
@@ -161,8 +166,8 @@ class ShardedTransport(VllmTransport):
         self.engine = None
         self.client: FanoutClient | None = None
         self.epoch = 0
-        self._members: list[Member] = []
-        self._workers = 0  # the group's inference workers (every rank knows them from the plan)
+        self._members: list[Member] = []  # rank 0: the group's members
+        self._next: list[Member] = []  # rank 0: the members of the group the current plan forms
         self._stalled: dict[str, int] = {}
         self._benched: dict[str, tuple[str, int, int]] = {}
         self._sends = 0
@@ -202,7 +207,8 @@ class ShardedTransport(VllmTransport):
             return TransferResult(version, seconds, 0, len(members), ok=False, error=error)
         for m in members:
             self._benched.pop(m.actor_id, None)
-        return TransferResult(version, seconds, outcome.get("bytes", 0), len(members))
+        sent = _reduce(self.ranks, outcome.get("bytes", 0), dist.ReduceOp.SUM)  # every rank's share
+        return TransferResult(version, seconds, sent, len(members))
 
     def _plan(self) -> dict[str, Any]:
         """Rank 0: this send's members, and whether (and where) the group forms again."""

@@ -53,7 +53,8 @@ def main(model_dir: str, redis_url: str, run_id: str, weights: str, out: str) ->
     def send(version: int) -> None:
         r = transport.send(version)
         keys = ("version", "ok", "error", "group_size", "bytes", "seconds")
-        results.append({k: getattr(r, k) for k in keys} | {"epoch": transport.epoch})
+        own = getattr(transport.engine, "bytes_sent", 0) if r.ok else 0  # this rank's share
+        results.append({k: getattr(r, k) for k in keys} | {"epoch": transport.epoch, "own_bytes": own})
 
     send(1)
     send(2)

@@ -83,8 +83,9 @@ def test_two_learner_ranks_send_their_shards_into_a_vllm_engine(tmp_path, redis_
     assert (ranks[0]["trainers"], ranks[0]["trainer_rank"], ranks[1]["trainer_rank"]) == (2, 0, 1)
     # every rank sent its own shards (rank 1 too): each no more than its shards, together the whole model
     full = sum(t.numel() * 4 for t in unique_state(_load(model_dir)).values())
-    sent = [rank["results"][0]["bytes"] for rank in ranks]
+    sent = [rank["results"][0]["own_bytes"] for rank in ranks]
     assert all(0 < b < full for b in sent) and sum(sent) == full, (sent, full)
+    assert [rank["results"][0]["bytes"] for rank in ranks] == [full, full]  # the send's total, on every rank
     assert sent[1] == ranks[1]["local_shard_bytes"]
     # nccl_m2n (GPUs only) reads the same shards through vLLM's own M2N source classes, cast to the publish
     # dtype, each rank its rows over a (2, 1) mesh; its trainer init info is accepted
