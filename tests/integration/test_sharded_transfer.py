@@ -102,6 +102,27 @@ def test_two_learner_ranks_send_their_shards_into_a_vllm_engine(tmp_path, redis_
     assert [o[0] for o in after] != [o[0] for o in before]  # the update changed what the engine generates
 
 
+@pytest.mark.parametrize(("replicate", "trainers", "senders"), [(1, 2, [0, 1]), (2, 1, [0, None])])
+def test_each_rank_sends_exactly_its_rows(tmp_path, replicate, trainers, senders):
+    """Flat: both ranks send their rows (as `torch.chunk` cuts them), together the full weights; hybrid
+    (each rank a whole replica): the first replica group, rank 0, sends everything, rank 1 nothing."""
+    model_dir = make_tiny_model(tmp_path / "model")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    script = str(ROOT / "tests" / "integration" / "local_shards_ranks.py")
+    out = tmp_path / "shards"
+    proc = subprocess.run(
+        [*cmd, script, str(model_dir), str(replicate), str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = [json.loads((tmp_path / f"shards{r}.json").read_text()) for r in (0, 1)]
+    assert [g["trainer_rank"] for g in got] == senders
+    for g in got:
+        assert g["trainers"] == trainers and g["names_match"] and g["sizes_match"] and g["exact"], g
+        assert g["placements"] == ["0"]  # every tensor of the tiny model is a sharded parameter
+
+
 def _tail(path: Path) -> str:
     return path.read_text()[-3000:]
 
