@@ -45,7 +45,9 @@ class TransferMetrics:
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=r,
         )  # fmt: skip
         self.bytes = Counter(
-            "offpolicy_learner_transfer_bytes_total", "Bytes broadcast to the group", registry=r
+            "offpolicy_learner_transfer_bytes_total",
+            "Bytes sent to the group (with an m2n backend, every learner rank's share)",
+            registry=r,
         )
         self.group_size = Gauge(
             "offpolicy_learner_transfer_group_size",

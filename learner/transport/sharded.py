@@ -20,7 +20,6 @@ engine reads the 2-D mesh off the parameters).
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -163,19 +162,9 @@ class ShardedTransport(VllmTransport):
         else:  # nccl_m2n: vLLM's engine; every rank is a trainer rank
             self.source = _vllm_m2n_source(model, dtype, ranks.world_size)
             self.trainers, self.trainer_rank = ranks.world_size, ranks.rank
-        self.engine = None
-        self.client: FanoutClient | None = None
-        self.epoch = 0
+        self._init_group_state()
         self._members: list[Member] = []  # rank 0: the group's members
         self._next: list[Member] = []  # rank 0: the members of the group the current plan forms
-        self._stalled: dict[str, int] = {}
-        self._benched: dict[str, tuple[str, int, int]] = {}
-        self._sends = 0
-        self._thread: threading.Thread | None = None
-
-    @property
-    def group_size(self) -> int:
-        return len(self._members) if self.ranks.is_leader else 0
 
     def send(self, version: int) -> TransferResult:
         """Every rank, in step: the plan from rank 0, each trainer rank's send (bounded by `timeout_s`),
@@ -246,13 +235,7 @@ class ShardedTransport(VllmTransport):
         self.client = client
 
     def _teardown(self) -> None:
-        if not self.ranks.is_leader:
-            engine, self.engine = self.engine, None
-            if engine is not None:
-                with contextlib.suppress(Exception):  # a broken group may not shut down cleanly; it is gone
-                    engine.shutdown()
-            return
-        super()._teardown()
+        super()._teardown()  # a follower has no client: its engine only
         self._members = []
 
     def close(self) -> None:

@@ -132,6 +132,10 @@ class VllmTransport:
         self.config, self.control = config, control
         self.source = _weight_source(state, dtype, host=config.backend == "gloo")
         _trainer_init_info(config, config.address, 0, 1)  # imports (and registers) now, not in a send's bound
+        self._init_group_state()
+
+    def _init_group_state(self) -> None:
+        """No group yet, no member benched or stalled, no send made."""
         self.engine = None
         self.client: FanoutClient | None = None
         self.epoch = 0

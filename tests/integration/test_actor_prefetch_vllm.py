@@ -10,42 +10,28 @@ the one whose weights sampled it, checked with the learner's own log-probs.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from actors.config import EngineConfig, ReloadConfig, SamplingConfig
-from actors.engine import VLLMEngine
+from actors.config import ReloadConfig, SamplingConfig
 from actors.toy import write_target_token_dataset
 from actors.worker import Actor
 from buffer.policy import PolicyStore
 from learner.batch import collate
-from learner.model import load_model, make_tiny_model
+from learner.model import load_model
 from learner.persist.weights import publish_weights
-from tests.integration.test_actor_vllm import (
+from tests.integration.actor_run import (
     TEMPERATURE,
-    _config,
-    _drain,
-    _learner_logprobs,
-    _run_in_thread,
-    _wait_until,
+    actor_config,
+    drain,
+    learner_logprobs,
+    run_in_thread,
+    wait_until,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir: Path) -> VLLMEngine:
-    eng = VLLMEngine(EngineConfig.cpu_tiny(max_model_len=256), str(model_dir))
-    yield eng
-    eng.shutdown()
 
 
 def test_a_prefetched_version_under_another_mount_loads_with_exact_versions(
@@ -60,14 +46,14 @@ def test_a_prefetched_version_under_another_mount_loads_with_exact_versions(
         poll_interval_s=0.2, mode="inflight", verify="full", prefetch="memory", prefetch_dir=str(shm),
         weights_root=str(actor_mnt),
     )  # fmt: skip
-    cfg = _config(
+    cfg = actor_config(
         model_dir, dataset, redis_url, run_id,
         sampling=SamplingConfig(temperature=TEMPERATURE, max_tokens=96, n=2), reload=reload,
     )  # fmt: skip
     actor = Actor(cfg, CollectorRegistry(), engine=engine)
-    thread, stop, errors = _run_in_thread(actor)
+    thread, stop, errors = run_in_thread(actor)
     try:
-        _wait_until(lambda: actor.groups_pushed >= 4 or errors, 120, "groups from the starting weights")
+        wait_until(lambda: actor.groups_pushed >= 4 or errors, 120, "groups from the starting weights")
         model = load_model(model_dir, device="cpu")
         with torch.no_grad():
             for p in model.parameters():
@@ -80,10 +66,10 @@ def test_a_prefetched_version_under_another_mount_loads_with_exact_versions(
         )
         store.close()
         assert record.weights_uri == f"run/weights/v{new}"
-        _wait_until(lambda: engine.loaded_version == new or errors, 120, "the reload")
+        wait_until(lambda: engine.loaded_version == new or errors, 120, "the reload")
         took = time.monotonic() - t0
         pushed = actor.groups_pushed
-        _wait_until(lambda: actor.groups_pushed >= pushed + 8 or errors, 120, "groups after it")
+        wait_until(lambda: actor.groups_pushed >= pushed + 8 or errors, 120, "groups after it")
     finally:
         stop.set()
         thread.join(60)
@@ -101,11 +87,11 @@ def test_a_prefetched_version_under_another_mount_loads_with_exact_versions(
     assert prefetch_s > 0 and 0 < pause_s < took  # both measured; the pause is one part of the update
     print(f"prefetch {prefetch_s:.3f} s before the pause, engine paused {pause_s:.3f} s, update {took:.2f} s")
     # versions exact: each token's log-prob under the version recorded for it is the behaviour log-prob
-    groups = _drain(redis_url, run_id, new)
+    groups = drain(redis_url, run_id, new)
     batch = collate(groups, pad_token_id=0)
     assert {int(v) for v in batch.behavior_versions[batch.response_mask > 0]} == {start, new}
     for version, weights in {start: model_dir, new: folder}.items():
-        lp, behaviour, mask = _learner_logprobs(weights, groups)
+        lp, behaviour, mask = learner_logprobs(weights, groups)
         mine = mask * (batch.behavior_versions == version)
         assert mine.sum() >= 20, f"too few tokens of v{version}"
         assert float(((lp - behaviour).abs() * mine).max()) < 1e-4

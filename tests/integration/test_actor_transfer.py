@@ -7,8 +7,6 @@ learner's log-prob under that version's weights."""
 from __future__ import annotations
 
 import copy
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -18,7 +16,6 @@ from transformers import AutoTokenizer
 
 from actors.config import DatasetConfig, ReloadConfig
 from actors.toy import write_target_token_dataset
-from actors.transport.plugin import expose_entry_point
 from actors.worker import Actor
 from buffer.policy import PolicyStore
 from buffer.transfer import LearnerControl
@@ -29,23 +26,11 @@ from learner.model.load import unique_state
 from learner.model.policy import token_logprobs
 from learner.persist.weights import publish_weights
 from learner.transport.vllm import VllmTransport
-from tests.integration.test_actor_vllm import _config, _drain, _run_in_thread, _wait_until
+from tests.integration.actor_run import actor_config, drain, run_in_thread, wait_until
 
-pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow, pytest.mark.usefixtures("vllm_plugin")]
 
 CFG = TransferConfig(backend="gloo", timeout_s=20.0, heartbeat_s=0.5, bucket_bytes=1 << 20)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def vllm_plugin(tmp_path_factory: pytest.TempPathFactory):
-    old_env, old_path = os.environ.get("PYTHONPATH"), list(sys.path)
-    expose_entry_point(tmp_path_factory.mktemp("plugin"))
-    yield
-    sys.path[:] = old_path
-    if old_env is None:
-        os.environ.pop("PYTHONPATH", None)
-    else:
-        os.environ["PYTHONPATH"] = old_env
 
 
 def _perturb(model: torch.nn.Module, seed: int) -> None:
@@ -68,7 +53,7 @@ def test_actor_catches_up_from_files_then_receives_by_transfer_with_exact_versio
     policies[1] = copy.deepcopy(model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     publish_weights(model, tmp_path / "weights", 1, tokenizer=tokenizer, store=store, dtype=torch.float32)
-    cfg = _config(
+    cfg = actor_config(
         model_dir,
         dataset,
         redis_url,
@@ -80,9 +65,9 @@ def test_actor_catches_up_from_files_then_receives_by_transfer_with_exact_versio
     actor = Actor(cfg, registry)  # builds its engine with the gloo weight-transfer engine
     control = LearnerControl(redis_url, run_id)
     transport = VllmTransport(CFG, control, lambda: unique_state(model), torch.float32)
-    thread, stop, errors = _run_in_thread(actor)
+    thread, stop, errors = run_in_thread(actor)
     try:
-        _wait_until(
+        wait_until(
             lambda: [m.actor_id for m in control.members()] == ["actor-0"], 60, "the actor to announce"
         )
         assert actor.engine.loaded_version == 1, "it loads the newest file generation before it announces"
@@ -92,7 +77,7 @@ def test_actor_catches_up_from_files_then_receives_by_transfer_with_exact_versio
         assert result.ok and result.group_size == 1, result.error
         assert actor.engine.loaded_version == 2
         pushed = registry.get_sample_value("offpolicy_actor_groups_pushed_total") or 0
-        _wait_until(
+        wait_until(
             lambda: (registry.get_sample_value("offpolicy_actor_groups_pushed_total") or 0) >= pushed + 4,
             120,
             "groups generated after the transfer",
@@ -105,7 +90,7 @@ def test_actor_catches_up_from_files_then_receives_by_transfer_with_exact_versio
         actor.close()
         store.close()
     assert not errors, errors
-    groups = _drain(redis_url, run_id, 2)
+    groups = drain(redis_url, run_id, 2)
     seen: set[int] = set()
     checked, teeth = 0, 0.0
     for g in groups:

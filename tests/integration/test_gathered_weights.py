@@ -4,17 +4,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from learner.model import make_tiny_model
+from tests.integration.torchrun import run_script
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -23,18 +19,7 @@ def test_rank0_gets_the_full_weights_in_the_publish_dtype(tmp_path, dtype):
         tmp_path / "model", hidden_size=64, num_heads=1, num_layers=2, intermediate_size=96
     )
     out = tmp_path / "result.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    script = str(ROOT / "tests" / "integration" / "gather_ranks.py")
-    proc = subprocess.run(
-        [*cmd, script, str(model), dtype, str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_script("gather_ranks.py", str(model), dtype, str(out))
     result = json.loads(out.read_text())
     assert result["names_match"] and result["shapes_match"] and result["buffers_reused"]
     assert result["dtypes"] == [f"torch.{dtype}"]

@@ -6,19 +6,16 @@ model is refused by the slice reader on every rank (the learner then takes rank 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
 
 from learner.model import make_tiny_model
+from tests.integration.torchrun import run_script
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_slices_and_broadcast_give_every_rank_the_weights_it_would_have_loaded(tmp_path):
@@ -33,18 +30,7 @@ def test_slices_and_broadcast_give_every_rank_the_weights_it_would_have_loaded(t
     tensors["model.final_norm.weight"] = tensors.pop("model.norm.weight")
     save_file(tensors, str(f), metadata={"format": "pt"})
     out = tmp_path / "result"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    script = str(ROOT / "tests" / "integration" / "lean_ranks.py")
-    proc = subprocess.run(
-        [*cmd, script, str(model), str(renamed), str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_script("lean_ranks.py", str(model), str(renamed), str(out))
     for rank in (0, 1):
         got = json.loads(Path(f"{out}.{rank}").read_text())
         assert got["took_slices"] and got["slices_diff"] == 0.0

@@ -9,9 +9,7 @@ ranks, micro-batches of 3 rows: what matches is the global loss, not a per-rank 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,9 +25,9 @@ from learner.persist.checkpoint import checkpoint_versions
 from learner.persist.weights import published_versions, version_dir
 from learner.trainer import Learner
 from tests.integration.test_learner_loop import config, make_groups
+from tests.integration.torchrun import ROOT, torchrun_argv, torchrun_env
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
-ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-5  # fp32; the two runs sum the same terms in another order
 STEPS = 3
 
@@ -61,12 +59,10 @@ def groups(tiny2):
 
 def torchrun(nproc: int, cfg_file: Path, log: Path, *, timeout: float = 300) -> int:
     """Run `learner.launch` on `nproc` ranks; its return code. A timeout kills torchrun and every rank."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     with log.open("w") as fh:
         proc = subprocess.Popen(
-            [*cmd, "-m", "learner.launch", str(cfg_file)],
-            cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
+            torchrun_argv("-m", "learner.launch", str(cfg_file), nproc=nproc),
+            cwd=ROOT, env=torchrun_env(), stdout=fh, stderr=subprocess.STDOUT,
         )  # fmt: skip
         try:
             return proc.wait(timeout=timeout)

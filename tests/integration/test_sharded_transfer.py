@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,10 +23,10 @@ import torch
 from config.transfer import TransferConfig
 from learner.model import make_tiny_model
 from learner.model.load import unique_state
-from tests.integration.test_transfer_vllm import Actor, vllm_plugin  # noqa: F401 (the fixture)
+from tests.integration.test_transfer_vllm import Actor
+from tests.integration.torchrun import ROOT, run_script, torchrun_argv, torchrun_env
 
-pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow]
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow, pytest.mark.usefixtures("vllm_plugin")]
 CFG = TransferConfig(backend="gloo_m2n", timeout_s=15.0, heartbeat_s=0.5, bucket_bytes=1 << 20)
 
 
@@ -38,13 +37,11 @@ def test_two_learner_ranks_send_their_shards_into_a_vllm_engine(tmp_path, redis_
     try:
         before = actor.generate()
         actor.start()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
         script = str(ROOT / "tests" / "integration" / "m2n_ranks.py")
         log = (tmp_path / "ranks.log").open("w")
         proc = subprocess.Popen(
-            [*cmd, script, str(model_dir), redis_url, run_id, str(weights), str(out)],
-            cwd=ROOT, env=env | {"OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT,
+            torchrun_argv(script, str(model_dir), redis_url, run_id, str(weights), str(out)),
+            cwd=ROOT, env=torchrun_env(), stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         try:
             deadline = time.monotonic() + 240
@@ -107,15 +104,8 @@ def test_each_rank_sends_exactly_its_rows(tmp_path, replicate, trainers, senders
     """Flat: both ranks send their rows (as `torch.chunk` cuts them), together the full weights; hybrid
     (each rank a whole replica): the first replica group, rank 0, sends everything, rank 1 nothing."""
     model_dir = make_tiny_model(tmp_path / "model")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    script = str(ROOT / "tests" / "integration" / "local_shards_ranks.py")
     out = tmp_path / "shards"
-    proc = subprocess.run(
-        [*cmd, script, str(model_dir), str(replicate), str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_script("local_shards_ranks.py", str(model_dir), str(replicate), str(out))
     got = [json.loads((tmp_path / f"shards{r}.json").read_text()) for r in (0, 1)]
     assert [g["trainer_rank"] for g in got] == senders
     for g in got:

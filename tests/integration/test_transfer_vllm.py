@@ -18,12 +18,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import psutil
@@ -34,40 +32,20 @@ from transformers import AutoTokenizer
 
 from actors.config import EngineConfig, SamplingConfig
 from actors.engine import VLLMEngine
-from actors.transport.plugin import expose_entry_point
 from actors.transport.receiver import TransferReceiver
 from buffer.policy import AsyncPolicyStore, PolicyStore
 from buffer.transfer import ActorControl, LearnerControl
 from config.transfer import TransferConfig
-from learner.model import load_model, make_tiny_model
+from learner.model import load_model
 from learner.model.load import unique_state
 from learner.persist.weights import publish_weights
 from learner.transport.vllm import VllmTransport
 
-pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow, pytest.mark.usefixtures("vllm_plugin")]
 
 GREEDY = SamplingConfig(temperature=1.0, top_k=1, max_tokens=12, n=1)  # greedy
 PROMPTS = [[5, 9, 13, 2], [7, 7, 3], [11, 4, 8, 15, 6]]
 CFG = TransferConfig(backend="gloo", timeout_s=20.0, heartbeat_s=0.5, bucket_bytes=1 << 20)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def vllm_plugin(tmp_path_factory: pytest.TempPathFactory):
-    """The project's `vllm.general_plugins` entry point (pyproject.toml), visible to every process vLLM
-    starts, also where the installed metadata predates it (`expose_entry_point`); restored afterwards."""
-    old_env, old_path = os.environ.get("PYTHONPATH"), list(sys.path)
-    expose_entry_point(tmp_path_factory.mktemp("plugin"))
-    yield
-    sys.path[:] = old_path
-    if old_env is None:
-        os.environ.pop("PYTHONPATH", None)
-    else:
-        os.environ["PYTHONPATH"] = old_env
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 class Actor:

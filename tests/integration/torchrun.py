@@ -1,0 +1,35 @@
+"""Running this checkout's code on N local torchrun ranks (standalone rendezvous, one thread per rank):
+the argv and environment every multi-rank integration test uses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def torchrun_argv(*args: str, nproc: int = 2) -> list[str]:
+    """`python -m torch.distributed.run --standalone --nproc-per-node N ARGS...` (a script and its
+    arguments, or `-m module ...`)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+
+
+def torchrun_env(**extra: str) -> dict[str, str]:
+    """This environment with the checkout first on PYTHONPATH and one OpenMP thread per rank."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
+
+
+def run_script(name: str, *args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `tests/integration/NAME` on `nproc` ranks to the end; asserts it exited 0 (its output's tail
+    in the message)."""
+    script = str(ROOT / "tests" / "integration" / name)
+    proc = subprocess.run(
+        torchrun_argv(script, *args, nproc=nproc),
+        cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
