@@ -79,7 +79,10 @@ class VLLMEngine:
             from actors.transport.plugin import register
 
             register()  # in this process too (the entry point covers the processes vLLM spawns)
-            transfer = {"weight_transfer_config": {"backend": transfer_backend}}
+            transfer = {
+                "weight_transfer_config": {"backend": transfer_backend},
+                "worker_extension_cls": "actors.transport.worker_ext.TransferWorkerExtension",
+            }
         self.config = config
         args = AsyncEngineArgs(
             model=model_path,
@@ -166,10 +169,15 @@ class VLLMEngine:
             await self.acall(self.llm.abort(list(request_ids)))
 
     def generate(
-        self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig, n: int | None = None
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        n: int | None = None,
+        timeout_s: float | None = None,
     ) -> list[list[Completion]]:
         """`n` (default `sampling.n`) completions for each prompt, in prompt order, all submitted at once
-        (what `LLM.generate` does); for plain code (tests, benchmarks), not the actor's loop."""
+        (what `LLM.generate` does); for plain code (tests, benchmarks), not the actor's loop. `timeout_s`:
+        raise `TimeoutError` after it (an engine left paused or stuck) instead of waiting for ever."""
         params = self.sampling_params(sampling, n)
 
         async def run_all():
@@ -180,7 +188,7 @@ class VLLMEngine:
                 )
             )
 
-        return self.call(run_all())
+        return self.call(run_all(), timeout_s)
 
     # --- weights
 
@@ -246,6 +254,11 @@ class VLLMEngine:
             )
         except Exception as e:  # translated: the rendezvous fails in many ways (timeout, refused, shape)
             raise WeightLoadError(self.loaded_version, "transfer", f"join: {type(e).__name__}: {e}") from e
+
+    async def discard_partial_loads(self, timeout_s: float | None = None) -> None:
+        """After a failed receive, before loading a file generation: the workers drop what the receive had
+        buffered for modules it had not filled (actors/transport/worker_ext.py)."""
+        await self.acall(self.llm.collective_rpc("offpolicy_discard_partial_loads", timeout=timeout_s))
 
     async def leave_transfer(self) -> None:
         """Drop the transfer group (the engine keeps serving)."""

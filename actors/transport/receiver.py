@@ -194,6 +194,7 @@ class TransferReceiver:
         record = await self.store.read()
         if record is None:
             raise WeightLoadError(self.engine.loaded_version, "restore", "no file generation to recover from")
+        await self.engine.discard_partial_loads(self.config.timeout_s)  # else modules half received mix in
         await self._load(record)
         log.warning("recovered from the file generation v%d after a failed transfer", record.version)
 

@@ -69,7 +69,7 @@ class Actor:
         self.task = self.engine.call(start())
 
     def generate(self) -> list[tuple[list[int], np.ndarray, np.ndarray | None]]:
-        outs = self.engine.generate(PROMPTS, GREEDY)
+        outs = self.engine.generate(PROMPTS, GREEDY, timeout_s=120)  # a paused or stuck engine fails
         return [(o[0].token_ids.tolist(), o[0].logprobs, o[0].versions) for o in outs]
 
     def engine_pids(self) -> list[int]:
@@ -263,3 +263,54 @@ def test_transfer_group_updates_joins_and_survives_a_killed_actor(model_dir, tmp
             a.close()
         control.close()
         store.close()
+
+
+class BreakAt:
+    """The learner's weights, iterated; the send's data pass raises at tensor `at` (the workers then hold
+    the buckets sent before it and fail on the next)."""
+
+    def __init__(self, model: torch.nn.Module, at: int) -> None:
+        self.model, self.at, self.calls = model, at, 0
+
+    def __call__(self):
+        breaker = self
+
+        class State(dict):
+            def items(self) -> Iterator:
+                breaker.calls += 1  # call 1 reads the metadata, call 2 iterates the weights
+                for i, pair in enumerate(dict.items(self)):
+                    if breaker.calls == 2 and i == breaker.at:
+                        raise RuntimeError("the learner's send breaks here")
+                    yield pair
+
+        return State(unique_state(self.model))
+
+
+def test_a_transfer_broken_inside_a_module_recovers_the_whole_file_generation(
+    model_dir, tmp_path, redis_url, run_id
+):
+    """1 MiB buckets cut the tiny model after layer 1's `gate_proj` (tensors 0-14; `up_proj` opens the
+    second bucket), so the first bucket leaves layer 1's fused gate/up module half received when the send
+    breaks in the second. The actor loads its newest file generation back (v1) before it resumes, and that
+    module is filled from the files alone: it generates exactly what it generated from v1's files before."""
+    model = load_model(model_dir, "cpu")
+    store, control = PolicyStore(redis_url, run_id), LearnerControl(redis_url, run_id)
+    _perturb(model, 1)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    publish_weights(model, tmp_path / "weights", 1, tokenizer=tokenizer, store=store, dtype=torch.float32)
+    _perturb(model, 2)
+    transport = VllmTransport(CFG, control, BreakAt(model, 16), torch.float32)
+    (actor,) = _start([("A", str(model_dir), 0)], redis_url, run_id)
+    try:
+        actor.start()
+        _wait(lambda: _members(control) == ["A"], "A to catch up from files and announce itself")
+        assert actor.engine.loaded_version == 1
+        reference = actor.generate()
+        result = transport.send(2)
+        assert not result.ok and "breaks here" in result.error
+        _wait(lambda: actor.receiver.epoch is None, "A to leave the broken group")
+        assert actor.engine.broken is None and actor.engine.loaded_version == 1
+        _assert_same(actor.generate(), reference, 1)
+    finally:
+        transport.close()
+        actor.close()
