@@ -58,6 +58,18 @@ def wait_for(what: str, predicate, timeout_s: float, poll_s: float = 1.0) -> Non
         time.sleep(poll_s)
 
 
+def has_data(prometheus: Prometheus, promql: str, within_s: float = 15.0) -> bool:
+    """Whether `promql` returns data now or within `within_s`: a scrape that outlives the 1 s interval on a
+    busy machine fails, and Prometheus marks that target's series stale until the next one succeeds (an
+    instant query of a gauge is then empty for a moment)."""
+    deadline = time.monotonic() + within_s
+    while not prometheus.query(promql):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(1.0)
+    return True
+
+
 class Prometheus:
     """Debian's prometheus on a free port with a temporary config; stopped by handle."""
 
@@ -195,7 +207,7 @@ def test_dashboards_and_alerts_against_a_real_run(stack):
             for sample in names:
                 if base_metric_name(sample) not in typed and sample.removesuffix("_total") not in typed:
                     unexported.append(f"{name}: {title}: {sample}")
-            if prometheus.query(grafana_to_promql(expr, "30s")):
+            if has_data(prometheus, grafana_to_promql(expr, "30s")):
                 continue
             print(f"empty: {grafana_to_promql(expr, '30s')}")
             for sample in sorted(names):
