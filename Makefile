@@ -27,7 +27,7 @@ else
 	# transformers imports, and torchcodec makes `import vllm` fail with an OSError.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 endif
-	# verl 0.9.1 as the rollout-correction test oracle (tests/unit/test_verl_parity.py): sources only, no deps.
+	# verl 0.9.1 as the rollout-correction test oracle (tests/unit/learner/correction/test_verl_parity.py): sources only, no deps.
 	$(PIP) install -q --no-deps "verl==0.9.1"
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)

@@ -8,8 +8,10 @@ update cadence.
 Workloads (completion lengths fixed per prompt by `max_tokens` with `ignore_eos`, drawn once, seeded):
 `uniform` = every prompt `--max-tokens`; `longtail` = lognormal(sigma 1) with mean `--max-tokens`, capped
 at `--tail-max`. Arms, in a rotating order within each round (the machine is shared), medians of tokens/s:
-- `stream`: `actors.worker.Actor` (AsyncLLM, `--batch` prompts in flight, rewards, Redis inserts);
-- `batch`: the old actor's loop (actors/worker.py before the streaming engine): `--batch` prompts per engine
+- `stream`: `offpolicy.actors.rollout.loop.Actor` (AsyncLLM, `--batch` prompts in flight, rewards, Redis
+inserts);
+- `batch`: the old actor's loop (actors/rollout/loop.py before the streaming engine): `--batch` prompts per
+engine
   call, wait for all, score, push while the next batch generates;
 - `bare`: `vllm.LLM.generate` per `--batch` prompts (no rewards, no Redis), a second engine.
 Then one streaming round per `reload.mode` with new weights published every `--update-interval-s`
@@ -50,7 +52,7 @@ def _stream(engine, config, params, run_id: str | None = None) -> tuple[int, flo
     """One epoch of the streaming actor (a fresh run id unless given): (tokens, seconds, registry)."""
     from prometheus_client import CollectorRegistry
 
-    from actors.worker import Actor
+    from offpolicy.actors.rollout.loop import Actor
 
     class BenchActor(Actor):
         def request_params(self, prompt):
@@ -70,10 +72,10 @@ async def _batch_loop(engine, config, prompts, ids, params) -> int:
     """The old batch actor's loop (pacing, generate a batch, score, push while the next one generates)."""
     from prometheus_client import CollectorRegistry
 
-    from actors.metrics import ActorMetrics
-    from actors.rewards import resolve_reward
-    from actors.rollout import make_groups, push_groups, stamped_sampling, wait_for_room
-    from buffer.replay_buffer import AsyncReplayBuffer
+    from offpolicy.actors.metrics import ActorMetrics
+    from offpolicy.actors.rollout.rewards import resolve_reward
+    from offpolicy.actors.rollout.submit import make_groups, push_groups, stamped_sampling, wait_for_room
+    from offpolicy.buffer.replay_buffer import AsyncReplayBuffer
 
     registry, stop = CollectorRegistry(), threading.Event()
     metrics, reward = ActorMetrics(registry), resolve_reward(config.reward.name)
@@ -136,8 +138,8 @@ def _weight_folders(model_dir: Path, root: Path) -> list[tuple[str, str]]:
     """Two perturbed copies of the model, each with its manifest: [(folder, sha256)]."""
     import torch
 
-    from learner.model import load_model, load_tokenizer
-    from learner.persist.weights import publish_weights
+    from offpolicy.learner.model import load_model, load_tokenizer
+    from offpolicy.learner.persist.published import publish_weights
 
     out = []
     for k in (1, 2):
@@ -152,7 +154,7 @@ def _weight_folders(model_dir: Path, root: Path) -> list[tuple[str, str]]:
 
 def _with_updates(engine, config, params, folders, interval_s: float) -> dict:
     """A streaming epoch while new weights are published every `interval_s`: tokens/s, pauses, aborts."""
-    from buffer.policy import PolicyRecord, PolicyStore
+    from offpolicy.weights.record import PolicyRecord, PolicyStore
 
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     done = threading.Event()
@@ -182,12 +184,12 @@ def _with_updates(engine, config, params, folders, interval_s: float) -> dict:
 
 
 def run(args) -> dict:
-    from actors.config import ActorConfig, EngineConfig, ReloadConfig, SamplingConfig
-    from actors.engine import VLLMEngine
-    from actors.prompts import encode, load_prompts
-    from actors.toy import write_target_token_dataset
-    from buffer.embedded import EmbeddedRedis
-    from learner.model import make_tiny_model
+    from offpolicy.actors.config import ActorConfig, EngineConfig, ReloadConfig, SamplingConfig
+    from offpolicy.actors.data.prompts import encode, load_prompts
+    from offpolicy.actors.data.toy import write_target_token_dataset
+    from offpolicy.actors.engine.vllm import VLLMEngine
+    from offpolicy.buffer.embedded import EmbeddedRedis
+    from offpolicy.learner.model import make_tiny_model
 
     lengths = _lengths(args.prompts, args.max_tokens, args.tail_max)
     with tempfile.TemporaryDirectory(prefix="bench-actor-") as tmp:

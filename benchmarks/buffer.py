@@ -13,7 +13,8 @@ What is compared (same server, same run, same bytes, same groups per round trip)
   encoding (insert), the Lua scripts' bookkeeping (dedupe, indexes, counters, removal after one use:
   `BufferConfig.queue`), and decoding + validation of what comes back (sample).
 - raw: one redis-py pipeline of `batch` SETs (or GETs) of the same pre-encoded bytes per call, from a
-  client built like the buffer's (`buffer.storage.sync_client`: hiredis reply parser, redis-py's Python
+  client built like the buffer's (`offpolicy.buffer.storage.sync_client`: hiredis reply parser, redis-py's
+  Python
   command packer), so the client library settings are not part of the difference.
 Each phase runs `--repeats` times (fresh run_id, server flushed between repeats); the figures are the
 medians, and the load average before and after is printed next to them (the host may be shared).
@@ -44,19 +45,19 @@ import numpy as np  # noqa: E402
 import redis  # noqa: E402
 
 from benchmarks.buffer_scale import SIZES, print_scale, run_scale  # noqa: E402
-from buffer.codec import encode_group  # noqa: E402
-from buffer.codec_batch import decode_groups, encode_groups  # noqa: E402
-from buffer.config import BufferConfig  # noqa: E402
-from buffer.embedded import EmbeddedRedis  # noqa: E402
-from buffer.keys import BufferKeys  # noqa: E402
-from buffer.replay_buffer import ReplayBuffer  # noqa: E402
-from buffer.storage import (  # noqa: E402
+from offpolicy.buffer.codec import encode_group  # noqa: E402
+from offpolicy.buffer.codec_batch import decode_groups, encode_groups  # noqa: E402
+from offpolicy.buffer.config import BufferConfig  # noqa: E402
+from offpolicy.buffer.embedded import EmbeddedRedis  # noqa: E402
+from offpolicy.buffer.keys import BufferKeys  # noqa: E402
+from offpolicy.buffer.replay_buffer import ReplayBuffer  # noqa: E402
+from offpolicy.buffer.storage import (  # noqa: E402
     insert_transaction,
     sample_transaction,
     script_source,
     sync_client,
 )
-from buffer.types import SamplingParams, Trajectory, TrajectoryGroup  # noqa: E402
+from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup  # noqa: E402
 
 CTX = mp.get_context("fork")
 SHAPES = {"16x1024": (16, 1024), "8x256": (8, 256)}

@@ -28,12 +28,12 @@ import uuid
 import numpy as np
 import redis
 
-from buffer.codec import encode_group
-from buffer.config import BufferConfig
-from buffer.keys import BufferKeys
-from buffer.replay_buffer import ReplayBuffer
-from buffer.storage import script_source
-from buffer.types import SamplingParams, Trajectory, TrajectoryGroup
+from offpolicy.buffer.codec import encode_group
+from offpolicy.buffer.config import BufferConfig
+from offpolicy.buffer.keys import BufferKeys
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.buffer.storage import script_source
+from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup
 
 SIZES = (10_000, 100_000, 1_000_000)
 SAMPLERS = ("fifo", "newest", "uniform", "staleness_weighted", "prioritized")

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.verl_oracle import load_verl
-from learner.correction import RolloutCorrectionConfig, compute_rollout_correction
+from offpolicy.learner.correction import RolloutCorrectionConfig, compute_rollout_correction
 
 CONFIGS: dict[str, dict] = {
     "metrics-only": {},

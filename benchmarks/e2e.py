@@ -26,9 +26,9 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from buffer.embedded import EmbeddedRedis  # noqa: E402
-from services.children import start_service  # noqa: E402
-from services.quickstart import actor_config, learner_config  # noqa: E402
+from offpolicy.buffer.embedded import EmbeddedRedis  # noqa: E402
+from offpolicy.services.children import start_service  # noqa: E402
+from offpolicy.services.quickstart import actor_config, learner_config  # noqa: E402
 
 
 def run_async(root: Path, model: str, dataset: Path, redis_url: str, steps: int) -> dict:
@@ -67,16 +67,16 @@ def run_async(root: Path, model: str, dataset: Path, redis_url: str, steps: int)
 def run_sync(root: Path, model: str, dataset: Path, redis_url: str, steps: int) -> dict:
     from prometheus_client import CollectorRegistry
 
-    from actors.config import ActorConfig
-    from actors.engine import VLLMEngine
-    from actors.metrics import ActorMetrics
-    from actors.prompts import encode, epoch_batches, load_prompts
-    from actors.rewards import resolve_reward
-    from actors.rollout import make_groups, stamped_sampling
-    from buffer.replay_buffer import ReplayBuffer
-    from learner.config import LearnerConfig
-    from learner.persist.weights import version_dir
-    from learner.trainer import Learner
+    from offpolicy.actors.config import ActorConfig
+    from offpolicy.actors.data.prompts import encode, epoch_batches, load_prompts
+    from offpolicy.actors.engine.vllm import VLLMEngine
+    from offpolicy.actors.metrics import ActorMetrics
+    from offpolicy.actors.rollout.rewards import resolve_reward
+    from offpolicy.actors.rollout.submit import make_groups, stamped_sampling
+    from offpolicy.buffer.replay_buffer import ReplayBuffer
+    from offpolicy.learner.config import LearnerConfig
+    from offpolicy.learner.persist.published import version_dir
+    from offpolicy.learner.trainer import Learner
 
     run = root / "sync"
     # The sync loop alternates generation and training, so its learner takes every core (torch's default).
@@ -131,8 +131,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=12, help="learner steps per mode")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
-    from actors.toy import write_target_token_dataset
-    from learner.model import make_tiny_model
+    from offpolicy.actors.data.toy import write_target_token_dataset
+    from offpolicy.learner.model import make_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
         root = Path(tmp)

@@ -43,14 +43,14 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks import learner_longtail  # noqa: E402
-from buffer.embedded import EmbeddedRedis  # noqa: E402
-from buffer.replay_buffer import ReplayBuffer  # noqa: E402
-from buffer.types import SamplingParams, Trajectory, TrajectoryGroup  # noqa: E402
-from learner.config import LearnerConfig  # noqa: E402
-from learner.metrics import PHASES  # noqa: E402
-from learner.model import make_tiny_model  # noqa: E402
-from learner.persist.weights import publish_weights  # noqa: E402
-from learner.trainer import Learner  # noqa: E402
+from offpolicy.buffer.embedded import EmbeddedRedis  # noqa: E402
+from offpolicy.buffer.replay_buffer import ReplayBuffer  # noqa: E402
+from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup  # noqa: E402
+from offpolicy.learner.config import LearnerConfig  # noqa: E402
+from offpolicy.learner.metrics import PHASES  # noqa: E402
+from offpolicy.learner.model import make_tiny_model  # noqa: E402
+from offpolicy.learner.persist.published import publish_weights  # noqa: E402
+from offpolicy.learner.trainer import Learner  # noqa: E402
 
 MODEL_WORK = ("old_logprob", "forward_backward", "optimizer")
 SHAPES = {  # model sizes, then the batch: groups x n rows of prompt + response tokens

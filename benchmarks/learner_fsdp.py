@@ -3,7 +3,7 @@
 Three runs train the same Llama-shaped model (random weights) on the same groups, in the same order
 (embedded Redis, FIFO, each group used once), `--steps` learner steps each, publishing every step:
 
-    single   the one-process learner (`python -m learner.launch`, no torchrun, no FSDP)
+    single   the one-process learner (`python -m offpolicy.learner.launch`, no torchrun, no FSDP)
     fsdp_1   torchrun --nproc-per-node 1 (FSDP2 on one rank)
     fsdp_N   torchrun --nproc-per-node N
 
@@ -50,12 +50,12 @@ import yaml  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from benchmarks.learner import synthetic_groups  # noqa: E402
-from buffer.embedded import EmbeddedRedis  # noqa: E402
-from buffer.replay_buffer import ReplayBuffer  # noqa: E402
-from learner.config import LearnerConfig  # noqa: E402
-from learner.distributed.layout import Layout  # noqa: E402
-from learner.model import load_model, make_tiny_model  # noqa: E402
-from learner.persist.weights import published_versions, version_dir  # noqa: E402
+from offpolicy.buffer.embedded import EmbeddedRedis  # noqa: E402
+from offpolicy.buffer.replay_buffer import ReplayBuffer  # noqa: E402
+from offpolicy.learner.config import LearnerConfig  # noqa: E402
+from offpolicy.learner.distributed.layout import Layout  # noqa: E402
+from offpolicy.learner.model import load_model, make_tiny_model  # noqa: E402
+from offpolicy.learner.persist.published import published_versions, version_dir  # noqa: E402
 
 SHAPES = {
     "cpu-small": {
@@ -127,7 +127,7 @@ def train(name: str, nproc: int | None, cfg: LearnerConfig, tmp: Path, threads: 
     cfg_file = tmp / f"{name}.yaml"
     cfg_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     t0 = time.perf_counter()
-    launch(name, nproc, ["-m", "learner.launch", str(cfg_file)], tmp, threads, nnodes)
+    launch(name, nproc, ["-m", "offpolicy.learner.launch", str(cfg_file)], tmp, threads, nnodes)
     steps = [json.loads(line) for line in Path(cfg.metrics_jsonl).read_text().splitlines()]
     timed = steps[1:] or steps
     step_s = statistics.median(sum(v for k, v in s.items() if k.startswith("time/")) for s in timed)

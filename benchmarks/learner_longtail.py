@@ -27,16 +27,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from buffer.embedded import EmbeddedRedis
-from buffer.replay_buffer import ReplayBuffer
-from buffer.types import SamplingParams, Trajectory, TrajectoryGroup
-from learner.batch import collate
-from learner.config import LearnerConfig
-from learner.distributed.split import shares
-from learner.model import make_tiny_model
-from learner.model.policy import pack
-from learner.rl.batches import micro_batches, no_grad_logprobs, plan_micro_batches, rank_micro_batches
-from learner.trainer import Learner
+from offpolicy.buffer.embedded import EmbeddedRedis
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup
+from offpolicy.learner.batch import collate
+from offpolicy.learner.config import LearnerConfig
+from offpolicy.learner.distributed.split import shares
+from offpolicy.learner.model import make_tiny_model
+from offpolicy.learner.model.policy import pack
+from offpolicy.learner.rl.microbatches import (
+    micro_batches,
+    no_grad_logprobs,
+    plan_micro_batches,
+    rank_micro_batches,
+)
+from offpolicy.learner.trainer import Learner
 
 SCALE = 8
 MODEL = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "intermediate_size": 688}

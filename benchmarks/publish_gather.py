@@ -3,7 +3,8 @@
     state_dict   torch.distributed.checkpoint's `get_model_state_dict(full_state_dict=True,
                  cpu_offload=True)` (the fp32 masters gathered, copied to pageable host memory), then cast
                  into the publish buffers (`HostCopy`, as the one-process learner does): the baseline
-    cast_first   `learner.distributed.GatheredWeights`: each shard cast to the publish dtype on its rank,
+    cast_first   `offpolicy.learner.distributed.GatheredWeights`: each shard cast to the publish dtype on its
+    rank,
                  gathered one tensor at a time, copied into reused (pinned on CUDA) host buffers
 
 Both are timed from the call until rank 0 holds the publish-dtype tensors (the learner's step boundary
@@ -53,14 +54,14 @@ def rank_main(model_dir: str, repeats: int, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from learner.distributed import init_from_env, local_device
-    from learner.distributed.fsdp import shard
-    from learner.distributed.gather import GatheredWeights
-    from learner.model import load_model
-    from learner.model.load import unique_state
-    from learner.model.policy import LogProbs
-    from learner.model.precision import Precision
-    from learner.persist.weights import HostCopy
+    from offpolicy.learner.distributed import init_from_env, local_device
+    from offpolicy.learner.distributed.fsdp import shard
+    from offpolicy.learner.distributed.gather import GatheredWeights
+    from offpolicy.learner.model import load_model
+    from offpolicy.learner.model.load import unique_state
+    from offpolicy.learner.model.policy import LogProbs
+    from offpolicy.learner.model.precision import Precision
+    from offpolicy.learner.persist.published import HostCopy
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     ranks = init_from_env(device_type)
@@ -107,7 +108,7 @@ def rank_main(model_dir: str, repeats: int, out: str) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from learner.model import make_tiny_model
+    from offpolicy.learner.model import make_tiny_model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with tempfile.TemporaryDirectory() as d:

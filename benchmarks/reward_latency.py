@@ -4,7 +4,8 @@
                                         [--rounds 11] [--batch 16] [--n 4] [--max-tokens 64]
                                         [--lengths uniform|longtail] [--concurrency 32]
 
-The real `actors.worker.Actor` (vLLM's `AsyncLLM` on the tiny model, an embedded Redis, completion
+The real `offpolicy.actors.rollout.loop.Actor` (vLLM's `AsyncLLM` on the tiny model, an embedded Redis,
+completion
 lengths fixed per prompt with `ignore_eos`: `uniform` = every completion `--max-tokens` long, so groups
 admitted together finish together; `longtail` = lognormal (sigma 1) with mean `--max-tokens`, capped at 4x,
 drawn once per prompt, seeded) generates for `--seconds` per phase, one engine shared by every phase:
@@ -108,7 +109,7 @@ class _VerifierHandler(BaseHTTPRequestHandler):
     server: SlowVerifier
 
     def do_POST(self) -> None:
-        from actors.rewards import target_token_share
+        from offpolicy.actors.rollout.rewards import target_token_share
 
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.enter()
@@ -143,7 +144,7 @@ def _phase(engine: Any, config: Any, params: list[Any], seconds: float) -> dict[
     """The actor for `seconds` on a fresh run id: tokens/s, tokens and groups pushed."""
     from prometheus_client import CollectorRegistry
 
-    from actors.worker import Actor
+    from offpolicy.actors.rollout.loop import Actor
 
     class BenchActor(Actor):
         def request_params(self, prompt: Any) -> Any:
@@ -166,11 +167,11 @@ def _phase(engine: Any, config: Any, params: list[Any], seconds: float) -> dict[
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from actors.config import ActorConfig, EngineConfig, SamplingConfig
-    from actors.engine import VLLMEngine
-    from actors.toy import write_target_token_dataset
-    from buffer.embedded import EmbeddedRedis
-    from learner.model import make_tiny_model
+    from offpolicy.actors.config import ActorConfig, EngineConfig, SamplingConfig
+    from offpolicy.actors.data.toy import write_target_token_dataset
+    from offpolicy.actors.engine.vllm import VLLMEngine
+    from offpolicy.buffer.embedded import EmbeddedRedis
+    from offpolicy.learner.model import make_tiny_model
 
     load_before = os.getloadavg()
     verifier = SlowVerifier(args.delay_ms / 1e3)

@@ -30,12 +30,12 @@ import httpx  # noqa: E402
 import redis  # noqa: E402
 import yaml  # noqa: E402
 
-from actors.toy import write_target_token_dataset  # noqa: E402
-from buffer.embedded import EmbeddedRedis  # noqa: E402
-from buffer.keys import BufferKeys  # noqa: E402
-from learner.model import make_tiny_model  # noqa: E402
-from services.children import start_service  # noqa: E402
-from services.quickstart import actor_config, learner_config  # noqa: E402
+from offpolicy.actors.data.toy import write_target_token_dataset  # noqa: E402
+from offpolicy.buffer.embedded import EmbeddedRedis  # noqa: E402
+from offpolicy.buffer.keys import BufferKeys  # noqa: E402
+from offpolicy.learner.model import make_tiny_model  # noqa: E402
+from offpolicy.services.children import start_service  # noqa: E402
+from offpolicy.services.quickstart import actor_config, learner_config  # noqa: E402
 
 TARGET_GROWTH = 0.10
 

@@ -1,6 +1,6 @@
 """Controlled staleness: trained on data exactly eta policy versions old, which corrections keep learning?
 
-The task is the quickstart's (actors/toy.py prompts, reward `target_token_share`: the share of the
+The task is the quickstart's (actors/data/toy.py prompts, reward `target_token_share`: the share of the
 target character in the completion) on the tiny random Llama (learner/model/tiny.py), trained by the real
 `Learner` (GRPO, one optimizer step per learner step, so policy version = learner step) from a real
 embedded Redis queue buffer (FIFO, each group sampled once).
@@ -45,16 +45,16 @@ from dataclasses import dataclass, field, replace  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from actors.rewards import target_token_share  # noqa: E402
-from actors.toy import write_target_token_dataset  # noqa: E402
 from benchmarks.kv_sampler import sample_groups  # noqa: E402
-from buffer.config import BufferConfig  # noqa: E402
-from buffer.embedded import EmbeddedRedis  # noqa: E402
-from buffer.replay_buffer import ReplayBuffer  # noqa: E402
-from buffer.types import SamplingParams, Trajectory, TrajectoryGroup  # noqa: E402
-from learner.config import LearnerConfig  # noqa: E402
-from learner.model import load_tokenizer, make_tiny_model  # noqa: E402
-from learner.trainer import Learner  # noqa: E402
+from offpolicy.actors.data.toy import write_target_token_dataset  # noqa: E402
+from offpolicy.actors.rollout.rewards import target_token_share  # noqa: E402
+from offpolicy.buffer.config import BufferConfig  # noqa: E402
+from offpolicy.buffer.embedded import EmbeddedRedis  # noqa: E402
+from offpolicy.buffer.replay_buffer import ReplayBuffer  # noqa: E402
+from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup  # noqa: E402
+from offpolicy.learner.config import LearnerConfig  # noqa: E402
+from offpolicy.learner.model import load_tokenizer, make_tiny_model  # noqa: E402
+from offpolicy.learner.trainer import Learner  # noqa: E402
 
 CORRECTED = ("decoupled_token_is", "decoupled_geo_rs_token_tis", "bypass_pg_is", "decoupled_token_icepop")
 ARM_CORRECTION = {"sync": "disabled", "naive": "bypass_ppo_clip", **{p: p for p in CORRECTED}}
@@ -85,7 +85,7 @@ class Setup:
     max_new_tokens: int = 12
     """Completion length cap (tokens = characters)."""
     num_prompts: int = 64
-    """Size of the toy prompt set (actors/toy.py)."""
+    """Size of the toy prompt set (actors/data/toy.py)."""
     threshold: float = 0.5
     """Reward for `steps_to_threshold` (3-step trailing mean of the reward curve)."""
 

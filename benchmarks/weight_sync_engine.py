@@ -40,17 +40,17 @@ def engine_figures(model_dir: Path, work: Path, redis_url: str, repeats: int = 3
     from prometheus_client import CollectorRegistry
     from transformers import AutoTokenizer
 
-    from actors.config import EngineConfig, SamplingConfig
-    from actors.engine import VLLMEngine
-    from actors.transport.plugin import register
-    from actors.transport.receiver import TransferReceiver
-    from buffer.policy import AsyncPolicyStore, PolicyStore
-    from buffer.transfer import ActorControl, LearnerControl
-    from config.transfer import TransferConfig
-    from learner.model import load_model
-    from learner.model.load import unique_state
-    from learner.persist.weights import publish_weights
-    from learner.transport.vllm import VllmTransport
+    from offpolicy.actors.config import EngineConfig, SamplingConfig
+    from offpolicy.actors.engine.vllm import VLLMEngine
+    from offpolicy.actors.transport.receiver import TransferReceiver
+    from offpolicy.learner.model import load_model
+    from offpolicy.learner.model.load import unique_state
+    from offpolicy.learner.persist.published import publish_weights
+    from offpolicy.learner.transport.vllm import VllmTransport
+    from offpolicy.weights.config import TransferConfig
+    from offpolicy.weights.control import ActorControl, LearnerControl
+    from offpolicy.weights.engines.plugin import register
+    from offpolicy.weights.record import AsyncPolicyStore, PolicyStore
 
     register()
     greedy = SamplingConfig(temperature=1.0, top_k=1, max_tokens=16, n=1)
@@ -141,11 +141,11 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    from buffer.embedded import EmbeddedRedis
-    from learner.model import make_tiny_model
+    from offpolicy.buffer.embedded import EmbeddedRedis
+    from offpolicy.learner.model import make_tiny_model
 
     load_before = Path("/proc/loadavg").read_text().split()[:3]
-    from actors.transport.plugin import expose_entry_point
+    from offpolicy.weights.engines.plugin import expose_entry_point
 
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis.start(Path(tmp) / "redis") as redis:
         expose_entry_point(Path(tmp) / "plugin")

@@ -284,9 +284,9 @@ def declared_metric_names() -> set[str]:
     """Every metric name that buffer/, learner/ and actors/metrics.py declare (counters with `_total`)."""
     from prometheus_client import CollectorRegistry
 
-    from actors.metrics import ActorMetrics
-    from buffer.metrics import BufferMetrics
-    from learner.metrics import LearnerMetrics
+    from offpolicy.actors.metrics import ActorMetrics
+    from offpolicy.buffer.metrics import BufferMetrics
+    from offpolicy.learner.metrics import LearnerMetrics
 
     registry = CollectorRegistry()
     for metrics_class in (BufferMetrics, LearnerMetrics, ActorMetrics):

@@ -1,10 +1,11 @@
 """Sizing of a deployment for 1.5B, 7B and 70B models: GPUs, host memory, volumes, Redis memory.
 
 The arithmetic of docs/deploy.md "Sizing", as code, so that the table there and the shipped manifests'
-defaults (the 7B row) are checked against it (tests/unit/test_deploy_sizing.py):
+defaults (the 7B row) are checked against it (tests/unit/deploy/test_sizing.py):
 
 - learner GPUs: the fewest ranks (1, 2, 4, 8, then whole 8-GPU nodes) whose memory plan per rank
-  (`learner.memory.estimate`, the same the learner refuses to start above) fits 90 % of an 80 GiB GPU,
+  (`offpolicy.learner.memory_plan.estimate`, the same the learner refuses to start above) fits 90 % of an 80
+  GiB GPU,
   with configs/learner.yaml's settings (bf16_mixed, packing, `micro_batch_tokens`, checkpointing on);
 - actor GPUs: vLLM's tensor-parallel size, the fewest GPUs holding the bf16 weights (2 B x P) in half of
   each GPU (the other half for the KV cache);
@@ -32,8 +33,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from learner.config import LearnerConfig
-from learner.memory import GIB, HEADROOM, ModelShape, estimate
+from offpolicy.learner.config import LearnerConfig
+from offpolicy.learner.memory_plan import GIB, HEADROOM, ModelShape, estimate
 
 GPU_GIB = 80  # H100 / A100 80 GB
 GROUP_OVERHEAD = 1024  # bytes: the frame's header and the entry's keys (checked against the codec)
@@ -135,6 +136,6 @@ def table(config: LearnerConfig | None = None) -> str:
 
 
 if __name__ == "__main__":
-    from learner.config import load_config
+    from offpolicy.learner.config import load_config
 
     print(table(load_config(Path(__file__).resolve().parent.parent / "configs" / "learner.yaml", {})), end="")

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from buffer.embedded import EmbeddedRedis
-from buffer.types import SamplingParams, Trajectory, TrajectoryGroup
+from offpolicy.buffer.embedded import EmbeddedRedis
+from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup
 
 REDIS7 = "/usr/bin/redis-server"
 

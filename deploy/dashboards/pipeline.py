@@ -2,7 +2,7 @@
 (tokens/s, version lag, reloads).
 
 Every metric named here is declared in `buffer/metrics.py`, `learner/metrics.py` or `actors/metrics.py`
-(tests/unit/test_deploy_dashboards.py checks it).
+(tests/unit/deploy/test_dashboards.py checks it).
 """
 
 from __future__ import annotations

@@ -13,11 +13,7 @@ ARG PIP_VERSION=25.3
 WORKDIR /src
 RUN pip install --no-cache-dir "pip==${PIP_VERSION}"
 COPY pyproject.toml README.md ./
-COPY config ./config
-COPY buffer ./buffer
-COPY learner ./learner
-COPY actors ./actors
-COPY services ./services
+COPY offpolicy ./offpolicy
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # --- cpu: the same learner on the CPU build of torch (docker-compose.cpu.yml, the tiny model)

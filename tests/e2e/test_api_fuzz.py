@@ -20,9 +20,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 
-from buffer.embedded import EmbeddedRedis
-from learner.model import make_tiny_model
-from services.children import ServiceProcess, start_service
+from offpolicy.buffer.embedded import EmbeddedRedis
+from offpolicy.learner.model import make_tiny_model
+from offpolicy.services.children import ServiceProcess, start_service
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 TOKEN = "fuzz-token-5e1c"

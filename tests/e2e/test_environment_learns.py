@@ -21,10 +21,10 @@ import httpx
 import pytest
 import yaml
 
-from buffer.embedded import EmbeddedRedis
-from learner.model import make_tiny_model
-from services.children import start_service
-from services.quickstart import actor_config, learner_config, toy_dataset
+from offpolicy.buffer.embedded import EmbeddedRedis
+from offpolicy.learner.model import make_tiny_model
+from offpolicy.services.children import start_service
+from offpolicy.services.quickstart import actor_config, learner_config, toy_dataset
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.vllm]
 
@@ -35,8 +35,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.vllm]
 @pytest.mark.parametrize(
     ("environment", "min_steps", "max_steps", "margin"),
     [
-        pytest.param("actors.environments.guessing_game", 12, 24, 0.05, id="guessing_game"),
-        pytest.param("actors.environments.calculator", 20, 40, 0.1, id="calculator"),
+        pytest.param("offpolicy.actors.rollout.environments.guessing_game", 12, 24, 0.05, id="guessing_game"),
+        pytest.param("offpolicy.actors.rollout.environments.calculator", 20, 40, 0.1, id="calculator"),
     ],
 )
 def test_the_environment_learns(

@@ -12,11 +12,11 @@ import httpx
 import pytest
 import yaml
 
-from actors.toy import write_target_token_dataset
-from buffer.embedded import EmbeddedRedis
-from learner.model import make_tiny_model
-from services.children import start_service
-from services.quickstart import actor_config, learner_config
+from offpolicy.actors.data.toy import write_target_token_dataset
+from offpolicy.buffer.embedded import EmbeddedRedis
+from offpolicy.learner.model import make_tiny_model
+from offpolicy.services.children import start_service
+from offpolicy.services.quickstart import actor_config, learner_config
 
 pytestmark = [pytest.mark.redis, pytest.mark.vllm, pytest.mark.slow]
 

@@ -22,13 +22,13 @@ import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.metrics import ActorMetrics
-from buffer.embedded import EmbeddedRedis
-from buffer.metrics import BufferMetrics
-from learner.metrics import LearnerMetrics
-from learner.model import make_tiny_model
-from services.children import ServiceProcess, start_service
-from services.quickstart import TOY_BUFFER, actor_config, learner_config
+from offpolicy.actors.metrics import ActorMetrics
+from offpolicy.buffer.embedded import EmbeddedRedis
+from offpolicy.buffer.metrics import BufferMetrics
+from offpolicy.learner.metrics import LearnerMetrics
+from offpolicy.learner.model import make_tiny_model
+from offpolicy.services.children import ServiceProcess, start_service
+from offpolicy.services.quickstart import TOY_BUFFER, actor_config, learner_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.vllm]
 TOKEN = "e2e-token"
@@ -62,7 +62,7 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    from actors.toy import write_target_token_dataset
+    from offpolicy.actors.data.toy import write_target_token_dataset
 
     root = tmp_path_factory.mktemp("e2e")
     model = str(make_tiny_model(root / "model"))

@@ -15,10 +15,10 @@ import httpx
 import pytest
 import yaml
 
-from buffer.embedded import EmbeddedRedis
-from learner.model import make_tiny_model
-from services.children import start_service
-from services.quickstart import actor_config, learner_config, toy_dataset
+from offpolicy.buffer.embedded import EmbeddedRedis
+from offpolicy.learner.model import make_tiny_model
+from offpolicy.services.children import start_service
+from offpolicy.services.quickstart import actor_config, learner_config, toy_dataset
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.vllm]
 

@@ -12,13 +12,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from buffer.policy import PolicyStore
-from buffer.replay_buffer import ReplayBuffer
-from learner.batch import collate
-from learner.model import make_tiny_model
-from learner.model.policy import token_logprobs
-from learner.persist.weights import snapshot_to_host
-from learner.trainer import Learner
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.learner.batch import collate
+from offpolicy.learner.model import make_tiny_model
+from offpolicy.learner.model.policy import token_logprobs
+from offpolicy.learner.persist.published import snapshot_to_host
+from offpolicy.learner.trainer import Learner
+from offpolicy.weights.record import PolicyStore
 from tests.integration.test_learner_fixes import covering_groups
 from tests.integration.test_learner_loop import config
 
@@ -122,8 +122,8 @@ def test_packed_logprobs_match_the_padded_ones_on_cuda(tmp_path, attn):
     installed) gives the padded rows' log-probs within bf16 noise, and uses less memory than the padding."""
     import importlib.util
 
-    from learner.model import load_model
-    from tests.unit.test_packing import ragged_groups
+    from offpolicy.learner.model import load_model
+    from tests.unit.learner.rl.test_microbatches import ragged_groups
 
     if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         pytest.skip("flash_attn is not installed")
@@ -150,9 +150,9 @@ def test_the_kl_loss_on_cuda_with_a_streamed_reference(bf16_tiny, redis_url, tmp
     """`reference.cpu_offload` on one CUDA process: the reference's decoder layers live in pinned host
     memory and visit the GPU for their forward alone; its log-probs equal a resident reference's, and the
     first update starts at the reference (KL 0 up to bf16 rounding)."""
-    from learner.build import build_reference
-    from learner.config import ReferenceConfig
-    from learner.model.precision import Precision
+    from offpolicy.learner.build import build_reference
+    from offpolicy.learner.config import ReferenceConfig
+    from offpolicy.learner.model.precision import Precision
 
     groups = covering_groups(4, seed=3)
     cfg = config(

@@ -10,13 +10,20 @@ from pathlib import Path
 
 import torch
 
-from actors.config import ActorConfig, DatasetConfig, EngineConfig, ReloadConfig, RetryConfig, SamplingConfig
-from actors.worker import Actor
-from buffer.replay_buffer import ReplayBuffer
-from buffer.types import TrajectoryGroup
-from learner.batch import collate
-from learner.model import load_model
-from learner.model.policy import token_logprobs
+from offpolicy.actors.config import (
+    ActorConfig,
+    DatasetConfig,
+    EngineConfig,
+    ReloadConfig,
+    RetryConfig,
+    SamplingConfig,
+)
+from offpolicy.actors.rollout.loop import Actor
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.buffer.types import TrajectoryGroup
+from offpolicy.learner.batch import collate
+from offpolicy.learner.model import load_model
+from offpolicy.learner.model.policy import token_logprobs
 
 TEMPERATURE = 0.7
 NUM_PROMPTS = 12

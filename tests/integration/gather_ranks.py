@@ -12,12 +12,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-from learner.distributed.fsdp import shard
-from learner.distributed.gather import GatheredWeights
-from learner.model import load_model
-from learner.model.load import unique_state
-from learner.model.policy import LogProbs
-from learner.model.precision import Precision
+from offpolicy.learner.distributed.fsdp import shard
+from offpolicy.learner.distributed.gather import GatheredWeights
+from offpolicy.learner.model import load_model
+from offpolicy.learner.model.load import unique_state
+from offpolicy.learner.model.policy import LogProbs
+from offpolicy.learner.model.precision import Precision
 
 
 def main(model_dir: str, dtype_name: str, out: str) -> None:
@@ -79,9 +79,9 @@ class FilesOnce:
 
 def publish_twice(model_dir: str, model, keys: set[str], dtype, leader: bool) -> list:
     """Two publishes through the N-rank vllm path; rank 0's transport records what it would send."""
-    from learner.config import LearnerConfig
-    from learner.transport.base import TransferResult
-    from learner.transport.publisher import Publisher
+    from offpolicy.learner.config import LearnerConfig
+    from offpolicy.learner.transport.base import TransferResult
+    from offpolicy.learner.transport.publisher import Publisher
 
     config = LearnerConfig.model_validate(
         {"model_path": model_dir, "publish": {"transport": "vllm", "persist_every": 5, "gather_bucket_mb": 1}}

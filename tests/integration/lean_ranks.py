@@ -12,11 +12,11 @@ import sys
 import torch
 import torch.distributed as dist
 
-from learner.distributed.fsdp import shard
-from learner.distributed.lean import broadcast_from_rank0, load_shards, materialize, meta_model
-from learner.model import load_model
-from learner.model.policy import LogProbs
-from learner.model.precision import Precision
+from offpolicy.learner.distributed.fsdp import shard
+from offpolicy.learner.distributed.lean import broadcast_from_rank0, load_shards, materialize, meta_model
+from offpolicy.learner.model import load_model
+from offpolicy.learner.model.policy import LogProbs
+from offpolicy.learner.model.precision import Precision
 
 
 def sharded(model_dir: str) -> tuple[torch.nn.Module, torch.nn.Module]:

@@ -11,13 +11,13 @@ import sys
 import torch
 import torch.distributed as dist
 
-from actors.transport.gloo_m2n import part_bytes, rows
-from learner.distributed.fsdp import fsdp_mesh, shard
-from learner.model import load_model
-from learner.model.load import unique_state
-from learner.model.policy import LogProbs
-from learner.model.precision import Precision
-from learner.transport.sharded import LocalShards
+from offpolicy.learner.distributed.fsdp import fsdp_mesh, shard
+from offpolicy.learner.model import load_model
+from offpolicy.learner.model.load import unique_state
+from offpolicy.learner.model.policy import LogProbs
+from offpolicy.learner.model.precision import Precision
+from offpolicy.learner.transport.m2n import LocalShards
+from offpolicy.weights.engines.gloo_m2n import part_bytes, rows
 
 
 def main(model_dir: str, replicate: str, out: str) -> None:

@@ -16,16 +16,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from buffer.transfer import LearnerControl
-from config.transfer import TransferConfig
-from learner.distributed.fsdp import shard
-from learner.distributed.ranks import Ranks
-from learner.model import load_model, load_tokenizer
-from learner.model.load import unique_state
-from learner.model.policy import LogProbs
-from learner.model.precision import Precision
-from learner.persist.weights import publish_weights
-from learner.transport.sharded import ShardedTransport, _state
+from offpolicy.learner.distributed.fsdp import shard
+from offpolicy.learner.distributed.ranks import Ranks
+from offpolicy.learner.model import load_model, load_tokenizer
+from offpolicy.learner.model.load import unique_state
+from offpolicy.learner.model.policy import LogProbs
+from offpolicy.learner.model.precision import Precision
+from offpolicy.learner.persist.published import publish_weights
+from offpolicy.learner.transport.m2n import ShardedTransport, _state
+from offpolicy.weights.config import TransferConfig
+from offpolicy.weights.control import LearnerControl
 
 CFG = TransferConfig(backend="gloo_m2n", timeout_s=15.0, heartbeat_s=0.5, bucket_bytes=1 << 20)
 
@@ -84,7 +84,7 @@ def main(model_dir: str, redis_url: str, run_id: str, weights: str, out: str) ->
 def vllm_m2n_source(model: torch.nn.Module, rank: int) -> dict:
     """What `nccl_m2n` would read (vLLM's M2N source classes over this rank's shards, bfloat16) and that
     its trainer init info is accepted; the NCCL engine itself needs GPUs."""
-    from learner.transport.sharded import _trainer_init_info, _vllm_m2n_source
+    from offpolicy.learner.transport.m2n import _trainer_init_info, _vllm_m2n_source
 
     source = _vllm_m2n_source(model, torch.bfloat16, 2)
     metas = source.metadata()

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from actors.config import DatasetConfig, SamplingConfig
-from actors.worker import Actor
-from buffer.replay_buffer import ReplayBuffer
+from offpolicy.actors.config import DatasetConfig, SamplingConfig
+from offpolicy.actors.rollout.loop import Actor
+from offpolicy.buffer.replay_buffer import ReplayBuffer
 from tests.integration.actor_run import (
     NUM_PROMPTS,
     TEMPERATURE,
@@ -31,14 +31,14 @@ async def test_an_environment_records_policy_and_environment_tokens_exactly(
     """Three-turn episodes of the guessing game: the user's turns are the chat template's tokens, masked
     as the environment's; at equal weights the learner's log-probs of the policy's tokens, with the user's
     turns in the context, are the engine's behaviour log-probs."""
-    from actors.episodes import render_message
+    from offpolicy.actors.rollout.episodes import render_message
 
     cfg = actor_config(
         model_dir,
         dataset,
         redis_url,
         run_id,
-        environment={"name": "actors.environments.guessing_game"},
+        environment={"name": "offpolicy.actors.rollout.environments.guessing_game"},
         sampling=SamplingConfig(temperature=TEMPERATURE, max_tokens=80, n=2),  # 3 turns of 6 + 2 replies
         dataset=DatasetConfig(path=str(dataset), chat_template=False, max_epochs=1),
     )
@@ -69,9 +69,9 @@ def test_the_gateway_records_an_openai_clients_tool_episode_exactly(
     from fastapi.testclient import TestClient
     from openai import ConflictError, OpenAI
 
-    from actors.chat import render_messages, render_prompt
-    from services.actor_api.main import create_app
-    from services.common.settings import ActorServiceSettings
+    from offpolicy.actors.engine.chat import render_messages, render_prompt
+    from offpolicy.services.actor_api.main import create_app
+    from offpolicy.services.common.settings import ActorServiceSettings
 
     cfg = actor_config(
         model_dir,

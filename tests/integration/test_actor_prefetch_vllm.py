@@ -15,13 +15,13 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from actors.config import ReloadConfig, SamplingConfig
-from actors.toy import write_target_token_dataset
-from actors.worker import Actor
-from buffer.policy import PolicyStore
-from learner.batch import collate
-from learner.model import load_model
-from learner.persist.weights import publish_weights
+from offpolicy.actors.config import ReloadConfig, SamplingConfig
+from offpolicy.actors.data.toy import write_target_token_dataset
+from offpolicy.actors.rollout.loop import Actor
+from offpolicy.learner.batch import collate
+from offpolicy.learner.model import load_model
+from offpolicy.learner.persist.published import publish_weights
+from offpolicy.weights.record import PolicyStore
 from tests.integration.actor_run import (
     TEMPERATURE,
     actor_config,

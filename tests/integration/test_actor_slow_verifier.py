@@ -22,13 +22,13 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from actors.config import ActorConfig, EngineConfig, SamplingConfig
-from actors.engine import VLLMEngine
-from actors.prompts import Prompt
-from actors.toy import write_target_token_dataset
-from actors.worker import Actor
-from buffer.embedded import EmbeddedRedis
-from learner.model import make_tiny_model
+from offpolicy.actors.config import ActorConfig, EngineConfig, SamplingConfig
+from offpolicy.actors.data.prompts import Prompt
+from offpolicy.actors.data.toy import write_target_token_dataset
+from offpolicy.actors.engine.vllm import VLLMEngine
+from offpolicy.actors.rollout.loop import Actor
+from offpolicy.buffer.embedded import EmbeddedRedis
+from offpolicy.learner.model import make_tiny_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow]
 

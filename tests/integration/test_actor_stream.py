@@ -19,15 +19,15 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from actors.config import ActorConfig
-from actors.engine import Completion
-from actors.errors import PromptFailed
-from actors.manifest import write_manifest
-from actors.toy import write_target_token_dataset
-from actors.worker import Actor
-from buffer.errors import StorageUnavailable
-from buffer.policy import PolicyRecord, PolicyStore, weights_sha256
-from buffer.replay_buffer import AsyncReplayBuffer, ReplayBuffer
+from offpolicy.actors.config import ActorConfig
+from offpolicy.actors.data.toy import write_target_token_dataset
+from offpolicy.actors.engine.vllm import Completion
+from offpolicy.actors.errors import PromptFailed
+from offpolicy.actors.rollout.loop import Actor
+from offpolicy.buffer.errors import StorageUnavailable
+from offpolicy.buffer.replay_buffer import AsyncReplayBuffer, ReplayBuffer
+from offpolicy.weights.manifest import weights_sha256, write_manifest
+from offpolicy.weights.record import PolicyRecord, PolicyStore
 
 pytestmark = [pytest.mark.redis]
 STEP_S = 0.002
@@ -238,7 +238,7 @@ async def test_the_loop_keeps_admitting_while_a_version_is_read_ahead(
 ):
     """The new version's files are read in the background: prompts keep being admitted (more requests
     finish than were in flight when the read began) and the engine is paused only once it is done."""
-    import actors.weight_sync as weight_sync
+    import offpolicy.actors.transport.follow as weight_sync
 
     started, release = threading.Event(), threading.Event()
     real = weight_sync.prefetch_folder

@@ -14,18 +14,18 @@ import torch
 from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
-from actors.config import DatasetConfig, ReloadConfig
-from actors.toy import write_target_token_dataset
-from actors.worker import Actor
-from buffer.policy import PolicyStore
-from buffer.transfer import LearnerControl
-from config.transfer import TransferConfig
-from learner.batch import collate
-from learner.model import load_model, make_tiny_model
-from learner.model.load import unique_state
-from learner.model.policy import token_logprobs
-from learner.persist.weights import publish_weights
-from learner.transport.vllm import VllmTransport
+from offpolicy.actors.config import DatasetConfig, ReloadConfig
+from offpolicy.actors.data.toy import write_target_token_dataset
+from offpolicy.actors.rollout.loop import Actor
+from offpolicy.learner.batch import collate
+from offpolicy.learner.model import load_model, make_tiny_model
+from offpolicy.learner.model.load import unique_state
+from offpolicy.learner.model.policy import token_logprobs
+from offpolicy.learner.persist.published import publish_weights
+from offpolicy.learner.transport.vllm import VllmTransport
+from offpolicy.weights.config import TransferConfig
+from offpolicy.weights.control import LearnerControl
+from offpolicy.weights.record import PolicyStore
 from tests.integration.actor_run import actor_config, drain, run_in_thread, wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow, pytest.mark.usefixtures("vllm_plugin")]

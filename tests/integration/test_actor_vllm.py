@@ -17,20 +17,20 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from actors.config import DatasetConfig, ReloadConfig, SamplingConfig
-from actors.manifest import write_manifest
-from actors.prompts import load_prompts
-from actors.rewards import target_token_share
-from actors.weight_sync import weights_path
-from actors.worker import Actor
-from buffer.codec import decode_group, encode_group
-from buffer.embedded import EmbeddedRedis
-from buffer.policy import PolicyStore
-from buffer.replay_buffer import ReplayBuffer
-from buffer.types import SamplingParams, Trajectory, TrajectoryGroup
-from learner.batch import collate
-from learner.model import load_model
-from learner.persist.weights import publish_weights
+from offpolicy.actors.config import DatasetConfig, ReloadConfig, SamplingConfig
+from offpolicy.actors.data.prompts import load_prompts
+from offpolicy.actors.rollout.loop import Actor
+from offpolicy.actors.rollout.rewards import target_token_share
+from offpolicy.actors.transport.follow import weights_path
+from offpolicy.buffer.codec import decode_group, encode_group
+from offpolicy.buffer.embedded import EmbeddedRedis
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup
+from offpolicy.learner.batch import collate
+from offpolicy.learner.model import load_model
+from offpolicy.learner.persist.published import publish_weights
+from offpolicy.weights.manifest import write_manifest
+from offpolicy.weights.record import PolicyStore
 from tests.integration.actor_run import (
     NUM_PROMPTS,
     TEMPERATURE,
@@ -217,7 +217,7 @@ def test_an_evaluation_actor_evaluates_published_versions_and_pushes_nothing(
     """`mode: eval`: the actor evaluates the version it holds, then each published multiple of
     `every_versions` (loads waiting for an evaluation in progress), records each in the run's evaluation
     stream, and pushes nothing to the buffer."""
-    from buffer.evaluations import EvalStore
+    from offpolicy.buffer.evaluations import EvalStore
 
     cfg = actor_config(
         model_dir,

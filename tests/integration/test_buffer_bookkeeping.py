@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import redis
 
-from buffer.config import BufferConfig
-from buffer.keys import BufferKeys
-from buffer.replay_buffer import ReplayBuffer
-from buffer.storage import script_source
+from offpolicy.buffer.config import BufferConfig
+from offpolicy.buffer.keys import BufferKeys
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.buffer.storage import script_source
 from tests.conftest import build_group
 
 pytestmark = pytest.mark.redis

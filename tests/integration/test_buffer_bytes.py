@@ -12,14 +12,14 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from actors.config import RetryConfig
-from actors.metrics import ActorMetrics
-from actors.rollout import push_groups
-from buffer.config import BufferConfig
-from buffer.embedded import EmbeddedRedis
-from buffer.errors import BufferFull
-from buffer.policy import PolicyRecord, PolicyStore
-from buffer.replay_buffer import AsyncReplayBuffer, ReplayBuffer
+from offpolicy.actors.config import RetryConfig
+from offpolicy.actors.metrics import ActorMetrics
+from offpolicy.actors.rollout.submit import push_groups
+from offpolicy.buffer.config import BufferConfig
+from offpolicy.buffer.embedded import EmbeddedRedis
+from offpolicy.buffer.errors import BufferFull
+from offpolicy.buffer.replay_buffer import AsyncReplayBuffer, ReplayBuffer
+from offpolicy.weights.record import PolicyRecord, PolicyStore
 from tests.conftest import build_group
 
 pytestmark = pytest.mark.redis

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import redis
 
-from buffer.config import BufferConfig
-from buffer.embedded import EmbeddedRedis
-from buffer.errors import BufferNotReady, StorageUnavailable
-from buffer.keys import BufferKeys
-from buffer.replay_buffer import ReplayBuffer
+from offpolicy.buffer.config import BufferConfig
+from offpolicy.buffer.embedded import EmbeddedRedis
+from offpolicy.buffer.errors import BufferNotReady, StorageUnavailable
+from offpolicy.buffer.keys import BufferKeys
+from offpolicy.buffer.replay_buffer import ReplayBuffer
 from tests.conftest import build_group
 
 pytestmark = pytest.mark.redis

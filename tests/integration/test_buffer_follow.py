@@ -16,13 +16,13 @@ import httpx
 import pytest
 import uvicorn
 
-from buffer.config import LOCAL_FIELDS, BufferConfig
-from buffer.embedded import free_port
-from buffer.errors import BufferFull
-from buffer.replay_buffer import AsyncReplayBuffer, ReplayBuffer
-from learner.config import LearnerConfig
-from services.common.settings import LearnerServiceSettings
-from services.learner_api.main import create_app
+from offpolicy.buffer.config import LOCAL_FIELDS, BufferConfig
+from offpolicy.buffer.embedded import free_port
+from offpolicy.buffer.errors import BufferFull
+from offpolicy.buffer.replay_buffer import AsyncReplayBuffer, ReplayBuffer
+from offpolicy.learner.config import LearnerConfig
+from offpolicy.services.common.settings import LearnerServiceSettings
+from offpolicy.services.learner_api.main import create_app
 from tests.conftest import build_group
 from tests.integration.test_service_learner import AUTH, TOKEN, random_group, tiny, wait_for  # noqa: F401
 
@@ -55,7 +55,7 @@ def test_a_producer_adopts_the_published_table_within_a_second(redis_url, run_id
         producer.insert(build_group(0))  # reads the table (the same as its own)
         learner.reconfigure(BufferConfig(max_size=100, max_bytes=1))  # an empty buffer takes one group
         learner.publish_table()
-        with caplog.at_level(logging.INFO, logger="buffer.core"):
+        with caplog.at_level(logging.INFO, logger="offpolicy.buffer.core"):
             deadline = time.monotonic() + 3.0
             with pytest.raises(BufferFull):
                 while time.monotonic() < deadline:
@@ -73,7 +73,7 @@ def test_a_producer_adopts_the_published_table_within_a_second(redis_url, run_id
         # A table this producer cannot use is ignored (logged once), the config in force stays.
         producer._client.set(producer._core.keys.table, b'{"max_size": -1}')
         time.sleep(1.1)
-        with caplog.at_level(logging.WARNING, logger="buffer.core"):
+        with caplog.at_level(logging.WARNING, logger="offpolicy.buffer.core"):
             assert producer.insert(build_group(0))
         assert producer.config.max_size == 100
         assert any("not valid here" in r.getMessage() for r in caplog.records)

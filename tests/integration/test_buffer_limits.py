@@ -7,10 +7,10 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from buffer.config import BufferConfig
-from buffer.embedded import EmbeddedRedis
-from buffer.errors import BufferNotReady, RateLimited, StorageUnavailable
-from buffer.replay_buffer import AsyncReplayBuffer, ReplayBuffer
+from offpolicy.buffer.config import BufferConfig
+from offpolicy.buffer.embedded import EmbeddedRedis
+from offpolicy.buffer.errors import BufferNotReady, RateLimited, StorageUnavailable
+from offpolicy.buffer.replay_buffer import AsyncReplayBuffer, ReplayBuffer
 from tests.conftest import build_group
 
 pytestmark = pytest.mark.redis

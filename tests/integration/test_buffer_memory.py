@@ -21,12 +21,12 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from buffer.config import BufferConfig
-from buffer.embedded import EmbeddedRedis
-from buffer.errors import StorageUnavailable
-from buffer.keys import BufferKeys
-from buffer.replay_buffer import ReplayBuffer
-from learner.trainer import Learner
+from offpolicy.buffer.config import BufferConfig
+from offpolicy.buffer.embedded import EmbeddedRedis
+from offpolicy.buffer.errors import StorageUnavailable
+from offpolicy.buffer.keys import BufferKeys
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.learner.trainer import Learner
 from tests.integration.test_learner_fixes import covering_groups
 from tests.integration.test_learner_loop import config, tiny_dir  # noqa: F401
 
@@ -56,10 +56,10 @@ def padded(k: int, seed: int) -> list:
 def produce(url: str, run_id: str, cfg_json: str, stop_file: str, out: str) -> None:
     """A producer process (an actor's pusher): two tasks pushing 4-group batches as fast as they can
     until `stop_file` exists; then its metrics go to `out` as JSON."""
-    from actors.config import RetryConfig
-    from actors.metrics import ActorMetrics
-    from actors.rollout import push_groups
-    from buffer.replay_buffer import AsyncReplayBuffer
+    from offpolicy.actors.config import RetryConfig
+    from offpolicy.actors.metrics import ActorMetrics
+    from offpolicy.actors.rollout.submit import push_groups
+    from offpolicy.buffer.replay_buffer import AsyncReplayBuffer
 
     registry, stop = CollectorRegistry(), threading.Event()
     metrics, retry = ActorMetrics(registry), RetryConfig(initial_s=0.02, max_s=0.2)

@@ -9,10 +9,10 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from buffer.config import BufferConfig
-from buffer.errors import RateLimited
-from buffer.keys import BufferKeys
-from buffer.replay_buffer import AsyncReplayBuffer, ReplayBuffer
+from offpolicy.buffer.config import BufferConfig
+from offpolicy.buffer.errors import RateLimited
+from offpolicy.buffer.keys import BufferKeys
+from offpolicy.buffer.replay_buffer import AsyncReplayBuffer, ReplayBuffer
 from tests.conftest import build_group
 
 pytestmark = pytest.mark.redis

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from buffer.config import BufferConfig
-from buffer.metrics import DROP_REASONS, EVICTION_REASONS, REJECTED_FIELDS, WAIT_OPS, BufferMetrics
-from buffer.replay_buffer import AsyncReplayBuffer, ReplayBuffer
+from offpolicy.buffer.config import BufferConfig
+from offpolicy.buffer.metrics import DROP_REASONS, EVICTION_REASONS, REJECTED_FIELDS, WAIT_OPS, BufferMetrics
+from offpolicy.buffer.replay_buffer import AsyncReplayBuffer, ReplayBuffer
 from tests.conftest import build_group
 
 pytestmark = pytest.mark.redis

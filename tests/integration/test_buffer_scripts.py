@@ -7,8 +7,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from buffer.config import BufferConfig
-from buffer.replay_buffer import ReplayBuffer
+from offpolicy.buffer.config import BufferConfig
+from offpolicy.buffer.replay_buffer import ReplayBuffer
 from tests.conftest import build_group
 
 pytestmark = pytest.mark.redis

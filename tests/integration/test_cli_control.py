@@ -12,14 +12,14 @@ import pytest
 import uvicorn
 import yaml
 
-from buffer.config import BufferConfig
-from buffer.embedded import free_port
-from buffer.replay_buffer import ReplayBuffer
-from learner.config import LearnerConfig
-from services.cli import main
-from services.cli_control import merge_patch
-from services.common.settings import LearnerServiceSettings
-from services.learner_api.main import create_app
+from offpolicy.buffer.config import BufferConfig
+from offpolicy.buffer.embedded import free_port
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.learner.config import LearnerConfig
+from offpolicy.services.cli import main
+from offpolicy.services.cli_control import merge_patch
+from offpolicy.services.common.settings import LearnerServiceSettings
+from offpolicy.services.learner_api.main import create_app
 from tests.integration.test_service_learner import TOKEN, random_group, tiny, wait_for  # noqa: F401
 
 pytestmark = pytest.mark.redis

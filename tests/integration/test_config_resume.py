@@ -14,9 +14,9 @@ import httpx
 import pytest
 import yaml
 
-from buffer.replay_buffer import ReplayBuffer
-from learner.config import LearnerConfig
-from services.children import start_service
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.learner.config import LearnerConfig
+from offpolicy.services.children import start_service
 from tests.integration.test_service_health import TINY, wait_for
 from tests.integration.test_service_learner import random_group
 
@@ -26,7 +26,7 @@ FILE_LR, PATCHED_LR = 1e-4, 5e-3
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from learner.model import make_tiny_model
+    from offpolicy.learner.model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", **TINY)
 

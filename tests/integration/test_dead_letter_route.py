@@ -6,14 +6,14 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
-from buffer.config import BufferConfig
-from buffer.keys import BufferKeys
-from buffer.replay_buffer import ReplayBuffer
-from learner.config import LearnerConfig
-from services.common.settings import LearnerServiceSettings
-from services.learner_api.main import create_app
+from offpolicy.buffer.config import BufferConfig
+from offpolicy.buffer.keys import BufferKeys
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.learner.config import LearnerConfig
+from offpolicy.services.common.settings import LearnerServiceSettings
+from offpolicy.services.learner_api.main import create_app
 from tests.conftest import build_group
-from tests.unit.test_api_learner import TOKEN, FakeLearner
+from tests.unit.services.learner_api.test_routes import TOKEN, FakeLearner
 
 pytestmark = pytest.mark.redis
 

@@ -12,12 +12,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from buffer.replay_buffer import ReplayBuffer
 from deploy.checks import ROOT, SERVICE_CONFIGS, interpolate, load_compose, read_env_file
-from learner.persist.checkpoint import checkpoint_versions
-from learner.persist.weights import published_versions
-from services.children import ServiceProcess, start_service
-from services.common.errors import ChildProcessFailed
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.learner.persist.checkpoint import checkpoint_versions
+from offpolicy.learner.persist.published import published_versions
+from offpolicy.services.children import ServiceProcess, start_service
+from offpolicy.services.common.errors import ChildProcessFailed
 from tests.integration.test_service_health import TINY, wait_for
 from tests.integration.test_service_learner import random_group
 
@@ -28,7 +28,7 @@ TOKEN = f"token-{uuid.uuid4().hex}"  # the logs mask it: a short one would mask 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from learner.model import make_tiny_model
+    from offpolicy.learner.model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", **TINY)
 

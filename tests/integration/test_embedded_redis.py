@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import redis
 
-from buffer import embedded
-from buffer.embedded import EmbeddedRedis, PortTaken
+from offpolicy.buffer import embedded
+from offpolicy.buffer.embedded import EmbeddedRedis, PortTaken
 
 pytestmark = pytest.mark.redis
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from buffer.evaluations import AsyncEvalStore, EvalRecord, EvalStore, pass_at_k
+from offpolicy.buffer.evaluations import AsyncEvalStore, EvalRecord, EvalStore, pass_at_k
 
 pytestmark = pytest.mark.redis
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from learner.model import make_tiny_model
+from offpolicy.learner.model import make_tiny_model
 from tests.integration.torchrun import run_script
 
 pytestmark = pytest.mark.slow

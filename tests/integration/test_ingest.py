@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from buffer.json_records import group_from_json, group_to_json
-from services.client import Invalid, LearnerClient, Unauthorized
+from offpolicy.buffer.json_records import group_from_json, group_to_json
+from offpolicy.services.client import Invalid, LearnerClient, Unauthorized
 from tests.integration.test_service_learner import AUTH, TOKEN, random_group, service, tiny, wait_for  # noqa: F401
-from tests.unit.test_env_tokens import with_env
-from tests.unit.test_packing import ragged_groups
+from tests.unit.learner.rl.test_microbatches import ragged_groups
+from tests.unit.learner.test_env_tokens import with_env
 
 pytestmark = pytest.mark.redis
 
@@ -66,8 +66,8 @@ def test_ingest_needs_the_token_and_errors_are_typed(service):  # noqa: F811
     ],
 )
 def test_hostile_documents_are_rejected_by_field(change, field):
-    from buffer.codec import encode_group
-    from buffer.errors import InvalidTrajectory
+    from offpolicy.buffer.codec import encode_group
+    from offpolicy.buffer.errors import InvalidTrajectory
 
     doc = group_to_json(random_group(0, seed=12)) | change
     with pytest.raises(InvalidTrajectory) as e:

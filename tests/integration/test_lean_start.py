@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from learner.model import make_tiny_model
+from offpolicy.learner.model import make_tiny_model
 from tests.integration.torchrun import run_script
 
 pytestmark = pytest.mark.slow

@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 import redis
 
-from buffer.errors import BufferNotReady
-from buffer.keys import BufferKeys
-from buffer.replay_buffer import ReplayBuffer
-from buffer.types import SamplingParams, Trajectory, TrajectoryGroup
-from learner.persist.checkpoint import checkpoint_versions
-from learner.trainer import Learner
+from offpolicy.buffer.errors import BufferNotReady
+from offpolicy.buffer.keys import BufferKeys
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup
+from offpolicy.learner.persist.checkpoint import checkpoint_versions
+from offpolicy.learner.trainer import Learner
 from tests.integration.test_learner_fixes import covering_groups
 from tests.integration.test_learner_loop import config, tiny_dir  # noqa: F401
 
@@ -33,8 +33,8 @@ pytestmark = [pytest.mark.redis, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
 import sys, threading
-from learner.config import LearnerConfig
-from learner.trainer import Learner
+from offpolicy.learner.config import LearnerConfig
+from offpolicy.learner.trainer import Learner
 cfg = LearnerConfig.model_validate_json(open(sys.argv[1]).read())
 Learner(cfg).run(threading.Event())
 """

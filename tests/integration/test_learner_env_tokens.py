@@ -9,11 +9,11 @@ import copy
 import numpy as np
 import pytest
 
-from learner.model import load_model
+from offpolicy.learner.model import load_model
 from tests.integration.test_learner_loop import config, tiny_dir  # noqa: F401
 from tests.integration.test_learner_packing import train
-from tests.unit.test_env_tokens import with_env
-from tests.unit.test_packing import ragged_groups
+from tests.unit.learner.rl.test_microbatches import ragged_groups
+from tests.unit.learner.test_env_tokens import with_env
 
 pytestmark = pytest.mark.redis
 

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from buffer.replay_buffer import ReplayBuffer
-from buffer.types import SamplingParams, Trajectory, TrajectoryGroup
-from learner.batch import collate
-from learner.config import LearnerConfig
-from learner.errors import CheckpointMismatch
-from learner.model import make_tiny_model
-from learner.rl.step import advantages
-from learner.trainer import Learner
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup
+from offpolicy.learner.batch import collate
+from offpolicy.learner.config import LearnerConfig
+from offpolicy.learner.errors import CheckpointMismatch
+from offpolicy.learner.model import make_tiny_model
+from offpolicy.learner.rl.step import advantages
+from offpolicy.learner.trainer import Learner
 from tests.integration.test_learner_loop import config, tiny_dir  # noqa: F401
 
 pytestmark = pytest.mark.redis

@@ -18,12 +18,12 @@ import psutil
 import pytest
 import yaml
 
-from buffer.policy import PolicyStore
-from buffer.replay_buffer import ReplayBuffer
-from learner.model import load_model, make_tiny_model
-from learner.persist.checkpoint import checkpoint_versions
-from learner.persist.weights import published_versions, version_dir
-from learner.trainer import Learner
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.learner.model import load_model, make_tiny_model
+from offpolicy.learner.persist.checkpoint import checkpoint_versions
+from offpolicy.learner.persist.published import published_versions, version_dir
+from offpolicy.learner.trainer import Learner
+from offpolicy.weights.record import PolicyStore
 from tests.integration.test_learner_loop import config, make_groups
 from tests.integration.torchrun import ROOT, torchrun_argv, torchrun_env
 
@@ -58,10 +58,11 @@ def groups(tiny2):
 
 
 def torchrun(nproc: int, cfg_file: Path, log: Path, *, timeout: float = 300) -> int:
-    """Run `learner.launch` on `nproc` ranks; its return code. A timeout kills torchrun and every rank."""
+    """Run `offpolicy.learner.launch` on `nproc` ranks; its return code. A timeout kills torchrun and every
+    rank."""
     with log.open("w") as fh:
         proc = subprocess.Popen(
-            torchrun_argv("-m", "learner.launch", str(cfg_file), nproc=nproc),
+            torchrun_argv("-m", "offpolicy.learner.launch", str(cfg_file), nproc=nproc),
             cwd=ROOT, env=torchrun_env(), stdout=fh, stderr=subprocess.STDOUT,
         )  # fmt: skip
         try:

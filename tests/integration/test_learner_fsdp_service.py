@@ -19,9 +19,9 @@ import psutil
 import pytest
 import yaml
 
-from buffer.replay_buffer import ReplayBuffer
-from learner.persist.checkpoint import checkpoint_versions
-from services.children import free_port
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.learner.persist.checkpoint import checkpoint_versions
+from offpolicy.services.children import free_port
 from tests.integration.test_learner_fsdp import kill_tree, tiny2  # noqa: F401
 from tests.integration.test_learner_loop import config
 from tests.integration.test_service_learner import random_group, wait_for
@@ -34,7 +34,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 def start(cfg_file: Path, port: int, log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "OFFPOLICY_API_TOKEN": TOKEN}
-    cmd = [sys.executable, "-m", "services.cli", "learner", "--nproc-per-node", "2"]
+    cmd = [sys.executable, "-m", "offpolicy.services.cli", "learner", "--nproc-per-node", "2"]
     return subprocess.Popen(
         [*cmd, "--config", str(cfg_file), "--port", str(port)],
         cwd=ROOT, env=env, stdout=log.open("a"), stderr=subprocess.STDOUT,
@@ -52,7 +52,7 @@ def status(port: int) -> dict | None:
 def rank_pid(agent: subprocess.Popen, rank: int) -> int:
     for child in psutil.Process(agent.pid).children(recursive=True):
         try:
-            if child.environ().get("RANK") == str(rank) and "services.learner_api" in " ".join(
+            if child.environ().get("RANK") == str(rank) and "offpolicy.services.learner_api" in " ".join(
                 child.cmdline()
             ):
                 return child.pid

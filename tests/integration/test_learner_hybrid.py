@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from buffer.replay_buffer import ReplayBuffer
-from learner.model import load_model
-from learner.persist.checkpoint import checkpoint_versions
-from learner.persist.weights import version_dir
-from learner.trainer import Learner
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.learner.model import load_model
+from offpolicy.learner.persist.checkpoint import checkpoint_versions
+from offpolicy.learner.persist.published import version_dir
+from offpolicy.learner.trainer import Learner
 from tests.integration.test_learner_fsdp import (  # noqa: F401 (groups, tiny2: fixtures)
     STEPS,
     TOLERANCE,

@@ -14,12 +14,12 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from buffer.replay_buffer import ReplayBuffer
-from learner.batch import collate
-from learner.model import load_model
-from learner.model.policy import token_stats
-from learner.rl.losses import kl_penalty
-from learner.trainer import Learner
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.learner.batch import collate
+from offpolicy.learner.model import load_model
+from offpolicy.learner.model.policy import token_stats
+from offpolicy.learner.rl.losses import kl_penalty
+from offpolicy.learner.trainer import Learner
 from tests.integration.test_learner_loop import behaviour, config, make_groups, tiny_dir  # noqa: F401
 
 pytestmark = pytest.mark.redis

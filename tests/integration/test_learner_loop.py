@@ -14,16 +14,16 @@ import torch
 from prometheus_client import CollectorRegistry
 from transformers import AutoModelForCausalLM
 
-from buffer.errors import BufferNotReady
-from buffer.policy import PolicyStore
-from buffer.replay_buffer import ReplayBuffer
-from buffer.types import SamplingParams, Trajectory, TrajectoryGroup
-from learner.batch import collate
-from learner.config import LearnerConfig, load_config
-from learner.model import load_model, make_tiny_model, sample_completions
-from learner.model.policy import token_logprobs
-from learner.rl.losses import ClipConfig, compute_policy_loss
-from learner.trainer import Learner
+from offpolicy.buffer.errors import BufferNotReady
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup
+from offpolicy.learner.batch import collate
+from offpolicy.learner.config import LearnerConfig, load_config
+from offpolicy.learner.model import load_model, make_tiny_model, sample_completions
+from offpolicy.learner.model.policy import token_logprobs
+from offpolicy.learner.rl.losses import ClipConfig, compute_policy_loss
+from offpolicy.learner.trainer import Learner
+from offpolicy.weights.record import PolicyStore
 
 pytestmark = pytest.mark.redis
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

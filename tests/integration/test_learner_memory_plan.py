@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from learner.errors import MemoryPlanError
-from learner.trainer import Learner
+from offpolicy.learner.errors import MemoryPlanError
+from offpolicy.learner.trainer import Learner
 from tests.integration.test_learner_loop import config, tiny_dir  # noqa: F401
 
 pytestmark = pytest.mark.redis

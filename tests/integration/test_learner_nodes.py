@@ -24,12 +24,12 @@ import psutil
 import pytest
 import yaml
 
-from buffer.replay_buffer import ReplayBuffer
-from learner.model import load_model
-from learner.persist.checkpoint import checkpoint_versions
-from learner.persist.weights import version_dir
-from learner.trainer import Learner
-from services.children import free_port
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.learner.model import load_model
+from offpolicy.learner.persist.checkpoint import checkpoint_versions
+from offpolicy.learner.persist.published import version_dir
+from offpolicy.learner.trainer import Learner
+from offpolicy.services.children import free_port
 from tests.integration.test_learner_fsdp import (  # noqa: F401 (groups, tiny2: fixtures)
     STEPS,
     TOLERANCE,
@@ -57,7 +57,7 @@ def service(cfg_file: Path, port: int, log: Path, *layout: str) -> subprocess.Po
     cmd = [
         sys.executable,
         "-m",
-        "services.cli",
+        "offpolicy.services.cli",
         "learner",
         *layout,
         "--config",
@@ -80,7 +80,7 @@ def ranks_under(agent: subprocess.Popen) -> list[psutil.Process]:
     return [
         p
         for p in psutil.Process(agent.pid).children(recursive=True)
-        if "services.learner_api" in " ".join(p.cmdline())
+        if "offpolicy.services.learner_api" in " ".join(p.cmdline())
     ]
 
 

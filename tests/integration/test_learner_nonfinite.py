@@ -10,10 +10,10 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from buffer.replay_buffer import ReplayBuffer
-from learner.trainer import Learner
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.learner.trainer import Learner
 from tests.integration.test_learner_loop import config, tiny_dir  # noqa: F401
-from tests.unit.test_packing import ragged_groups
+from tests.unit.learner.rl.test_microbatches import ragged_groups
 
 pytestmark = pytest.mark.redis
 

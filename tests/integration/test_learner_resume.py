@@ -13,21 +13,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from buffer.policy import PolicyStore, weights_sha256
-from buffer.replay_buffer import ReplayBuffer
-from learner.model import load_model, make_tiny_model
-from learner.persist.checkpoint import checkpoint_versions
-from learner.persist.weights import published_versions, read_manifest
-from learner.trainer import Learner
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.learner.model import load_model, make_tiny_model
+from offpolicy.learner.persist.checkpoint import checkpoint_versions
+from offpolicy.learner.persist.published import published_versions
+from offpolicy.learner.trainer import Learner
+from offpolicy.weights.manifest import read_manifest, weights_sha256
+from offpolicy.weights.record import PolicyStore
 from tests.integration.test_learner_loop import config, make_groups, tiny_dir  # noqa: F401
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
 import sys, threading
-from learner.config import LearnerConfig
-from learner.trainer import Learner
-from learner.persist.weights import published_versions, read_manifest
+from offpolicy.learner.config import LearnerConfig
+from offpolicy.learner.trainer import Learner
+from offpolicy.learner.persist.published import published_versions
+from offpolicy.weights.manifest import read_manifest
 cfg = LearnerConfig.model_validate_json(open(sys.argv[1]).read())
 Learner(cfg).run(threading.Event())
 """

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from buffer.policy import PolicyStore
-from buffer.replay_buffer import ReplayBuffer
-from learner.model import load_model, make_tiny_model
-from learner.trainer import Learner
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.learner.model import load_model, make_tiny_model
+from offpolicy.learner.trainer import Learner
+from offpolicy.weights.record import PolicyStore
 from tests.integration.test_learner_loop import TINY, config, make_groups
 
 pytestmark = pytest.mark.redis

@@ -8,9 +8,9 @@ import random
 import pytest
 import redis
 
-from buffer.errors import InvalidTrajectory
-from buffer.keys import PolicyKeys
-from buffer.policy import AsyncPolicyStore, PolicyRecord, PolicyStore
+from offpolicy.buffer.errors import InvalidTrajectory
+from offpolicy.buffer.keys import PolicyKeys
+from offpolicy.weights.record import AsyncPolicyStore, PolicyRecord, PolicyStore
 
 pytestmark = pytest.mark.redis
 

@@ -74,7 +74,7 @@ class Prometheus:
     """Debian's prometheus on a free port with a temporary config; stopped by handle."""
 
     def __init__(self, tmp: Path, targets: dict[str, str]) -> None:
-        from services.children import free_port
+        from offpolicy.services.children import free_port
 
         binary = shutil.which("prometheus")
         if binary is None:
@@ -129,11 +129,11 @@ class Prometheus:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheus, dict[str, str]]]:
-    from actors.toy import write_target_token_dataset
-    from buffer.embedded import EmbeddedRedis
-    from learner.model import make_tiny_model
-    from services.children import start_service
-    from services.quickstart import actor_config, learner_config
+    from offpolicy.actors.data.toy import write_target_token_dataset
+    from offpolicy.buffer.embedded import EmbeddedRedis
+    from offpolicy.learner.model import make_tiny_model
+    from offpolicy.services.children import start_service
+    from offpolicy.services.quickstart import actor_config, learner_config
 
     tmp = tmp_path_factory.mktemp("prometheus-run")
     stoppable: list = []

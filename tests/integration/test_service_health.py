@@ -20,15 +20,15 @@ import pytest
 import yaml
 from fastapi.testclient import TestClient
 
-from buffer.config import BufferConfig
-from buffer.embedded import EmbeddedRedis
-from buffer.replay_buffer import ReplayBuffer
-from learner.config import LearnerConfig
-from learner.model import make_tiny_model
-from services.children import start_service
-from services.common.loop import EXIT_LOOP_FAILED
-from services.common.settings import LearnerServiceSettings
-from services.learner_api.main import create_app
+from offpolicy.buffer.config import BufferConfig
+from offpolicy.buffer.embedded import EmbeddedRedis
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.learner.config import LearnerConfig
+from offpolicy.learner.model import make_tiny_model
+from offpolicy.services.children import start_service
+from offpolicy.services.common.loop import EXIT_LOOP_FAILED
+from offpolicy.services.common.settings import LearnerServiceSettings
+from offpolicy.services.learner_api.main import create_app
 from tests.integration.test_service_learner import random_group
 
 pytestmark = pytest.mark.redis

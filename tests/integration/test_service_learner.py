@@ -13,13 +13,13 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from buffer.config import BufferConfig
-from buffer.replay_buffer import ReplayBuffer
-from buffer.types import SamplingParams, Trajectory, TrajectoryGroup
-from learner.config import LearnerConfig
-from learner.model import make_tiny_model
-from services.common.settings import LearnerServiceSettings
-from services.learner_api.main import create_app
+from offpolicy.buffer.config import BufferConfig
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup
+from offpolicy.learner.config import LearnerConfig
+from offpolicy.learner.model import make_tiny_model
+from offpolicy.services.common.settings import LearnerServiceSettings
+from offpolicy.services.learner_api.main import create_app
 
 pytestmark = pytest.mark.redis
 TOKEN = "integration-token"

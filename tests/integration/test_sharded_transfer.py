@@ -20,9 +20,9 @@ import psutil
 import pytest
 import torch
 
-from config.transfer import TransferConfig
-from learner.model import make_tiny_model
-from learner.model.load import unique_state
+from offpolicy.learner.model import make_tiny_model
+from offpolicy.learner.model.load import unique_state
+from offpolicy.weights.config import TransferConfig
 from tests.integration.test_transfer_vllm import Actor
 from tests.integration.torchrun import ROOT, run_script, torchrun_argv, torchrun_env
 
@@ -118,6 +118,6 @@ def _tail(path: Path) -> str:
 
 
 def _load(model_dir: Path) -> torch.nn.Module:
-    from learner.model import load_model
+    from offpolicy.learner.model import load_model
 
     return load_model(str(model_dir), "cpu", torch.float32)

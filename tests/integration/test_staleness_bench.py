@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.toy import write_target_token_dataset
 from benchmarks.staleness import Setup, run_arm
+from offpolicy.actors.data.toy import write_target_token_dataset
 
 pytestmark = pytest.mark.redis
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from learner.model.tiny import CHARACTERS, SPECIAL_TOKENS, make_tiny_model
+from offpolicy.learner.model.tiny import CHARACTERS, SPECIAL_TOKENS, make_tiny_model
 
 TEXT = "Hello, world! 1 + 2 = 3\n\tok ~{}"
 

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from buffer.transfer import ActorControl, LearnerControl
-from config.transfer import TransferConfig
-from learner.transport.vllm import VllmTransport
+from offpolicy.learner.transport.vllm import VllmTransport
+from offpolicy.weights.config import TransferConfig
+from offpolicy.weights.control import ActorControl, LearnerControl
 
 pytestmark = pytest.mark.redis
 

@@ -30,16 +30,16 @@ import torch
 from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
-from actors.config import EngineConfig, SamplingConfig
-from actors.engine import VLLMEngine
-from actors.transport.receiver import TransferReceiver
-from buffer.policy import AsyncPolicyStore, PolicyStore
-from buffer.transfer import ActorControl, LearnerControl
-from config.transfer import TransferConfig
-from learner.model import load_model
-from learner.model.load import unique_state
-from learner.persist.weights import publish_weights
-from learner.transport.vllm import VllmTransport
+from offpolicy.actors.config import EngineConfig, SamplingConfig
+from offpolicy.actors.engine.vllm import VLLMEngine
+from offpolicy.actors.transport.receiver import TransferReceiver
+from offpolicy.learner.model import load_model
+from offpolicy.learner.model.load import unique_state
+from offpolicy.learner.persist.published import publish_weights
+from offpolicy.learner.transport.vllm import VllmTransport
+from offpolicy.weights.config import TransferConfig
+from offpolicy.weights.control import ActorControl, LearnerControl
+from offpolicy.weights.record import AsyncPolicyStore, PolicyStore
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow, pytest.mark.usefixtures("vllm_plugin")]
 

@@ -1,1 +1,0 @@
-"""Weights from the learner to the actor's vLLM engine: the receiving side of `reload.transport: vllm`."""

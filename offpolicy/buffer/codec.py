@@ -1,0 +1,356 @@
+"""Encode/decode `TrajectoryGroup` as a versioned zero-copy frame: msgpack header + raw little-endian arrays.
+
+Wire format (schema_version 3; 2 decodes too, as all-policy trajectories), every number little-endian:
+
+    bytes 0-3    magic b"OPTG"
+    bytes 4-5    schema_version, uint16
+    bytes 6-9    H, the header's length in bytes, uint32
+    bytes 10..   the header: a msgpack map of H bytes (below)
+    zero padding to the next multiple of 8 bytes: the array section starts there
+    arrays       int32 lens[n] | int32 prompt_ids[P] | int32 response_ids[T] | int32 versions[V]
+                 | float32 behavior_logprobs[T]
+
+The header: `{"gid", "pid", "pv", "aid", "t", "s": [temperature, top_p, top_k, max_tokens],
+"m": {str: str}, "pr": priority | nil, "rw": [reward] * n, "fr": [finish_reason] * n,
+"hv": [has versions] * n, "env": [spans] * n, "a": [5 byte offsets]}`; `env` (schema 3) holds each
+trajectory's environment tokens (`Trajectory.policy_mask` False: tool results, user turns) as flat
+half-open spans `[start0, end0, ...]`, empty when the policy generated every token; `a` gives where each
+array ends, counted from the
+start of the array section (each starts where the previous ends, the first at 0; the last end is the
+section's length). `response_ids` and `behavior_logprobs` hold every trajectory's tokens in order
+(`lens[i]` each); `versions` those of the trajectories whose `hv` is true.
+
+Decoding parses the prefix and the header and takes numpy views of the arrays without copying (read-only
+when the payload is `bytes`; they keep the payload alive), checks their values with three reductions
+over the whole group, and hands each trajectory slices of them. Encoding packs the header and joins it
+with the arrays' own buffers (the one copy), then runs the same value checks on the frame.
+Never pickle.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Sequence
+from itertools import accumulate, compress, repeat
+from operator import attrgetter
+
+import msgpack
+import numpy as np
+
+from offpolicy.buffer.config import CodecLimits
+from offpolicy.buffer.errors import InvalidTrajectory
+from offpolicy.buffer.types import (
+    READABLE_SCHEMA_VERSIONS,
+    SCHEMA_VERSION,
+    SamplingParams,
+    Trajectory,
+    TrajectoryGroup,
+    env_spans,
+    mask_from_spans,
+)
+from offpolicy.buffer.validation import (
+    DEFAULT_LIMITS,
+    check_counts,
+    check_header,
+    check_lengths,
+    check_offsets,
+    check_spans,
+    check_values,
+    header_ok,
+    mask_ok,
+    raise_bad_values,
+    validate_group,
+)
+
+__all__ = [
+    "MAGIC",
+    "CodecLimits",
+    "build",
+    "decode_group",
+    "encode_group",
+    "frame",
+    "parse",
+    "plain",
+    "raise_frame_values",
+    "validate_group",
+]
+
+MAGIC = b"OPTG"
+PREFIX = struct.Struct("<4sHI")  # magic, schema_version, header length
+_I32 = np.dtype("<i4")
+_F32 = np.dtype("<f4")
+_PAD = bytes(8)
+_NUM = frozenset((float, int))
+_STR = frozenset((str,))
+_ARRAY = frozenset((np.ndarray,))
+_PACKED = frozenset(((4,),))  # the strides of a 1-D C-contiguous array of 4-byte items
+_dtype, _strides = attrgetter("dtype"), attrgetter("strides")
+_ids, _lps, _versions = attrgetter("response_ids"), attrgetter("behavior_logprobs"), attrgetter("versions")
+_reward, _reason, _prompt = attrgetter("reward"), attrgetter("finish_reason"), attrgetter("prompt_ids")
+
+
+def _array_section(header_bytes: int) -> int:
+    """Offset of the array section: after the prefix and the header, rounded up to 8 bytes."""
+    return (PREFIX.size + header_bytes + 7) & ~7
+
+
+# --- encode
+
+
+def _plain_header(g: TrajectoryGroup, limits: CodecLimits) -> bool:
+    s, trs = g.sampling, g.trajectories
+    return (
+        g.schema_version in READABLE_SCHEMA_VERSIONS
+        and type(g.group_id) is str
+        and type(g.prompt_id) is str
+        and type(g.actor_id) is str
+        and g.group_id != ""
+        and g.prompt_id != ""
+        and g.actor_id != ""
+        and type(g.policy_version) is int
+        and g.policy_version >= 0
+        and type(g.created_at) in _NUM
+        and math.isfinite(g.created_at)
+        and type(trs) is list
+        and 0 < len(trs) <= limits.max_completions_per_group
+        and (
+            g.priority is None or (type(g.priority) in _NUM and math.isfinite(g.priority) and g.priority >= 0)
+        )
+        and type(s) is SamplingParams
+        and set(map(type, (s.temperature, s.top_p, s.top_k, s.max_tokens))) <= _NUM
+        and math.isfinite(s.temperature)
+        and s.temperature > 0
+        and 0 < s.top_p <= 1
+        and s.max_tokens >= 1
+        and type(g.metadata) is dict
+        and set(map(type, g.metadata)) <= _STR
+        and set(map(type, g.metadata.values())) <= _STR
+        and len(g.prompt_ids) <= limits.max_prompt_tokens
+    )
+
+
+def plain(groups: Sequence[TrajectoryGroup], limits: CodecLimits) -> bool:
+    """True when every group can be framed as it is: every type exact (int32 / float32 C-contiguous 1-D
+    arrays, plain str / int / float fields) and every check but the array values passed. Checked over a
+    whole batch at once; anything else goes through `validate_group`, which names the field or accepts
+    what only looked unusual (and converts it)."""
+    if not all(_plain_header(g, limits) for g in groups):
+        return False
+    trs = [t for g in groups for t in g.trajectories]
+    ids, lps, rewards = list(map(_ids, trs)), list(map(_lps, trs)), list(map(_reward, trs))
+    versioned = [t for t in trs if t.versions is not None]
+    ints = [*map(_prompt, groups), *ids, *map(_versions, versioned)]
+    lens = list(map(len, ids))
+    return (
+        set(map(type, ints)) | set(map(type, lps)) <= _ARRAY
+        and set(map(_dtype, ints)) <= {_I32}
+        and set(map(_dtype, lps)) <= {_F32}
+        and set(map(_strides, ints)) | set(map(_strides, lps)) <= _PACKED  # 1-D and contiguous
+        and lens == list(map(len, lps))
+        and min(lens) >= 1
+        and max(lens) <= limits.max_tokens_per_completion
+        and all(len(t.versions) == len(t.response_ids) for t in versioned)
+        and all(mask_ok(t.policy_mask, len(t.response_ids)) for t in trs)
+        and set(map(type, rewards)) <= _NUM
+        and all(map(math.isfinite, rewards))
+        and set(map(type, map(_reason, trs))) <= _STR
+    )
+
+
+def _converted(g: TrajectoryGroup) -> tuple[np.ndarray, list, list, list]:
+    """The group's arrays as the frame holds them (copies only where the dtype or layout differs)."""
+    trs = g.trajectories
+    return (
+        np.ascontiguousarray(g.prompt_ids, _I32),
+        [np.ascontiguousarray(t.response_ids, _I32) for t in trs],
+        [np.ascontiguousarray(t.versions, _I32) for t in trs if t.versions is not None],
+        [np.ascontiguousarray(t.behavior_logprobs, _F32) for t in trs],
+    )
+
+
+def encode_group(group: TrajectoryGroup, limits: CodecLimits = DEFAULT_LIMITS) -> bytes:
+    """Validate `group` and encode it to one frame (raises `InvalidTrajectory` naming the field)."""
+    if plain([group], limits):
+        return frame(group, limits)
+    validate_group(group, limits)
+    return frame(group, limits, *_converted(group))
+
+
+def frame(
+    g: TrajectoryGroup,
+    limits: CodecLimits,
+    prompt: np.ndarray | None = None,
+    ids: list[np.ndarray] | None = None,
+    versions: list[np.ndarray] | None = None,
+    lps: list[np.ndarray] | None = None,
+    *,
+    values_checked: bool = False,
+) -> bytes:
+    """The frame of `g`, whose other checks passed (`plain` or `validate_group`), from its own arrays
+    or the converted ones given; checks the size and, unless the caller has (`values_checked`), the array
+    values on the frame's own bytes (raises naming the field)."""
+    trs = g.trajectories
+    if prompt is None:
+        prompt, ids, lps = g.prompt_ids, list(map(_ids, trs)), list(map(_lps, trs))
+        versions = [t.versions for t in trs if t.versions is not None]
+    lens = list(map(len, ids))
+    tokens = 4 * sum(lens)
+    ends = list(accumulate((4 * len(lens), prompt.nbytes, tokens, 4 * sum(map(len, versions)), tokens)))
+    s = g.sampling
+    head = msgpack.packb(
+        {
+            "gid": g.group_id,
+            "pid": g.prompt_id,
+            "pv": g.policy_version,
+            "aid": g.actor_id,
+            "t": float(g.created_at),
+            "s": [float(s.temperature), float(s.top_p), int(s.top_k), int(s.max_tokens)],
+            "m": dict(g.metadata),
+            "pr": None if g.priority is None else float(g.priority),
+            "rw": list(map(float, map(_reward, trs))),
+            "fr": list(map(_reason, trs)),
+            "hv": [t.versions is not None for t in trs],
+            "env": [env_spans(t.policy_mask) for t in trs],
+            "a": ends,
+        },
+        use_bin_type=True,
+    )
+    base = _array_section(len(head))
+    prefix = PREFIX.pack(MAGIC, SCHEMA_VERSION, len(head))
+    pad = _PAD[: base - PREFIX.size - len(head)]
+    data = b"".join([prefix, head, pad, struct.pack(f"<{len(lens)}i", *lens), prompt, *ids, *versions, *lps])
+    if len(data) > limits.max_payload_bytes:
+        raise InvalidTrajectory(
+            "payload", f"{len(data)} bytes exceeds max_payload_bytes={limits.max_payload_bytes}"
+        )
+    if values_checked:
+        return data
+    ints = np.frombuffer(data, _I32, (ends[3] - ends[0]) // 4, base + ends[0])  # prompt, ids, versions
+    lp = np.frombuffer(data, _F32, (ends[4] - ends[3]) // 4, base + ends[3])
+    if not check_values(ints, lp):
+        raise_bad_values(np.array(lens), prompt, np.concatenate(ids), lp, list(map(_versions, trs)), limits)
+    return data
+
+
+# --- decode
+
+
+def _frame_header(data: bytes, limits: CodecLimits) -> tuple[dict, int, int]:
+    """Check the prefix and parse the header: (header, number of trajectories, array section offset)."""
+    size = len(data)
+    if size > limits.max_payload_bytes:
+        raise InvalidTrajectory(
+            "payload", f"{size} bytes exceeds max_payload_bytes={limits.max_payload_bytes}"
+        )
+    if size < PREFIX.size:
+        raise InvalidTrajectory(
+            "payload", f"truncated: {size} bytes, shorter than the {PREFIX.size}-byte prefix"
+        )
+    magic, version, head = PREFIX.unpack_from(data)
+    if magic != MAGIC:
+        raise InvalidTrajectory(
+            "payload", f"bad magic {magic!r}, expected {MAGIC!r} (not a group frame of schema_version >= 2)"
+        )
+    if version not in READABLE_SCHEMA_VERSIONS:
+        raise InvalidTrajectory("schema_version", f"unknown schema version {version!r}")
+    base = _array_section(head)
+    if base > size:
+        raise InvalidTrajectory("payload", f"truncated: a {head}-byte header does not fit in {size} bytes")
+    try:
+        doc = msgpack.unpackb(
+            memoryview(data)[PREFIX.size : PREFIX.size + head], raw=False, strict_map_key=True
+        )
+    except (ValueError, msgpack.UnpackException) as e:
+        raise InvalidTrajectory("payload", f"the header is not valid msgpack: {e}") from e
+    return doc, len(doc["rw"]) if header_ok(doc, limits) else check_header(doc, limits), base
+
+
+def _version_views(vers: np.ndarray, lens: list[int], hv: list[bool]) -> list[np.ndarray | None]:
+    """Each trajectory's slice of the versions array, or None where it has none."""
+    out, v = [], 0
+    for length, has in zip(lens, hv, strict=True):
+        out.append(vers[v : v + length] if has else None)
+        v += length if has else 0
+    return out
+
+
+def parse(data: bytes, limits: CodecLimits) -> tuple[dict, list[int], np.ndarray, np.ndarray]:
+    """Everything of a frame checked but its array values: (header, trajectory lengths, the int32 values
+    after the lengths (prompt ids, token ids, versions), the log-probs); views, no copies."""
+    doc, n, base = _frame_header(data, limits)
+    ends, hv = doc["a"], doc["hv"]
+    e0, e1, e2, e3, e4 = ends
+    if (e0 | e1 | e2 | e3 | e4) & 3 or not 0 <= e0 <= e1 <= e2 <= e3 <= e4 == len(data) - base:
+        check_offsets(ends, len(data) - base)
+    ints = np.frombuffer(data, _I32, e3 >> 2, base)  # lens, prompt, ids, versions
+    lens = ints[:n].tolist()
+    tokens = 4 * sum(lens)
+    if not (
+        e0 == 4 * n
+        and min(lens) >= 1
+        and max(lens) <= limits.max_tokens_per_completion
+        and e1 - e0 <= 4 * limits.max_prompt_tokens
+        and e2 - e1 == tokens == e4 - e3
+        and e3 - e2 == (4 * sum(compress(lens, hv)) if True in hv else 0)
+    ):
+        check_counts(ends, check_lengths(ints, n, ends, limits), hv)
+    env = doc.get("env")
+    if env is not None and (type(env) is not list or len(env) != n or any(env)):
+        check_spans(env, lens)  # environment tokens (schema 3): checked only where there are any
+    return doc, lens, ints[n:], np.frombuffer(data, _F32, (e4 - e3) >> 2, base + e3)
+
+
+def _split(doc: dict, ints: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """prompt ids, token ids, versions: views of `ints`."""
+    ends = doc["a"]
+    p, t = (ends[1] - ends[0]) // 4, (ends[2] - ends[0]) // 4
+    return ints[:p], ints[p:t], ints[t:]
+
+
+def raise_frame_values(
+    doc: dict, lens: list[int], ints: np.ndarray, lp: np.ndarray, limits: CodecLimits
+) -> None:
+    """A parsed frame failed `check_values`: raise naming the field."""
+    prompt, ids, vers = _split(doc, ints)
+    versions = _version_views(vers, lens, doc["hv"])
+    raise_bad_values(np.array(lens), prompt, ids, lp, versions, limits)
+
+
+def build(doc: dict, lens: list[int], ints: np.ndarray, lp: np.ndarray) -> TrajectoryGroup:
+    """The group of a parsed, checked frame; its arrays are views of the frame."""
+    prompt, ids, vers = _split(doc, ints)
+    hv, env = doc["hv"], doc.get("env")
+    versions = _version_views(vers, lens, hv) if True in hv else repeat(None)
+    masks = (
+        (mask_from_spans(s, n) for s, n in zip(env, lens, strict=True)) if env and any(env) else repeat(None)
+    )
+    trajs, a = [], 0
+    for length, r, f, v, m in zip(lens, doc["rw"], doc["fr"], versions, masks, strict=False):  # repeat(None)
+        b = a + length
+        trajs.append(Trajectory(ids[a:b], lp[a:b], float(r), f, v, m))
+        a = b
+    pr = doc.get("pr")
+    return TrajectoryGroup(
+        doc["gid"],
+        doc["pid"],
+        prompt,
+        doc["pv"],
+        doc["aid"],
+        float(doc["t"]),
+        SamplingParams(*doc["s"]),
+        trajs,
+        doc["m"],
+        None if pr is None else float(pr),
+        SCHEMA_VERSION,
+    )
+
+
+def decode_group(data: bytes, limits: CodecLimits = DEFAULT_LIMITS) -> TrajectoryGroup:
+    """Decode and validate one frame; any problem raises `InvalidTrajectory` naming the field.
+
+    The arrays are views into `data` (read-only for `bytes`), no copies."""
+    doc, lens, ints, lp = parse(data, limits)
+    if not check_values(ints, lp):
+        raise_frame_values(doc, lens, ints, lp, limits)
+    return build(doc, lens, ints, lp)

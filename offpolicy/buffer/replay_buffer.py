@@ -1,0 +1,372 @@
+"""`ReplayBuffer` (sync, for the learner) and `AsyncReplayBuffer` (asyncio, for actors and services).
+
+Both drive the same Lua scripts (scripts/insert.lua, scripts/sample.lua) and the same codec; `Core`
+(buffer/core.py) holds what they share, so the two classes only differ in how they wait and call Redis.
+Payload bytes never pass through Lua, and each call is one round trip: an insert is one MULTI/EXEC of
+`SET NX`s of the payloads plus the insert script (which indexes them or deletes the ones it refuses); a
+sample is one MULTI/EXEC of the sample script (which renames or copies the chosen payloads to keys of
+this call) plus one MGET and one UNLINK of those keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+from offpolicy.buffer.core import Taken, file_statuses, insert_limited, make_result
+from offpolicy.buffer.errors import BufferFull, RateLimited
+from offpolicy.buffer.handle import BufferHandle
+from offpolicy.buffer.leases import AsyncLeaseOps, LeaseOps
+from offpolicy.buffer.rate_limiter import SampleStatus, sample_refused
+from offpolicy.buffer.storage import (
+    InsertReply,
+    LeaseArgs,
+    async_client,
+    call_async,
+    call_sync,
+    insert_transaction,
+    insert_transaction_async,
+    read_maxmemory,
+    read_maxmemory_async,
+    sample_transaction,
+    sample_transaction_async,
+)
+from offpolicy.buffer.types import BufferStats, InsertResult, TrajectoryGroup
+
+
+class ReplayBuffer(BufferHandle, LeaseOps):
+    """Synchronous replay buffer over Redis (the learner's side; also used by tests and tools)."""
+
+    def _call(self, fn, what: str, full_on_oom: bool = False):
+        try:
+            return call_sync(
+                fn, self.config.storage_timeout_s, what, self._core.metrics.storage_retries.inc, full_on_oom
+            )
+        except BufferFull:
+            self._core.metrics.full_by["maxmemory"].inc()
+            raise
+
+    def insert(self, group: TrajectoryGroup) -> bool:
+        """Insert one group; False when its group_id was already inserted. Invalid: `InvalidTrajectory`."""
+        inserted, _, rejected = self._insert_many([group])
+        if rejected:
+            raise next(iter(rejected.values()))
+        return bool(inserted)
+
+    def insert_many(self, groups: Sequence[TrajectoryGroup]) -> InsertResult:
+        """Insert a batch; invalid groups are rejected (by field) without affecting the valid ones.
+
+        Waits (bounded by `insert_timeout_s`) while the samples_per_insert limiter refuses, then raises
+        `RateLimited`; groups inserted before that stay inserted and retrying the batch is a no-op for them.
+        Over `max_bytes` (or with Redis at its own `maxmemory`) it raises `BufferFull` at once, without
+        waiting: the producer backs off (the actors' pusher waits and retries; HTTP ingest answers 429).
+        """
+        return make_result(*self._insert_many(groups))
+
+    def _insert_many(self, groups: Sequence[TrajectoryGroup]):
+        t0 = time.perf_counter()
+        core = self._core
+        chunks, rejected = core.prepare(groups)
+        if rejected:
+            self._call(lambda: self._count(core.rejected_counts(rejected)), "count rejected")
+        inserted: list[str] = []
+        dups: list[str] = []
+        backoff = None
+        if chunks and core.needs_maxmemory():
+            core.set_maxmemory(self._call(lambda: read_maxmemory(self._client), "read maxmemory"))
+        for pending in chunks:
+            while pending:
+                raw, table = self._call(
+                    lambda p=pending, t=core.table_due(): insert_transaction(
+                        self._client, self._insert, self.config, core.keys, p, core.max_bytes, t
+                    ),
+                    "insert",
+                    full_on_oom=True,
+                )
+                reply = InsertReply.parse(raw)
+                self._adopt(table)
+                core.on_insert(reply)
+                pending, full = file_statuses(pending, reply, inserted, dups)
+                if full:
+                    raise core.buffer_full(reply, inserted)
+                if pending:
+                    backoff = backoff or core.backoff(self.config.insert_timeout_s)
+                    delay = backoff.delay()
+                    if delay is None:
+                        raise insert_limited(self.config, len(inserted))
+                    core.metrics.waits["insert"].inc()
+                    time.sleep(delay)
+        core.metrics.insert_latency.observe(time.perf_counter() - t0)
+        return inserted, dups, rejected
+
+    def _count(self, counts: dict[str, int]) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        for name, n in counts.items():
+            pipe.hincrby(self._core.keys.counters, name, n)
+        pipe.execute()
+
+    def sample(
+        self, num_groups: int, consumer_version: int, timeout_s: float = 10.0
+    ) -> list[TrajectoryGroup]:
+        """Sample `num_groups` distinct groups no staler than `max_staleness` for a learner at
+        `consumer_version`; waits (bounded by `timeout_s`) while a limiter refuses, then raises
+        `RateLimited` (samples_per_insert) or `BufferNotReady` (min size, too few fresh groups).
+        Each sampled group counts as used at once (use `lease` for at-least-once delivery). Fewer than
+        `num_groups` when chosen groups' payloads had been deleted behind the buffer's back (counted as
+        dropped `payload_missing`) or fail to decode (set aside as dead letters, counted
+        `dropped:invalid:<field>`); when none is left, it waits and samples again."""
+        return self._take(num_groups, consumer_version, timeout_s, None).groups
+
+    def _take(
+        self, num_groups: int, consumer_version: int, timeout_s: float, lease: LeaseArgs | None
+    ) -> Taken:
+        """The sample loop of `sample` (lease None: consume) and `lease`."""
+        t0 = time.perf_counter()
+        core = self._core
+        core.check_sample(num_groups)
+        backoff = core.backoff(timeout_s)
+        while True:
+            reply = self._call(
+                lambda: sample_transaction(
+                    self._client, self._sample, self.config, core.keys, num_groups, consumer_version, lease
+                ),
+                "sample",
+            )
+            core.on_sample(reply)
+            if reply.status is SampleStatus.DRAINING:  # stale groups left to drop: at once, no wait
+                continue
+            if reply.status is SampleStatus.OK and core.missing(reply.payloads) < len(reply.payloads):
+                taken = core.take(reply, consumer_version)
+                if taken.bad:
+                    self._set_aside(lease and lease.consumer, taken)
+                if taken.groups:
+                    break
+            # refused, or every chosen payload missing or poison: wait and choose again
+            delay = backoff.delay()
+            if delay is None:
+                raise sample_refused(reply.status, num_groups, reply.size, timeout_s)
+            core.metrics.waits["sample"].inc()
+            time.sleep(delay)
+        core.metrics.sample_latency.observe(time.perf_counter() - t0)
+        return taken
+
+    def wait_for_room(self, producer_version: int, timeout_s: float = 60.0) -> int:
+        """Producer pacing: hold while >= `max_ahead` groups a learner at `producer_version` could still
+        sample are stored; return that count once below, or raise `RateLimited` after `timeout_s`."""
+        k = self._core.keys
+        backoff = self._core.backoff(timeout_s)
+        while True:
+            floor = self._core.fresh_floor(producer_version)
+            fresh = self._call(lambda f=floor: self._client.zcount(k.by_version, f, "+inf"), "pace")
+            if self.config.max_ahead is None or fresh < self.config.max_ahead:
+                return fresh
+            delay = backoff.delay()
+            if delay is None:
+                raise RateLimited(
+                    f"{fresh} fresh groups >= max_ahead={self.config.max_ahead} for {timeout_s} s"
+                )
+            self._core.metrics.waits["pace"].inc()
+            time.sleep(delay)
+
+    def publish_table(self) -> None:
+        """The learner's side: store this config's table-wide fields for the producers that follow it."""
+        raw = self.config.table_json()
+        self._call(lambda: self._client.set(self._core.keys.table, raw), "publish buffer config")
+
+    def stats(self) -> BufferStats:
+        """Size, lifetime counters (the learner's buffer position) and the stored version range."""
+        k = self._core.keys
+
+        def read():
+            pipe = self._client.pipeline(transaction=True)
+            pipe.hgetall(k.counters).zcard(k.order)
+            pipe.zrange(k.by_version, 0, 0, withscores=True).zrevrange(k.by_version, 0, 0, withscores=True)
+            pipe.hlen(k.held).hlen(k.leases)
+            return pipe.execute()
+
+        return self._core.stats(*self._call(read, "stats"))
+
+    def clear(self) -> None:
+        """Delete every key of this buffer: indexes, dedupe set, counters, then (SCAN) every payload key
+        (out keys too, though a sample transaction never leaves one behind)."""
+        k = self._core.keys
+
+        def clear() -> None:
+            self._client.delete(*k.indexes())
+            for pattern in k.per_group_patterns():
+                names = list(self._client.scan_iter(match=pattern, count=1000))
+                for i in range(0, len(names), 1000):
+                    self._client.unlink(*names[i : i + 1000])
+
+        self._call(clear, "clear")
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._client.close()
+
+    def __enter__(self) -> ReplayBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncReplayBuffer(BufferHandle, AsyncLeaseOps):
+    """The asyncio twin of `ReplayBuffer` (actors and services); same scripts, same codec, same errors."""
+
+    _make_client = staticmethod(async_client)
+
+    async def _call(self, fn, what: str, full_on_oom: bool = False):
+        try:
+            return await call_async(
+                fn, self.config.storage_timeout_s, what, self._core.metrics.storage_retries.inc, full_on_oom
+            )
+        except BufferFull:
+            self._core.metrics.full_by["maxmemory"].inc()
+            raise
+
+    async def insert(self, group: TrajectoryGroup) -> bool:
+        """Insert one group; False when its group_id was already inserted. Invalid: `InvalidTrajectory`."""
+        inserted, _, rejected = await self._insert_many([group])
+        if rejected:
+            raise next(iter(rejected.values()))
+        return bool(inserted)
+
+    async def insert_many(self, groups: Sequence[TrajectoryGroup]) -> InsertResult:
+        """See `ReplayBuffer.insert_many`."""
+        return make_result(*(await self._insert_many(groups)))
+
+    async def _insert_many(self, groups: Sequence[TrajectoryGroup]):
+        t0 = time.perf_counter()
+        core = self._core
+        chunks, rejected = core.prepare(groups)
+        if rejected:
+            await self._call(lambda: self._count(core.rejected_counts(rejected)), "count rejected")
+        inserted: list[str] = []
+        dups: list[str] = []
+        backoff = None
+        if chunks and core.needs_maxmemory():
+            maxmemory = await self._call(lambda: read_maxmemory_async(self._client), "read maxmemory")
+            core.set_maxmemory(maxmemory)
+        for pending in chunks:
+            while pending:
+                raw, table = await self._call(
+                    lambda p=pending, t=core.table_due(): insert_transaction_async(
+                        self._client, self._insert, self.config, core.keys, p, core.max_bytes, t
+                    ),
+                    "insert",
+                    full_on_oom=True,
+                )
+                reply = InsertReply.parse(raw)
+                self._adopt(table)
+                core.on_insert(reply)
+                pending, full = file_statuses(pending, reply, inserted, dups)
+                if full:
+                    raise core.buffer_full(reply, inserted)
+                if pending:
+                    backoff = backoff or core.backoff(self.config.insert_timeout_s)
+                    delay = backoff.delay()
+                    if delay is None:
+                        raise insert_limited(self.config, len(inserted))
+                    core.metrics.waits["insert"].inc()
+                    await asyncio.sleep(delay)
+        core.metrics.insert_latency.observe(time.perf_counter() - t0)
+        return inserted, dups, rejected
+
+    async def _count(self, counts: dict[str, int]) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        for name, n in counts.items():
+            pipe.hincrby(self._core.keys.counters, name, n)
+        await pipe.execute()
+
+    async def sample(
+        self, num_groups: int, consumer_version: int, timeout_s: float = 10.0
+    ) -> list[TrajectoryGroup]:
+        """See `ReplayBuffer.sample`."""
+        return (await self._take(num_groups, consumer_version, timeout_s, None)).groups
+
+    async def _take(
+        self, num_groups: int, consumer_version: int, timeout_s: float, lease: LeaseArgs | None
+    ) -> Taken:
+        """See `ReplayBuffer._take`."""
+        t0 = time.perf_counter()
+        core = self._core
+        core.check_sample(num_groups)
+        backoff = core.backoff(timeout_s)
+        while True:
+            reply = await self._call(
+                lambda: sample_transaction_async(
+                    self._client, self._sample, self.config, core.keys, num_groups, consumer_version, lease
+                ),
+                "sample",
+            )
+            core.on_sample(reply)
+            if reply.status is SampleStatus.DRAINING:
+                continue
+            if reply.status is SampleStatus.OK and core.missing(reply.payloads) < len(reply.payloads):
+                taken = core.take(reply, consumer_version)
+                if taken.bad:
+                    await self._set_aside(lease and lease.consumer, taken)
+                if taken.groups:
+                    break
+            delay = backoff.delay()
+            if delay is None:
+                raise sample_refused(reply.status, num_groups, reply.size, timeout_s)
+            core.metrics.waits["sample"].inc()
+            await asyncio.sleep(delay)
+        core.metrics.sample_latency.observe(time.perf_counter() - t0)
+        return taken
+
+    async def wait_for_room(self, producer_version: int, timeout_s: float = 60.0) -> int:
+        """See `ReplayBuffer.wait_for_room`."""
+        k = self._core.keys
+        backoff = self._core.backoff(timeout_s)
+        while True:
+            floor = self._core.fresh_floor(producer_version)
+            fresh = await self._call(lambda f=floor: self._client.zcount(k.by_version, f, "+inf"), "pace")
+            if self.config.max_ahead is None or fresh < self.config.max_ahead:
+                return fresh
+            delay = backoff.delay()
+            if delay is None:
+                raise RateLimited(
+                    f"{fresh} fresh groups >= max_ahead={self.config.max_ahead} for {timeout_s} s"
+                )
+            self._core.metrics.waits["pace"].inc()
+            await asyncio.sleep(delay)
+
+    async def stats(self) -> BufferStats:
+        """See `ReplayBuffer.stats`."""
+        k = self._core.keys
+
+        async def read():
+            pipe = self._client.pipeline(transaction=True)
+            pipe.hgetall(k.counters).zcard(k.order)
+            pipe.zrange(k.by_version, 0, 0, withscores=True).zrevrange(k.by_version, 0, 0, withscores=True)
+            pipe.hlen(k.held).hlen(k.leases)
+            return await pipe.execute()
+
+        return self._core.stats(*(await self._call(read, "stats")))
+
+    async def clear(self) -> None:
+        """See `ReplayBuffer.clear`."""
+        k = self._core.keys
+
+        async def clear() -> None:
+            await self._client.delete(*k.indexes())
+            for pattern in k.per_group_patterns():
+                names = [n async for n in self._client.scan_iter(match=pattern, count=1000)]
+                for i in range(0, len(names), 1000):
+                    await self._client.unlink(*names[i : i + 1000])
+
+        await self._call(clear, "clear")
+
+    async def close(self) -> None:
+        """Close the connection pool."""
+        await self._client.aclose()
+
+    async def __aenter__(self) -> AsyncReplayBuffer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

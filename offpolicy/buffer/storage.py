@@ -1,0 +1,416 @@
+"""The wire to Redis: clients, the Lua scripts, their arguments and replies, and error translation.
+
+Redis errors become buffer errors here and nowhere else: connection errors and timeouts are retried
+with backoff for `storage_timeout_s`, then raise `StorageUnavailable`; any other Redis error raises
+`StorageUnavailable` at once, except Redis' own out-of-memory refusal of an insert (`full_on_oom`), which
+is back-pressure (`BufferFull`), not an outage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import redis
+import redis.asyncio as aioredis
+from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript, Script
+from redis.connection import Encoder, PythonRespSerializer
+from redis.exceptions import NoScriptError, OutOfMemoryError
+from redis.retry import Retry
+
+from offpolicy.buffer.config import BufferConfig
+from offpolicy.buffer.errors import BufferFull, StorageUnavailable
+from offpolicy.buffer.keys import BufferKeys
+from offpolicy.buffer.rate_limiter import Backoff, SampleStatus
+
+T = TypeVar("T")
+SCRIPTS_DIR = Path(__file__).parent / "scripts"
+_RETRY_INITIAL_S, _RETRY_MAX_S = 0.01, 0.5
+_PACK_CUTOFF_BYTES = 6000  # redis-py's own cutoff: larger arguments go out as their own buffers
+_RETRYABLE = (redis.ConnectionError, redis.TimeoutError)  # BusyLoadingError (AOF replay) is a ConnectionError
+
+
+_PRELUDES = {"insert": ("lib",), "sample": ("lib", "samplers"), "lease": ("lib",)}
+
+
+def script_source(name: str) -> str:
+    """The text of `scripts/<name>.lua`, after the shared parts it uses (`lib.lua`, `samplers.lua`)."""
+    parts = (*_PRELUDES.get(name, ()), name)
+    return "\n".join((SCRIPTS_DIR / f"{part}.lua").read_text() for part in parts)
+
+
+def _client_kwargs(socket_timeout_s: float) -> dict:
+    # redis-py's own retries (3, with up to 10 s backoff) would break our bound; we retry ourselves.
+    return {
+        "socket_timeout": socket_timeout_s,
+        "socket_connect_timeout": socket_timeout_s,
+        "retry": Retry(NoBackoff(), 0),
+    }
+
+
+def sync_client(url: str, socket_timeout_s: float) -> redis.Redis:
+    """A redis-py client for `url` (hiredis reply parser when installed) that does not retry on its own.
+
+    Commands are packed by redis-py's Python packer, which sends arguments over 6 kB as separate buffers
+    without copying them. (redis-py picks hiredis' `pack_command` when hiredis is installed; it copies
+    every argument into one string and gets slow past ~128 kB: 250 us for one 136 kB insert of eight
+    8x256 groups, 400 us with the script's keys, where the Python packer takes 100 us.) The asyncio
+    client already packs this way.
+    """
+    kwargs = _client_kwargs(socket_timeout_s)
+    encode = Encoder("utf-8", "strict", decode_responses=False).encode  # redis-py's default encoder
+    kwargs["command_packer"] = PythonRespSerializer(_PACK_CUTOFF_BYTES, encode)
+    return redis.Redis.from_url(url, **kwargs)
+
+
+def async_client(url: str, socket_timeout_s: float) -> aioredis.Redis:
+    """The asyncio twin of `sync_client`."""
+    return aioredis.Redis.from_url(url, **_client_kwargs(socket_timeout_s))
+
+
+def _unavailable(e: redis.RedisError, what: str, attempts: int) -> StorageUnavailable:
+    return StorageUnavailable(f"{what} failed after {attempts} attempt(s): {type(e).__name__}: {e}")
+
+
+def is_oom(e: BaseException) -> bool:
+    """Redis refused a write for its `maxmemory` (`-OOM ...`, also from inside a script)."""
+    return isinstance(e, OutOfMemoryError) or (isinstance(e, redis.ResponseError) and "OOM " in str(e))
+
+
+def _translate(
+    e: redis.RedisError, what: str, attempts: int, full_on_oom: bool
+) -> BufferFull | StorageUnavailable:
+    if full_on_oom and is_oom(e):
+        return BufferFull(f"{what} refused: Redis is at its maxmemory ({e})", retry_after_s=1.0)
+    return _unavailable(e, what, attempts)
+
+
+def read_maxmemory(client: redis.Redis) -> int:
+    """Redis' `maxmemory` in bytes (0: none set, or INFO not allowed to this client)."""
+    try:
+        return int(client.info("memory").get("maxmemory", 0))
+    except redis.ResponseError:  # INFO renamed or denied by an ACL: no bound known
+        return 0
+
+
+async def read_maxmemory_async(client: aioredis.Redis) -> int:
+    """The asyncio twin of `read_maxmemory`."""
+    try:
+        return int((await client.info("memory")).get("maxmemory", 0))
+    except redis.ResponseError:
+        return 0
+
+
+def call_sync(
+    fn: Callable[[], T],
+    timeout_s: float,
+    what: str,
+    on_retry: Callable[[], None],
+    full_on_oom: bool = False,
+) -> T:
+    """Run `fn`, retrying connection errors for `timeout_s` seconds; translate Redis errors (with
+    `full_on_oom`, an out-of-memory refusal raises `BufferFull`)."""
+    backoff = Backoff(timeout_s, _RETRY_INITIAL_S, _RETRY_MAX_S)
+    while True:
+        try:
+            return fn()
+        except _RETRYABLE as e:
+            delay = backoff.delay()
+            if delay is None:
+                raise _unavailable(e, what, backoff.waits + 1) from e
+            on_retry()
+            time.sleep(delay)
+        except redis.RedisError as e:
+            raise _translate(e, what, backoff.waits + 1, full_on_oom) from e
+
+
+async def call_async(
+    fn: Callable[[], Awaitable[T]],
+    timeout_s: float,
+    what: str,
+    on_retry: Callable[[], None],
+    full_on_oom: bool = False,
+) -> T:
+    """The asyncio twin of `call_sync`."""
+    backoff = Backoff(timeout_s, _RETRY_INITIAL_S, _RETRY_MAX_S)
+    while True:
+        try:
+            return await fn()
+        except _RETRYABLE as e:
+            delay = backoff.delay()
+            if delay is None:
+                raise _unavailable(e, what, backoff.waits + 1) from e
+            on_retry()
+            await asyncio.sleep(delay)
+        except redis.RedisError as e:
+            raise _translate(e, what, backoff.waits + 1, full_on_oom) from e
+
+
+# --- script arguments and replies
+
+
+def _num(x: float) -> str:
+    return repr(float(x))
+
+
+def insert_args(
+    cfg: BufferConfig, keys: BufferKeys, entries: list[tuple[str, int, float, bytes]], max_bytes: int = 0
+) -> list:
+    """ARGV of insert.lua for (group_id, policy_version, priority, payload) entries: metadata and payload
+    lengths only (the payloads are SET NX in the same transaction, see `insert_transaction`).
+    `max_bytes`: the byte budget in force (0: none), resolved by the buffer (`Core.max_bytes`)."""
+    _, max_diff = cfg.limiter_bounds()
+    ratio = cfg.samples_per_insert is not None
+    args: list = [
+        cfg.max_size,
+        "1" if ratio else "0",
+        _num(cfg.samples_per_insert or 0.0),
+        _num(max_diff if ratio else 0.0),
+        cfg.min_size_to_sample,
+        "1" if cfg.sampler == "prioritized" else "0",
+        keys.payload_prefix,
+        cfg.max_times_sampled or 0,
+        keys.consumer_prefix,
+        cfg.dedupe_window or 0,
+        round(cfg.dedupe_window_s * 1000) if cfg.dedupe_window_s is not None else 0,
+        max_bytes,
+    ]
+    for gid, version, priority, payload in entries:
+        args += [gid, version, _num(priority), len(payload)]
+    return args
+
+
+def _queue_insert(
+    pipe, script: Script, cfg: BufferConfig, keys: BufferKeys, entries: list, max_bytes: int, table: bool
+) -> None:
+    """Queue the insert transaction on `pipe` (MULTI): each payload SET NX to its payload key (a stored
+    group's payload is never overwritten), then insert.lua with the metadata; with `table`, first a GET
+    of the learner's table config (`keys.table`), in the same round trip."""
+    if table:
+        pipe.get(keys.table)
+    for gid, _, _, payload in entries:
+        pipe.set(keys.payload(gid), payload, nx=True)
+    index_keys = keys.indexes()
+    pipe.evalsha(script.sha, len(index_keys), *index_keys, *insert_args(cfg, keys, entries, max_bytes))
+
+
+def _transaction(
+    client: redis.Redis, script: Script, queue: Callable[[Any], None], at_maxmemory: bool = False
+) -> list:
+    """Run the MULTI/EXEC that `queue` fills in (it holds one EVALSHA of `script`); return EXEC's replies.
+    After a restart flushed the script cache, EVALSHA answers NOSCRIPT inside the transaction while the
+    other commands ran: load the script and run the whole transaction once more. With `at_maxmemory`
+    (the sample: it frees memory), a transaction Redis refused for its maxmemory (past it, Redis queues
+    nothing in a MULTI) is sent again as a plain pipeline: see `_plain_after_oom`."""
+    transaction, loaded = True, False
+    while True:
+        pipe = client.pipeline(transaction=transaction)
+        queue(pipe)
+        try:
+            return pipe.execute()
+        except NoScriptError:
+            if loaded:
+                raise
+            loaded = True
+            client.script_load(script.script)
+        except redis.RedisError as e:
+            if not _plain_after_oom(e, at_maxmemory and transaction):
+                raise
+            transaction = False
+
+
+def _plain_after_oom(e: redis.RedisError, allowed: bool) -> bool:
+    """Whether to resend a refused sample transaction as a plain pipeline (same commands, one round trip,
+    in order): the script writes before it grows memory, so Redis runs it at maxmemory, and the MGET and
+    UNLINK of its out keys never grow memory. The out keys are this call's alone, so what other clients
+    run in between changes nothing; only a client that dies mid-send could leave its copies behind."""
+    return allowed and is_oom(e)
+
+
+async def _transaction_async(
+    client: aioredis.Redis, script: AsyncScript, queue: Callable[[Any], None], at_maxmemory: bool = False
+) -> list:
+    """The asyncio twin of `_transaction`."""
+    transaction, loaded = True, False
+    while True:
+        pipe = client.pipeline(transaction=transaction)
+        queue(pipe)
+        try:
+            return await pipe.execute()
+        except NoScriptError:
+            if loaded:
+                raise
+            loaded = True
+            await client.script_load(script.script)
+        except redis.RedisError as e:
+            if not _plain_after_oom(e, at_maxmemory and transaction):
+                raise
+            transaction = False
+
+
+def insert_transaction(
+    client: redis.Redis,
+    script: Script,
+    cfg: BufferConfig,
+    keys: BufferKeys,
+    entries: list,
+    max_bytes: int = 0,
+    table: bool = False,
+) -> tuple[list, bytes | None]:
+    """Run one insert as MULTI / SET NX... / EVALSHA insert / EXEC (one round trip, one AOF entry,
+    atomic: no other command runs in between); return the script's raw reply and, with `table`, the
+    learner's table config (None: not read, or none published). A rerun after NOSCRIPT finds the keys the
+    first run's SETs left (NX: unchanged) and this time indexes or deletes them."""
+    queue = lambda pipe: _queue_insert(pipe, script, cfg, keys, entries, max_bytes, table)  # noqa: E731
+    replies = _transaction(client, script, queue)
+    return replies[-1], replies[0] if table else None
+
+
+async def insert_transaction_async(
+    client: aioredis.Redis,
+    script: AsyncScript,
+    cfg: BufferConfig,
+    keys: BufferKeys,
+    entries: list,
+    max_bytes: int = 0,
+    table: bool = False,
+) -> tuple[list, bytes | None]:
+    """The asyncio twin of `insert_transaction`."""
+    queue = lambda pipe: _queue_insert(pipe, script, cfg, keys, entries, max_bytes, table)  # noqa: E731
+    replies = await _transaction_async(client, script, queue)
+    return replies[-1], replies[0] if table else None
+
+
+@dataclass(frozen=True, slots=True)
+class InsertReply:
+    """insert.lua's reply: per-entry status (1 inserted, 0 duplicate, 2 rate limited, 3 over max_bytes),
+    removals, the leases it found expired (returned to the buffer), the payload bytes stored after it, and
+    the used groups it evicted to make room for bytes."""
+
+    statuses: list[int]
+    size: int
+    evicted: int
+    evicted_unsampled: int
+    expired: int = 0
+    bytes: int = 0
+    evicted_bytes: int = 0
+
+    @classmethod
+    def parse(cls, raw: list) -> InsertReply:
+        return cls([int(s) for s in raw[0]], *(int(x) for x in raw[1:7]))
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseArgs:
+    """Who leases a sample and for how long (None in `sample_args`: the sample consumes)."""
+
+    consumer: str
+    lease_s: float
+
+
+def sample_args(
+    cfg: BufferConfig,
+    keys: BufferKeys,
+    k: int,
+    consumer_version: int,
+    out_prefix: str,
+    lease: LeaseArgs | None = None,
+) -> list:
+    """ARGV of sample.lua, with a fresh random seed."""
+    min_diff, _ = cfg.limiter_bounds()
+    ratio = cfg.samples_per_insert is not None
+    return [
+        k,
+        consumer_version,
+        -1 if cfg.max_staleness is None else cfg.max_staleness,
+        cfg.max_times_sampled or 0,
+        cfg.sampler,
+        secrets.randbits(31),
+        cfg.min_size_to_sample,
+        "1" if ratio else "0",
+        _num(cfg.samples_per_insert or 0.0),
+        _num(min_diff if ratio else 0.0),
+        _num(cfg.priority_epsilon),
+        keys.payload_prefix,
+        out_prefix,
+        lease.consumer if lease else "",
+        max(1, round(lease.lease_s * 1000)) if lease else 0,
+        keys.consumer_prefix,
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class SampleReply:
+    """sample.lua's reply with the payloads its transaction read: verdict, size after, removals, leases
+    it found expired, the chosen group ids and their payloads (None: gone from Redis behind the buffer's
+    back), and, when leasing, each one's lease id ("" where the payload was gone: not leased)."""
+
+    status: SampleStatus
+    size: int
+    stale: int
+    consumed: int
+    expired: int
+    chosen: list[str]
+    payloads: list[bytes | None]
+    lease_ids: list[str]
+
+    @classmethod
+    def parse(cls, raw: list, payloads: list[bytes | None], leasing: bool) -> SampleReply:
+        ids = [x.decode() for x in raw[5:]]
+        n = len(ids) // 2 if leasing else len(ids)
+        return cls(
+            SampleStatus(int(raw[0])), int(raw[1]), int(raw[2]), int(raw[3]), int(raw[4]),
+            ids[:n], payloads[:n], ids[n:],
+        )  # fmt: skip
+
+
+def _queue_sample(
+    pipe, script: Script, cfg: BufferConfig, keys: BufferKeys, k: int, version: int, lease: LeaseArgs | None
+) -> None:
+    """Queue the sample transaction on `pipe` (MULTI): sample.lua puts the i-th chosen payload at the
+    call's out key i, then one MGET reads the k out keys and one UNLINK deletes them."""
+    out = keys.out(secrets.token_hex(8))  # unique to this call: concurrent samples never share out keys
+    slots = [f"{out}{i}" for i in range(1, k + 1)]
+    index_keys = keys.indexes()
+    args = sample_args(cfg, keys, k, version, out, lease)
+    pipe.evalsha(script.sha, len(index_keys), *index_keys, *args)
+    pipe.mget(slots)
+    pipe.unlink(*slots)
+
+
+def sample_transaction(
+    client: redis.Redis,
+    script: Script,
+    cfg: BufferConfig,
+    keys: BufferKeys,
+    k: int,
+    version: int,
+    lease: LeaseArgs | None = None,
+) -> SampleReply:
+    """Run one sample as MULTI / EVALSHA sample / MGET out keys / UNLINK out keys / EXEC: one round
+    trip, atomic, no payload left behind (after NOSCRIPT the MGET and UNLINK found nothing). With Redis
+    past its maxmemory the same commands go as a plain pipeline, so the learner still drains."""
+    queue = lambda pipe: _queue_sample(pipe, script, cfg, keys, k, version, lease)  # noqa: E731
+    raw, payloads, _ = _transaction(client, script, queue, at_maxmemory=True)
+    return SampleReply.parse(raw, payloads, lease is not None)
+
+
+async def sample_transaction_async(
+    client: aioredis.Redis,
+    script: AsyncScript,
+    cfg: BufferConfig,
+    keys: BufferKeys,
+    k: int,
+    version: int,
+    lease: LeaseArgs | None = None,
+) -> SampleReply:
+    """The asyncio twin of `sample_transaction`."""
+    queue = lambda pipe: _queue_sample(pipe, script, cfg, keys, k, version, lease)  # noqa: E731
+    raw, payloads, _ = await _transaction_async(client, script, queue, at_maxmemory=True)
+    return SampleReply.parse(raw, payloads, lease is not None)

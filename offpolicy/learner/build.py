@@ -1,0 +1,262 @@
+"""What a learner trains, built from its config: the policy (master weights in the precision's dtype),
+its AdamW and LR schedule, and the critic with its own AdamW under GAE; on N ranks each sharded by FSDP2.
+
+On N ranks the models are built on the meta device, sharded, and each rank then allocates and reads its
+own shards (learner/distributed/lean.py: `fsdp.lean_start`), so no rank holds a whole fp32 copy in host
+memory or on its GPU; with `lean_start: false` every rank loads the whole model into host memory and each
+decoder layer moves to the GPU as it is sharded. `Trainables` is what
+a step trains and a checkpoint saves; `set_optimizer_hparams` applies a new optimizer config in place.
+`build_reference` loads the frozen reference policy of the KL loss (never checkpointed: it is reloaded
+from its `model_path` on resume).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from offpolicy.learner.config import LearnerConfig, OptimizerConfig
+from offpolicy.learner.distributed.fsdp import decoder_layers, fsdp_mesh, shard
+from offpolicy.learner.distributed.lean import (
+    broadcast_from_rank0,
+    load_shards,
+    materialize,
+    meta_model,
+    unique_names,
+)
+from offpolicy.learner.distributed.ranks import Ranks, current, local_device
+from offpolicy.learner.host_peak import PeakHostMemory
+from offpolicy.learner.memory_plan import MemoryPlan, check, device_limit, plan_for
+from offpolicy.learner.model import attention
+from offpolicy.learner.model.critic import ValueModel
+from offpolicy.learner.model.load import load_model, unique_state
+from offpolicy.learner.model.policy import LogProbs
+from offpolicy.learner.model.precision import Precision, pick_device
+from offpolicy.learner.model.reference import freeze, stream_layers
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Trainables:
+    """The stateful objects a checkpoint saves and restores (critic ones are None without GAE)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    critic: torch.nn.Module | None = None
+    critic_optimizer: torch.optim.Optimizer | None = None
+    policy: torch.nn.Module | None = None  # what the loop calls for log-probs (`model.LogProbs` of model)
+
+
+def build_trainables(
+    config: LearnerConfig, device: torch.device, precision: Precision, sharded: bool
+) -> tuple[Trainables, set[str]]:
+    """The policy, optimizer, scheduler and (GAE) critic of `config` on `device` (`sharded`: FSDP2), and
+    the names of the weights to publish (the state dict's, tied names dropped as `save_pretrained` does;
+    taken before sharding, which hides the ties)."""
+    checkpointing = gradient_checkpointing(config, device)
+    attn = attention.resolve(config.attn_implementation, device)
+    lean = sharded and config.fsdp.lean_start
+    mesh = fsdp_mesh(config.fsdp.replicate, device) if sharded else None
+    dtype, offload = precision.param_dtype, config.fsdp.cpu_offload
+    if lean:
+        model = meta_model(config.model_path, dtype, attn_implementation=attn)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        publish_keys = set(unique_names(model))
+    else:
+        model = load_model(
+            config.model_path,
+            "cpu" if sharded else device,
+            dtype,
+            gradient_checkpointing=checkpointing,
+            attn_implementation=attn,
+        )
+        publish_keys = set(unique_state(model))
+    policy = LogProbs(model)  # what the loop calls for log-probs
+    if sharded:
+        shard(policy, model.config.num_hidden_layers, precision, offload, mesh)
+    if lean:
+        fill(policy, "lm", model, config.model_path, dtype, _init_device(offload, device))
+    oc = config.optimizer
+    # fused: one kernel over all parameters (5x faster than foreach for 160M fp32 parameters on CPU)
+    optimizer = torch.optim.AdamW(
+        policy.parameters(),
+        lr=oc.lr,
+        betas=oc.betas,
+        eps=oc.eps,
+        weight_decay=oc.weight_decay,
+        fused=True,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(oc))
+    critic, critic_optimizer = None, None
+    if config.adv_estimator == "gae":
+        path = config.critic.model_path or config.model_path
+        backbone = None
+        if lean:
+            backbone = meta_model(path, dtype, causal=False, attn_implementation=attn)
+            if checkpointing:
+                backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        critic = ValueModel(
+            path,
+            "cpu" if sharded else device,
+            dtype,
+            gradient_checkpointing=checkpointing,
+            attn_implementation=attn,
+            backbone=backbone,
+        )
+        if sharded:
+            shard(critic, critic.backbone.config.num_hidden_layers, precision, offload, mesh)
+        if lean:
+            fill(
+                critic, "backbone", critic.backbone, path, dtype, _init_device(offload, device), causal=False
+            )
+            critic.zero_head()
+        critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=config.critic.lr, fused=True)
+    return Trainables(model, optimizer, scheduler, critic, critic_optimizer, policy), publish_keys
+
+
+def build_reference(
+    config: LearnerConfig, device: torch.device, precision: Precision, sharded: bool
+) -> torch.nn.Module | None:
+    """The frozen reference policy (`LogProbs`) of the KL loss, or None when `kl_loss_coef` is 0. Its
+    weights are in the compute dtype (bf16 under `bf16_mixed`: what autocast computes with anyway), from
+    `reference.model_path` or the policy's `model_path`. `sharded`: FSDP2 like the policy (with
+    `reference.cpu_offload`: `CPUOffloadPolicy`; lean start like the policy); one process with
+    `reference.cpu_offload`: decoder layers streamed from host memory (`model.reference.stream_layers`)."""
+    if config.kl_loss_coef == 0:
+        return None
+    rc = config.reference
+    offload = rc.cpu_offload and device.type == "cuda"
+    path, dtype = rc.model_path or config.model_path, precision.compute_dtype or precision.param_dtype
+    attn = attention.resolve(config.attn_implementation, device)
+    lean = sharded and config.fsdp.lean_start
+    if lean:
+        model = meta_model(path, dtype, attn_implementation=attn)
+    else:
+        model = load_model(path, "cpu" if sharded or offload else device, dtype, attn_implementation=attn)
+    reference = freeze(LogProbs(model))
+    layers = model.config.num_hidden_layers
+    if sharded:
+        shard(reference, layers, precision, rc.cpu_offload, fsdp_mesh(config.fsdp.replicate, device))
+        if lean:
+            fill(reference, "lm", model, path, dtype, _init_device(rc.cpu_offload, device))
+            freeze(reference)
+    elif offload:
+        stream_layers(model, decoder_layers(model, layers), device)
+    return reference
+
+
+def fill(
+    root: torch.nn.Module,
+    prefix: str,
+    model: torch.nn.Module,
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    causal: bool = True,
+) -> str:
+    """Lean start: allocate the sharded `root`'s shards on `device` and load `model`'s (= `root.<prefix>`)
+    weights from `path` into them: each rank its slices, or rank 0 reads and broadcasts when the
+    checkpoint does not map one to one (learner/distributed/lean.py). Returns the way taken."""
+    materialize(root, device)
+    if load_shards(model, path):
+        log.info("lean start: %s read from %s, each rank its own slices", type(root).__name__, path)
+        return "slices"
+    full = None
+    if current().is_leader:  # the one full copy, on rank 0
+        from transformers import AutoModel
+
+        full = (
+            load_model(path, "cpu", dtype) if causal else AutoModel.from_pretrained(path, dtype=dtype)
+        ).state_dict()
+    broadcast_from_rank0(root, prefix, full)
+    log.info("lean start: %s read from %s by rank 0 and broadcast", type(root).__name__, path)
+    return "broadcast"
+
+
+def _init_device(cpu_offload: bool, device: torch.device) -> torch.device:
+    """Where the shards live: host memory with FSDP2's CPU offload, else the rank's device."""
+    return torch.device("cpu") if cpu_offload else device
+
+
+def gradient_checkpointing(config: LearnerConfig, device: torch.device) -> bool:
+    """`config.gradient_checkpointing`, None resolved: on with CUDA, off elsewhere."""
+    if config.gradient_checkpointing is None:
+        return device.type == "cuda"
+    return config.gradient_checkpointing
+
+
+# --- the LR schedule
+
+
+def lr_lambda(cfg: OptimizerConfig) -> Callable[[int], float]:
+    """LR multiplier at optimizer step s: linear warm-up, then constant / linear / cosine decay."""
+
+    def factor(s: int) -> float:
+        if s < cfg.warmup_steps:
+            return (s + 1) / cfg.warmup_steps
+        if cfg.decay == "constant" or cfg.decay_steps is None:
+            return 1.0
+        frac = min(1.0, (s - cfg.warmup_steps) / (cfg.decay_steps - cfg.warmup_steps))
+        shape = 1.0 - frac if cfg.decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
+        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+    return factor
+
+
+def set_optimizer_hparams(
+    opt: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, cfg: OptimizerConfig
+) -> None:
+    """Apply a new optimizer config in place (moments and the schedule's step kept). The next optimizer
+    step trains at `cfg.lr` times the new schedule's factor: `LambdaLR` multiplies its own `base_lrs`, so
+    those move too (a PATCH of `optimizer.lr` changing only `initial_lr` would change nothing)."""
+    for g in opt.param_groups:
+        g.update(betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, initial_lr=cfg.lr)
+    scheduler.base_lrs = [cfg.lr for _ in opt.param_groups]
+    scheduler.lr_lambdas = [lr_lambda(cfg) for _ in opt.param_groups]
+    factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
+    for g in opt.param_groups:
+        g["lr"] = cfg.lr * factor
+
+
+@dataclass
+class Built:
+    """What `build_models` made: where and how the learner trains, and its models."""
+
+    device: torch.device
+    precision: Precision
+    memory_plan: MemoryPlan
+    parts: Trainables
+    publish_keys: set[str]
+    reference: torch.nn.Module | None
+    startup_host_bytes: int
+    """The peak host memory the models' build added (lean start: about this rank's shards)."""
+    startup_host_exact: bool
+    """False: measured as ru_maxrss, the peak since the process started."""
+
+
+def build_models(config: LearnerConfig, ranks: Ranks) -> Built:
+    """The device and precision, the memory plan checked against the device (before any weight loads),
+    then the trainables and the KL reference, with the host memory their build took."""
+    device = local_device(ranks, pick_device(config.device))
+    precision = Precision.resolve(config.precision, device)
+    checkpointing = gradient_checkpointing(config, device)
+    # the ranks a parameter is sharded over: all of them, or one replica group's (fsdp.replicate)
+    shard_ranks = max(1, ranks.world_size // config.fsdp.replicate) if ranks.distributed else 1
+    plan = plan_for(config, shard_ranks, ranks.distributed, checkpointing, device.type == "cuda")
+    check(plan, device_limit(config, device), config, shard_ranks, checkpointing)
+    with PeakHostMemory() as startup:  # the models' host memory at start-up (lean start: ~shards)
+        parts, publish_keys = build_trainables(config, device, precision, ranks.distributed)
+        reference = build_reference(config, device, precision, ranks.distributed)
+    log.info(
+        "start-up host memory: rank %d peak %d bytes above the %d before the models were built "
+        "(lean_start=%s)",
+        ranks.rank, startup.added_bytes, startup.base_bytes, ranks.distributed and config.fsdp.lean_start,
+    )  # fmt: skip
+    return Built(device, precision, plan, parts, publish_keys, reference, startup.added_bytes, startup.exact)

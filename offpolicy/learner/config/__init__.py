@@ -1,0 +1,374 @@
+"""The learner's configuration as data: one frozen model per concern, loaded from YAML + `OFFPOLICY_` env.
+
+Fields marked `frozen_while_running` (in their JSON schema) cannot change while the loop runs: the REST API
+answers 409 naming them; `frozen_field_changes(old, new)` lists the ones a new config would change.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, Self
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from offpolicy.buffer.config import BufferConfig
+from offpolicy.config.base import FROZEN, ConfigModel, IdStr, PathStr
+from offpolicy.config.loader import env_overrides as env_overrides
+from offpolicy.config.loader import load_layered
+from offpolicy.config.loader import merge as merge
+from offpolicy.learner.config.publish import CheckpointConfig, PublishConfig
+from offpolicy.learner.config.tracking import TrackingConfig
+from offpolicy.learner.correction.config import RolloutCorrectionConfig
+
+PrecisionName = Literal["bf16_mixed", "fp32", "bf16_pure"]
+"""Master weights, optimizer state and compute dtype by one name (learner/model/precision.py)."""
+
+WRITABLE = {"writable_path": True}
+
+AttnImplementation = Literal[
+    "auto", "sdpa_varlen", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", "eager"
+]
+AdvEstimator = Literal["grpo", "rloo", "reinforce", "gae"]
+LossAggMode = Literal[
+    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"
+]
+KlLossType = Literal[
+    "kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3",
+    "kl+", "abs+", "mse+", "low_var_kl+", "k1+", "k2+", "k3+",
+]  # fmt: skip
+"""verl 0.9.1's `kl_penalty` names (learner/rl/losses.py `kl_penalty`): k1 = kl, k2 = mse, k3 = low_var_kl;
+a trailing `+` keeps the value and takes k2's gradient (straight-through). verl's `full` raises
+NotImplementedError there and is refused here."""
+
+
+class OptimizerConfig(ConfigModel):
+    """AdamW with linear warm-up, then constant, linear or cosine decay (per optimizer step)."""
+
+    lr: float = Field(1e-6, gt=0.0)
+    """Peak learning rate, reached after `warmup_steps` optimizer steps."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW (beta1, beta2)."""
+    eps: float = Field(1e-8, gt=0.0)
+    """AdamW epsilon."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """Decoupled weight decay (AdamW)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up from 0 to `lr` over this many optimizer steps; 0 = start at `lr`."""
+    decay: Literal["constant", "linear", "cosine"] = "constant"
+    """Schedule after warm-up; `linear` and `cosine` reach `min_lr_ratio * lr` at `decay_steps`."""
+    decay_steps: int | None = Field(None, ge=1)
+    """Optimizer step at which the decay ends (then the LR stays at its minimum). Required unless constant."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """Final LR as a fraction of `lr` for `linear` / `cosine`."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.decay != "constant" and self.decay_steps is None:
+            raise ValueError(f"decay={self.decay!r} needs decay_steps (got None)")
+        if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
+            raise ValueError(f"decay_steps={self.decay_steps} must be > warmup_steps={self.warmup_steps}")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas={self.betas} must lie in [0, 1)")
+        return self
+
+
+class CriticConfig(ConfigModel):
+    """The value model for `adv_estimator: gae`: the policy's backbone architecture plus a scalar head."""
+
+    model_path: PathStr | None = Field(None, json_schema_extra=FROZEN)
+    """Where the critic's backbone comes from; None = the policy's `model_path`."""
+    lr: float = Field(1e-5, gt=0.0)
+    """Critic AdamW learning rate (constant)."""
+    cliprange_value: float = Field(0.5, gt=0.0)
+    """PPO value clipping: new values stay within this distance of the values at sampling time."""
+    loss_coef: float = Field(0.5, gt=0.0)
+    """Weight of the value loss (the critic has its own optimizer; this scales its gradient)."""
+
+
+class FsdpConfig(ConfigModel):
+    """How a learner on N ranks (`offpolicy learner --nproc-per-node N`) shards; ignored on one process."""
+
+    cpu_offload: bool = Field(False, json_schema_extra=FROZEN)
+    """FSDP2's `CPUOffloadPolicy`: sharded parameters, gradients and AdamW state live in host memory and
+    the optimizer steps on the CPU (fits larger models, slower steps)."""
+    replicate: int = Field(1, ge=1, json_schema_extra=FROZEN)
+    """Hybrid sharding (HSDP): the ranks form this many replica groups of consecutive ranks; parameters,
+    gradients and AdamW state are sharded within a group and replicated across groups. Set it to the
+    number of nodes when the network between nodes is much slower than within one (each micro-batch's
+    all-gathers and reduce-scatters then stay inside a node; only the gradient all-reduce crosses) and
+    a node's GPUs hold the model's shards. 1 = one flat mesh over every rank (the least memory per rank).
+    Must divide the world size."""
+    lean_start: bool = Field(True, json_schema_extra=FROZEN)
+    """Build the models on the meta device and read each rank's shards alone from the safetensors files
+    (host memory at start-up: about a rank's shards, not the whole fp32 model per rank); rank 0 reads
+    and broadcasts when the checkpoint's tensors do not map one to one onto the model. False = every rank
+    loads the whole model, then shards it (the old start, kept for comparison)."""
+
+
+class ReferenceConfig(ConfigModel):
+    """The frozen reference policy of the KL loss; loaded only when `kl_loss_coef > 0`."""
+
+    model_path: PathStr | None = Field(None, json_schema_extra=FROZEN)
+    """Where the reference's weights come from; None = the policy's `model_path` (its initial weights; a
+    resumed run reloads them from there, never from a checkpoint)."""
+    cpu_offload: bool = Field(False, json_schema_extra=FROZEN)
+    """Keep the reference's weights in host memory: on N ranks FSDP2's `CPUOffloadPolicy` (like
+    `fsdp.cpu_offload`), on one CUDA process each decoder layer is copied to the GPU for its forward alone
+    (pinned host copies; embeddings, final norm and LM head stay on the GPU). Slower reference passes."""
+
+
+class LearnerConfig(ConfigModel):
+    """Everything the learner loop reads; applied at step boundaries (DESIGN.md "Learner")."""
+
+    # --- model and device
+    model_path: PathStr = Field(json_schema_extra=FROZEN)
+    """Hugging Face causal LM: a local folder or a hub id."""
+    device: str | None = Field(None, max_length=64, json_schema_extra=FROZEN)
+    """torch device, e.g. `cuda:0` or `cpu`; None = CUDA when available, else CPU."""
+    precision: PrecisionName | None = Field(None, json_schema_extra=FROZEN)
+    """`bf16_mixed` (fp32 master weights and AdamW state, bf16 autocast compute), `fp32`, or `bf16_pure`
+    (bf16 weights and optimizer state: loses updates below bf16's rounding step, e.g. most of lr 1e-6;
+    opt-in only). None = `bf16_mixed` on CUDA, `fp32` on CPU (learner/model/precision.py)."""
+    gradient_checkpointing: bool | None = Field(None, json_schema_extra=FROZEN)
+    """Recompute each decoder layer's activations in the backward pass (less memory, ~30 % more compute).
+    None = on with CUDA (a 7B model's activations at 16k tokens do not fit otherwise), off on CPU."""
+    attn_implementation: AttnImplementation = Field("auto", json_schema_extra=FROZEN)
+    """The attention kernel of the policy and critic (learner/model/attention.py). `auto` = on CUDA
+    `flash_attention_3` or `flash_attention_2` where that package is installed, else `sdpa_varlen`; on CPU
+    `sdpa_varlen`. `sdpa_varlen` runs PyTorch's SDPA causally on each packed sequence (no mask, no compute
+    across sequences; FlashAttention inside PyTorch on CUDA); `sdpa`, `eager` and `flex_attention` run on
+    the block-diagonal causal mask transformers builds for packed rows."""
+    memory_limit_gib: float | None = Field(None, gt=0.0, json_schema_extra=FROZEN)
+    """The memory one rank may plan for, GiB (learner/memory_plan.py: the learner refuses to start with a plan
+    above it, naming the knobs). None = 90 % of the CUDA device's memory; no check on CPU."""
+    fsdp: FsdpConfig = FsdpConfig()
+    """Sharding across the ranks of a multi-GPU learner (learner/distributed/fsdp.py)."""
+    logprob_chunk_tokens: int = Field(4096, ge=1)
+    """Tokens of a micro-batch whose fp32 logits exist at once when computing log-probs (the LM head runs
+    on chunks of response positions; `learner/model/policy.py` `token_logprobs`)."""
+    seed: int = Field(0, ge=0, lt=2**63, json_schema_extra=FROZEN)
+    """Seed of torch's and Python's generators at start (restored from the checkpoint on resume)."""
+    torch_threads: int | None = Field(None, ge=1, json_schema_extra=FROZEN)
+    """Threads of torch's CPU intra-op pool (`torch.set_num_threads`, set once at start); None = torch's
+    default (one per core). Set it when the learner shares a CPU machine with a vLLM CPU actor, whose
+    worker pins a core of its own: oversubscribed cores slow both."""
+
+    # --- the algorithm
+    groups_per_step: int = Field(8, ge=1)
+    """Groups sampled from the buffer for one learner step."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each sampled batch."""
+    mini_batch_groups: int | None = Field(None, ge=1)
+    """Groups per optimizer step; None = the whole batch (one optimizer step per epoch). Must divide
+    `groups_per_step`. Policy version advances by `ppo_epochs * groups_per_step / mini_batch_groups`."""
+    packing: bool = True
+    """Micro-batches as packed rows: whole sequences (prompt + response) concatenated without padding,
+    positions restarting at 0, attention confined to each sequence, at most `micro_batch_tokens` tokens per
+    forward/backward. False = padded rows, `micro_batch_size` at a time (for comparison)."""
+    micro_batch_tokens: int = Field(16384, ge=1)
+    """With `packing`: the most tokens (prompt + response) in one forward/backward, per rank. Sequences are
+    bin-packed within each mini-batch (largest first onto the lightest micro-batch); every rank runs the
+    same number of micro-batches, the k-th balanced across ranks. A sequence longer than this gets a
+    micro-batch of its own (never an error)."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Without `packing`: completions (rows) per forward/backward; gradients accumulate over a mini-batch's
+    micro-batches."""
+    adv_estimator: AdvEstimator = "grpo"
+    """`grpo` (group mean/std), `rloo` (leave-one-out), `reinforce` (batch baseline), `gae` (critic)."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide by the group's reward std (False = Dr. GRPO)."""
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    """Discount for `gae` (token steps)."""
+    lam: float = Field(1.0, ge=0.0, le=1.0)
+    """GAE lambda."""
+    loss_agg_mode: LossAggMode = "token-mean"
+    """How the per-token loss matrix becomes a scalar (spec §5.4)."""
+    clip_ratio_low: float = Field(0.2, ge=0.0, lt=1.0)
+    """PPO clip: ratio lower bound 1 - clip_ratio_low."""
+    clip_ratio_high: float = Field(0.2, ge=0.0)
+    """PPO clip: ratio upper bound 1 + clip_ratio_high (DAPO clip-higher when > clip_ratio_low)."""
+    clip_ratio_c: float = Field(3.0, gt=1.0)
+    """Dual-clip bound for negative advantages; must be > 1."""
+    grad_clip: float | None = Field(1.0, gt=0.0)
+    """Clip the global gradient norm to this value; None = no clipping (the norm is still reported)."""
+    optimizer: OptimizerConfig = OptimizerConfig()
+    """Policy optimizer and LR schedule."""
+    critic: CriticConfig = CriticConfig()
+    """Value model; used only with `adv_estimator: gae`."""
+    rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
+    """Rollout correction (spec); a preset name (canonical or seed alias) is accepted in its place.
+    The default computes the off-policy metrics only."""
+    kl_loss_coef: float = Field(0.0, ge=0.0)
+    """Weight of the KL-to-reference loss added to the policy loss (verl's `use_kl_loss`:
+    `policy_loss + kl_loss_coef * kl_loss`); 0 = off, no reference loaded. Switching it between 0 and > 0
+    while running is refused (the reference cannot appear or vanish mid-run)."""
+    kl_loss_type: KlLossType = "low_var_kl"
+    """The per-token KL estimator of the KL loss against the reference (verl's `kl_loss_type`, default
+    `low_var_kl` = k3), aggregated with `loss_agg_mode` over the response mask."""
+    reference: ReferenceConfig = ReferenceConfig()
+    """The reference policy of the KL loss (used only with `kl_loss_coef > 0`)."""
+    entropy_coeff: float = Field(0.0, ge=0.0)
+    """Weight of the entropy bonus subtracted from the policy loss (`pg_loss - entropy_coeff * entropy`,
+    the entropy of the policy's distribution at each trained token, at its temperature, aggregated with
+    `loss_agg_mode`), reported as `actor/entropy`; 0 = off, the entropy not computed (it costs one more
+    softmax-sized pass over each chunk of logits, forward and backward)."""
+
+    # --- the buffer
+    redis_url: str = Field("redis://localhost:6379/0", json_schema_extra=FROZEN)
+    """Redis holding the replay buffer and the policy record."""
+    run_id: IdStr = Field("default", json_schema_extra=FROZEN)
+    """Namespace of this run's keys in Redis (the buffer's hash tag)."""
+    buffer: BufferConfig = BufferConfig()
+    """Replay table: sampler, staleness gate, remover, rate limiter."""
+    sample_timeout_s: float = Field(30.0, gt=0.0)
+    """How long one `sample` call waits for enough groups before the step is retried."""
+    delivery: Literal["checkpoint", "step"] | None = Field(None, json_schema_extra=FROZEN)
+    """When a trained group's lease is acknowledged (its use counted in the buffer; learner/delivery.py):
+    `checkpoint` = once the checkpoint holding the update is durable (a kill -9 at any point loses no group
+    and trains none twice in the resumed history; leased groups stay in Redis until then), `step` = right
+    after the update (runs without checkpoints). None = `checkpoint` when periodic checkpoints are on
+    (`checkpoint_dir` and `checkpoint_every` set), else `step`."""
+    lease_s: float = Field(600.0, ge=1.0, le=86400.0)
+    """Seconds a lease lasts unless renewed; the learner renews its leases every `lease_s / 4` while it
+    lives, so only a dead learner's leases expire back into the buffer (a restarted one releases them at
+    once)."""
+
+    # --- publishing, checkpoints, logs
+    publish: PublishConfig = PublishConfig()
+    """Weight publication for the actors."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Resumable checkpoints."""
+    max_steps: int | None = Field(None, ge=1)
+    """`run` returns after this many learner steps; None = until stopped."""
+    metrics_jsonl: PathStr | None = Field(None, json_schema_extra=WRITABLE)
+    """Append each step's metrics as one JSON line to this file; None = don't. A change while running is
+    accepted only when the file's folder exists or can be created and is writable."""
+    tracking: TrackingConfig = TrackingConfig()
+    """TensorBoard, Weights & Biases and MLflow (each optional), and the completions logged per version."""
+
+    @field_validator("kl_loss_type", mode="before")
+    @classmethod
+    def _no_full_kl(cls, value: Any) -> Any:
+        if value in ("full", "full+"):
+            raise ValueError(
+                f"kl_loss_type={value!r} is not implemented: verl 0.9.1's kl_penalty raises "
+                "NotImplementedError for it; use kl (k1), abs, mse (k2) or low_var_kl (k3), "
+                "optionally with '+'"
+            )
+        return value
+
+    @field_validator("rollout_correction", mode="before")
+    @classmethod
+    def _preset_by_name(cls, value: Any) -> Any:
+        return RolloutCorrectionConfig.from_preset(value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        mb = self.mini_batch_groups
+        if mb is not None and self.groups_per_step % mb != 0:
+            raise ValueError(f"mini_batch_groups={mb} must divide groups_per_step={self.groups_per_step}")
+        root = self.publish.weights_root
+        if root is not None and not Path(os.path.abspath(self.weights_path)).is_relative_to(
+            os.path.abspath(root)
+        ):
+            raise ValueError(
+                f"publish.weights_dir={self.publish.weights_dir!r} is not under publish.weights_root="
+                f"{root!r}: the policy record names folders relative to the root"
+            )
+        periodic = self.checkpoint.checkpoint_dir is not None and self.checkpoint.checkpoint_every is not None
+        if self.delivery == "checkpoint" and not periodic:
+            raise ValueError(
+                "delivery='checkpoint' acknowledges leases at periodic checkpoints, but checkpoint_dir="
+                f"{self.checkpoint.checkpoint_dir!r}, checkpoint_every={self.checkpoint.checkpoint_every!r}: "
+                "set both, or use delivery='step'"
+            )
+        return self
+
+    @property
+    def delivery_mode(self) -> Literal["checkpoint", "step"]:
+        """`delivery` with None resolved."""
+        if self.delivery is not None:
+            return self.delivery
+        periodic = self.checkpoint.checkpoint_dir is not None and self.checkpoint.checkpoint_every is not None
+        return "checkpoint" if periodic else "step"
+
+    @property
+    def weights_path(self) -> Path:
+        """`publish.weights_dir` with `{run_id}` filled in."""
+        return Path(self.publish.weights_dir.replace("{run_id}", self.run_id))
+
+    @property
+    def checkpoint_path(self) -> Path | None:
+        """`checkpoint.checkpoint_dir` with `{run_id}` filled in; None = checkpoints disabled."""
+        cdir = self.checkpoint.checkpoint_dir
+        return None if cdir is None else Path(cdir.replace("{run_id}", self.run_id))
+
+    @property
+    def optimizer_steps_per_step(self) -> int:
+        """Optimizer steps (= policy versions) per learner step."""
+        return self.ppo_epochs * self.groups_per_step // (self.mini_batch_groups or self.groups_per_step)
+
+
+# --- loading
+
+
+def marked_field_paths(marker: str, model: type[BaseModel] = LearnerConfig, prefix: str = "") -> list[str]:
+    """Dotted paths of every field whose JSON schema extra sets `marker`, nested models included."""
+    paths = []
+    for name, info in model.model_fields.items():
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        if extra.get(marker):
+            paths.append(prefix + name)
+        elif isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+            paths.extend(marked_field_paths(marker, info.annotation, f"{prefix}{name}."))
+    return paths
+
+
+def frozen_field_paths(model: type[BaseModel] = LearnerConfig, prefix: str = "") -> list[str]:
+    """Dotted paths of every field marked `frozen_while_running`, nested models included."""
+    return marked_field_paths("frozen_while_running", model, prefix)
+
+
+def writable_path_fields(model: type[BaseModel] = LearnerConfig) -> list[str]:
+    """Dotted paths of the file paths the learner writes that may change while it runs (`writable_path`):
+    the control plane checks that their folder can be created and written before it accepts a change."""
+    return marked_field_paths("writable_path", model)
+
+
+def frozen_field_changes(old: LearnerConfig, new: LearnerConfig) -> list[str]:
+    """The frozen-while-running fields whose value differs between `old` and `new` (dotted paths)."""
+    a, b = old.model_dump(), new.model_dump()
+    changed = []
+    for path in frozen_field_paths():
+        va, vb = a, b
+        for part in path.split("."):
+            va, vb = va[part], vb[part]
+        if va != vb:
+            changed.append(path)
+    if (old.adv_estimator == "gae") != (new.adv_estimator == "gae"):
+        changed.append("adv_estimator")  # a critic cannot appear or vanish mid-run
+    if (old.kl_loss_coef > 0) != (new.kl_loss_coef > 0):
+        changed.append("kl_loss_coef")  # nor can the reference model
+    return changed
+
+
+def load_config(
+    path: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> LearnerConfig:
+    """Build a `LearnerConfig` from a YAML file, then `OFFPOLICY_*` variables of `environ`, then kwargs.
+
+    Only the mapping passed as `environ` is read (pass `os.environ` explicitly from a CLI or app factory).
+    Only keys under the learner's own fields are taken from the environment, so unrelated `OFFPOLICY_*`
+    variables of other components (e.g. `OFFPOLICY_API_TOKEN`) are ignored
+    (`offpolicy.config.loader.load_layered`).
+    """
+    return load_layered(LearnerConfig, path, environ, overrides)
+
+
+def load_config_from_process_env(path: str | Path | None = None) -> LearnerConfig:
+    """`load_config(path, os.environ)`: for command-line entry points (read at call time, not import)."""
+    return load_config(path, os.environ)

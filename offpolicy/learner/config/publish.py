@@ -1,0 +1,62 @@
+"""The learner's publish and checkpoint settings (`publish`, `checkpoint` of learner/config.py)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from offpolicy.config.base import FROZEN, ConfigModel, PathStr
+from offpolicy.weights.config import TransferConfig
+
+
+class PublishConfig(ConfigModel):
+    """Where and how often the learner publishes weights for the actors."""
+
+    weights_dir: PathStr = Field("runs/{run_id}/weights", json_schema_extra=FROZEN)
+    """Folder holding `v<version>/` (safetensors + manifest + config + tokenizer), shared with the actors;
+    `{run_id}` is replaced by the run's id (`LearnerConfig.weights_path`), so runs never share a folder."""
+    publish_every: int = Field(1, ge=1)
+    """Publish after every this many learner steps."""
+    keep_versions: int = Field(3, ge=1)
+    """How many published versions stay on disk; older folders are deleted."""
+    weights_root: PathStr | None = Field(None, json_schema_extra=FROZEN)
+    """Where the shared weights volume is mounted on the learner; `weights_dir` must lie under it, and the
+    policy record names each version's folder relative to it (`run-a/weights/v12`), so actors may mount
+    the volume elsewhere (their `reload.weights_root`). None = the record holds the folder's absolute
+    path, and every actor must see the volume at the learner's path."""
+    transport: Literal["files", "vllm"] = "files"
+    """How a published version reaches the actors. `files`: every version is written as a folder (the
+    actors load it). `vllm`: every version is sent through vLLM's weight-transfer engine (`transfer`) to
+    the actors in the group, and a file generation is still written every `persist_every` versions and at
+    each checkpoint (what starting, restarted and failed actors load). docs/actor.md "Transports"."""
+    persist_every: int = Field(10, ge=1)
+    """`transport: vllm`: write a file generation every this many publishes (and at checkpoints)."""
+    transfer: TransferConfig = TransferConfig()
+    """The transfer group's settings (`transport: vllm`)."""
+    gather_bucket_mb: int = Field(256, ge=1, le=65536, json_schema_extra=FROZEN)
+    """N ranks: a publish gathers the full weights to rank 0 in buckets of about this many MiB (in the
+    publish dtype; a larger tensor is a bucket of its own): the device and pinned host memory the gather
+    needs on rank 0, one bucket in flight; every other rank only sends its shards."""
+
+
+class CheckpointConfig(ConfigModel):
+    """Where and how often the learner writes resumable checkpoints."""
+
+    checkpoint_dir: PathStr | None = Field("runs/{run_id}/checkpoints", json_schema_extra=FROZEN)
+    """Folder of `ckpt-<version>/` checkpoints; the newest is resumed on start, and one written for another
+    run or model is refused. `{run_id}` is replaced by the run's id. None = no checkpoints."""
+    checkpoint_every: int | None = Field(10, ge=1)
+    """Checkpoint after every this many learner steps; None = only on demand (`POST /v1/checkpoints`)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """How many checkpoints stay on disk."""
+    async_staging: bool = Field(True, json_schema_extra=FROZEN)
+    """N ranks: copy each rank's shards to host memory on a background thread (pinned on CUDA, the buffers
+    kept between checkpoints: host memory of about the shards' size stays taken), waited for only before
+    the next optimizer step. False = copy at the step boundary into pageable memory, on the critical path."""
+    resume_config: Literal["checkpoint", "file"] = "checkpoint"
+    """Which config a resumed learner runs where the file and the newest checkpoint disagree: `checkpoint`
+    = the run goes on as it was (the changes applied through the API survive a restart; the fields frozen
+    while running still come from the file), `file` = the file wins (an edit before the restart takes
+    effect). Always read from the file; the disagreeing fields are logged and shown in the config history's
+    `resume` entry (learner/resume_config.py)."""

@@ -1,0 +1,103 @@
+"""FSDP2 for the learner: shard the policy and the critic, scale the loss, clip sharded gradients.
+
+The policy is sharded as `model.LogProbs` (the module the train loop calls for log-probs), so under FSDP2
+the root's parameters (embeddings, final norm, LM head, tied or not) are all-gathered by the root's own
+pre-forward hook. `shard` applies
+`fully_shard` to every decoder layer, then to the root, over fp32 master weights sharded across the ranks,
+with a `MixedPrecisionPolicy` (bf16 parameters for compute, fp32 gradient reduction) under `bf16_mixed`
+and, optionally, `CPUOffloadPolicy` (parameters, gradients and optimizer state in host memory; the
+optimizer steps on the CPU).
+
+Gradients: FSDP2 averages them over the ranks; each rank's loss is its share of the global loss (global
+denominators), so the loss is scaled by the world size (`loss_scale`) to make the reduced gradient the
+gradient of the global loss (gloo has no pre-multiplied sum, so `set_gradient_divide_factor` is not used).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from offpolicy.learner.distributed.ranks import Ranks
+    from offpolicy.learner.model.precision import Precision
+
+log = logging.getLogger(__name__)
+
+
+def decoder_layers(module: nn.Module, num_layers: int) -> nn.ModuleList:
+    """The decoder's layer list: the first `ModuleList` with `num_layers` entries (Llama, Qwen, Mistral,
+    Gemma, GPT-2 ... all keep their blocks in one)."""
+    for sub in module.modules():
+        if isinstance(sub, nn.ModuleList) and len(sub) == num_layers:
+            return sub
+    raise ValueError(f"no ModuleList of {num_layers} decoder layers in {type(module).__name__}")
+
+
+def fsdp_mesh(replicate: int, device: torch.device) -> DeviceMesh | None:
+    """The ranks' mesh: None = one flat mesh over every rank (FSDP2's default); `replicate` > 1 = a 2-D
+    mesh (`replicate` groups x world / `replicate` ranks): parameters sharded within a group (its ranks
+    consecutive: a node's GPUs with `replicate` = nodes), replicated across the groups (HSDP: gradients
+    reduce-scattered within a group, then all-reduced across groups). One mesh per process, reused."""
+    if replicate == 1:
+        return None
+    world = dist.get_world_size()
+    if world % replicate:
+        raise ValueError(
+            f"fsdp.replicate = {replicate} does not divide the {world} ranks: replica groups must be equal "
+            "(e.g. the number of nodes)"
+        )
+    key = (replicate, device.type)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(
+            device.type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard")
+        )
+        log.info("hybrid sharding: %d replica groups of %d ranks", replicate, world // replicate)
+    return _MESHES[key]
+
+
+_MESHES: dict[tuple[int, str], DeviceMesh] = {}
+
+
+def shard(
+    root: nn.Module,
+    num_layers: int,
+    precision: Precision,
+    cpu_offload: bool,
+    mesh: DeviceMesh | None = None,
+) -> nn.Module:
+    """`fully_shard` each decoder layer of `root`, then `root` itself (in place; returned), over `mesh`
+    (`fsdp_mesh`; None = every rank, one dimension)."""
+    kwargs: dict = {} if mesh is None else {"mesh": mesh}
+    if precision.compute_dtype is not None:  # bf16_mixed: bf16 compute copies, fp32 masters and reduction
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=precision.compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    for layer in decoder_layers(root, num_layers):
+        fully_shard(layer, **kwargs)
+    fully_shard(root, **kwargs)
+    return root
+
+
+def loss_scale(ranks: Ranks) -> float:
+    """Multiply each rank's loss by this: FSDP2's gradient average becomes the global loss's gradient."""
+    return float(ranks.world_size)
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip to `max_norm` by the total norm over every rank's shards; returns that norm (a plain tensor)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()  # the shards' norms reduced across the ranks
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total

@@ -1,0 +1,25 @@
+"""What the learner trains on: loading a Hugging Face causal LM, the policy's forward (log-probs of the
+sampled tokens), the GAE critic, numerical precision, and the tiny local model of the quickstart and tests."""
+
+from offpolicy.learner.model.critic import ValueModel
+from offpolicy.learner.model.load import checkpoint_dtype, load_model, load_tokenizer, unique_state
+from offpolicy.learner.model.policy import LogProbs, response_hidden_states, token_logprobs
+from offpolicy.learner.model.precision import Precision, PrecisionName, pick_device
+from offpolicy.learner.model.tiny import build_char_tokenizer, make_tiny_model, sample_completions
+
+__all__ = [
+    "LogProbs",
+    "Precision",
+    "PrecisionName",
+    "ValueModel",
+    "build_char_tokenizer",
+    "checkpoint_dtype",
+    "load_model",
+    "load_tokenizer",
+    "make_tiny_model",
+    "pick_device",
+    "response_hidden_states",
+    "sample_completions",
+    "token_logprobs",
+    "unique_state",
+]

@@ -1,0 +1,229 @@
+"""What a learner makes durable: published weights and checkpoints, off the critical path, and resume.
+
+`Persistence` owns the background writer (persist/writer.py), the weights' host snapshots
+(persist/weights.py; on N ranks distributed/gather.py) and one checkpoint backend (persist/checkpoint.py),
+chosen once by `make_checkpoints`. At a step boundary `publish` / `checkpoint` start host copies that
+overlap the next step's forward and backward passes and queue their writes; `fence` (called just before
+the next optimizer step changes the weights) waits for the copies. `on_durable(kind, version)` tells the
+learner when a write is durable: weights announced to the actors, or a checkpoint on disk (what delivery
+acknowledgements wait for). `restore_latest` loads the newest checkpoint of this run and refuses another
+run's or model's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from offpolicy.config.secrets import redact_url
+from offpolicy.learner.distributed.gather import GatheredWeights
+from offpolicy.learner.distributed.ranks import SINGLE, Ranks
+from offpolicy.learner.metrics import timed
+from offpolicy.learner.model.load import unique_state
+from offpolicy.learner.persist.checkpoint import Checkpoints, NoCheckpoints, base_meta
+from offpolicy.learner.persist.dcp import ShardedCheckpoints
+from offpolicy.learner.persist.published import (
+    HostCopy,
+    WeightsSnapshot,
+    publish_snapshot,
+    remove_leftovers,
+    uri_folder,
+)
+from offpolicy.learner.persist.single import FileCheckpoints
+from offpolicy.learner.persist.writer import BackgroundWriter, Kind, WeightsBuffers
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from offpolicy.learner.build import Trainables
+    from offpolicy.learner.config import LearnerConfig
+    from offpolicy.learner.metrics import LearnerMetrics
+    from offpolicy.weights.record import PolicyStore
+
+log = logging.getLogger(__name__)
+
+
+def make_checkpoints(
+    config: LearnerConfig,
+    ranks: Ranks,
+    writer: BackgroundWriter,
+    on_durable: Callable[[int, float], None],
+) -> Checkpoints:
+    """The checkpoint backend of this learner: none (disabled), sharded (N ranks) or files (one process)."""
+    root = config.checkpoint_path
+    keep = config.checkpoint.keep_checkpoints
+    if root is None:
+        return NoCheckpoints()
+    if ranks.distributed:
+        return ShardedCheckpoints(
+            root, config.run_id, ranks, keep, on_durable, config.checkpoint.async_staging
+        )
+    return FileCheckpoints(root, config.run_id, writer, keep)
+
+
+class Persistence:
+    """Published weights and checkpoints of one learner process."""
+
+    def __init__(
+        self,
+        config: LearnerConfig,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        publish_dtype: torch.dtype,
+        store: PolicyStore | None,
+        metrics: LearnerMetrics,
+        on_durable: Callable[[Kind, int], None] | None = None,
+        ranks: Ranks = SINGLE,
+    ) -> None:
+        self.config, self.model, self.tokenizer, self.publish_dtype = config, model, tokenizer, publish_dtype
+        self.store, self.metrics, self._on_durable, self.ranks = store, metrics, on_durable, ranks
+        self.writer = BackgroundWriter(on_done=self._written)
+        self._weights_buffers = WeightsBuffers(self.writer)
+        self._weight_copies: list[HostCopy | GatheredWeights] = []
+        self._coalesced_seen = 0
+        self.published_version: int | None = None  # newest version announced to the actors
+        self.durable_checkpoint_version: int | None = None  # newest checkpoint on disk
+        for folder in (config.weights_path, config.checkpoint_path) if ranks.is_leader else ():
+            if folder is not None and (gone := remove_leftovers(folder)):
+                log.warning("removed %d partial write(s) left by a killed learner in %s", len(gone), folder)
+        self.checkpoints = make_checkpoints(
+            config, ranks, self.writer, lambda v, seconds: self._written("checkpoint", v, None, seconds)
+        )
+
+    # --- weights
+
+    def publish(self, version: int, gather: set[str] | None = None) -> None:
+        """Start the host snapshot of the weights (cast to the publish dtype) and queue their write.
+        `gather`: on N ranks every rank calls this (a collective) with the names to publish, and the full
+        weights are gathered from every rank's shards into the leader's host buffers
+        (distributed/gather.py)."""
+        bucket = self.config.publish.gather_bucket_mb * 2**20
+        if gather is not None and not self.ranks.is_leader:
+            GatheredWeights(self.model, gather, self.publish_dtype, leader=False, bucket_bytes=bucket)
+            return
+        self.fence()  # the buffers about to be reused must not be mid-copy (normally long finished)
+        into = self._weights_buffers.acquire()
+        copy: HostCopy | GatheredWeights = (
+            GatheredWeights(
+                self.model, gather, self.publish_dtype, leader=True, into=into, bucket_bytes=bucket
+            )
+            if gather is not None
+            else HostCopy(unique_state(self.model), self.publish_dtype, into=into)
+        )
+        self._weights_buffers.keep(copy.tensors)
+        self._weight_copies.append(copy)
+        pc, store, wdir = self.config.publish, self.store, self.config.weights_path
+        model, tokenizer, dtype = self.model, self.tokenizer, self.publish_dtype
+
+        def write() -> object:
+            snap = WeightsSnapshot(
+                version=version,
+                tensors=copy.wait(),
+                config=model.config,
+                tokenizer=tokenizer,
+                dtype=dtype,
+                generation_config=getattr(model, "generation_config", None),
+            )
+            return publish_snapshot(
+                snap, wdir, store=store, keep_versions=pc.keep_versions, weights_root=pc.weights_root
+            )
+
+        self.writer.submit("weights", version, write, buffers=copy.tensors)
+        self.metrics.writes_coalesced.inc(self.writer.coalesced - self._coalesced_seen)
+        self._coalesced_seen = self.writer.coalesced
+
+    def needs_publish(self, version: int) -> bool:
+        """At start: whether `version` must be published (the policy record does not name it, in our
+        folder); actors start from it. When it need not, it counts as published."""
+        record = self.store.read() if self.store is not None else None
+        ours = (
+            record is not None
+            and uri_folder(record.weights_uri, self.config.publish.weights_root).parent.resolve()
+            == self.config.weights_path.resolve()
+        )
+        if record is not None and record.version == version and ours:
+            self.published_version = record.version
+            return False
+        return True
+
+    # --- checkpoints
+
+    def checkpoint(
+        self,
+        parts: Trainables,
+        version: int,
+        step: int,
+        buffer_position: dict[str, Any],
+        lease_ids: list[str] | None = None,
+        config_version: int = 0,
+    ) -> Path:
+        """Snapshot everything a checkpoint holds and queue the write; return the folder it will have.
+        `lease_ids`: the leases whose updates it holds (acked once it is durable: learner/delivery.py).
+        `self.config` is the config the learner trains with (the learner keeps it current), saved with
+        `config_version` so that a resume reapplies it.
+        Raises `CheckpointsDisabled` without a checkpoint folder."""
+        config = self.config.model_dump(mode="json") | {"redis_url": redact_url(self.config.redis_url)}
+        meta = base_meta(
+            parts,
+            version=version,
+            step=step,
+            run_id=self.config.run_id,
+            config=config,
+            buffer_position=buffer_position,
+            lease_ids=lease_ids,
+            config_version=config_version,
+        )
+        return self.checkpoints.save(parts, version, meta)
+
+    def restore_latest(self, parts: Trainables) -> dict[str, Any] | None:
+        """Load the newest checkpoint of this run into `parts`; its meta, or None when there is none."""
+        path = self.checkpoints.latest()
+        if path is None:
+            return None
+        meta = self.checkpoints.load(path, parts)
+        self.durable_checkpoint_version = int(meta["version"])
+        log.info("resumed from %s at version %d", path, int(meta["version"]))
+        return meta
+
+    # --- the critical path and the writer thread
+
+    def fence(self, phases: dict[str, float] | None = None) -> None:
+        """Wait until the host snapshots taken at the last step boundary are complete (timed as the
+        `publish` / `checkpoint` phases): called before the optimizer changes the weights."""
+        phases = phases if phases is not None else {}
+        with timed(phases, "publish"):
+            for copy in self._weight_copies:
+                copy.wait()
+        self._weight_copies.clear()
+        with timed(phases, "checkpoint"):
+            self.checkpoints.staged()
+
+    def _written(self, kind: Kind, version: int, result: object, seconds: float) -> None:
+        self.metrics.write_seconds.labels(kind=kind).observe(seconds)
+        if kind == "weights":
+            self.published_version = version
+            self.metrics.publishes.inc()
+        else:
+            self.durable_checkpoint_version = version
+            self.metrics.checkpoints.inc()
+        if self._on_durable is not None:
+            self._on_durable(kind, version)
+
+    def poll(self) -> None:
+        """Step boundary: a checkpoint whose write completed becomes durable."""
+        self.checkpoints.poll()
+
+    def flush(self) -> None:
+        """Wait until every queued publish and checkpoint is durable."""
+        self.checkpoints.finish()
+        self.writer.flush()
+
+    def close(self) -> None:
+        """Finish the copies and the queued writes, then stop the writer."""
+        self.fence()
+        self.checkpoints.close()
+        self.writer.close()

@@ -1,0 +1,105 @@
+"""One learner step's training, spec §5.1 in order: collate → [decoupled] pi_old once, the correction,
+its mask replacing the response mask → advantages → [KL loss] the reference's log-probs → PPO epochs ×
+mini-batches (one optimizer step each, rl/update.py) → the step's metrics. On N ranks every rank runs it
+on the same batch (its own share of each mini-batch's groups). The trainer (learner/trainer.py) calls
+`train_on` with a frozen `StepContext` and advances its own version by the optimizer steps it reports.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from offpolicy.learner.batch import Batch, collate, token_staleness
+from offpolicy.learner.correction import compute_rollout_correction
+from offpolicy.learner.distributed.ranks import all_reduce_sum, reduce_means
+from offpolicy.learner.metrics import StalenessKL, metric_sums, timed
+from offpolicy.learner.rl.advantages import compute_advantages, gae, grpo, token_rewards
+from offpolicy.learner.rl.context import StepContext, StepResult
+from offpolicy.learner.rl.microbatches import mini_batches, no_grad_logprobs, rows_forward
+from offpolicy.learner.rl.update import optimizer_step
+
+
+def train_on(ctx: StepContext, groups: list, phases: dict[str, float]) -> StepResult:
+    """Train on `groups` (this rank's share on N ranks): collate, pi_old and the correction, advantages,
+    PPO epochs x mini-batches (one optimizer step each). Returns the step's metrics (host floats) and its
+    optimizer steps (the policy version advances by as many); `phases` gets the critical-path time of each
+    phase."""
+    cfg, rc = ctx.config, ctx.config.rollout_correction
+    # --- collate
+    with timed(phases, "collate"):
+        batch = collate(groups, ctx.pad_id).to(ctx.device)
+        staleness = ctx.version - batch.policy_versions  # (B,)
+        tokens = batch.response_mask.sum()
+    host: dict[str, float] = {}
+    kl = StalenessKL()
+    # --- pi_old and the correction (decoupled: once per batch; its mask replaces the response mask)
+    with timed(phases, "old_logprob"):
+        if rc.bypass_mode:
+            batch.old_log_probs = batch.rollout_log_probs
+        else:
+            batch.old_log_probs = no_grad_logprobs(
+                ctx.trainables.policy, batch, cfg, ctx.precision, ctx.ranks
+            )
+            ages = token_staleness(batch, ctx.version)  # (B, R): each token's own age
+            kl.add(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, ages)
+            corr = compute_rollout_correction(
+                batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, rc
+            )
+            batch.response_mask, batch.is_weights = corr.response_mask.float(), corr.weights
+            host |= corr.metrics
+        advantages(ctx, batch)
+    if ctx.reference is not None:  # the KL loss: the reference's log-probs on the same micro-batches
+        with timed(phases, "ref_logprob"):
+            batch.ref_log_probs = no_grad_logprobs(ctx.reference, batch, cfg, ctx.precision, ctx.ranks)
+    # --- PPO epochs × mini-batches × micro-batches
+    acc: dict[str, list[torch.Tensor]] = {}
+    order = torch.Generator().manual_seed(cfg.seed * 1_000_003 + ctx.step_count)  # same on every rank
+    steps = skipped = 0  # optimizer steps (skipped ones too): the policy version is ctx.version + steps
+    for epoch in range(cfg.ppo_epochs):
+        for mini in mini_batches(batch, cfg.mini_batch_groups, order):
+            bypass_kl = (kl, ctx.version + steps) if epoch == 0 and rc.bypass_mode else None
+            skipped += not optimizer_step(ctx, batch, mini, acc, phases, bypass_kl)
+            steps += 1
+    if ctx.metrics is not None:  # the histograms are exported by rank 0 alone
+        if batch.is_weights is not None:
+            kept = batch.is_weights[batch.response_mask > 0]
+            ctx.metrics.is_weight_hist.observe_many(kept.cpu().numpy())
+        ctx.metrics.staleness_hist.observe_many(staleness.cpu().numpy())
+    host |= reduce_means(ctx.ranks, metric_sums(acc))  # means over every rank's micro-batches
+    if rc.bypass_mode:  # pi_theta's KL was taken on each rank's own rows
+        kl.sums, kl.counts = (all_reduce_sum(ctx.ranks, t.to(ctx.device)) for t in (kl.sums, kl.counts))
+    host |= {f"offpolicy_kl/{b}": v for b, v in kl.result().items()}
+    scalars = torch.stack([tokens, batch.rewards.mean(), staleness.float().mean()]).cpu().tolist()
+    host |= {
+        "tokens": scalars[0],
+        "groups": float(len(groups)),
+        "reward_mean": scalars[1],
+        "staleness_mean": scalars[2],
+        "response_length_mean": scalars[0] / batch.num_rows,
+        "version": float(ctx.version + steps),
+        "optimizer_steps_skipped": float(skipped),
+        "lr": ctx.trainables.scheduler.get_last_lr()[0],
+    }
+    return StepResult(host, steps)
+
+
+def advantages(ctx: StepContext, batch: Batch) -> None:
+    """`batch.advantages` (and, with GAE, `values` and `returns`) by the configured estimator."""
+    cfg, critic = ctx.config, ctx.trainables.critic
+    if cfg.adv_estimator == "grpo":
+        batch.advantages = grpo(
+            batch.rewards, batch.group_index, batch.response_mask, norm_by_std=cfg.norm_adv_by_std_in_grpo
+        )
+        return
+    if critic is None:
+        batch.advantages = compute_advantages(
+            cfg.adv_estimator, batch.rewards, batch.group_index, batch.response_mask
+        )
+        return
+    with torch.no_grad(), ctx.precision.autocast():
+        batch.values = rows_forward(lambda mb: critic(mb, cfg.packing), batch, cfg, ctx.ranks)  # (B, R)
+    # The episode is every sampled token: the reward sits on the last one, whatever rejection sampling
+    # masked out of the loss (`response_mask`); values and returns cover all sampled tokens.
+    rewards = token_rewards(batch.rewards, batch.sampled_mask)  # (B, R)
+    batch.advantages, batch.returns = gae(rewards, batch.values, batch.sampled_mask, cfg.gamma, cfg.lam)
+    batch.advantages = batch.advantages * batch.response_mask  # the loss sees only kept tokens

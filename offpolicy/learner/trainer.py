@@ -1,0 +1,540 @@
+"""The trainer: one `Learner` owns the state, the control API, the step and the loop around it.
+
+Reads top to bottom like a CleanRL file: `Learner.__init__` (model, optimizer, buffer, resume), the
+control API other threads call, `run` (the loop), then `step()` in the order of spec §5.1. The training of
+a step is `rl.train_on`, called with a frozen `StepContext`; it returns the step's metrics and optimizer
+steps, and the trainer alone changes its own state (version, step count):
+
+    sample k groups (consumer_version = version) → collate → [decoupled] pi_old once, correction, the
+    RS mask replaces the response mask → advantages → ppo_epochs × mini-batches (groups) × micro-batches
+    (rows, gradient accumulation) → clip → AdamW step (version += 1) → publish / checkpoint.
+
+In bypass mode pi_old := pi_rollout and the correction runs per micro-batch inside the loss. Config
+changes land only between steps; `checkpoint()` from another thread waits for the running step to end.
+
+The loop waits out an empty buffer (state `waiting_for_data`, retry every 0.5 s) and transient trouble
+(`TRANSIENT_ERRORS`: Redis unreachable), retried with capped exponential backoff for as long as it lasts
+(state `waiting_for_redis`, `retrying` the reason), then stepping resumes by itself. Any other error
+propagates (the loop is dead).
+
+On N ranks (torchrun; learner/distributed/) the rank-0 `Learner` (leader) samples, screens and sends each
+step boundary's `Command` to the others (followers), which run `follow()`; from there every rank runs the
+same `_execute`: the same config, the same batch, its own share of it, FSDP2. While paused or waiting the
+leader keeps sending heartbeats, so its followers hear of a config change or a checkpoint request.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from offpolicy.buffer.codec import decode_group, encode_group
+from offpolicy.buffer.errors import BufferNotReady, RateLimited, StorageUnavailable
+from offpolicy.buffer.evaluations import EvalStore
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.learner.build import Trainables, build_models, set_optimizer_hparams
+from offpolicy.learner.config import LearnerConfig, frozen_field_changes
+from offpolicy.learner.delivery import Delivery
+from offpolicy.learner.distributed import (
+    HEARTBEAT_S,
+    Command,
+    LeaderChannel,
+    Ranks,
+    barrier,
+    broadcast_command,
+    current,
+)
+from offpolicy.learner.errors import FrozenFieldChange, WriteFailed
+from offpolicy.learner.metrics import LearnerMetrics, timed
+from offpolicy.learner.model import checkpoint_dtype, load_tokenizer
+from offpolicy.learner.persist import BackgroundWriter, Persistence
+from offpolicy.learner.resume_config import ResumedConfig, resumed_config
+from offpolicy.learner.rl import ModelLimits, StepContext, field_label, screen, train_on
+from offpolicy.learner.tracking import StepLog, build_tracker
+from offpolicy.learner.transport.publisher import make_publisher
+from offpolicy.weights.record import PolicyStore
+
+log = logging.getLogger(__name__)
+
+TRANSIENT_ERRORS = (StorageUnavailable,)
+"""Errors `run` retries for as long as they last (Redis unreachable, after the buffer's own bounded
+retries), raised by the step itself or as the cause of a failed background write (the policy record's
+publish: the weights are on disk, the next publish supersedes it); any other error ends `run` (the service
+then reports the loop dead and exits after a grace)."""
+RETRY_INITIAL_S, RETRY_MAX_S = 0.5, 10.0
+"""`run`'s backoff between steps while transient errors last: doubles from the first to the cap, seconds."""
+
+# --- the learner
+
+
+ConfigApplied = Callable[[int, int], None]
+"""`on_config_applied(config_version, step)`: called from the loop's thread at the step boundary where a
+config took effect; `step` = learner steps completed before it (step + 1 is the first to run with it)."""
+
+
+class Learner:
+    """One training process: holds model, optimizer, buffer and policy store; `run` loops `step`.
+
+    `ranks`: this process's place among N (default `distributed.current()`: the only one without
+    torchrun). Followers (rank > 0) hold no buffer, policy store or delivery: they train on what the
+    leader sends, in `follow()`."""
+
+    def __init__(
+        self,
+        config: LearnerConfig,
+        registry: CollectorRegistry | None = None,
+        on_config_applied: ConfigApplied | None = None,
+        ranks: Ranks | None = None,
+    ) -> None:
+        ranks = ranks if ranks is not None else current()  # torchrun: the group joined at start
+        self.config, self.ranks = config, ranks
+        self.config_version = 0
+        self.config_applied_at_step = 0
+        self.resumed: ResumedConfig | None = None
+        """Set when the learner resumed a checkpoint: the config it reapplied (the service's history)."""
+        self._on_config_applied = on_config_applied
+        self.metrics = LearnerMetrics(registry if registry is not None else CollectorRegistry())
+        self.metrics.record_config(0, config)
+        random.seed(config.seed)
+        torch.manual_seed(config.seed)
+        if config.torch_threads is not None:
+            torch.set_num_threads(config.torch_threads)
+        # --- model (master weights in the precision's dtype), optimizer, schedule, critic; tokenizer
+        built = build_models(config, ranks)
+        self.device, self.precision, self.memory_plan = built.device, built.precision, built.memory_plan
+        self.reference, self._publish_keys = built.reference, built.publish_keys
+        self.startup_host_bytes, self.startup_host_exact = built.startup_host_bytes, built.startup_host_exact
+        parts = built.parts
+        self.model, self.policy = parts.model, parts.policy
+        self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
+        self.critic, self.critic_optimizer = parts.critic, parts.critic_optimizer
+        self.tokenizer = load_tokenizer(config.model_path)
+        self.limits = ModelLimits(
+            vocab_size=self.model.get_input_embeddings().num_embeddings,
+            max_positions=self.model.config.max_position_embeddings,
+        )
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        # --- experiment trackers (rank 0): the JSONL file, TensorBoard, W&B, MLflow as configured
+        self.tracker = build_tracker(config, self.metrics.tracking_errors, self.tokenizer, ranks.is_leader)
+        # --- buffer and policy record (the leader's alone)
+        leader = ranks.is_leader
+        self.buffer = (
+            ReplayBuffer(config.redis_url, config.run_id, config.buffer, registry, follow_learner=False)
+            if leader
+            else None
+        )
+        self.store = PolicyStore(config.redis_url, config.run_id) if leader else None
+        evals = EvalStore(config.redis_url, config.run_id) if leader else None
+        self.step_log = StepLog(self.tracker, self.metrics, evals)  # each applied step's line and record
+        # --- state shared with the control thread
+        self.version = 0  # optimizer steps taken = policy version
+        self.step_count = 0  # learner steps taken
+        self.state = "starting"
+        self.retrying: str | None = None  # why `run` is retrying transient trouble now; None when it is not
+        self._pending: tuple[LearnerConfig, int] | None = None
+        self._table_published: object = None  # the buffer config whose table fields producers have
+        self._lock = threading.Lock()  # guards _pending
+        self._step_lock = threading.Lock()  # held while a step trains, publishes or checkpoints
+        self._running = threading.Event()
+        self._running.set()
+        self.channel = LeaderChannel(ranks) if ranks.distributed and leader else None  # N ranks: rank 0
+        # --- published weights and checkpoints (off the critical path); resume, then publish what we hold
+        self.persist = Persistence(
+            config,
+            self.model,
+            self.tokenizer,
+            checkpoint_dtype(config.model_path),  # published weights = masters cast to this
+            self.store,
+            self.metrics,
+            self._on_durable,
+            ranks,
+        )
+        self.publisher = make_publisher(
+            config,
+            self.persist,
+            self.model,
+            checkpoint_dtype(config.model_path),
+            self.metrics.registry,
+            ranks,
+        )
+        self.delivery = (
+            Delivery(self.buffer, config.run_id, config.delivery_mode, config.lease_s, self.metrics)
+            if self.buffer is not None
+            else None
+        )
+        self._start()
+        self.state = "running"
+
+    def _start(self) -> None:
+        """Resume from the newest checkpoint (if any), settle its leases, and publish the weights the actors
+        start from unless the policy record already names them (every rank joins: a collective)."""
+        ranks = self.ranks
+        if ranks.distributed:
+            barrier(ranks)  # the leader has removed leftover partial writes
+        meta = self.persist.restore_latest(self.trainables())
+        if meta is not None:
+            self._resumed(meta)
+        self.tracker.log_config(
+            self.config, "initial" if meta is None else "resume", self.config_version, self.step_count
+        )
+        if self.delivery is not None:
+            self.delivery.recover(meta.get("lease_ids", []) if meta is not None else [])
+        need = self.persist.needs_publish(self.version) if ranks.is_leader else False
+        command = Command("publish" if need else "noop") if ranks.is_leader else None
+        if broadcast_command(ranks, command).op == "publish":
+            self._publish()  # written by the background writer while the first steps train
+
+    # --- control (called from other threads)
+
+    def apply_config(self, new_config: LearnerConfig, config_version: int | None = None) -> None:
+        """Queue `new_config`; it takes effect at the next step boundary. Frozen fields raise at once.
+
+        When it takes effect, `status()` shows `config_version` and `config_applied_at_step`, the gauge
+        `offpolicy_learner_config_version` moves, and `on_config_applied(version, step)` is called."""
+        changed = frozen_field_changes(self.config, new_config)
+        if changed:
+            raise FrozenFieldChange(changed)
+        with self._lock:
+            self._pending = (
+                new_config,
+                self.config_version + 1 if config_version is None else config_version,
+            )
+
+    def pause(self) -> None:
+        """Stop after the running step (nothing is torn); `resume()` continues."""
+        self._running.clear()
+        self.metrics.paused.set(1)
+
+    def resume(self) -> None:
+        self._running.set()
+        self.metrics.paused.set(0)
+
+    def wait_unpaused(self, timeout_s: float) -> bool:
+        """Whether the learner is not paused, waiting up to `timeout_s` for a `resume()`."""
+        return self._running.wait(timeout_s)
+
+    def checkpoint(self) -> tuple[Path, int]:
+        """Checkpoint now (after the running step, if any) and wait until it is durable; training goes on
+        meanwhile. Returns (folder, version). On N ranks the loop takes it at its next step boundary (every
+        rank checkpoints its shards) and this waits for that."""
+        if self.ranks.distributed:
+            if self.config.checkpoint_path is None:
+                self.persist.checkpoint(self.trainables(), 0, 0, {})  # raises CheckpointsDisabled
+            assert self.channel is not None, "checkpoint() is the leader's"
+            return self.channel.request_checkpoint()
+        with self._step_lock:
+            path, version = self._checkpoint(), self.version
+        self.persist.writer.flush()
+        return path, version
+
+    @property
+    def writer(self) -> BackgroundWriter:
+        """The background writer (`flush()` waits until every queued publish and checkpoint is durable)."""
+        return self.persist.writer
+
+    def status(self) -> dict[str, Any]:
+        """State, version, step, tokens/s, buffer stats and the last step's key metrics (JSON-safe)."""
+        idle = self.state in ("running", "waiting_for_data", "waiting_for_redis")  # states a pause overrides
+        state = "paused" if not self._running.is_set() and idle else self.state
+        return {
+            "state": state,
+            "world_size": self.ranks.world_size,
+            "policy_version": self.version,
+            "step": self.step_count,
+            "config_version": self.config_version,
+            "config_applied_at_step": self.config_applied_at_step,
+            "tokens_per_s": self.step_log.tokens_per_s,
+            "leases_unacked": len(self.delivery.unacked) if self.delivery is not None else 0,
+            "buffer": self.buffer.stats() if self.buffer is not None else None,
+            "last_step": dict(self.metrics.last),
+            "memory_plan": self.memory_plan.as_dict(),
+        }
+
+    def run(self, stop_event: threading.Event) -> None:
+        """Loop `step()` until `stop_event` is set or `max_steps` is reached; waits while paused.
+
+        No data yet, or Redis unreachable: waited out; any other error propagates (the loop is dead)."""
+        try:
+            self._loop(stop_event)
+        finally:
+            self._stop_followers()
+
+    def _loop(self, stop_event: threading.Event) -> None:
+        """The loop of `run`: waits out an empty buffer and transient trouble (module docstring)."""
+        delay = RETRY_INITIAL_S
+        while not stop_event.is_set():
+            if not self.wait_unpaused(HEARTBEAT_S if self.ranks.distributed else 0.2):
+                self.heartbeat()  # paused: the followers hear from us, a checkpoint() is still served
+                continue
+            if self.config.max_steps is not None and self.step_count >= self.config.max_steps:
+                self.state = "finished"
+                return
+            try:
+                self.step()
+            except (BufferNotReady, RateLimited) as exc:  # no data yet: wait and retry, bounded by the loop
+                self.state, self.retrying, delay = "waiting_for_data", None, RETRY_INITIAL_S
+                log.info("no groups to train on yet: %s", exc)
+                self.heartbeat()
+                stop_event.wait(0.5)
+            except (
+                *TRANSIENT_ERRORS,
+                WriteFailed,
+            ) as exc:  # retried for as long as it lasts, the wait capped
+                if isinstance(exc, WriteFailed) and not isinstance(exc.__cause__, TRANSIENT_ERRORS):
+                    raise
+                self.state, self.retrying = "waiting_for_redis", f"{type(exc).__name__}: {exc}"
+                log.warning("redis unavailable, retrying in %.1f s: %s", delay, exc)
+                for _ in range(max(1, round(delay / HEARTBEAT_S))):  # heartbeats while it lasts
+                    self.heartbeat()
+                    if stop_event.wait(min(delay, HEARTBEAT_S)):
+                        break
+                delay = min(2 * delay, RETRY_MAX_S)
+            else:
+                self.retrying, delay = None, RETRY_INITIAL_S
+        self.state = "stopped"
+
+    # --- one learner step
+
+    def step(self) -> dict[str, float]:
+        """Sample, train, publish, checkpoint: one learner step. Returns its metrics."""
+        assert self.buffer is not None and self.delivery is not None, "followers run follow(), not step()"
+        self.persist.writer.raise_if_failed()  # a failed background write ends the loop (or is retried)
+        self.persist.poll()
+        self.delivery.ack_durable()  # leases of checkpoints that became durable since the last step
+        self._apply_pending()
+        cfg, phases = self.config, {}
+        if self._table_published != cfg.buffer:  # at start and after a `buffer` change: producers follow
+            self.buffer.publish_table()
+            self._table_published = cfg.buffer
+        with timed(phases, "sample_wait"):
+            leased = self.buffer.lease(
+                cfg.groups_per_step, self.version, cfg.sample_timeout_s,
+                consumer=self.delivery.consumer, lease_s=cfg.lease_s,
+            )  # fmt: skip
+        self.state = "running"
+        lease_of = {id(g): lid for g, lid in zip(leased.groups, leased.lease_ids, strict=True)}
+        groups, rejected = screen(leased.groups, self.limits)
+        for r in rejected:  # set aside in the dead-letter list; the rest of the batch trains
+            self.buffer.dead_letter(self.delivery.consumer, lease_of[id(r.group)], r.reason, r.field)
+            log.warning("group %s set aside: %s: %s", r.group.group_id, r.field, r.reason)
+            self.metrics.groups_rejected.labels(field=field_label(r.field)).inc()
+        if not groups:  # nothing trainable in this sample: no update, the loop samples again
+            self.heartbeat()
+            return {"groups_rejected": float(len(rejected))}
+        command = self._command("step", groups)
+        applied: dict[str, float] = {}  # the update's metrics, once it is applied
+        with self._step_lock:
+            trained = [lease_of[id(g)] for g in groups]
+            try:
+                self._execute(command, groups, phases, lambda: self.delivery.trained(trained), applied)
+            except BaseException:
+                if applied:  # applied, then an ack, publish or background write failed: it still counts
+                    self._record(applied, phases, groups)
+                raise
+        return self._record(applied, phases, groups)
+
+    def _record(self, metrics: dict[str, float], phases: dict[str, float], groups: list) -> dict[str, float]:
+        """The metrics line (trackers) and Prometheus record of a step whose update was applied."""
+        counters = {
+            "step": float(self.step_count),
+            "config_version": float(self.config_version),
+            "published_lag": float(self.version - (self.persist.published_version or 0)),
+        }
+        return self.step_log.record(metrics, phases, groups, counters)
+
+    # --- N ranks: the leader's commands, the followers' loop
+
+    def _command(self, op: str, groups: list) -> Command:
+        """Leader: tell every rank what this step boundary does, with the config the leader applied since
+        the last command (a no-op on one process)."""
+        if self.channel is None:
+            return Command(op)
+        return self.channel.send(op, [encode_group(g, self.config.buffer.limits) for g in groups])
+
+    def heartbeat(self) -> None:
+        """Leader with nothing to train: N ranks hear from it (a config change, a checkpoint request)."""
+        if self.channel is None:
+            return
+        self._apply_pending()
+        self.persist.poll()
+        command = self._command("noop", [])
+        if command.checkpoint:
+            with self._step_lock:
+                self._execute(command, [], {})
+
+    def follow(self, stop_event: threading.Event | None = None) -> None:
+        """Follower: run the leader's commands until it sends `stop`."""
+        while stop_event is None or not stop_event.is_set():
+            command = broadcast_command(self.ranks, None)
+            if command.op == "stop":
+                return
+            if command.config is not None:
+                new = LearnerConfig.model_validate_json(command.config)
+                with self._lock:
+                    self._pending = (new, command.config_version)
+                self._apply_pending()
+            limits = self.config.buffer.limits
+            self.persist.poll()
+            self._execute(command, [decode_group(f, limits) for f in command.groups], {})
+            if command.op == "step":
+                self.state = "running"
+
+    def _execute(
+        self,
+        command: Command,
+        groups: list,
+        phases: dict[str, float],
+        on_trained: Callable[[], None] | None = None,
+        applied: dict[str, float] | None = None,
+    ) -> dict[str, float]:
+        """Every rank, same step boundary: train on `groups` (op `step`; then `on_trained()`: the leader
+        marks their leases, which a checkpoint of this step then holds), publish, checkpoint when due.
+        `applied` gets the step's metrics as soon as the update is applied, before anything that may
+        still fail (the ack, the publish, a background write's error re-raised)."""
+        cfg, metrics = self.config, {}
+        if command.op == "step":
+            result = train_on(self.step_context(), groups, phases)
+            self.version += result.optimizer_steps  # the policy version counts optimizer steps
+            metrics = result.metrics
+            self.step_count += 1  # applied: it counts, whatever fails after it
+            if applied is not None:
+                applied.update(metrics)
+            if on_trained is not None:
+                on_trained()
+            if self.step_count % cfg.publish.publish_every == 0:
+                with timed(phases, "publish"):
+                    self._publish()
+        every = cfg.checkpoint.checkpoint_every
+        due = (
+            command.op == "step"
+            and cfg.checkpoint_path is not None
+            and every
+            and self.step_count % every == 0
+        )
+        if due or command.checkpoint:
+            with timed(phases, "checkpoint"):
+                path = self._checkpoint()
+            if command.checkpoint:  # asked for through checkpoint(): durable before the caller hears back
+                self.persist.flush()
+                if self.channel is not None:
+                    self.channel.checkpoint_taken(path, self.version)
+        return metrics
+
+    def _publish(self) -> None:
+        """Publish the current weights (N ranks: every rank joins the gather to rank 0's host memory)."""
+        self.publisher.publish(self.version, self._publish_keys if self.ranks.distributed else None)
+
+    def _stop_followers(self) -> None:
+        """Leader: send `stop` once (the followers return from `follow`)."""
+        if self.channel is not None:
+            self.channel.stop()
+
+    # --- plumbing
+
+    def _apply_pending(self) -> None:
+        """Apply the queued config. It stays queued until applied whole: a Redis outage during the buffer's
+        reconfiguration raises, the loop retries, and the next attempt applies it again (idempotent)."""
+        with self._lock:
+            pending = self._pending
+        if pending is None:
+            return
+        new, version = pending
+        self._switch_config(new, force_optimizer=False)
+        self.config_version, self.config_applied_at_step = version, self.step_count
+        with self._lock:
+            if self._pending is pending:  # a newer config queued meanwhile stays queued
+                self._pending = None
+        self.metrics.record_config(version, new)
+        self.tracker.log_config(new, "api", version, self.step_count)
+        log.info("rank %d applied config version %d at step %d", self.ranks.rank, version, self.step_count)
+        if self._on_config_applied is not None:
+            self._on_config_applied(version, self.step_count)
+        if self.channel is not None:
+            self.channel.config_applied(*pending)  # the next command carries it to every rank
+
+    def _switch_config(self, new: LearnerConfig, force_optimizer: bool) -> None:
+        """Train with `new` from now on: the optimizer's and critic's hyper-parameters and the buffer's
+        table follow it, and the next checkpoint saves it."""
+        if force_optimizer or new.optimizer != self.config.optimizer:
+            set_optimizer_hparams(self.optimizer, self.scheduler, new.optimizer)
+        if self.critic_optimizer is not None and (force_optimizer or new.critic.lr != self.config.critic.lr):
+            for g in self.critic_optimizer.param_groups:
+                g["lr"] = new.critic.lr
+        if new.buffer != self.config.buffer and self.buffer is not None:
+            self.buffer.reconfigure(new.buffer)  # same buffer object, connections and metrics registry
+        self.config = self.persist.config = new
+
+    def trainables(self) -> Trainables:
+        return Trainables(
+            self.model, self.optimizer, self.scheduler, self.critic, self.critic_optimizer, self.policy
+        )
+
+    def step_context(self) -> StepContext:
+        """What the next step trains with (frozen: `train_on` reads it, the learner keeps its state)."""
+        return StepContext(
+            config=self.config,
+            device=self.device,
+            precision=self.precision,
+            ranks=self.ranks,
+            pad_id=self.pad_id,
+            version=self.version,
+            step_count=self.step_count,
+            trainables=self.trainables(),
+            reference=self.reference,
+            before_update=self.persist.fence,
+            metrics=self.metrics if self.ranks.is_leader else None,
+        )
+
+    def _checkpoint(self) -> Path:
+        """Snapshot a checkpoint and queue its write; return the folder it will have."""
+        position, leases = {}, []
+        if self.buffer is not None and self.delivery is not None:  # the leader's (its meta is the one kept)
+            stats = self.buffer.stats()
+            position = {"inserted_total": stats.inserted_total, "sampled_total": stats.sampled_total}
+            leases = self.delivery.checkpointed(self.version)
+        self.publisher.at_checkpoint(self.version, self._publish_keys if self.ranks.distributed else None)
+        return self.persist.checkpoint(
+            self.trainables(), self.version, self.step_count, position, leases, self.config_version
+        )
+
+    def _on_durable(self, kind: str, version: int) -> None:
+        """Writer thread: a write became durable; a checkpoint's leases are acked by the next step."""
+        if kind == "checkpoint":
+            self.delivery.durable(version)
+
+    def _resumed(self, meta: dict[str, Any]) -> None:
+        """Take the resumed checkpoint's counters. The version is always that of the weights we hold:
+        versions published after that checkpoint are superseded (`_start` re-publishes ours)."""
+        self.version, self.step_count = int(meta["version"]), int(meta["step"])
+        # the checkpoint's config or the file's (checkpoint.resume_config); the optimizer and scheduler
+        # restored from the checkpoint are re-aligned with it (learning rate and schedule included)
+        self.resumed = resumed_config(self.config, meta)
+        self._switch_config(self.resumed.config, force_optimizer=True)
+        self.config_version, self.config_applied_at_step = 1, self.step_count
+        self.metrics.record_config(1, self.config)
+        record = self.store.read() if self.store is not None else None
+        if record is not None and record.version > self.version:
+            log.warning(
+                "published v%d is newer than checkpoint v%d: its weights are lost; re-publishing v%d",
+                record.version, self.version, self.version,
+            )  # fmt: skip
+
+    def close(self) -> None:
+        """Finish the background writes and acknowledge what they made durable, give back the leases whose
+        updates are in no durable checkpoint, then close the Redis connections (leader)."""
+        self._stop_followers()
+        self.publisher.close()
+        self.persist.close()
+        self.tracker.close()
+        if self.delivery is not None and self.buffer is not None and self.store is not None:
+            self.delivery.ack_durable()
+            self.delivery.close(release=True)
+            self.buffer.close()
+            self.store.close()

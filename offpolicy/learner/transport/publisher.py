@@ -1,0 +1,181 @@
+"""The learner's publish path, chosen once by `publish.transport`.
+
+- `files`: every publish writes a verified file generation (learner/persist/), which the actors load.
+- `vllm`: every publish is sent through vLLM's weight-transfer engine (transport/vllm.py) to the actors in
+  the group; a file generation is still written every `publish.persist_every` publishes, at the first
+  publish and at every checkpoint: the durable generation that starting, restarted and failed actors load
+  before they join the group. A failed send is counted and logged; training and file generations go on.
+
+On N ranks (`vllm`) with a broadcast backend (`nccl`, `gloo`), every rank joins each publish's gather of
+the full weights to rank 0's host memory in buckets (distributed/gather.py, the gather the file
+generations use), and rank 0 sends those: the followers never wait on the actors, and no rank but 0
+holds more than its shards. With an m2n backend (`nccl_m2n`, `gloo_m2n`) nothing is gathered: every rank
+sends its own shards (transport/sharded.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from prometheus_client import Counter, Gauge, Histogram
+
+from offpolicy.learner.distributed.gather import GatheredWeights
+from offpolicy.learner.transport.base import TransferResult, WeightTransport
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from offpolicy.learner.config import LearnerConfig
+    from offpolicy.learner.distributed.ranks import Ranks
+    from offpolicy.learner.persist.persistence import Persistence
+
+log = logging.getLogger(__name__)
+
+
+class TransferMetrics:
+    """The learner's transfer metrics (`publish.transport: vllm`)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.seconds = Histogram(
+            "offpolicy_learner_transfer_seconds",
+            "Seconds one weight transfer took at the learner (group re-formed when needed, send, answers)",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=r,
+        )  # fmt: skip
+        self.bytes = Counter(
+            "offpolicy_learner_transfer_bytes_total",
+            "Bytes sent to the group (with an m2n backend, every learner rank's share)",
+            registry=r,
+        )
+        self.group_size = Gauge(
+            "offpolicy_learner_transfer_group_size",
+            "Actors in the transfer group at the last send",
+            registry=r,
+        )
+        self.transfers = Counter(
+            "offpolicy_learner_transfers_total", "Versions sent to the group", registry=r
+        )
+        self.failures = Counter(
+            "offpolicy_learner_transfer_failures_total",
+            "Sends that failed (the group is re-formed)",
+            registry=r,
+        )
+        self.version = Gauge(
+            "offpolicy_learner_transfer_version", "Newest version every group member confirmed", registry=r
+        )
+
+    def observe(self, result: TransferResult) -> None:
+        self.group_size.set(result.group_size)
+        if not result.ok:
+            self.failures.inc()
+            return
+        if result.group_size:
+            self.seconds.observe(result.seconds)
+            self.bytes.inc(result.bytes)
+            self.transfers.inc()
+            self.version.set(result.version)
+
+
+class Publisher:
+    """Files every `persist_every` publishes (all of them with `transport: files`) plus the transport.
+
+    `gather` (N ranks, `transport: vllm`): (model, publish dtype, bucket bytes, leader): every rank joins
+    each publish's gather; the leader's transport reads the gathered tensors (`gathered`)."""
+
+    def __init__(
+        self,
+        config: LearnerConfig,
+        persist: Persistence,
+        transport: WeightTransport | None,
+        metrics: TransferMetrics | None,
+        gather: tuple[torch.nn.Module, torch.dtype, int, bool] | None = None,
+    ) -> None:
+        self.config, self.persist, self.transport, self.metrics = config, persist, transport, metrics
+        self.publishes = 0  # the same count on every rank: file writes stay a collective in step
+        self.persisted: int | None = None  # newest version written as files by this publisher
+        self.last: TransferResult | None = None
+        self._gather = gather
+        self._gathered: dict[str, torch.Tensor] = {}
+
+    @property
+    def transfers(self) -> bool:
+        """Whether versions go through a transport (every rank agrees: the config says so)."""
+        return self.config.publish.transport != "files"
+
+    def gathered(self) -> dict[str, torch.Tensor]:
+        """N ranks: the full weights of the publish being sent (the leader's; the transport's source)."""
+        return self._gathered
+
+    def publish(self, version: int, gather: set[str] | None) -> None:
+        every = self.config.publish.persist_every if self.transfers else 1
+        if self.publishes % every == 0:
+            self.persist_files(version, gather)
+        self.publishes += 1
+        if self._gather is not None and gather is not None:  # every rank, in step: a collective
+            model, dtype, bucket, leader = self._gather
+            self._gathered = GatheredWeights(model, gather, dtype, leader, bucket_bytes=bucket).wait()
+        if self.transport is not None:
+            try:
+                self.last = self.transport.send(version)
+            finally:
+                self._gathered = {}  # the host copy lives for one send
+            if self.metrics is not None:
+                self.metrics.observe(self.last)
+            if self.last.ok and self.last.group_size and self.metrics is not None:
+                log.info(
+                    "sent v%d to %d actor(s) in %.3f s (%d bytes)",
+                    version, self.last.group_size, self.last.seconds, self.last.bytes,
+                )  # fmt: skip
+
+    def persist_files(self, version: int, gather: set[str] | None) -> None:
+        """Write `version` as a file generation unless it already is."""
+        if self.persisted != version:
+            self.persist.publish(version, gather)
+            self.persisted = version
+
+    def at_checkpoint(self, version: int, gather: set[str] | None) -> None:
+        """A checkpoint is a durable point for the actors too: its version as a file generation."""
+        if self.transfers:  # every rank: on N ranks the file write is a collective
+            self.persist_files(version, gather)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+def make_publisher(
+    config: LearnerConfig,
+    persist: Persistence,
+    model: torch.nn.Module,
+    dtype: torch.dtype,
+    registry: CollectorRegistry,
+    ranks: Ranks,
+) -> Publisher:
+    """The publish path for `offpolicy.learner.config.publish.transport`, on every rank: with a broadcast
+    backend the leader
+    sends what every rank gathers to it; with an m2n backend every rank sends its own shards."""
+    if config.publish.transport == "files":
+        return Publisher(config, persist, None, None)
+    from offpolicy.weights.control import LearnerControl
+
+    control = LearnerControl(config.redis_url, config.run_id) if ranks.is_leader else None
+    metrics = TransferMetrics(registry) if ranks.is_leader else None
+    if config.publish.transfer.sharded:
+        from offpolicy.learner.transport.m2n import ShardedTransport
+
+        transport = ShardedTransport(config.publish.transfer, control, model, dtype, ranks)
+        return Publisher(config, persist, transport, metrics)
+    bucket = config.publish.gather_bucket_mb * 2**20
+    gather = (model, dtype, bucket, ranks.is_leader) if ranks.distributed else None
+    publisher = Publisher(config, persist, None, None, gather=gather)
+    if control is None:
+        return publisher
+    from offpolicy.learner.model.load import unique_state
+    from offpolicy.learner.transport.vllm import VllmTransport
+
+    state = publisher.gathered if ranks.distributed else (lambda: unique_state(model))
+    publisher.transport = VllmTransport(config.publish.transfer, control, state, dtype)
+    publisher.metrics = metrics
+    return publisher

@@ -1,0 +1,291 @@
+"""`publish.transport: vllm`: the learner sends each version through one of vLLM's weight-transfer engines.
+
+The learner is rank 0 of a transfer group (NCCL on GPUs, `gloo` for CPU tests) whose other ranks are the
+inference workers of the live actors (weights/control.py: heartbeats in Redis). vLLM's trainer engine
+(`WeightTransferTrainerFactory`) does the data plane; `FanoutClient` is its `VLLMWeightSyncClient`, which
+carries the control calls to every member through Redis. At a version boundary `send(version)`:
+
+1. reads the live members; when they differ from the group's (one joined, left or stopped beating), the
+   group is torn down and formed again with them (a new epoch; each actor gets its rank offset);
+2. sends: each member pauses its engine in place, receives, tags the version, resumes, and answers.
+
+Every wait inside a send (the rendezvous, the collectives, the acks) is bounded by 0.6 x `transfer.timeout_s`,
+and the whole send runs on a helper thread that the training step waits for at most `timeout_s`. A failure (a
+member died mid-update, an answer missing or an error) tears the group down, is counted, and the learner
+goes on training and writing file generations; members whose heartbeat count has not moved since are left
+out of the next group until it moves again (a restarted actor has a new incarnation and joins afresh,
+after it loaded the newest file generation).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from offpolicy.learner.transport.base import TransferResult
+
+if TYPE_CHECKING:
+    from offpolicy.weights.config import TransferConfig
+    from offpolicy.weights.control import LearnerControl, Member
+
+log = logging.getLogger(__name__)
+
+
+class TransferFailed(RuntimeError):
+    """Members did not answer a transfer command in time, or answered with an error (`culprits`)."""
+
+    def __init__(self, message: str, culprits: list[str]) -> None:
+        super().__init__(message)
+        self.culprits = culprits
+
+
+def _weight_source(state: Callable[[], dict[str, torch.Tensor]], dtype: torch.dtype, host: bool):
+    """A vLLM `WeightSource` over the learner's weights (a fresh `state()` each pass), floating tensors cast
+    to the publish dtype (what the file generations hold); on the host for gloo."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, materialize_full_tensor
+
+    def wire(t: torch.Tensor) -> torch.dtype:
+        return dtype if t.is_floating_point() else t.dtype
+
+    class StateSource(WeightSource):
+        def metadata(self) -> list[ParamMeta]:
+            return [ParamMeta(n, wire(t), tuple(t.shape)) for n, t in state().items()]
+
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in state().items():
+                full = materialize_full_tensor(t.detach()).to(wire(t))
+                yield name, full.cpu() if host else full
+
+    return StateSource()
+
+
+class FanoutClient:
+    """vLLM's weight-sync control plane (the four calls) fanned out to the group's members over Redis."""
+
+    def __init__(self, control: LearnerControl, members: list[Member], epoch: int, timeout_s: float) -> None:
+        self.control, self.members, self.epoch, self.timeout_s = control, members, epoch, timeout_s
+        self.version: int | None = None  # set before each send: the members tag what they received
+
+    @property
+    def ids(self) -> list[str]:
+        return [m.actor_id for m in self.members]
+
+    def _call(self, body: dict[str, Any]) -> None:
+        token = self.control.command(self.ids, {**body, "epoch": self.epoch}, ttl_s=2 * self.timeout_s)
+        acks = self.control.acks(token, len(self.members), self.timeout_s)
+        bad = [f"{a.actor_id}: {a.error}" for a in acks if not a.ok]
+        missing = sorted(set(self.ids) - {a.actor_id for a in acks})
+        if bad or missing:
+            raise TransferFailed(
+                f"{body['op']} (epoch {self.epoch}): errors {bad or 'none'}; "
+                f"no answer in {self.timeout_s:g} s from {missing or 'none'}",
+                sorted({a.actor_id for a in acks if not a.ok} | set(missing)),
+            )
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        offsets, rank = {}, init_info.get("rank_offset", 1)
+        for m in self.members:  # each actor's workers take the next ranks
+            offsets[m.actor_id] = rank
+            rank += m.workers
+        self._call({"op": "init", "init_info": init_info, "rank_offsets": offsets})
+
+    def start_weight_update(self) -> None:
+        """Nothing to do here: a member pauses when the update reaches it (one round trip per update)."""
+
+    def update_weights(self, update_info: Any) -> None:
+        assert self.version is not None, "set the version before sending"
+        self._call({"op": "update", "version": self.version, "update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Nothing to do here: each member finished and tagged the version before answering the update."""
+
+    def leave(self) -> None:
+        """Tell the members to drop the group (no answer awaited)."""
+        if self.members:
+            self.control.command(self.ids, {"op": "leave", "epoch": self.epoch}, ttl_s=2 * self.timeout_s)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class VllmTransport:
+    """The learner's side of `publish.transport: vllm` (one process: the learner is the only sender)."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        config: TransferConfig,
+        control: LearnerControl,
+        state: Callable[[], dict[str, torch.Tensor]],
+        dtype: torch.dtype,
+    ) -> None:
+        self.config, self.control = config, control
+        self.source = _weight_source(state, dtype, host=config.backend == "gloo")
+        _trainer_init_info(config, config.address, 0, 1)  # imports (and registers) now, not in a send's bound
+        self._init_group_state()
+
+    def _init_group_state(self) -> None:
+        """No group yet, no member benched or stalled, no send made."""
+        self.engine = None
+        self.client: FanoutClient | None = None
+        self.epoch = 0
+        self._stalled: dict[str, int] = {}  # actor id -> heartbeat count at the last failure
+        self._benched: dict[str, tuple[str, int, int]] = {}  # id -> (incarnation, until send no., strikes)
+        self._sends = 0
+        self._thread: threading.Thread | None = None  # a send that outlived its bound, still unwinding
+
+    @property
+    def busy(self) -> bool:
+        """A send that outlived its bound is still unwinding (the next `send` fails at once until it ends)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def group_size(self) -> int:
+        return 0 if self.client is None else len(self.client.members)
+
+    def send(self, version: int) -> TransferResult:
+        """Send `version` to the live members; never waits longer than `timeout_s` (+ one Redis read)."""
+        t0 = time.perf_counter()
+        if self.busy:  # the last one is still unwinding
+            return TransferResult(version, 0.0, ok=False, error="the previous send is still unwinding")
+        self._sends += 1
+        members = [m for m in self.control.members() if self._admitted(m)]
+        for m in members:  # beating again (or restarted): back in
+            self._stalled.pop(m.actor_id, None)
+        if not members:
+            self._teardown()
+            return TransferResult(version, 0.0, group_size=0)
+        outcome: dict[str, Any] = {}
+        self._thread = threading.Thread(
+            target=self._run, args=(version, members, outcome), name="offpolicy-transfer", daemon=True
+        )
+        self._thread.start()
+        self._thread.join(self.config.timeout_s)
+        seconds = time.perf_counter() - t0
+        if self._thread.is_alive():
+            error = f"no result in {self.config.timeout_s:g} s"
+        else:
+            error = outcome.get("error", "")
+        if error:
+            self._failed(members, outcome.get("culprits"))
+            log.warning("weight transfer of v%d failed after %.2f s: %s", version, seconds, error)
+            return TransferResult(version, seconds, 0, len(members), ok=False, error=error)
+        for m in members:  # a clean send clears past strikes
+            self._benched.pop(m.actor_id, None)
+        return TransferResult(version, seconds, outcome["bytes"], len(members))
+
+    def _admitted(self, m: Member) -> bool:
+        """Whether a live member goes into this send's group: not stalled since a failure (its heartbeat
+        count has moved or it restarted) and not benched (an actor named by a failed command sits out
+        1, 2, 4, ... up to 16 sends, unless it restarted: a new incarnation comes in at once)."""
+        if self._stalled.get(m.actor_id) == m.beats:
+            return False
+        benched = self._benched.get(m.actor_id)
+        return benched is None or benched[0] != m.incarnation or self._sends >= benched[1]
+
+    def _run(self, version: int, members: list[Member], outcome: dict[str, Any]) -> None:
+        changed = self.client is None or [(m.actor_id, m.incarnation) for m in self.client.members] != [
+            (m.actor_id, m.incarnation) for m in members
+        ]
+        self._attempt(version, outcome, (lambda: self._form(members)) if changed else None)
+
+    def _attempt(self, version: int, outcome: dict[str, Any], form: Callable[[], None] | None) -> None:
+        """Form the group first when `form` is given, then send `version`; the outcome (bytes, or the
+        error and the members it names) goes into `outcome`, never raised into the step."""
+        try:
+            if form is not None:
+                form()
+            assert self.engine is not None
+            if self.client is not None:  # the controller (on N ranks, rank 0 only)
+                self.client.version = version
+            self.engine.send_weights()
+            outcome["bytes"] = getattr(self.engine, "bytes_sent", 0)
+        except Exception as e:  # translated: reported as a failed transfer, never raised into the step
+            outcome["error"] = f"{type(e).__name__}: {e}"
+            outcome["culprits"] = e.culprits if isinstance(e, TransferFailed) else None
+
+    def _form(self, members: list[Member]) -> None:
+        """Tear the old group down and form one with `members` (a new epoch)."""
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        self._teardown()
+        self.epoch += 1
+        cfg = self.config
+        client = FanoutClient(self.control, members, self.epoch, _inner(cfg))
+        port = cfg.port or _free_port()
+        world = 1 + sum(m.workers for m in members)
+        info = _trainer_init_info(cfg, cfg.address, port, world)
+        self.engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=self.source)
+        self.client = client
+        log.info("transfer group epoch %d formed: %s (%d ranks)", self.epoch, client.ids, world)
+
+    def _failed(self, members: list[Member], culprits: list[str] | None) -> None:
+        """After a failed send: the members named by the failure are benched; when the failure names no one
+        (the broadcast broke: a peer died), every member sits out until its heartbeat moves again."""
+        if culprits:
+            for m in members:
+                if m.actor_id in culprits:
+                    strikes = self._benched.get(m.actor_id, ("", 0, 0))[2] + 1
+                    until = self._sends + 1 + min(2 ** (strikes - 1), 16)
+                    self._benched[m.actor_id] = (m.incarnation, until, strikes)
+        else:
+            self._stalled.update({m.actor_id: m.beats for m in members})
+        self._teardown()
+
+    def _teardown(self) -> None:
+        engine, client, self.engine, self.client = self.engine, self.client, None, None
+        if engine is not None:
+            try:
+                engine.shutdown()  # closes the group: members still receiving fail at once
+            except Exception as e:  # translated: a broken group may not shut down cleanly
+                log.warning("transfer group shutdown: %s", e)
+        if client is not None:
+            client.leave()
+
+    def close(self) -> None:
+        self._teardown()
+        self.control.close()
+
+
+def _inner(cfg: TransferConfig) -> float:
+    """The bound of each wait inside a send (rendezvous, collective, answers): shorter than the send's own
+    bound, so that a member that does not answer is named (and benched) before the send gives up."""
+    return 0.6 * cfg.timeout_s  # the rendezvous store overshoots its timeout by up to ~1 s
+
+
+def _trainer_init_info(cfg: TransferConfig, address: str, port: int, world: int):
+    """vLLM's trainer init info for `cfg.backend` (the learner is rank 0, the only sender)."""
+    if cfg.backend == "gloo":
+        from offpolicy.weights.engines.gloo import GlooTrainerInitInfo
+        from offpolicy.weights.engines.plugin import register
+
+        register()
+        return GlooTrainerInitInfo(
+            rank=0,
+            master_address=address,
+            master_port=port,
+            world_size=world,
+            packed_buffer_size_bytes=cfg.bucket_bytes,
+            timeout_s=_inner(cfg),
+        )
+    if cfg.backend == "nccl":
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        return NCCLTrainerInitInfo(
+            rank=0,
+            master_address=address,
+            master_port=port,
+            world_size=world,
+            packed_buffer_size_bytes=cfg.bucket_bytes,
+        )
+    raise ValueError(f"transfer.backend {cfg.backend!r} is not supported by the learner")

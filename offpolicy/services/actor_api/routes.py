@@ -1,0 +1,101 @@
+"""The actor's `/v1` routes: its status, and the OpenAI-compatible gateway when `gateway.enabled`
+(`/v1/episodes`, `/v1/chat/completions`: actors/gateway/episodes.py, docs/agents.md). Health, readiness and
+metrics come from services/common."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Path, Request
+from fastapi.responses import JSONResponse
+
+from offpolicy.services.actor_api.runtime import ActorRuntime
+from offpolicy.services.actor_api.schemas import (
+    ActorStatus,
+    EpisodeFinished,
+    EpisodeOpened,
+    FinishEpisode,
+    OpenEpisode,
+)
+from offpolicy.services.common.auth import Authorized
+from offpolicy.services.common.errors import InvalidConfig, error_responses
+
+EPISODE_ID = Path(min_length=1, max_length=64, pattern=r"^[0-9a-f]+$")
+
+
+def get_runtime(request: Request) -> ActorRuntime:
+    return request.app.state.runtime
+
+
+Runtime = Annotated[ActorRuntime, Depends(get_runtime)]
+router = APIRouter(prefix="/v1")
+
+
+@router.get("/status", response_model=ActorStatus, tags=["status"], summary="What the actor is doing")
+def status(runtime: Runtime) -> ActorStatus:
+    return runtime.status()
+
+
+@router.post(
+    "/episodes",
+    response_model=EpisodeOpened,
+    dependencies=[Authorized],
+    tags=["gateway"],
+    summary="Open an episode (its chat calls carry X-Episode-Id)",
+    responses=error_responses(401, 404, 409, 422, 429, 503),
+)
+async def open_episode(body: OpenEpisode, runtime: Runtime) -> EpisodeOpened:
+    gateway = runtime.gateway()
+    opened = await runtime.on_engine(
+        gateway.open_episode(body.prompt_id, body.group_id, body.group_size, body.answer, body.metadata)
+    )
+    return EpisodeOpened(**opened)
+
+
+@router.post(
+    "/episodes/{episode_id}/finish",
+    response_model=EpisodeFinished,
+    dependencies=[Authorized],
+    tags=["gateway"],
+    summary="Close an episode with its reward (none: the reward function scores it)",
+    responses=error_responses(401, 404, 422, 503),
+)
+async def finish_episode(
+    runtime: Runtime,
+    episode_id: Annotated[str, EPISODE_ID],
+    body: FinishEpisode | None = None,
+) -> EpisodeFinished:
+    body = body or FinishEpisode()
+    gateway = runtime.gateway()
+    done = await runtime.on_engine(gateway.finish(episode_id, body.reward, body.metadata))
+    return EpisodeFinished(**done)
+
+
+@router.post(
+    "/chat/completions",
+    dependencies=[Authorized],
+    tags=["gateway"],
+    summary="An OpenAI chat completion; recorded within the episode named by X-Episode-Id",
+    responses=error_responses(401, 404, 409, 422, 503),
+)
+async def chat_completions(
+    request: Request,
+    runtime: Runtime,
+    x_episode_id: Annotated[str | None, Header(max_length=64, pattern=r"^[0-9a-f]+$")] = None,
+) -> JSONResponse:
+    t0 = time.perf_counter()
+    try:
+        body: Any = await request.json()
+    except ValueError as e:
+        raise InvalidConfig(
+            "the body is not JSON", [{"field": "body", "message": str(e), "type": "json"}]
+        ) from e
+    if not isinstance(body, dict):
+        raise InvalidConfig(
+            "the body must be an object", [{"field": "body", "message": "not an object", "type": "type"}]
+        )
+    gateway = runtime.gateway()
+    response = JSONResponse(await runtime.on_engine(gateway.chat(x_episode_id, body)))
+    gateway.metrics.gateway_seconds.labels("request").inc(time.perf_counter() - t0)  # parse to response
+    return response

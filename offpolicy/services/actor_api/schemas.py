@@ -1,0 +1,94 @@
+"""Request and response models of the actor service: `GET /v1/status` and the gateway's episodes."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import AllowInfNan, BaseModel, ConfigDict, Field
+
+from offpolicy.config.base import IdStr
+
+FiniteFloat = Annotated[float, AllowInfNan(False)]
+
+
+class ActorStatus(BaseModel):
+    """What the actor is doing: its loaded weights, throughput and output."""
+
+    state: str
+    """`starting` (engine loading), `running`, `stopped` or `failed`."""
+    actor_id: str
+    """This actor's id, as stamped on its groups."""
+    loaded_policy_version: int | None
+    """Policy version of the weights in the engine; null before the first load."""
+    learner_policy_version: int | None
+    """Newest version the learner published (from the policy record); null when none yet."""
+    tokens_per_s: float | None
+    """Generated tokens per second over the last batch; null before the first batch."""
+    groups_pushed: int
+    """Groups inserted into the buffer since start."""
+    reloads: int
+    """Weight reloads done since start."""
+    reward_failures: dict[str, int] = Field(default_factory=dict)
+    """Groups set aside because their reward failed, by reason (those that happened; the reasons are
+    `offpolicy.actors.metrics.REWARD_FAILURE_REASONS`: `no_answer`, `bad_answer`, `raised`, `timeout`,
+    ...)."""
+    reward_failure_alarm: str | None = None
+    """Set while more than half of the groups failed their reward (judged after the first 20): the count
+    and the commonest reason; the same line is logged once as an ERROR."""
+    error: str | None = None
+    """Why the loop stopped, when it failed."""
+    mode: str = "train"
+    """`train` (generates into the buffer) or `eval` (an evaluation actor: pushes nothing)."""
+    last_eval: dict[str, float | None] | None = None
+    """The last evaluation's `eval/...` metrics (reward mean, pass@k, version); null before the first."""
+
+
+# --- the gateway (actors/gateway/episodes.py)
+
+
+class OpenEpisode(BaseModel):
+    """`POST /v1/episodes`: open an episode of a group."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_id: IdStr
+    """The task's id; episodes of one prompt form a group unless `group_id` says otherwise."""
+    group_id: IdStr | None = None
+    """The group this episode joins (opened by its first episode); null = the prompt's open group."""
+    group_size: int | None = Field(None, ge=1, le=1024)
+    """Episodes in the group; null = `gateway.group_size`, else `sampling.n`."""
+    answer: str | None = Field(None, max_length=65_536)
+    """The reference answer the configured reward function reads (when a finish has no reward)."""
+    metadata: dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=65_536)]] = Field(
+        default_factory=dict, max_length=64
+    )
+    """Stored with the group (strings)."""
+
+
+class EpisodeOpened(BaseModel):
+    """An open episode: send its id as `X-Episode-Id` with each chat call."""
+
+    episode_id: str
+    group_id: str
+    group_size: int
+
+
+class FinishEpisode(BaseModel):
+    """`POST /v1/episodes/{episode_id}/finish`: close an episode."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reward: FiniteFloat | None = None
+    """The episode's reward; null = the configured reward function scores its policy text."""
+    metadata: dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=65_536)]] = Field(
+        default_factory=dict, max_length=64
+    )
+    """Added to the group's metadata."""
+
+
+class EpisodeFinished(BaseModel):
+    """A closed episode; `group_complete` once every episode of its group has ended (the group is pushed)."""
+
+    episode_id: str
+    group_id: str
+    group_complete: bool

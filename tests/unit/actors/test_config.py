@@ -1,0 +1,79 @@
+"""ActorConfig: frozen, extra=forbid, cross-field checks with values, YAML + OFFPOLICY_ env loading."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+import yaml
+
+from offpolicy.actors.config import ActorConfig, EngineConfig, SamplingConfig, load_config
+
+
+def _base() -> dict:
+    return {"model_path": "/m", "dataset": {"path": "/d.jsonl"}}
+
+
+def test_defaults_and_frozen():
+    cfg = ActorConfig.model_validate(_base())
+    assert cfg.resolved_actor_id == "actor-0"
+    assert cfg.sampling.temperature == 1.0 and cfg.sampling.top_k == -1
+    with pytest.raises(pydantic.ValidationError):
+        cfg.run_id = "x"
+
+
+def test_extra_fields_are_rejected():
+    with pytest.raises(pydantic.ValidationError, match="extra"):
+        ActorConfig.model_validate(_base() | {"bogus": 1})
+    with pytest.raises(pydantic.ValidationError, match="extra"):
+        ActorConfig.model_validate(_base() | {"sampling": {"temp": 0.7}})
+
+
+@pytest.mark.parametrize(
+    ("over", "match"),
+    [
+        ({"actor_index": 2, "num_actors": 2}, "actor_index=2 must be < num_actors=2"),
+        ({"sampling": {"max_tokens": 4096}}, "max_tokens=4096 leaves no room"),
+        ({"sampling": {"top_k": 0}}, "top_k = 0"),
+        ({"sampling": {"temperature": 0.0}}, "greater than 0"),
+        ({"retry": {"initial_s": 5, "max_s": 1}}, "max_s=1.0 < retry.initial_s=5.0"),
+    ],
+)
+def test_cross_field_checks_name_the_values(over, match):
+    with pytest.raises(pydantic.ValidationError, match=match):
+        ActorConfig.model_validate(_base() | over)
+
+
+def test_yaml_then_env_then_kwargs(tmp_path):
+    path = tmp_path / "actor.yaml"
+    path.write_text(yaml.safe_dump(_base() | {"sampling": {"temperature": 0.5, "n": 2}, "run_id": "r1"}))
+    env = {
+        "OFFPOLICY_SAMPLING__TEMPERATURE": "0.7",
+        "OFFPOLICY_ENGINE__DTYPE": "float32",
+        "OFFPOLICY_API_TOKEN": "not mine",  # another component's variable: ignored
+        "UNRELATED": "1",
+    }
+    cfg = load_config(path, env, actor_index=1, num_actors=2)
+    assert cfg.sampling.temperature == 0.7 and cfg.sampling.n == 2
+    assert cfg.engine.dtype == "float32" and cfg.model_path == "/m"
+    assert (cfg.run_id, cfg.actor_index, cfg.resolved_actor_id) == ("r1", 1, "actor-1")
+
+
+def test_load_config_without_environ_reads_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("OFFPOLICY_RUN_ID", "from-env")
+    path = tmp_path / "a.yaml"
+    path.write_text(yaml.safe_dump(_base()))
+    assert load_config(path).run_id == "default"
+
+
+def test_presets():
+    eng = EngineConfig.cpu_tiny()
+    assert (eng.dtype, eng.enforce_eager, eng.cpu_kv_cache_gib, eng.max_model_len) == (
+        "float32",
+        True,
+        1.0,
+        512,
+    )
+    cfg = ActorConfig.cpu_tiny("/m", "/d.jsonl", run_id="r")
+    assert cfg.reward.name == "target_token_share" and cfg.sampling == SamplingConfig(
+        temperature=0.7, max_tokens=32, n=4
+    )

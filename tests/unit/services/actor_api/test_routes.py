@@ -1,0 +1,82 @@
+"""The gateway's HTTP routes on the actor service, against a scripted engine: the bearer token, the error
+envelope of each refusal (404 disabled or unknown, 409 a rewritten turn, 422 with the field), and a
+recorded episode from open to finish."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from fastapi.testclient import TestClient
+
+from offpolicy.services.actor_api.main import create_app
+from offpolicy.services.common.settings import ActorServiceSettings
+from tests.unit.actors.gateway.test_episodes import StubActor
+
+AUTH = {"Authorization": "Bearer tok"}
+
+
+class ServedActor(StubActor):
+    """A stub actor the service can host: its loop waits for the stop event."""
+
+    def __init__(self, config: Any, registry: Any, script: list[str]) -> None:
+        super().__init__(script, group_size=1)
+        self.config = config
+        from offpolicy.actors.gateway.episodes import Gateway
+
+        self.gateway = Gateway(self)
+
+    def run(self, stop_event: threading.Event) -> None:
+        stop_event.wait()
+
+    def status(self) -> dict[str, Any]:
+        return {"state": "running", "actor_id": "a0", "loaded_policy_version": 7, "learner_policy_version": 7,
+                "tokens_per_s": None, "groups_pushed": len(self.pushed), "reloads": 0}  # fmt: skip
+
+    def close(self) -> None:
+        pass
+
+
+def app_for(enabled: bool, script: list[str]) -> Any:
+    config = StubActor([], group_size=1).config.model_copy(
+        update={"gateway": StubActor([], group_size=1).config.gateway.model_copy(update={"enabled": enabled})}
+    )
+    return create_app(
+        ActorServiceSettings(api_token="tok"),
+        config=config,
+        actor_factory=lambda c, r: ServedActor(c, r, script),
+    )
+
+
+def test_routes_need_the_token_and_refuse_with_the_envelope() -> None:
+    app = app_for(True, ["hello", "there"])
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    with TestClient(app) as http:
+        assert http.post("/v1/episodes", json={"prompt_id": "p"}).status_code == 401
+        assert http.post("/v1/chat/completions", json=chat).status_code == 401
+        eid = http.post("/v1/episodes", json={"prompt_id": "p"}, headers=AUTH).json()["episode_id"]
+        ep = {**AUTH, "X-Episode-Id": eid}
+        r = http.post("/v1/chat/completions", json={**chat, "temperature": 1.5}, headers=ep)
+        assert r.status_code == 422 and r.json()["error"]["detail"][0]["field"] == "body.temperature"
+        r = http.post("/v1/chat/completions", json={"model": "m", "messages": "nope"}, headers=ep)
+        assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error"
+        r = http.post("/v1/chat/completions", json=chat, headers=ep)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "hello"
+        rewritten = [{"role": "assistant", "content": "HELLO"}, {"role": "user", "content": "?"}]
+        bad = {**chat, "messages": [*chat["messages"], *rewritten]}
+        r = http.post("/v1/chat/completions", json=bad, headers=ep)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "episode_conflict"
+        r = http.post("/v1/chat/completions", json=chat, headers={**AUTH, "X-Episode-Id": "abc"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "episode_not_found"
+        r = http.post(f"/v1/episodes/{eid}/finish", json={"reward": 0.5}, headers=AUTH)
+        assert r.json() == {"episode_id": eid, "group_id": r.json()["group_id"], "group_complete": True}
+        assert http.get("/v1/status").json()["groups_pushed"] == 1
+        assert http.post(f"/v1/episodes/{eid}/finish", json={}, headers=AUTH).status_code == 404
+        bad_reward = http.post(f"/v1/episodes/{eid}/finish", content=b'{"reward": NaN}', headers=AUTH)
+        assert bad_reward.status_code == 422
+
+
+def test_a_disabled_gateway_answers_404() -> None:
+    with TestClient(app_for(False, [])) as http:
+        r = http.post("/v1/episodes", json={"prompt_id": "p"}, headers=AUTH)
+        assert r.status_code == 404 and "gateway.enabled" in r.json()["error"]["message"]
