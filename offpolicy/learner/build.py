@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -24,6 +24,7 @@ from offpolicy.learner.distributed.fsdp import decoder_layers, fsdp_mesh, shard
 from offpolicy.learner.distributed.lean import (
     broadcast_from_rank0,
     load_shards,
+    local_checkpoint,
     materialize,
     meta_model,
     unique_names,
@@ -55,10 +56,10 @@ class Trainables:
 
 def build_trainables(
     config: LearnerConfig, device: torch.device, precision: Precision, sharded: bool
-) -> tuple[Trainables, set[str]]:
-    """The policy, optimizer, scheduler and (GAE) critic of `config` on `device` (`sharded`: FSDP2), and
-    the names of the weights to publish (the state dict's, tied names dropped as `save_pretrained` does;
-    taken before sharding, which hides the ties)."""
+) -> tuple[Trainables, set[str], str]:
+    """The policy, optimizer, scheduler and (GAE) critic of `config` on `device` (`sharded`: FSDP2), the
+    names of the weights to publish (the state dict's, tied names dropped as `save_pretrained` does;
+    taken before sharding, which hides the ties), and how the policy's weights were read (`start_way`)."""
     checkpointing = gradient_checkpointing(config, device)
     attn = attention.resolve(config.attn_implementation, device)
     lean = sharded and config.fsdp.lean_start
@@ -81,8 +82,9 @@ def build_trainables(
     policy = LogProbs(model)  # what the loop calls for log-probs
     if sharded:
         shard(policy, model.config.num_hidden_layers, precision, offload, mesh)
+    way = ("whole, sharded" if sharded else "whole") if not lean else ""
     if lean:
-        fill(policy, "lm", model, config.model_path, dtype, _init_device(offload, device))
+        way = fill(policy, "lm", model, config.model_path, dtype, _init_device(offload, device))
     oc = config.optimizer
     # fused: one kernel over all parameters (5x faster than foreach for 160M fp32 parameters on CPU)
     optimizer = torch.optim.AdamW(
@@ -118,7 +120,7 @@ def build_trainables(
             )
             critic.zero_head()
         critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=config.critic.lr, fused=True)
-    return Trainables(model, optimizer, scheduler, critic, critic_optimizer, policy), publish_keys
+    return Trainables(model, optimizer, scheduler, critic, critic_optimizer, policy), publish_keys, way
 
 
 def build_reference(
@@ -162,9 +164,11 @@ def fill(
     causal: bool = True,
 ) -> str:
     """Lean start: allocate the sharded `root`'s shards on `device` and load `model`'s (= `root.<prefix>`)
-    weights from `path` into them: each rank its slices, or rank 0 reads and broadcasts when the
-    checkpoint does not map one to one (learner/distributed/lean.py). Returns the way taken."""
+    weights from `path` (a folder, or a hub id resolved to its local snapshot first) into them: each rank
+    its slices, or rank 0 reads and broadcasts when the checkpoint does not map one to one
+    (learner/distributed/lean.py), said in a warning. Returns the way taken: `slices` | `broadcast`."""
     materialize(root, device)
+    path = local_checkpoint(path)
     if load_shards(model, path):
         log.info("lean start: %s read from %s, each rank its own slices", type(root).__name__, path)
         return "slices"
@@ -176,7 +180,10 @@ def fill(
             load_model(path, "cpu", dtype) if causal else AutoModel.from_pretrained(path, dtype=dtype)
         ).state_dict()
     broadcast_from_rank0(root, prefix, full)
-    log.info("lean start: %s read from %s by rank 0 and broadcast", type(root).__name__, path)
+    log.warning(
+        "lean start: the safetensors in %s do not map one to one onto %s: rank 0 read the whole model and "
+        "broadcast it (host memory on rank 0: the whole checkpoint)", path, type(root).__name__,
+    )  # fmt: skip
     return "broadcast"
 
 
@@ -239,6 +246,36 @@ class Built:
     """The peak host memory the models' build added (lean start: about this rank's shards)."""
     startup_host_exact: bool
     """False: measured as ru_maxrss, the peak since the process started."""
+    grad_sync: str = "micro_batch"
+    """`fsdp.grad_sync` resolved (`mini_batch` | `micro_batch`); one process: `micro_batch` (no reduction)."""
+    start_way: str = "whole"
+    """How the policy's weights were read: `slices` (lean start, each rank its own), `broadcast` (lean start,
+    rank 0 read the whole checkpoint), `whole` (one process) or `whole, sharded` (every rank read it all)."""
+
+
+def resolve_grad_sync(
+    config: LearnerConfig, plan: MemoryPlan, shard_ranks: int, limit: int | None, ranks: Ranks
+) -> tuple[MemoryPlan, str]:
+    """`fsdp.grad_sync` for this run, and the plan with the gradients it holds: `mini_batch` keeps the
+    unsharded gradients of every micro-batch until the last (fp32, or bf16 under `bf16_pure`), so the plan
+    counts them whole; `auto` takes it when that plan fits `limit` and `cpu_offload` is off."""
+    if not ranks.distributed:
+        return plan, "micro_batch"
+    mode = config.fsdp.grad_sync
+    if config.fsdp.cpu_offload and mode == "auto":
+        mode = "micro_batch"  # the gradients live in host memory: holding them whole would undo that
+    width = 2 if config.precision == "bf16_pure" else 4
+    master = 2 if config.precision == "bf16_pure" else 4
+    # the plan's sharded gradients are parameters x master bytes / shard ranks (0 under cpu_offload)
+    unsharded = plan.weights * shard_ranks * width // master
+    deferred = replace(plan, gradients=unsharded)
+    if mode == "auto":
+        mode = "mini_batch" if limit is None or deferred.total <= limit else "micro_batch"
+    log.info(
+        "gradients reduced once per %s (fsdp.grad_sync: %s)",
+        "optimizer step" if mode == "mini_batch" else "micro-batch", config.fsdp.grad_sync,
+    )  # fmt: skip
+    return (deferred if mode == "mini_batch" else plan), mode
 
 
 def build_models(config: LearnerConfig, ranks: Ranks) -> Built:
@@ -250,13 +287,25 @@ def build_models(config: LearnerConfig, ranks: Ranks) -> Built:
     # the ranks a parameter is sharded over: all of them, or one replica group's (fsdp.replicate)
     shard_ranks = max(1, ranks.world_size // config.fsdp.replicate) if ranks.distributed else 1
     plan = plan_for(config, shard_ranks, ranks.distributed, checkpointing, device.type == "cuda")
+    plan, grad_sync = resolve_grad_sync(config, plan, shard_ranks, device_limit(config, device), ranks)
     check(plan, device_limit(config, device), config, shard_ranks, checkpointing)
     with PeakHostMemory() as startup:  # the models' host memory at start-up (lean start: ~shards)
-        parts, publish_keys = build_trainables(config, device, precision, ranks.distributed)
+        parts, publish_keys, start_way = build_trainables(config, device, precision, ranks.distributed)
         reference = build_reference(config, device, precision, ranks.distributed)
     log.info(
         "start-up host memory: rank %d peak %d bytes above the %d before the models were built "
         "(lean_start=%s)",
         ranks.rank, startup.added_bytes, startup.base_bytes, ranks.distributed and config.fsdp.lean_start,
     )  # fmt: skip
-    return Built(device, precision, plan, parts, publish_keys, reference, startup.added_bytes, startup.exact)
+    return Built(
+        device,
+        precision,
+        plan,
+        parts,
+        publish_keys,
+        reference,
+        startup.added_bytes,
+        startup.exact,
+        grad_sync,
+        start_way,
+    )

@@ -238,6 +238,12 @@ class LearnerMetrics:
         for sink in TRACKING_SINKS:
             self.tracking_errors.labels(sink=sink)
         self.paused = Gauge(PREFIX + "paused", "1 while the learner is paused, else 0.", registry=registry)
+        self.start_way = Gauge(
+            PREFIX + "start_way_info", "1 for how this learner read its policy weights at start: slices "
+            "(lean start, each rank its own), broadcast (lean start, rank 0 read the whole checkpoint), "
+            "whole (one process) or whole, sharded (every rank read it all).",
+            ["way"], registry=registry,
+        )  # fmt: skip
         self.config_version = Gauge(
             PREFIX + "config_version", "config_version (GET /v1/config/history) of the config the loop runs.",
             registry=registry,

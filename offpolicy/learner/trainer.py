@@ -111,6 +111,8 @@ class Learner:
         self.device, self.precision, self.memory_plan = built.device, built.precision, built.memory_plan
         self.reference, self._publish_keys = built.reference, built.publish_keys
         self.startup_host_bytes, self.startup_host_exact = built.startup_host_bytes, built.startup_host_exact
+        self.grad_sync, self.start_way = built.grad_sync, built.start_way
+        self.metrics.start_way.labels(way=built.start_way).set(1)
         parts = built.parts
         self.model, self.policy = parts.model, parts.policy
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
@@ -255,6 +257,8 @@ class Learner:
             "buffer": self.buffer.stats() if self.buffer is not None else None,
             "last_step": dict(self.metrics.last),
             "memory_plan": self.memory_plan.as_dict(),
+            "grad_sync": self.grad_sync,
+            "start_way": self.start_way,
         }
 
     def run(self, stop_event: threading.Event) -> None:
@@ -490,6 +494,7 @@ class Learner:
             reference=self.reference,
             before_update=self.persist.fence,
             metrics=self.metrics if self.ranks.is_leader else None,
+            grad_sync=self.grad_sync,
         )
 
     def _checkpoint(self) -> Path:

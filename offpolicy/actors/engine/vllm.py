@@ -37,6 +37,8 @@ from offpolicy.actors.config import EngineConfig, SamplingConfig
 from offpolicy.actors.errors import EngineError, PromptFailed, WeightLoadError
 
 log = logging.getLogger(__name__)
+STALL_GRACE_S = 5.0
+"""Seconds past a transfer's `timeout_s` after which a receive that has not returned counts as stalled."""
 T = TypeVar("T")
 
 
@@ -272,14 +274,31 @@ class VLLMEngine:
         receives, and `finish_weight_update`, which tags the version on the tokens sampled from now on),
         then the prefix cache is reset as after a file load. Raises `WeightLoadError` (`transfer`): the
         engine may then hold partly received weights, and the caller loads a file generation back.
+        `EngineError` when the calls have not returned `STALL_GRACE_S` after `timeout_s`: the engine is
+        blocked in the receive, marked broken, and the actor must end (its restart loads from files).
         """
         rpc = self.llm.collective_rpc
+        bound = timeout_s + STALL_GRACE_S
+        stall = asyncio.timeout(bound)
         try:
-            await self.acall(rpc("start_weight_update", timeout=timeout_s))
-            await self.acall(rpc("update_weights", timeout=timeout_s, kwargs={"update_info": update_info}))
-            await self.acall(rpc("finish_weight_update", timeout=timeout_s))
+            # vLLM's one-process executor (TP=1) ignores collective_rpc's timeout: a receive stalled in a
+            # collective would hold this engine paused for good, so the wait is bounded here too
+            async with stall:
+                await self.acall(rpc("start_weight_update", timeout=timeout_s))
+                await self.acall(
+                    rpc("update_weights", timeout=timeout_s, kwargs={"update_info": update_info})
+                )
+                await self.acall(rpc("finish_weight_update", timeout=timeout_s))
         except Exception as e:  # translated: a dead peer, a timeout, or a shape/dtype mismatch
-            raise WeightLoadError(version, "transfer", f"{type(e).__name__}: {e}") from e
+            if not stall.expired():
+                raise WeightLoadError(version, "transfer", f"{type(e).__name__}: {e}") from e
+            # the engine's worker is blocked in the receive: it cannot be reused
+            self.broken = (
+                f"the transfer of v{version} stalled for {bound:g} s inside the engine (a blocked collective "
+                "that vLLM's executor does not time out): the actor exits, and its restart loads the newest "
+                "file generation"
+            )
+            raise EngineError(self.broken) from e
         await self.acall(self.llm.update_weight_version(str(version)))
         if not await self.acall(self.llm.reset_prefix_cache(reset_running_requests=True)):
             raise WeightLoadError(version, "engine", "vLLM refused to reset the prefix cache")

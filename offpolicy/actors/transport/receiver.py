@@ -72,9 +72,11 @@ class TransferReceiver:
         config: TransferConfig,
         registry: CollectorRegistry,
         verify: str = "manifest",
+        weights_root: str | None = None,
     ) -> None:
         self.control, self.engine, self.store, self.config = control, engine, store, config
         self.verify = verify  # `reload.verify` for the file generations it loads
+        self.weights_root = weights_root  # `reload.weights_root`: where relative `weights_uri`s resolve
         self.metrics = ReceiverMetrics(registry)
         self.epoch: int | None = None
         self.received = 0  # versions received by transfer
@@ -184,7 +186,7 @@ class TransferReceiver:
         return True
 
     async def _load(self, record: PolicyRecord) -> None:
-        folder = weights_path(record.weights_uri)
+        folder = weights_path(record.weights_uri, self.weights_root)
         await asyncio.to_thread(verify_folder, folder, record.sha256, record.version, self.verify)
         await self.engine.reload_weights(str(folder), record.version, self.config.timeout_s)
         log.info("loaded the file generation v%d", record.version)
@@ -217,7 +219,13 @@ def start_receiver(actor: Any, store: AsyncPolicyStore) -> asyncio.Task | None:
 
     control = ActorControl(cfg.redis_url, cfg.run_id, actor.actor_id, cfg.buffer.storage_timeout_s)
     receiver = TransferReceiver(
-        control, actor.engine, store, cfg.reload.transfer, actor.registry, cfg.reload.verify
+        control,
+        actor.engine,
+        store,
+        cfg.reload.transfer,
+        actor.registry,
+        cfg.reload.verify,
+        cfg.reload.weights_root,
     )
     actor.transfer = receiver
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
@@ -28,8 +28,13 @@ PrecisionName = Literal["bf16_mixed", "fp32", "bf16_pure"]
 WRITABLE = {"writable_path": True}
 
 AttnImplementation = Literal[
-    "auto", "sdpa_varlen", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", "eager"
-]
+    "auto", "torch_varlen", "sdpa_varlen", "sdpa", "flash_attention_2", "flash_attention_3",
+    "flex_attention", "eager",
+]  # fmt: skip
+TokenBudget = Annotated[int, Field(ge=1)] | Literal["auto"]
+"""Tokens per micro-batch, or `auto`: the largest the memory plan admits (learner/memory_plan.py)."""
+LogprobHead = Literal["fused", "chunked"]
+"""How the LM head gives the sampled tokens' log-probs (learner/model/head.py)."""
 AdvEstimator = Literal["grpo", "rloo", "reinforce", "gae"]
 LossAggMode = Literal[
     "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"
@@ -100,6 +105,14 @@ class FsdpConfig(ConfigModel):
     all-gathers and reduce-scatters then stay inside a node; only the gradient all-reduce crosses) and
     a node's GPUs hold the model's shards. 1 = one flat mesh over every rank (the least memory per rank).
     Must divide the world size."""
+    grad_sync: Literal["auto", "mini_batch", "micro_batch"] = Field("auto", json_schema_extra=FROZEN)
+    """When the ranks reduce gradients. `mini_batch`: once per optimizer step, after its last micro-batch
+    (every rank holds the unsharded gradients between, in fp32: 4 bytes x parameters, the critic's
+    included). `micro_batch`: each micro-batch's gradients are reduce-scattered at once (they stay
+    sharded: the least memory, one reduction per micro-batch); with `replicate` > 1 the all-reduce across
+    replica groups still runs once, at the last micro-batch. `auto`: `mini_batch` when the memory plan
+    fits with the unsharded gradients and `cpu_offload` is off, else `micro_batch` (the choice is logged
+    and in `/v1/status`)."""
     lean_start: bool = Field(True, json_schema_extra=FROZEN)
     """Build the models on the meta device and read each rank's shards alone from the safetensors files
     (host memory at start-up: about a rank's shards, not the whole fp32 model per rank); rank 0 reads
@@ -131,14 +144,17 @@ class LearnerConfig(ConfigModel):
     """`bf16_mixed` (fp32 master weights and AdamW state, bf16 autocast compute), `fp32`, or `bf16_pure`
     (bf16 weights and optimizer state: loses updates below bf16's rounding step, e.g. most of lr 1e-6;
     opt-in only). None = `bf16_mixed` on CUDA, `fp32` on CPU (learner/model/precision.py)."""
-    gradient_checkpointing: bool | None = Field(None, json_schema_extra=FROZEN)
+    gradient_checkpointing: bool | Literal["auto"] | None = Field(None, json_schema_extra=FROZEN)
     """Recompute each decoder layer's activations in the backward pass (less memory, ~30 % more compute).
-    None = on with CUDA (a 7B model's activations at 16k tokens do not fit otherwise), off on CPU."""
+    `auto` = off when the memory plan fits the device without it (learner/memory_plan.py `choose`), else
+    on; on CPU (no device limit unless `memory_limit_gib`) off. None = `auto` on CUDA, off on CPU."""
     attn_implementation: AttnImplementation = Field("auto", json_schema_extra=FROZEN)
     """The attention kernel of the policy and critic (learner/model/attention.py). `auto` = on CUDA
-    `flash_attention_3` or `flash_attention_2` where that package is installed, else `sdpa_varlen`; on CPU
-    `sdpa_varlen`. `sdpa_varlen` runs PyTorch's SDPA causally on each packed sequence (no mask, no compute
-    across sequences; FlashAttention inside PyTorch on CUDA); `sdpa`, `eager` and `flex_attention` run on
+    `flash_attention_3` or `flash_attention_2` where that package is installed, else `torch_varlen` where
+    this torch has `torch.nn.attention.varlen`, else `sdpa_varlen`; on CPU `sdpa_varlen`. `torch_varlen`
+    runs PyTorch's variable-length FlashAttention on the whole packed row in one call; `sdpa_varlen` runs
+    PyTorch's SDPA causally on each packed sequence (no mask, no compute across sequences); both compute
+    sliding windows and refuse attention soft-capping by name. `sdpa`, `eager` and `flex_attention` run on
     the block-diagonal causal mask transformers builds for packed rows."""
     memory_limit_gib: float | None = Field(None, gt=0.0, json_schema_extra=FROZEN)
     """The memory one rank may plan for, GiB (learner/memory_plan.py: the learner refuses to start with a plan
@@ -148,6 +164,11 @@ class LearnerConfig(ConfigModel):
     logprob_chunk_tokens: int = Field(4096, ge=1)
     """Tokens of a micro-batch whose fp32 logits exist at once when computing log-probs (the LM head runs
     on chunks of response positions; `learner/model/policy.py` `token_logprobs`)."""
+    logprob_head: LogprobHead = "fused"
+    """`fused`: each chunk's logits are made once by the LM head and read once by one fused log-softmax,
+    gather (and entropy) pass, recomputed from the hidden states in the backward pass (compiled with
+    torch.compile on CUDA); `chunked`: the earlier head (fp32 copies of each chunk's logits, the whole
+    chunk recomputed under activation checkpointing), kept for comparison (learner/model/head.py)."""
     seed: int = Field(0, ge=0, lt=2**63, json_schema_extra=FROZEN)
     """Seed of torch's and Python's generators at start (restored from the checkpoint on resume)."""
     torch_threads: int | None = Field(None, ge=1, json_schema_extra=FROZEN)
@@ -167,11 +188,16 @@ class LearnerConfig(ConfigModel):
     """Micro-batches as packed rows: whole sequences (prompt + response) concatenated without padding,
     positions restarting at 0, attention confined to each sequence, at most `micro_batch_tokens` tokens per
     forward/backward. False = padded rows, `micro_batch_size` at a time (for comparison)."""
-    micro_batch_tokens: int = Field(16384, ge=1)
+    micro_batch_tokens: TokenBudget = 16384
     """With `packing`: the most tokens (prompt + response) in one forward/backward, per rank. Sequences are
     bin-packed within each mini-batch (largest first onto the lightest micro-batch); every rank runs the
     same number of micro-batches, the k-th balanced across ranks. A sequence longer than this gets a
-    micro-batch of its own (never an error)."""
+    micro-batch of its own (never an error). `auto` = the largest budget the memory plan admits on the
+    device (learner/memory_plan.py `choose`; 16384 where there is no device limit, as on CPU)."""
+    no_grad_micro_batch_tokens: TokenBudget | None = None
+    """With `packing`: the most tokens in one pass without gradients (pi_old, the KL reference's
+    log-probs, the critic's values), which keeps no activations. None = `micro_batch_tokens`; `auto` = the
+    largest the memory plan admits for a forward alone (at most 262,144)."""
     micro_batch_size: int = Field(8, ge=1)
     """Without `packing`: completions (rows) per forward/backward; gradients accumulate over a mini-batch's
     micro-batches."""

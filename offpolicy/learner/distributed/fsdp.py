@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
@@ -86,6 +86,21 @@ def shard(
         fully_shard(layer, **kwargs)
     fully_shard(root, **kwargs)
     return root
+
+
+def gradient_sync(modules: list[nn.Module | None], mode: str, last: bool) -> None:
+    """Before a micro-batch's backward: whether its gradients are reduced now. `mini_batch`: only at the
+    last micro-batch of the optimizer step (reduce-scatter and, with HSDP, the all-reduce across replica
+    groups: one reduction per optimizer step); `micro_batch`: reduce-scatter every micro-batch, the
+    all-reduce across replica groups at the last only. A module that is not FSDP-sharded (one process)
+    is left as it is."""
+    for module in modules:
+        if isinstance(module, FSDPModule):
+            if mode == "mini_batch":
+                module.set_requires_gradient_sync(last)
+            else:
+                module.set_requires_gradient_sync(True)
+                module.set_requires_all_reduce(last)
 
 
 def loss_scale(ranks: Ranks) -> float:

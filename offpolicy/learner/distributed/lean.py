@@ -68,6 +68,26 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
+def local_checkpoint(path: str | Path) -> Path:
+    """The local folder of a checkpoint: `path` itself when it is a folder, else a Hugging Face hub id
+    resolved to its snapshot in the local cache (downloaded first unless `HF_HUB_OFFLINE` is set). The
+    lean start reads the safetensors files' slices from there; a hub id that no snapshot answers is an
+    error naming it, never a silent fallback to rank 0 loading the whole model."""
+    folder = Path(path)
+    if folder.is_dir():
+        return folder
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(str(path), allow_patterns=["*.safetensors", "*.json"]))
+    except (HFValidationError, LocalEntryNotFoundError, OSError) as e:
+        raise FileNotFoundError(
+            f"model_path {str(path)!r} is neither a folder nor a hub id with a snapshot in the local cache "
+            f"(HF_HOME / HF_HUB_CACHE): {e}"
+        ) from e
+
+
 def meta_model(path: str | Path, dtype: torch.dtype, *, causal: bool = True, **kwargs: Any) -> nn.Module:
     """The model at `path` (a causal LM, or with `causal=False` its backbone) with its parameters on the
     meta device in `dtype` and its buffers real, in train mode; its generation config read as

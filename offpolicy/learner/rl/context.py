@@ -36,6 +36,7 @@ class StepContext:
     reference: torch.nn.Module | None  # the frozen reference policy of the KL loss; None when it is off
     before_update: Callable[[dict[str, float]], None]  # runs before each optimizer step changes the weights
     metrics: LearnerMetrics | None  # the histograms only rank 0 exports; None on the other ranks
+    grad_sync: str = "micro_batch"  # `fsdp.grad_sync` as resolved at start: mini_batch | micro_batch
 
 
 @dataclass(frozen=True, slots=True)

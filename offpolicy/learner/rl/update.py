@@ -20,7 +20,7 @@ import torch
 
 from offpolicy.learner.batch import Batch
 from offpolicy.learner.config import LearnerConfig
-from offpolicy.learner.distributed.fsdp import clip_grad_norm, loss_scale
+from offpolicy.learner.distributed.fsdp import clip_grad_norm, gradient_sync, loss_scale
 from offpolicy.learner.distributed.ranks import all_reduce_sum
 from offpolicy.learner.metrics import StalenessKL, timed
 from offpolicy.learner.rl.context import StepContext
@@ -114,7 +114,10 @@ def optimizer_step(
     keys += ("actor/kl_loss",) if ctx.reference is not None else ()
     step_terms = torch.zeros(len(keys), device=mask.device)  # lock-step: the same keys on every rank
     with timed(phases, "forward_backward"):
-        for rows in rank_micro_batches(batch, mini, cfg, ctx.ranks):
+        passes = list(rank_micro_batches(batch, mini, cfg, ctx.ranks))  # the same count on every rank
+        for i, rows in enumerate(passes):
+            # gradients reduced at the last micro-batch only (`fsdp.grad_sync`), on every rank alike
+            gradient_sync([t.policy, t.critic], ctx.grad_sync, last=i == len(passes) - 1)
             if rows is None:  # lock-step: the busy ranks' passes, in their order, contributing nothing
                 _idle_pass(ctx, idle_rows(batch, mini))
                 continue

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from offpolicy.learner.transport.base import TransferResult
-from offpolicy.learner.transport.vllm import FanoutClient, VllmTransport, _free_port, _inner
+from offpolicy.learner.transport.vllm import FanoutClient, VllmTransport, _free_port, _inner, transfer_device
 
 if TYPE_CHECKING:
     from offpolicy.learner.distributed.ranks import Ranks
@@ -153,6 +153,7 @@ class ShardedTransport(VllmTransport):
         ranks: Ranks,
     ) -> None:
         self.config, self.control, self.ranks = config, control, ranks
+        self.device = transfer_device(config.backend, ranks.local_rank)
         if config.backend == "gloo_m2n":
             from offpolicy.weights.engines.plugin import register
 

@@ -176,6 +176,6 @@ def make_publisher(
     from offpolicy.learner.transport.vllm import VllmTransport
 
     state = publisher.gathered if ranks.distributed else (lambda: unique_state(model))
-    publisher.transport = VllmTransport(config.publish.transfer, control, state, dtype)
+    publisher.transport = VllmTransport(config.publish.transfer, control, state, dtype, ranks.local_rank)
     publisher.metrics = metrics
     return publisher

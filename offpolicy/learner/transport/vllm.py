@@ -45,9 +45,24 @@ class TransferFailed(RuntimeError):
         self.culprits = culprits
 
 
-def _weight_source(state: Callable[[], dict[str, torch.Tensor]], dtype: torch.dtype, host: bool):
+def transfer_device(backend: str, local_rank: int) -> torch.device:
+    """The device a backend sends from: this rank's GPU for NCCL (vLLM's communicators take the tensors and
+    the current device there), the host for gloo."""
+    return torch.device("cuda", local_rank) if backend.startswith("nccl") else torch.device("cpu")
+
+
+def bind_thread(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device (it is per thread, 0 in a new one): the
+    transfer runs on a helper thread, and vLLM forms its NCCL groups on the current device."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def _weight_source(state: Callable[[], dict[str, torch.Tensor]], dtype: torch.dtype, device: torch.device):
     """A vLLM `WeightSource` over the learner's weights (a fresh `state()` each pass), floating tensors cast
-    to the publish dtype (what the file generations hold); on the host for gloo."""
+    to the publish dtype (what the file generations hold), each moved to `device` as it is sent: the rank's
+    GPU for NCCL, whose broadcast refuses host tensors (on N ranks the state is the gathered host copy),
+    the host for gloo."""
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, materialize_full_tensor
 
     def wire(t: torch.Tensor) -> torch.dtype:
@@ -59,8 +74,8 @@ def _weight_source(state: Callable[[], dict[str, torch.Tensor]], dtype: torch.dt
 
         def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
             for name, t in state().items():
-                full = materialize_full_tensor(t.detach()).to(wire(t))
-                yield name, full.cpu() if host else full
+                full = materialize_full_tensor(t.detach())
+                yield name, full.to(device=device, dtype=wire(t), non_blocking=False)
 
     return StateSource()
 
@@ -128,9 +143,11 @@ class VllmTransport:
         control: LearnerControl,
         state: Callable[[], dict[str, torch.Tensor]],
         dtype: torch.dtype,
+        local_rank: int = 0,
     ) -> None:
         self.config, self.control = config, control
-        self.source = _weight_source(state, dtype, host=config.backend == "gloo")
+        self.device = transfer_device(config.backend, local_rank)
+        self.source = _weight_source(state, dtype, self.device)
         _trainer_init_info(config, config.address, 0, 1)  # imports (and registers) now, not in a send's bound
         self._init_group_state()
 
@@ -203,6 +220,7 @@ class VllmTransport:
         """Form the group first when `form` is given, then send `version`; the outcome (bytes, or the
         error and the members it names) goes into `outcome`, never raised into the step."""
         try:
+            bind_thread(self.device)  # this runs on the transfer thread: its current device is its own
             if form is not None:
                 form()
             assert self.engine is not None

@@ -109,6 +109,13 @@ class LearnerStatus(BaseModel):
     memory_plan: dict[str, float] | None = None
     """The learner's memory estimate per rank in GiB, by part (weights, gradients, optimizer,
     compute_copies, activations, lm_head_chunk, host_offloaded, reference, total); null before it starts."""
+    grad_sync: str | None = None
+    """When the ranks reduce gradients, as resolved from `fsdp.grad_sync`: `mini_batch` (once per optimizer
+    step) or `micro_batch` (each micro-batch); null before it starts."""
+    start_way: str | None = None
+    """How the learner read its policy weights at start: `slices` (lean start, each rank its own),
+    `broadcast` (lean start, rank 0 read the whole checkpoint), `whole` (one process) or `whole, sharded`;
+    null before it starts."""
     error: str | None = None
     """Why the loop stopped, when it failed."""
 

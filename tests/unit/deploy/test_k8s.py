@@ -311,3 +311,49 @@ def test_an_edited_config_file_reaches_the_built_configmap(tmp_path):
 def by_kind_name(overlay: str, prefix: str) -> str:
     (name,) = (n for n in by_kind(overlay, "ConfigMap") if n.startswith(prefix + "-"))
     return name
+
+
+def admits(policy: dict, source: dict, target: dict, port: int) -> bool:
+    """Whether `policy` lets a pod labelled `source` reach a pod labelled `target` on TCP `port`."""
+
+    def matches(selector: dict, labels: dict) -> bool:
+        ok = all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+        for e in selector.get("matchExpressions", []):
+            assert e["operator"] == "In", e
+            ok = ok and labels.get(e["key"]) in e["values"]
+        return ok
+
+    if not matches(policy["spec"]["podSelector"], target):
+        return False
+    for rule in policy["spec"].get("ingress", []):
+        peers = [p for p in rule.get("from", []) if "podSelector" in p and "namespaceSelector" not in p]
+        ports = rule.get("ports")
+        if any(matches(p["podSelector"], source) for p in peers) and (
+            ports is None
+            or any(p.get("port") == port or p.get("port") <= port <= p.get("endPort", -1) for p in ports)
+        ):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda o: f"{o}-overlay")
+def test_learner_and_actors_reach_each_other_for_the_weight_transfer(overlay):
+    """The rendezvous store on `publish.transfer.port`, NCCL's ring on ephemeral ports: learner -> actor,
+    actor -> learner and actor -> actor must get through the namespace's default deny."""
+    policies = by_kind(overlay, "NetworkPolicy").values()
+    learner, actor = {"app.kubernetes.io/name": "learner"}, {"app.kubernetes.io/name": "actor"}
+    redis = {"app.kubernetes.io/name": "redis"}
+    store_port = yaml.safe_load((ROOT / "configs/learner.yaml").read_text())["publish"]["transfer"]["port"]
+    assert store_port != 0  # a fixed port, documented and declared by the learner's container
+    learner_spec = pod_specs(overlay)["learner"]["containers"][0]
+    assert {"name": "transfer", "containerPort": store_port} in learner_spec["ports"]
+    for source, target, port in [
+        (actor, learner, store_port),
+        (actor, learner, 45123),  # NCCL's ephemeral ports
+        (learner, actor, 45123),
+        (actor, actor, 45123),
+    ]:
+        assert any(admits(p, source, target, port) for p in policies), (source, target, port)
+    # nothing else is opened: Redis still only on 6379, and not from outside the learner and actors
+    assert not any(admits(p, learner, redis, 45123) for p in policies)
+    assert not any(admits(p, {"app.kubernetes.io/name": "other"}, actor, 45123) for p in policies)

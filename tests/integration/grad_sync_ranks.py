@@ -1,0 +1,44 @@
+"""Run by torchrun from test_grad_sync.py: one learner step on 2 ranks (FSDP2, gloo) under the profiler;
+rank 0 writes, per FSDP unit, how many times its gradients were reduce-scattered (FSDP2's
+`FSDP::post_backward_reduce` ranges), with the optimizer and micro-batch counts. Arguments: CONFIG OUT."""
+
+from __future__ import annotations
+
+import collections
+import json
+import sys
+
+from torch.profiler import ProfilerActivity, profile
+
+from offpolicy.learner.config import load_config
+from offpolicy.learner.distributed import current, init_from_env
+from offpolicy.learner.trainer import Learner
+
+
+def main(config_path: str, out: str) -> None:
+    config = load_config(config_path, {})
+    init_from_env("cpu")
+    learner = Learner(config)
+    try:
+        if not current().is_leader:
+            learner.follow()
+            return
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            learner.step()
+        reduces = collections.Counter(
+            e.name for e in prof.events() if e.name.startswith("FSDP::post_backward_reduce")
+        )
+        result = {
+            "reductions_per_unit": sorted(set(reduces.values())),
+            "units": len(reduces),
+            "optimizer_steps": learner.version,  # a fresh run: the version counts optimizer steps
+            "grad_sync": learner.grad_sync,
+        }
+        with open(out, "w") as fh:
+            json.dump(result, fh)
+    finally:
+        learner.close()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
