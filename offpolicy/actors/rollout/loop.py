@@ -32,7 +32,7 @@ from offpolicy.actors.config import ActorConfig
 from offpolicy.actors.data.evaluation import Evaluator
 from offpolicy.actors.data.prompts import Prompt, encode, epoch_batches, load_prompts, shard
 from offpolicy.actors.engine.vllm import VLLMEngine
-from offpolicy.actors.errors import ActorNotRunning, DatasetError, PromptFailed, RewardError
+from offpolicy.actors.errors import ActorNotRunning, DatasetError, EngineError, PromptFailed, RewardError
 from offpolicy.actors.gateway.episodes import Gateway
 from offpolicy.actors.metrics import ActorMetrics
 from offpolicy.actors.rollout.episodes import Episode, as_result, resolve_environment
@@ -327,8 +327,8 @@ class Actor:
         """`sampling.n` episodes of the environment on one prompt, run concurrently: one group."""
         cfg = self.config
 
-        def params_for(max_tokens: int) -> Any:
-            return self.engine.sampling_params(cfg.sampling, n=1, max_tokens=max_tokens)
+        def params_for(max_tokens: int, **overrides: Any) -> Any:  # overrides: an episode's `stop`, ...
+            return self.engine.sampling_params(cfg.sampling, n=1, max_tokens=max_tokens, **overrides)
 
         episodes = [
             Episode(
@@ -343,9 +343,13 @@ class Actor:
             self.metrics.failures.labels("engine_error").inc()
             log.warning("prompt %s skipped: %s", prompt.prompt_id, e)
             return
-        except (RewardError, ValueError) as e:  # an environment that fails sets its group aside
+        except EngineError:
+            raise  # the engine itself is gone: the actor's fatal error, not one group's
+        except Exception as e:  # translated: a user's environment may raise anything; its group is set aside
             self.reward_failures.failed("environment")
-            log.warning("prompt %s: an episode failed, group dropped: %s", prompt.prompt_id, e)
+            log.warning(
+                "prompt %s: an episode failed, group dropped: %s: %s", prompt.prompt_id, type(e).__name__, e
+            )
             return
         completions = [ep.completion() for ep in episodes]
         self._count_tokens(sum(len(c.token_ids) for c in completions), time.perf_counter() - t0)
