@@ -357,3 +357,15 @@ def test_learner_and_actors_reach_each_other_for_the_weight_transfer(overlay):
     # nothing else is opened: Redis still only on 6379, and not from outside the learner and actors
     assert not any(admits(p, learner, redis, 45123) for p in policies)
     assert not any(admits(p, {"app.kubernetes.io/name": "other"}, actor, 45123) for p in policies)
+
+
+def test_gpu_pods_may_pin_memory_for_rdma_and_keep_everything_else_dropped():
+    """NCCL over InfiniBand / RoCE registers its buffers (IPC_LOCK); nothing else is added back."""
+    for name, spec in pod_specs("gpu").items():
+        if name not in ("learner", "actor"):
+            continue
+        ctx = spec["containers"][0]["securityContext"]
+        assert ctx["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}, name
+        assert ctx["allowPrivilegeEscalation"] is False and ctx["readOnlyRootFilesystem"] is True
+        shm = next(v for v in spec["volumes"] if v["name"] == "shm")
+        assert shm["emptyDir"]["medium"] == "Memory" and quantity_bytes(shm["emptyDir"]["sizeLimit"]) >= 2**33

@@ -247,3 +247,17 @@ def test_node_and_gpu_counts_each_change_in_one_place(tmp_path):
 def test_the_schema_file_is_valid_json_schema():
     jsonschema.Draft202012Validator.check_schema(SCHEMA)
     assert yaml.safe_load((ROOT / "k8s" / "overlays" / OVERLAY / "kustomization.yaml").read_text())
+
+
+def test_the_learner_pods_are_ready_for_nccl_across_nodes():
+    """IPC_LOCK (RDMA pins NCCL's buffers), a memory-backed /dev/shm (NCCL's shared-memory transport within
+    a node), NCCL on the pod's interface; everything else still dropped."""
+    built = build_dir(ROOT / "k8s" / "overlays" / OVERLAY)
+    pod = the_job(jobset(built))["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["NCCL_SOCKET_IFNAME"] == "eth0"
+    shm = next(v for v in pod["volumes"] if v["name"] == "shm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
