@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from offpolicy.config.secrets import redact_url
-from offpolicy.learner.distributed.gather import GatheredWeights
 from offpolicy.learner.distributed.ranks import SINGLE, Ranks
 from offpolicy.learner.metrics import timed
 from offpolicy.learner.model.load import unique_state
+from offpolicy.learner.persist.background_gather import BackgroundGather
 from offpolicy.learner.persist.checkpoint import Checkpoints, NoCheckpoints, base_meta
 from offpolicy.learner.persist.dcp import ShardedCheckpoints
 from offpolicy.learner.persist.published import (
@@ -83,7 +83,8 @@ class Persistence:
         self.store, self.metrics, self._on_durable, self.ranks = store, metrics, on_durable, ranks
         self.writer = BackgroundWriter(on_done=self._written)
         self._weights_buffers = WeightsBuffers(self.writer)
-        self._weight_copies: list[HostCopy | GatheredWeights] = []
+        self._weight_copies: list[HostCopy | BackgroundGather] = []
+        self._gathering: BackgroundGather | None = None  # N ranks: the publish gather in flight
         self._coalesced_seen = 0
         self.published_version: int | None = None  # newest version announced to the actors
         self.durable_checkpoint_version: int | None = None  # newest checkpoint on disk
@@ -102,18 +103,25 @@ class Persistence:
         weights are gathered from every rank's shards into the leader's host buffers
         (distributed/gather.py)."""
         bucket = self.config.publish.gather_bucket_mb * 2**20
-        if gather is not None and not self.ranks.is_leader:
-            GatheredWeights(self.model, gather, self.publish_dtype, leader=False, bucket_bytes=bucket)
-            return
         self.fence()  # the buffers about to be reused must not be mid-copy (normally long finished)
+        if self._gathering is not None:  # one background gather at a time, on every rank in step
+            self._gathering.wait()
+        if gather is not None and not self.ranks.is_leader:
+            self._gathering = BackgroundGather(
+                self.model, gather, self.publish_dtype, leader=False, bucket_bytes=bucket
+            )
+            self._weight_copies.append(self._gathering)
+            return
         into = self._weights_buffers.acquire()
-        copy: HostCopy | GatheredWeights = (
-            GatheredWeights(
+        copy: HostCopy | BackgroundGather = (
+            BackgroundGather(
                 self.model, gather, self.publish_dtype, leader=True, into=into, bucket_bytes=bucket
             )
             if gather is not None
             else HostCopy(unique_state(self.model), self.publish_dtype, into=into)
         )
+        if isinstance(copy, BackgroundGather):
+            self._gathering = copy
         self._weights_buffers.keep(copy.tensors)
         self._weight_copies.append(copy)
         pc, store, wdir = self.config.publish, self.store, self.config.weights_path
@@ -196,8 +204,8 @@ class Persistence:
         `publish` / `checkpoint` phases): called before the optimizer changes the weights."""
         phases = phases if phases is not None else {}
         with timed(phases, "publish"):
-            for copy in self._weight_copies:
-                copy.wait()
+            for copy in self._weight_copies:  # the weights may change once their snapshot is taken
+                copy.released() if isinstance(copy, BackgroundGather) else copy.wait()
         self._weight_copies.clear()
         with timed(phases, "checkpoint"):
             self.checkpoints.staged()
@@ -217,13 +225,22 @@ class Persistence:
         """Step boundary: a checkpoint whose write completed becomes durable."""
         self.checkpoints.poll()
 
+    def gathered(self) -> dict[str, torch.Tensor]:
+        """N ranks: the full weights of the last publish (the leader's host tensors; empty elsewhere), once
+        its background gather is complete: what a transport sends, so a version is gathered once."""
+        return self._gathering.wait() if self._gathering is not None else {}
+
     def flush(self) -> None:
         """Wait until every queued publish and checkpoint is durable."""
+        if self._gathering is not None:  # every rank: its part of the gather in flight
+            self._gathering.wait()
         self.checkpoints.finish()
         self.writer.flush()
 
     def close(self) -> None:
         """Finish the copies and the queued writes, then stop the writer."""
         self.fence()
+        if self._gathering is not None:  # every rank: the leader's write needs the others' shards
+            self._gathering.wait()
         self.checkpoints.close()
         self.writer.close()

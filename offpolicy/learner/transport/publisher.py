@@ -6,11 +6,11 @@
   publish and at every checkpoint: the durable generation that starting, restarted and failed actors load
   before they join the group. A failed send is counted and logged; training and file generations go on.
 
-On N ranks (`vllm`) with a broadcast backend (`nccl`, `gloo`), every rank joins each publish's gather of
-the full weights to rank 0's host memory in buckets (distributed/gather.py, the gather the file
-generations use), and rank 0 sends those: the followers never wait on the actors, and no rank but 0
-holds more than its shards. With an m2n backend (`nccl_m2n`, `gloo_m2n`) nothing is gathered: every rank
-sends its own shards (transport/sharded.py).
+On N ranks (`vllm`) with a broadcast backend (`nccl`, `gloo`), the full weights reach rank 0's host memory
+once per version: a version also written as files is sent from that file generation's background gather
+(persist/background_gather.py); any other is gathered in the step (distributed/gather.py). Rank 0 sends
+those: the followers never wait on the actors, and no rank but 0 holds more than its shards. With an m2n
+backend (`nccl_m2n`, `gloo_m2n`) nothing is gathered: every rank sends its own shards (transport/m2n.py).
 """
 
 from __future__ import annotations
@@ -113,9 +113,12 @@ class Publisher:
         if self.publishes % every == 0:
             self.persist_files(version, gather)
         self.publishes += 1
-        if self._gather is not None and gather is not None:  # every rank, in step: a collective
+        if self._gather is not None and gather is not None:  # every rank, in step
             model, dtype, bucket, leader = self._gather
-            self._gathered = GatheredWeights(model, gather, dtype, leader, bucket_bytes=bucket).wait()
+            if self.persisted == version:  # gathered once: the file generation's background gather
+                self._gathered = self.persist.gathered() if leader else {}
+            else:  # a collective of this step
+                self._gathered = GatheredWeights(model, gather, dtype, leader, bucket_bytes=bucket).wait()
         if self.transport is not None:
             try:
                 self.last = self.transport.send(version)
