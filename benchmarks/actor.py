@@ -19,6 +19,8 @@ Then one streaming round per `reload.mode` with new weights published every `--u
 generation pause per update (`offpolicy_actor_reload_pause_seconds`), aborted tokens.
 Targets: `ratio_stream_vs_batch` >= 1.2 (longtail), `ratio_stream_vs_bare` >= 0.9 (uniform),
 `pause_share` = mean pause / update interval <= 0.1 (the default mode, inflight).
+`--smoke`: the same arms and reload modes on 4 prompts x 2 completions of at most 16 tokens, one round
+(CI: about a minute, two engines).
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ from pathlib import Path
 import numpy as np
 
 MODES = ("drain", "abort", "inflight")
+SMOKE = {"prompts": 4, "batch": 2, "n": 2, "max_tokens": 8, "tail_max": 16, "rounds": 1,
+         "update_interval_s": 0.05}  # fmt: skip
+"""`--smoke`'s defaults (flags given explicitly still win)."""
 
 
 def _lengths(num: int, mean: int, cap: int, seed: int = 0) -> dict[str, list[int]]:
@@ -127,7 +132,7 @@ def _bare_llm(config):
 
     e = config.engine
     return LLM(
-        model=e.model, dtype=e.dtype, max_model_len=e.max_model_len,
+        model=config.model_path, dtype=e.dtype, max_model_len=e.max_model_len,
         gpu_memory_utilization=e.gpu_memory_utilization,
         enforce_eager=e.enforce_eager, enable_prefix_caching=e.enable_prefix_caching, seed=e.seed,
         logprobs_mode="processed_logprobs",
@@ -209,7 +214,7 @@ def run(args) -> dict:
                 max_inflight_prompts=args.batch,
                 reload=ReloadConfig(poll_interval_s=0.05),
             )
-            engine, llm = VLLMEngine(config.engine), _bare_llm(config)
+            engine, llm = VLLMEngine(config.engine, config.model_path), _bare_llm(config)
             try:
                 prompts = load_prompts(dataset)
                 ids = [encode(engine.tokenizer, p, False, None) for p in prompts]
@@ -273,7 +278,11 @@ def main() -> None:
     ap.add_argument("--tail-max", type=int, default=512, help="longest long-tail completion")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--update-interval-s", type=float, default=1.0, help="seconds between weight updates")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one round, same code (CI)")
     args = ap.parse_args()
+    if args.smoke:  # smaller defaults; flags given explicitly still win
+        ap.set_defaults(**SMOKE)
+        args = ap.parse_args()
     r = run(args)
     if args.json:
         print(json.dumps(r))

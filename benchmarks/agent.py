@@ -15,7 +15,9 @@ Two phases on one actor service:
    the gateway's own code (the route handler's time minus the engine's generation within it, from the
    actor's `offpolicy_actor_gateway_seconds_total`) over the episodes' wall time (target <= 0.05).
 
-    python benchmarks/agent.py [--steps 10] [--concurrency 16] [--json]
+    python benchmarks/agent.py [--steps 10] [--concurrency 16] [--json] [--smoke]
+
+`--smoke`: both phases with 1 learner step and 4 episodes in flight (CI).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import sys
 import tempfile
 import time
@@ -34,6 +35,7 @@ from typing import Any
 import httpx
 import numpy as np
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -48,6 +50,8 @@ from offpolicy.services.quickstart import actor_config, learner_config  # noqa: 
 
 TURNS, TURN_TOKENS, GROUP = 3, 6, 4
 RUN_ID = "bench-agent"
+SMOKE = {"steps": 1, "concurrency": 4}
+"""`--smoke`'s defaults (flags given explicitly still win)."""
 
 
 async def play(http: httpx.AsyncClient, prompt: dict[str, Any]) -> dict[str, Any]:
@@ -135,9 +139,15 @@ async def drive(url: str, prompts: list[dict[str, Any]], stop: Any, concurrency:
 
 
 def gateway_seconds(url: str) -> dict[str, float]:
+    """{part: seconds} of the actor's `offpolicy_actor_gateway_seconds_total` (whatever other labels the
+    samples carry, such as the run's `run_id`)."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    found = re.findall(r'offpolicy_actor_gateway_seconds_total\{part="(\w+)"\} ([0-9.e+-]+)', text)
-    return {part: float(v) for part, v in found}
+    return {
+        sample.labels["part"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "offpolicy_actor_gateway_seconds_total"
+    }
 
 
 def run(root: Path, steps: int, concurrency: int) -> dict[str, Any]:
@@ -208,7 +218,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10, help="learner steps in the learning phase")
     parser.add_argument("--concurrency", type=int, default=16, help="episodes in flight at once")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--smoke", action="store_true", help="1 learner step, 4 episodes in flight (CI)")
     args = parser.parse_args()
+    if args.smoke:  # smaller defaults; flags given explicitly still win
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="offpolicy-agent-") as tmp:
         result = run(Path(tmp), args.steps, args.concurrency)
     if args.json:

@@ -20,7 +20,9 @@ Each phase runs `--repeats` times (fresh run_id, server flushed between repeats)
 medians, and the load average before and after is printed next to them (the host may be shared).
 Usage: `python benchmarks/buffer.py [--json] [--quick] [--repeats N] [--breakdown]`; `--scale [--json]
 [--quick] [--scale-calls N]` instead measures sample latency per sampler at 10^4, 10^5 and 10^6 stored
-groups and the longest Redis command meanwhile (benchmarks/buffer_scale.py).
+groups and the longest Redis command meanwhile (benchmarks/buffer_scale.py). `--smoke` (either mode): one
+call's worth of groups per process, one repeat, the breakdown on 2 calls; `--scale --smoke`: 1,000 groups,
+5 calls per sampler (the same code, in seconds: CI).
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup  
 
 CTX = mp.get_context("fork")
 SHAPES = {"16x1024": (16, 1024), "8x256": (8, 256)}
+SMOKE = {"repeats": 1, "breakdown": True, "scale_calls": 5}
+"""`--smoke`'s defaults (flags given explicitly still win)."""
+SMOKE_SCALE_SIZES = (1_000,)
 
 
 def make_groups(count: int, n: int, tokens: int, seed: int) -> list[TrajectoryGroup]:
@@ -256,21 +261,26 @@ def main() -> None:
         help="instead: sample latency per sampler at 10^4..10^6 groups + SLOWLOG",
     )
     ap.add_argument("--scale-calls", type=int, default=200, help="--scale: calls per sampler and size")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat, same code (CI, seconds)")
     args = ap.parse_args()
+    if args.smoke:  # smaller defaults; flags given explicitly still win
+        ap.set_defaults(**SMOKE)
+        args = ap.parse_args()
     if args.scale:
         return scale_main(args)
     load_before = os.getloadavg()
-    scale = 0.25 if args.quick else 1.0
+    scale = 0.0 if args.smoke else 0.25 if args.quick else 1.0  # smoke: one call's worth per process
     plan = [("16x1024", 1, 240), ("16x1024", 8, 30), ("8x256", 1, 1600), ("8x256", 8, 200)]
     with tempfile.TemporaryDirectory() as d, EmbeddedRedis.start(d, executable=args.redis_server) as server:
         b = args.batch
         rows = [bench(server.url, s, p, max(1, int(k * scale) // b) * b, b, args.repeats) for s, p, k in plan]
-        steps = [breakdown(server.url, s, b, int(100 * scale)) for s in SHAPES] if args.breakdown else []
+        calls = max(2, int(100 * scale))
+        steps = [breakdown(server.url, s, b, calls) for s in SHAPES] if args.breakdown else []
         version = server.version()
     load = {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()}
     if args.json:
         doc = {"redis_version": version, "appendfsync": "everysec", "repeats": args.repeats, "loadavg": load}
-        print(json.dumps({**doc, "rows": rows, "breakdown_us_per_group": steps}, indent=2))
+        print(json.dumps({**doc, "rows": rows, "breakdown_us_per_group": steps}))
         return
     print(f"redis {version}, AOF everysec, batch {args.batch} groups per call, "
           f"median of {args.repeats} runs; ratio = ours / raw groups/s")  # fmt: skip
@@ -298,15 +308,15 @@ def main() -> None:
 
 
 def scale_main(args: argparse.Namespace) -> None:
-    """`--scale` (benchmarks/buffer_scale.py); `--quick` stops at 10^5 groups."""
+    """`--scale` (benchmarks/buffer_scale.py); `--quick` stops at 10^5 groups, `--smoke` at 10^3."""
     load_before = os.getloadavg()
-    sizes = SIZES[:2] if args.quick else SIZES
+    sizes = SMOKE_SCALE_SIZES if args.smoke else SIZES[:2] if args.quick else SIZES
     with tempfile.TemporaryDirectory() as d, EmbeddedRedis.start(d, executable=args.redis_server) as server:
         rows = run_scale(server.url, args.scale_calls, sizes)
         version = server.version()
     load = {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()}
     if args.json:
-        print(json.dumps({"redis_version": version, "loadavg": load, "scale": rows}, indent=2))
+        print(json.dumps({"redis_version": version, "loadavg": load, "scale": rows}))
         return
     print(f"redis {version}, sample(8) per call, {args.scale_calls} calls per sampler and size; "
           f"load average before {load['before']}, after {load['after']}, {load['cpus']} cpus")  # fmt: skip

@@ -4,7 +4,9 @@ Median wall time and tokens/s (B*T / time) on CPU, for four configurations at tw
 implementations in the same run on the same tensors. The baseline is verl's own function loaded from
 the installed wheel (benchmarks/verl_oracle.py); without the wheel only our figures are printed.
 
-    python benchmarks/correction.py [--json] [--repeats N]
+    python benchmarks/correction.py [--json] [--repeats N] [--smoke]
+
+`--smoke`: one tiny size (B=8, T=64), one repeat: the same calls in about a second (CI).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ CONFIGS: dict[str, dict] = {
     },
 }
 SIZES = [(64, 1024), (256, 2048)]
+SMOKE = {"sizes": [(8, 64)], "repeats": 1}
+"""`--smoke`'s defaults (flags given explicitly still win)."""
 
 
 def make_batch(b: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -64,10 +68,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--smoke", action="store_true", help="tiny size, one repeat, same code (CI)")
+    parser.set_defaults(sizes=SIZES)
     args = parser.parse_args()
+    if args.smoke:  # smaller defaults; flags given explicitly still win
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args()
     oracle = load_verl()
     rows = []
-    for b, t in SIZES:
+    for b, t in args.sizes:
         train, rollout, mask = make_batch(b, t)
         for name, cfg in CONFIGS.items():
             config = RolloutCorrectionConfig(**cfg)
@@ -95,7 +104,7 @@ def main() -> None:
         "baseline": "verl 0.9.1" if oracle else "none (verl missing)",
     }
     if args.json:
-        print(json.dumps({"meta": meta, "results": rows}, indent=2))
+        print(json.dumps({"meta": meta, "results": rows}))
         return
     print(f"baseline: {meta['baseline']}, torch threads: {meta['torch_threads']}")
     print(f"{'config':34} {'B':>4} {'T':>5} {'ours ms':>9} {'ours tok/s':>12} {'verl ms':>9} {'speedup':>8}")

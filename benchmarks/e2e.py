@@ -7,7 +7,9 @@ generation of one batch (`groups_per_step` prompts × n) and one learner step, r
 weights into the engine before the next batch (staleness 0). Learner idle share = time the learner waits
 for data (async: its `sample_wait` phase; sync: generation and reload) / wall-clock.
 
-    python benchmarks/e2e.py [--steps N] [--json]
+    python benchmarks/e2e.py [--steps N] [--json] [--smoke]
+
+`--smoke`: both modes for 2 learner steps (CI).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 import tempfile
 import time
@@ -29,6 +32,9 @@ sys.path.insert(0, str(REPO))
 from offpolicy.buffer.embedded import EmbeddedRedis  # noqa: E402
 from offpolicy.services.children import start_service  # noqa: E402
 from offpolicy.services.quickstart import actor_config, learner_config  # noqa: E402
+
+SMOKE = {"steps": 2}
+"""`--smoke`'s defaults (flags given explicitly still win)."""
 
 
 def run_async(root: Path, model: str, dataset: Path, redis_url: str, steps: int) -> dict:
@@ -83,7 +89,7 @@ def run_sync(root: Path, model: str, dataset: Path, redis_url: str, steps: int) 
     sync_cfg = learner_config(run, model, redis_url, "bench-sync") | {"torch_threads": None}
     lcfg = LearnerConfig.model_validate(sync_cfg)
     acfg = ActorConfig.model_validate(actor_config(model, dataset, redis_url, "bench-sync"))
-    engine = VLLMEngine(acfg.engine, 0)
+    engine = VLLMEngine(acfg.engine, acfg.model_path)
     learner = Learner(lcfg, CollectorRegistry())
     buffer = ReplayBuffer(redis_url, "bench-sync", lcfg.buffer)
     reward_fn = resolve_reward(acfg.reward.name)
@@ -107,8 +113,9 @@ def run_sync(root: Path, model: str, dataset: Path, redis_url: str, steps: int) 
             generate_s += time.time() - t0
             rewards.append(learner.step()["reward_mean"])
             t0 = time.time()
-            new_dir = version_dir(lcfg.publish.weights_dir, learner.version)
-            engine.reload_weights(str(new_dir), learner.version)
+            learner.writer.flush()  # the publish runs on the background writer: wait until it is on disk
+            folder = version_dir(lcfg.publish.weights_dir, learner.version)
+            engine.call(_reload(engine, str(folder), learner.version))
             generate_s += time.time() - t0
         wall = time.time() - start
     finally:
@@ -124,13 +131,23 @@ def run_sync(root: Path, model: str, dataset: Path, redis_url: str, steps: int) 
     }
 
 
+async def _reload(engine, folder: str, version: int) -> None:
+    """Load the published `folder` into the paused engine, as the actor's file path does."""
+    async with engine.paused():
+        await engine.reload_weights(folder, version)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=12, help="learner steps per mode")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--smoke", action="store_true", help="2 learner steps per mode (CI)")
     args = parser.parse_args()
+    if args.smoke:  # smaller defaults; flags given explicitly still win
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args()
     from offpolicy.actors.data.toy import write_target_token_dataset
     from offpolicy.learner.model import make_tiny_model
 
@@ -165,4 +182,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for the figures
     sys.exit(main())

@@ -25,6 +25,10 @@ Targets: CPU (gloo): max_abs_weight_diff(_nnodes) <= 1e-5, startup ratio <= 0.6 
 the fsdp_1 step time within 10 % of the one-process learner's.
 
     python benchmarks/learner_fsdp.py [--nproc 2] [--nnodes 2] [--shape cpu-small|1.3b] [--steps 3] [--json]
+                                      [--smoke]
+
+`--smoke`: the same runs on the tiny Llama (`--shape tiny --startup-shape tiny`), 2 steps (CI).
+Child processes get the checkout first on PYTHONPATH, in front of what the caller's PYTHONPATH holds.
 """
 
 from __future__ import annotations
@@ -67,12 +71,19 @@ SHAPES = {
                   "intermediate_size": 8960, "vocab_size": 151936, "dtype": "bfloat16"},
         "groups": 8, "n": 8, "prompt": 256, "resp": 768, "micro": 4, "lr": 1e-6,
     },
+    "tiny": {  # --smoke: the tiny Llama's sizes
+        "model": {"hidden_size": 128, "num_layers": 2, "num_heads": 2, "intermediate_size": 256},
+        "groups": 2, "n": 2, "prompt": 8, "resp": 16, "micro": 4, "lr": 1e-4,
+    },
 }  # fmt: skip
 STARTUP_SHAPES = {  # ~100M parameters (~370 MB in fp32): the model dwarfs the allocator's noise
     "cpu-100m": {"hidden_size": 768, "num_layers": 6, "num_heads": 12, "intermediate_size": 2048,
                  "vocab_size": 32000},
     "1.3b": SHAPES["1.3b"]["model"],
+    "tiny": SHAPES["tiny"]["model"],
 }  # fmt: skip
+SMOKE = {"shape": "tiny", "startup_shape": "tiny", "steps": 2}
+"""`--smoke`'s defaults (flags given explicitly still win)."""
 TARGET_DIFF_CPU = 1e-5
 TARGET_STARTUP_RATIO = 0.6
 TARGET_RATIO_CUDA = 1.10
@@ -94,7 +105,9 @@ def launch(name: str, nproc: int | None, entry: list[str], tmp: Path, threads: i
     """Run `entry` (`-m module args` or `script args`): `nproc` None = one plain process, else torchrun on
     `nproc` ranks in all, over `nnodes` agents (node ranks 0..nnodes-1, c10d on localhost) as
     `offpolicy learner` starts them (`Layout`)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
+    # the checkout first, in front of the caller's PYTHONPATH (dependencies may be installed there)
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": str(threads)}
     if nproc is None:
         commands = [([sys.executable, *entry], {})]
     else:
@@ -244,7 +257,7 @@ def startup_ratio(mode: str, args: argparse.Namespace, device: str, redis_url: s
     cfg_file = tmp / f"startup-{mode}.yaml"
     cfg_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     out = tmp / f"startup-{mode}"
-    script = str(ROOT / "benchmarks" / "startup_rank.py")
+    script = str(ROOT / "benchmarks" / "_startup_rank.py")
     launch(f"startup-{mode}", args.nproc, [script, str(cfg_file), str(out)], tmp, args.threads)
     ranks = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(args.nproc)]
     per_rank = [r["startup_host_bytes"] for r in ranks]
@@ -269,16 +282,22 @@ def main() -> None:
         "--startup-shape",
         choices=sorted(STARTUP_SHAPES),
         default=None,
-        help="the model of the start-up memory runs (cpu-100m on CPU, 1.3b on CUDA)",
+        help="the model of the start-up memory runs (cpu-100m on CPU, 1.3b on CUDA; tiny: --smoke)",
     )
-    ap.add_argument("--shape", choices=sorted(SHAPES), default=None, help="cpu-small on CPU, 1.3b on CUDA")
+    ap.add_argument(
+        "--shape", choices=sorted(SHAPES), default=None, help="cpu-small on CPU, 1.3b on CUDA (tiny: --smoke)"
+    )
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None)
     ap.add_argument("--precision", choices=["bf16_mixed", "fp32", "bf16_pure"], default=None,
                     help="default: bf16_mixed on CUDA, fp32 on CPU")  # fmt: skip
     ap.add_argument("--steps", type=int, default=3, help="learner steps per run (the first is a warm-up)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--smoke", action="store_true", help="the same runs on the tiny Llama, 2 steps (CI)")
     args = ap.parse_args()
+    if args.smoke:  # smaller defaults; flags given explicitly still win
+        ap.set_defaults(**SMOKE)
+        args = ap.parse_args()
     if args.shape is None:
         args.shape = (
             "1.3b"

@@ -6,7 +6,10 @@ chunks of 4,096 tokens), with and without `fsdp.cpu_offload`. Model shapes are L
 Qwen2.5-1.5B, Qwen2.5-7B and Llama-3.1-70B, parameters counted on the meta device (nothing downloaded).
 An H100 has 79.6 GiB; a plan may use 90 % of it.
 
-    python benchmarks/memory_plan.py [--json]
+    python benchmarks/memory_plan.py [--json] [--smoke]
+
+`--json`: one object, `{"h100_gib", "headroom", "rows": [one per model, GPU count and offload]}`.
+`--smoke`: the 1.5B model only (the same estimate, CI).
 """
 
 from __future__ import annotations
@@ -41,9 +44,10 @@ MODELS = {
 }
 
 
-def rows() -> list[dict]:
+def rows(models: list[str]) -> list[dict]:
     out = []
-    for name, hf in MODELS.items():
+    for name in models:
+        hf = MODELS[name]
         shape = ModelShape.of(hf)
         for gpus, offload in ((1, False), (8, False), (8, True)):
             cfg = LearnerConfig(model_path="unused", fsdp={"cpu_offload": offload})
@@ -64,9 +68,11 @@ def rows() -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
-    table = rows()
-    if ap.parse_args().json:
-        print(json.dumps(table))
+    ap.add_argument("--smoke", action="store_true", help="the 1.5B model only (CI)")
+    args = ap.parse_args()
+    table = rows(["1.5B"] if args.smoke else list(MODELS))
+    if args.json:
+        print(json.dumps({"h100_gib": H100_GIB, "headroom": HEADROOM, "rows": table}))
         return
     head = ("model", "H100s", "cpu_offload", "weights+grads+AdamW", "bf16 copies", "activations",
             "LM-head chunk",

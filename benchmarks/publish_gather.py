@@ -12,7 +12,19 @@ waits for the gather; the host copy then overlaps the next step on CUDA), median
 warm-up. Reported: `state_dict_s`, `cast_first_s`, `speedup` (state_dict_s / cast_first_s), the bytes
 each all-gathers, and whether both give the same tensors. Target: speedup >= 1.5 with a bf16 publish.
 
-    python benchmarks/publish_gather.py [--nproc 2] [--shape cpu-small|1.3b] [--repeats 5] [--json]
+    python benchmarks/publish_gather.py [--nproc 2] [--shape cpu-small|1.3b] [--repeats 5] [--json] [--smoke]
+
+The learner part (`benchmarks/_publish_ranks.py`): the learner itself on `--nproc` ranks (gloo on CPU,
+NCCL on CUDA), publishing every step on a publish-heavy shape (`publish-heavy`: a large vocabulary, little
+compute; `--learner-shape`). `publish_share`: the step's `publish` phase over the step (the gather runs on a
+helper thread over a process group of its own; the step waits only for its shards' host snapshot; target
+<= 0.05); `sync_publish_share`: the synchronous gather (`GatheredWeights`, in the step, as before) plus the
+write of the same weights, over the step without publish plus it (>= 0.3 shows the shape is publish-heavy);
+`grad_reductions_per_minibatch`: FSDP2 reduce-scatters per unit per optimizer step, counted by the
+profiler (1 under `fsdp.grad_sync: auto` when the plan fits).
+
+`--smoke`: the same gathers on the tiny Llama (`--shape tiny`), one timed round (CI). The ranks get the
+checkout first on PYTHONPATH, in front of what the caller's PYTHONPATH holds.
 """
 
 from __future__ import annotations
@@ -32,7 +44,9 @@ import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+import uuid  # noqa: E402
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 SHAPES = {
@@ -40,7 +54,12 @@ SHAPES = {
                   "vocab_size": 32000},
     "1.3b": {"hidden_size": 1536, "num_layers": 28, "num_heads": 12, "num_kv_heads": 2,
              "intermediate_size": 8960, "vocab_size": 151936},
+    "tiny": {"hidden_size": 128, "num_layers": 2, "num_heads": 2, "intermediate_size": 256},  # --smoke
+    "publish-heavy": {"hidden_size": 1024, "num_layers": 2, "num_heads": 16, "intermediate_size": 2816,
+                      "vocab_size": 65536},
 }  # fmt: skip
+SMOKE = {"shape": "tiny", "repeats": 1, "learner_shape": "tiny", "learner_steps": 2}
+"""`--smoke`'s defaults (flags given explicitly still win)."""
 TARGET_SPEEDUP = 1.5
 
 
@@ -115,7 +134,9 @@ def run(args: argparse.Namespace) -> dict:
         tmp = Path(d)
         model_dir = make_tiny_model(tmp / "model", dtype="bfloat16", **SHAPES[args.shape])
         out = tmp / "result.json"
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
+        # the checkout first, in front of the caller's PYTHONPATH (dependencies may be installed there)
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": str(args.threads)}
         torchrun = [
             sys.executable,
             "-m",
@@ -150,19 +171,96 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def learner_run(args: argparse.Namespace) -> dict:
+    """The learner on `args.nproc` ranks publishing every step: publish share, sync share, reductions."""
+    import yaml
+
+    from offpolicy.buffer.embedded import EmbeddedRedis
+    from offpolicy.buffer.replay_buffer import ReplayBuffer
+    from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup
+    from offpolicy.learner.config import LearnerConfig
+    from offpolicy.learner.model import make_tiny_model
+
+    shape = SHAPES[args.learner_shape]
+    # groups per step, completions, prompt and response tokens: little compute for the weights' size
+    groups, n, prompt, resp = 4, 2, 8, 8
+    with tempfile.TemporaryDirectory() as d, EmbeddedRedis.start(Path(d) / "redis") as redis:
+        tmp = Path(d)
+        model_dir = make_tiny_model(tmp / "model", **shape)
+        cfg = LearnerConfig(
+            model_path=str(model_dir), redis_url=redis.url, run_id="publish-bench", groups_per_step=groups,
+            mini_batch_groups=groups // 2, micro_batch_size=2, packing=False, torch_threads=args.threads,
+            rollout_correction="decoupled_token_is", checkpoint={"checkpoint_dir": None},
+            publish={"weights_dir": str(tmp / "w"), "publish_every": 1, "keep_versions": 2},
+            buffer={"sampler": "fifo", "max_times_sampled": 1},
+        )  # fmt: skip
+        rng = np.random.default_rng(0)
+        vocab = shape.get("vocab_size", 101)
+        with ReplayBuffer(redis.url, cfg.run_id, cfg.buffer) as buf:
+            buf.insert_many([
+                TrajectoryGroup(
+                    group_id=uuid.uuid4().hex, prompt_id=f"p{i}",
+                    prompt_ids=rng.integers(4, vocab, prompt, dtype=np.int32), policy_version=0,
+                    actor_id="bench", created_at=time.time(),
+                    sampling=SamplingParams(temperature=1.0, max_tokens=resp),
+                    trajectories=[
+                        Trajectory(
+                            response_ids=rng.integers(4, vocab, resp, dtype=np.int32),
+                            behavior_logprobs=-(rng.random(resp, dtype=np.float32) * 4 + 2),
+                            reward=float(rng.random()), finish_reason="length",
+                        )
+                        for _ in range(n)
+                    ],
+                )
+                for i in range(groups * (args.learner_steps + 2))
+            ])  # fmt: skip
+        (tmp / "cfg.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+        out = tmp / "learner.json"
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": str(args.threads)}
+        script = str(Path(__file__).resolve().parent / "_publish_ranks.py")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={args.nproc}", script, str(tmp / "cfg.yaml"), str(args.learner_steps),
+               str(out)]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise SystemExit(f"torchrun failed ({proc.returncode}): {(proc.stdout + proc.stderr)[-3000:]}")
+        res = json.loads(out.read_text())
+    step, publish, sync_s = res["step_s"], res["phases_s"]["publish"], res["sync_publish_s"]
+    return {
+        "learner_shape": args.learner_shape,
+        "learner_step_s": step,
+        "learner_phases_s": res["phases_s"],
+        "publish_share": publish / step,
+        "sync_publish_s": sync_s,
+        "sync_publish_share": sync_s / (step - publish + sync_s),
+        "grad_reductions_per_minibatch": res["grad_reductions_per_minibatch"],
+        "grad_sync": res["grad_sync"],
+    }
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--rank-main":
         rank_main(sys.argv[2], int(sys.argv[3]), sys.argv[4])
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default=None, help="cpu-small on CPU, 1.3b on CUDA")
+    ap.add_argument(
+        "--shape", choices=sorted(SHAPES), default=None, help="cpu-small on CPU, 1.3b on CUDA (tiny: --smoke)"
+    )
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds after a warm-up")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank")
+    ap.add_argument("--learner-shape", choices=sorted(SHAPES), default="publish-heavy",
+                    help="the learner part's model (default publish-heavy)")  # fmt: skip
+    ap.add_argument("--learner-steps", type=int, default=4, help="the learner part's timed steps")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--smoke", action="store_true", help="the tiny Llama, one timed round (CI)")
     args = ap.parse_args()
+    if args.smoke:  # smaller defaults; flags given explicitly still win
+        ap.set_defaults(**SMOKE)
+        args = ap.parse_args()
     args.shape = args.shape or ("1.3b" if torch.cuda.is_available() else "cpu-small")
-    out = run(args)
+    out = run(args) | learner_run(args)
     if args.json:
         print(json.dumps(out))
         return
@@ -172,6 +270,10 @@ def main() -> None:
     print(f"  cast_first (GatheredWeights)         {out['cast_first_s'] * 1000:8.1f} ms")
     print(f"  speedup {out['speedup']:.2f}x (target >= {TARGET_SPEEDUP}); "
           f"same tensors: {out['same_tensors']}; load {out['load_avg_1m']:.1f}")  # fmt: skip
+    print(f"  learner ({out['learner_shape']}, {out['nproc']} ranks): step {out['learner_step_s']:.3f} s, "
+          f"publish share {out['publish_share']:.3f} (target <= 0.05), synchronous gather + write share "
+          f"{out['sync_publish_share']:.3f}, gradient reductions per optimizer step "
+          f"{out['grad_reductions_per_minibatch']:g} ({out['grad_sync']})")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ groups waiting on the verifier at once, which an actor that kept a prompt's slot
 scored took from the engine's `--batch`), its busy share (the part of the remote phase during which at
 least one request was sleeping), and the load average before and after. The rounds of one run spread by
 up to ±25% on a shared 2-core machine: hence many short rounds and the median of their ratios.
+`--smoke`: one round of 3-second phases, 4 prompts x 2 completions of 8 tokens in flight, a 20 ms
+verifier (CI).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ import numpy as np
 
 PHASES = ("local", "remote")
 PROMPTS = 64
+SMOKE = {"seconds": 3.0, "rounds": 1, "delay_ms": 20.0, "batch": 4, "n": 2, "max_tokens": 8}
+"""`--smoke`'s defaults (flags given explicitly still win)."""
 
 
 # --- the slow verifier
@@ -198,7 +202,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "local": base,
                 "remote": ActorConfig.model_validate(base.model_dump() | {"reward": remote}),
             }
-            engine = VLLMEngine(base.engine)
+            engine = VLLMEngine(base.engine, base.model_path)
             try:
                 params = [
                     engine.sampling_params(base.sampling, max_tokens=n, ignore_eos=True)
@@ -246,7 +250,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64, help="completion length (longtail: the mean)")
     ap.add_argument("--lengths", choices=("uniform", "longtail"), default="uniform")
     ap.add_argument("--concurrency", type=int, default=32, help="verifier requests in flight per actor")
+    ap.add_argument("--smoke", action="store_true", help="one round of 3-second phases, tiny sizes (CI)")
     args = ap.parse_args()
+    if args.smoke:  # smaller defaults; flags given explicitly still win
+        ap.set_defaults(**SMOKE)
+        args = ap.parse_args()
     r = run(args)
     if args.json:
         print(json.dumps(r))

@@ -8,7 +8,9 @@ must never outnumber the stored groups (orphaned payloads). The buffer's dedupe 
 window of ids (default 100,000, ~10 MB of Redis): it grows until full, by design; the soak uses a 500-id
 window so that it fills during the warm-up (`--dedupe-window`). Not part of CI (10 minutes by default).
 
-    python benchmarks/soak.py [--minutes 10] [--every 10] [--warmup 0.2] [--json]
+    python benchmarks/soak.py [--minutes 10] [--every 10] [--warmup 0.2] [--json] [--smoke]
+
+`--smoke`: the same stack and samples for 6 seconds, one sample a second (CI: checks it runs, not leaks).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from offpolicy.services.children import start_service  # noqa: E402
 from offpolicy.services.quickstart import actor_config, learner_config  # noqa: E402
 
 TARGET_GROWTH = 0.10
+SMOKE = {"minutes": 0.1, "every": 1.0}
+"""`--smoke`'s defaults (flags given explicitly still win)."""
 
 
 def rss_bytes(pid: int) -> int:
@@ -163,7 +167,11 @@ def main() -> None:
     ap.add_argument("--dedupe-window", type=int, default=500,
                     help="the dedupe window (ids): small enough to fill during the warm-up")  # fmt: skip
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="6 seconds, one sample a second (CI)")
     args = ap.parse_args()
+    if args.smoke:  # smaller defaults; flags given explicitly still win
+        ap.set_defaults(**SMOKE)
+        args = ap.parse_args()
     out = soak(args.minutes, args.every, args.warmup, args.dedupe_window)
     if args.json:
         print(json.dumps(out))

@@ -21,7 +21,10 @@ Arms (no tuning per arm; the same seeds, prompts and hyperparameters everywhere)
 - corrected: eta > 0 with `decoupled_token_is`, `decoupled_geo_rs_token_tis`, `bypass_pg_is`,
   `decoupled_token_icepop`.
 
-    python benchmarks/staleness.py [--quick] [--json] [--seeds 0 1 2] [--steps 30] [--etas 2 4 8]
+    python benchmarks/staleness.py [--quick] [--smoke] [--json] [--seeds 0 1 2] [--steps 30] [--etas 2 4 8]
+
+`--smoke`: `Setup.smoke()`, the same runs in miniature (sync and naive, 2 steps, 2 x 2 completions of 4
+tokens, one seed, eta 2; no plot unless `--plot`): seconds, for CI.
 """
 
 from __future__ import annotations
@@ -93,6 +96,12 @@ class Setup:
     def quick(cls) -> Setup:
         """About 1.5 minutes on 2 CPU cores (83 s at load 4): 2 seeds, eta 4, naive and two corrected arms."""
         return cls(steps=25, seeds=(0, 1), etas=(4,), arms=("naive", "decoupled_token_is", "bypass_pg_is"))
+
+    @classmethod
+    def smoke(cls) -> Setup:
+        """Seconds: sync and naive at eta 2, one seed, 2 steps of 2 x 2 completions of 4 tokens (CI)."""
+        return cls(steps=2, seeds=(0,), etas=(2,), arms=("naive",), groups_per_step=2, n=2, max_new_tokens=4,
+                   num_prompts=8)  # fmt: skip
 
 
 @dataclass
@@ -319,6 +328,7 @@ def main() -> None:
     ap.add_argument(
         "--quick", action="store_true", help="the ~1.5-minute version (2 seeds, eta 4, 3 arms, 25 steps)"
     )
+    ap.add_argument("--smoke", action="store_true", help="the same runs in miniature, in seconds (CI)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--seeds", type=int, nargs="+", help="seeds (default 0 1 2)")
     ap.add_argument("--steps", type=int, help="learner steps per run")
@@ -326,10 +336,10 @@ def main() -> None:
     ap.add_argument("--arms", nargs="+", choices=["naive", *CORRECTED], help="arms besides sync")
     ap.add_argument("--lr", type=float, help="learning rate (default 2e-3)")
     ap.add_argument(
-        "--plot", type=Path, default=None, help="PNG path (default docs/staleness.png, not --quick)"
+        "--plot", type=Path, default=None, help="PNG path (default docs/staleness.png, not --quick/--smoke)"
     )
     args = ap.parse_args()
-    setup = Setup.quick() if args.quick else Setup()
+    setup = Setup.smoke() if args.smoke else Setup.quick() if args.quick else Setup()
     given = {"seeds": args.seeds and tuple(args.seeds), "steps": args.steps, "lr": args.lr,
              "etas": args.etas and tuple(args.etas), "arms": args.arms and tuple(args.arms)}  # fmt: skip
     setup = replace(setup, **{k: v for k, v in given.items() if v is not None})
@@ -338,7 +348,7 @@ def main() -> None:
     traces = run_all(setup, log)
     rows = summarise(traces, setup)
     png = args.plot or (
-        None if args.quick else Path(__file__).resolve().parents[1] / "docs" / "staleness.png"
+        None if args.quick or args.smoke else Path(__file__).resolve().parents[1] / "docs" / "staleness.png"
     )
     if png is not None:
         plot(traces, setup, png)

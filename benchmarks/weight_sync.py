@@ -36,6 +36,9 @@ Sections: `--transport` picks entries of `SECTIONS` (`all`: every one). Each sec
 `(model_dir, work, args) -> dict` that starts and stops its own engine and returns its figures under its
 own key prefix (`files_*`); `main` builds the model once and merges the sections' dicts with the model's
 size and the machine's load.
+
+`--smoke`: the files section on the tiny Llama's sizes (hidden 128, 2 layers, vocabulary 1,000), one round
+(CI); the engine section is `weight_sync_engine.py`'s, whose own `--smoke` runs it.
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ from typing import Any
 import torch
 
 ARMS = {"before": "none", "after": "page_cache"}
+SMOKE = {"transport": "files", "rounds": 1, "hidden": 128, "layers": 2, "vocab": 1000}
+"""`--smoke`'s defaults (flags given explicitly still win)."""
 CGROUP = Path("/sys/fs/cgroup")
 
 
@@ -217,7 +222,11 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--volume", help="folder to publish under (default: a temporary folder)")
     parser.add_argument("--read-mb-s", type=float, help="cap the volume's reads at this rate (MB/s)")
+    parser.add_argument("--smoke", action="store_true", help="files section, tiny model, one round (CI)")
     args = parser.parse_args()
+    if args.smoke:  # smaller defaults; flags given explicitly still win
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args()
     sections = list(SECTIONS) if args.transport == "all" else [args.transport]
 
     with tempfile.TemporaryDirectory(prefix="bench-weight-sync-", dir=os.environ.get("TMPDIR")) as tmp:

@@ -12,7 +12,8 @@ those after loading the same version's files into it.
 
 `engine_figures()` is the reusable part (`benchmarks/weight_sync.py --transport engine` runs it beside
 the files section);
-`python benchmarks/weight_sync_engine.py [--json] [--repeats N]` runs it (~3-5 min on 2 cores).
+`python benchmarks/weight_sync_engine.py [--json] [--repeats N]` runs it (~3-5 min on 2 cores); `--smoke`:
+the same on the tiny Llama's sizes, one repeat (CI).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHAPE = {"hidden_size": 768, "num_layers": 8, "num_heads": 12, "intermediate_size": 2048, "vocab_size": 32000}
+SMOKE_SHAPE = {"hidden_size": 128, "num_layers": 2, "num_heads": 2, "intermediate_size": 256}
 PROMPTS = [[5, 9, 13, 2], [7, 7, 3], [11, 4, 8, 15, 6]]
 
 
@@ -140,7 +142,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="the tiny Llama's sizes, one repeat (CI)")
     args = parser.parse_args()
+    if args.smoke:  # smaller defaults; flags given explicitly still win
+        parser.set_defaults(repeats=1)
+        args = parser.parse_args()
     from offpolicy.buffer.embedded import EmbeddedRedis
     from offpolicy.learner.model import make_tiny_model
 
@@ -149,11 +155,11 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis.start(Path(tmp) / "redis") as redis:
         expose_entry_point(Path(tmp) / "plugin")
-        model_dir = make_tiny_model(Path(tmp) / "model", **SHAPE)
+        model_dir = make_tiny_model(Path(tmp) / "model", **(SMOKE_SHAPE if args.smoke else SHAPE))
         figures = engine_figures(model_dir, Path(tmp), redis.url, args.repeats)
     figures |= {"loadavg_before": load_before, "loadavg_after": Path("/proc/loadavg").read_text().split()[:3]}
     if args.json:
-        print(json.dumps(figures, indent=2))
+        print(json.dumps(figures))
     else:
         for k, v in figures.items():
             print(f"{k:24s} {v}")

@@ -19,7 +19,7 @@ LAYOUT_FLAGS = ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "nproc_per_no
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = (
     "correction", "buffer", "learner", "learner_fsdp", "publish_gather", "actor", "reward_latency", "e2e",
-    "staleness",
+    "staleness", "weight_sync", "agent", "memory_plan",
 )  # fmt: skip
 
 

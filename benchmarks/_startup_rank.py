@@ -1,5 +1,6 @@
-"""Run by torchrun from benchmarks/learner_fsdp.py: start the learner on every rank (build, shard, load,
-first publish), write this rank's start-up host memory to OUT.<rank>.json, stop. Arguments: CONFIG OUT."""
+"""A child entry, not a benchmark: run by torchrun from benchmarks/learner_fsdp.py, start the learner on
+every rank (build, shard, load, first publish), write this rank's start-up host memory to
+OUT.<rank>.json, stop. Arguments: CONFIG OUT."""
 
 from __future__ import annotations
 
