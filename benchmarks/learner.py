@@ -13,13 +13,21 @@ a step it would take. Shapes:
     0.4b           hidden 1024 x 24 layers, vocab 32k, 128 rows x (256 + 768) tokens (CUDA)
     1.3b           hidden 1536 x 28 layers, vocab 152k (2 KV heads), 64 rows x (256 + 768) tokens (CUDA)
     longtail       packed micro-batches vs padded rows, one long-tailed batch (benchmarks/learner_longtail.py)
+    longtail-1.3b  the long-tailed batch at full scale (155,661 tokens) on a Llama-shaped 1.78B (CUDA)
+    longtail-4b    the same on a Qwen3-4B-shaped 4.03B (CUDA); both: benchmarks/learner_longtail.py
 
 Targets: publish-heavy: sync_publish_share >= 0.3, publish_share <= 0.05, published_lag_max <= 2;
 cpu-ref: everything outside model work <= 5 % of the step; 1.3b with bf16_mixed: publish_share <= 0.05.
 MFU (CUDA only) counts 6 N flops per trained token and 2 N per pi_old token (attention not counted).
 
     python benchmarks/learner.py [--shape cpu-ref] [--device cpu] [--steps 3] [--precision P]
-                                 [--packing on|off|both] [--json]
+                                 [--packing on|off|both] [--json] [--smoke]
+                                 [--attention K] [--logprob-head fused|chunked]
+                                 [--gradient-checkpointing [on|off|auto]] [--micro-batch-tokens N|auto]
+                                 [--no-grad-micro-batch-tokens N|auto] [--model-dir DIR]
+
+The lever flags apply to every shape; unset, each keeps the learner's default (`--gradient-checkpointing`
+alone means on). `--smoke`: tiny sizes, one measured step, the same code path (seconds on CPU).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import uuid  # noqa: E402
+from typing import get_args  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -46,7 +55,7 @@ from benchmarks import learner_longtail  # noqa: E402
 from offpolicy.buffer.embedded import EmbeddedRedis  # noqa: E402
 from offpolicy.buffer.replay_buffer import ReplayBuffer  # noqa: E402
 from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup  # noqa: E402
-from offpolicy.learner.config import LearnerConfig  # noqa: E402
+from offpolicy.learner.config import AttnImplementation, LearnerConfig, LogprobHead  # noqa: E402
 from offpolicy.learner.metrics import PHASES  # noqa: E402
 from offpolicy.learner.model import make_tiny_model  # noqa: E402
 from offpolicy.learner.persist.published import publish_weights  # noqa: E402
@@ -74,7 +83,11 @@ SHAPES = {  # model sizes, then the batch: groups x n rows of prompt + response 
         "groups": 8, "n": 8, "prompt": 256, "resp": 768, "micro": 4,
     },
 }  # fmt: skip
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16
+PEAK_TFLOPS = learner_longtail.PEAK_TFLOPS
+SMOKE = {
+    "model": {"hidden_size": 128, "num_layers": 2, "num_heads": 2, "intermediate_size": 256},
+    "groups": 2, "n": 2, "prompt": 8, "resp": 16, "micro": 4,
+}  # fmt: skip
 
 
 def synthetic_groups(k: int, n: int, prompt_len: int, resp_len: int, vocab: int, seed: int) -> list:
@@ -135,7 +148,7 @@ def mfu(
 
 
 def run(args: argparse.Namespace, packing: bool = True) -> dict:
-    shape = SHAPES[args.shape]
+    shape = SMOKE if args.smoke else SHAPES[args.shape]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rows, seq = shape["groups"] * shape["n"], shape["prompt"] + shape["resp"]
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis.start(Path(tmp) / "redis") as redis:
@@ -145,9 +158,10 @@ def run(args: argparse.Namespace, packing: bool = True) -> dict:
         cfg = LearnerConfig(
             model_path=str(model_dir), device=str(device), precision=args.precision, redis_url=redis.url,
             run_id="bench", groups_per_step=shape["groups"], micro_batch_size=shape["micro"], packing=packing,
-            rollout_correction="decoupled_token_is", gradient_checkpointing=args.gradient_checkpointing,
+            rollout_correction="decoupled_token_is",
             publish={"weights_dir": str(Path(tmp) / "w"), "publish_every": 1, "keep_versions": 2},
             checkpoint={"checkpoint_dir": None}, torch_threads=args.threads,
+            **learner_longtail.lever_settings(args),
         )  # fmt: skip
         vocab = shape["model"].get("vocab_size", 101)
         with ReplayBuffer(redis.url, cfg.run_id, cfg.buffer) as buf:
@@ -174,7 +188,7 @@ def run(args: argparse.Namespace, packing: bool = True) -> dict:
     overhead = sum(v for p, v in phases.items() if p not in MODEL_WORK)
     tokens = rows * shape["resp"]
     return {
-        "shape": args.shape,
+        "shape": args.shape + ("-smoke" if args.smoke else ""),
         "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
         "precision": precision,
         "params": params,
@@ -196,11 +210,48 @@ def run(args: argparse.Namespace, packing: bool = True) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", choices=[*sorted(SHAPES), "longtail"], default="cpu-ref")
+    ap.add_argument("--shape", choices=[*sorted(SHAPES), "longtail", *learner_longtail.SHAPES],
+                    default="cpu-ref")  # fmt: skip
     ap.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     ap.add_argument("--precision", choices=["bf16_mixed", "fp32", "bf16_pure"], default=None,
                     help="default: bf16_mixed on CUDA, fp32 on CPU")  # fmt: skip
-    ap.add_argument("--gradient-checkpointing", action="store_true")
+    ap.add_argument(
+        "--gradient-checkpointing",
+        nargs="?",
+        const="on",
+        choices=["on", "off", "auto"],
+        help="activation checkpointing (alone: on; default: the learner's, auto on CUDA)",
+    )
+    ap.add_argument(
+        "--attention",
+        default=None,
+        choices=get_args(AttnImplementation),
+        help="attn_implementation (default: the learner's, auto)",
+    )
+    ap.add_argument(
+        "--logprob-head",
+        default=None,
+        choices=get_args(LogprobHead),
+        help="the LM head's log-probs: fused (default) or chunked (the earlier one)",
+    )
+    ap.add_argument(
+        "--micro-batch-tokens",
+        default=None,
+        metavar="N|auto",
+        help="micro_batch_tokens (default: the learner's, 16384)",
+    )
+    ap.add_argument(
+        "--no-grad-micro-batch-tokens",
+        default=None,
+        metavar="N|auto",
+        help="no_grad_micro_batch_tokens: pi_old's budget (default: micro_batch_tokens)",
+    )
+    ap.add_argument(
+        "--model-dir",
+        default=None,
+        help="longtail-*: where the random model is written, and reused when it is there",
+    )
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one measured step (CPU, seconds)")
     ap.add_argument("--steps", type=int, default=3, help="measured steps (after one warm-up step)")
     ap.add_argument("--sync-reps", type=int, default=2, help="synchronous publishes timed for the baseline")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -208,8 +259,11 @@ def main() -> None:
                     help="packed micro-batches (default), padded rows, or both in one run")  # fmt: skip
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
-    if args.shape == "longtail":
-        out = learner_longtail.run(args)
+    if args.smoke:
+        args.steps, args.sync_reps = 1, 1
+    if args.shape.startswith("longtail"):
+        full_scale = args.shape in learner_longtail.SHAPES
+        out = learner_longtail.run_shape(args) if full_scale else learner_longtail.run(args)
         print(json.dumps(out) if args.json else "\n".join(f"  {k:<28} {v}" for k, v in out.items()))
         return
     out = run(args, packing=args.packing != "off")

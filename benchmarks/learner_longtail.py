@@ -1,4 +1,6 @@
-"""`benchmarks/learner.py --shape longtail`: packed micro-batches against today's padded rows, same groups.
+"""`benchmarks/learner.py --shape longtail[-1.3b|-4b]`: one long-tailed RL batch through the learner.
+
+`--shape longtail` (CPU): packed micro-batches against the padded rows, same groups.
 
 One long-tailed RL batch (16 groups x 8 completions; prompts 150-350 tokens and responses lognormal with
 median 630, mean 970, capped at 8,000, all scaled by 1/8 for the CPU model: hidden 256 x 4 layers) is
@@ -13,6 +15,17 @@ default) and `packing: true` (micro-batches of at most `micro_batch_tokens`, sca
 - `lockstep_useful_share` (packed) and `..._rows` (today): for 8 ranks and the batch at full scale (64 x
   8 completions, 8k tokens at most), from the project's own split and plan code: the real tokens over
   8 x the sum over k of the slowest rank's k-th micro-batch (its token slots: padded or packed).
+
+`--shape longtail-1.3b | longtail-4b` (CUDA): the batch at full scale (155,661 real tokens) on a random
+Llama-shaped 1.78B (hidden 1536 x 28, 12 heads, 2 KV heads, vocabulary 151,936) or a Qwen3-4B-shaped
+4.03B (hidden 2560 x 36, 32 heads of 128, 8 KV heads, tied embeddings), `decoupled_token_is`, no
+publishing or checkpoints during the measured steps. Each lever is a flag, so one run measures each one's
+share: `--attention`, `--logprob-head`, `--gradient-checkpointing on|off|auto`, `--micro-batch-tokens
+N|auto`, `--no-grad-micro-batch-tokens N|auto` (their defaults: the learner's). It reports the median step,
+its phases (pi_old, forward+backward, optimizer), real tokens/s, MFU (8 N FLOPs per real token: forward,
+backward and the pi_old forward; no recompute, no attention) against the dense bf16 peak, the peak device
+memory, the memory plan, the attention kernel and the settings the learner chose. `--smoke`: the same path
+on a hidden-64 model and the batch's lengths / 64 (seconds on CPU).
 """
 
 from __future__ import annotations
@@ -26,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from offpolicy.buffer.embedded import EmbeddedRedis
 from offpolicy.buffer.replay_buffer import ReplayBuffer
@@ -33,7 +47,9 @@ from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup
 from offpolicy.learner.batch import collate
 from offpolicy.learner.config import LearnerConfig
 from offpolicy.learner.distributed.split import shares
-from offpolicy.learner.model import make_tiny_model
+from offpolicy.learner.memory_plan import GIB
+from offpolicy.learner.metrics import PHASES
+from offpolicy.learner.model import build_char_tokenizer, make_tiny_model
 from offpolicy.learner.model.policy import pack
 from offpolicy.learner.rl.microbatches import (
     micro_batches,
@@ -46,6 +62,20 @@ from offpolicy.learner.trainer import Learner
 SCALE = 8
 MODEL = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "intermediate_size": 688}
 ROWS_MICRO, TOKEN_BUDGET = 8, 16384
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16
+SHAPES = {  # the model shapes of the full-scale batch: architecture, then its config
+    "longtail-1.3b": (LlamaConfig, {
+        "hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
+        "head_dim": 128, "intermediate_size": 8960, "vocab_size": 151936, "tie_word_embeddings": False,
+    }),
+    "longtail-4b": (Qwen3Config, {
+        "hidden_size": 2560, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "intermediate_size": 9728, "vocab_size": 151936, "tie_word_embeddings": True,
+    }),
+}  # fmt: skip
+SMOKE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+         "head_dim": 32, "intermediate_size": 128, "vocab_size": 512}  # fmt: skip
+SMOKE_SCALE = 64
 
 
 def lengths(k: int, n: int, scale: int, seed: int) -> list[tuple[int, list[int]]]:
@@ -61,7 +91,7 @@ def lengths(k: int, n: int, scale: int, seed: int) -> list[tuple[int, list[int]]
     return out
 
 
-def longtail_groups(k: int, n: int, vocab: int, seed: int) -> list[TrajectoryGroup]:
+def longtail_groups(k: int, n: int, vocab: int, seed: int, scale: int = SCALE) -> list[TrajectoryGroup]:
     rng = np.random.default_rng(seed + 1)
     return [
         TrajectoryGroup(
@@ -82,7 +112,7 @@ def longtail_groups(k: int, n: int, vocab: int, seed: int) -> list[TrajectoryGro
                 for r in rs
             ],
         )
-        for i, (p, rs) in enumerate(lengths(k, n, SCALE, seed))
+        for i, (p, rs) in enumerate(lengths(k, n, scale, seed))
     ]
 
 
@@ -178,4 +208,101 @@ def run(args: argparse.Namespace) -> dict:
             "logprob_max_abs_diff": 1e-5,
             "lockstep_useful_share": 0.9,
         },
+    }
+
+
+# --- the full-scale batch on a model shape
+
+
+def save_model(folder: Path, shape: str, smoke: bool, device: torch.device) -> Path:
+    """A random model of `shape` (the smoke sizes with `smoke`) in bf16 and the character tokenizer in
+    `folder` (kept when it holds one already: `--model-dir` reuses it across runs)."""
+    if (folder / "config.json").exists():
+        return folder
+    kind, dims = SHAPES[shape]
+    tokenizer = build_char_tokenizer()
+    config = kind(
+        **(dims | SMOKE if smoke else dims), max_position_embeddings=16384,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device(device):  # initialised where it runs: seconds for 4B parameters on a GPU
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    del model
+    return folder
+
+
+def budget(value: str | None) -> int | str | None:
+    """A `--micro-batch-tokens` value: a number, `auto`, or None (the learner's default)."""
+    return None if value is None else value if value == "auto" else int(value)
+
+
+def lever_settings(args: argparse.Namespace) -> dict:
+    """The learner settings the lever flags name (unset ones keep the learner's defaults)."""
+    ckpt = {"on": True, "off": False, "auto": "auto", None: None}[args.gradient_checkpointing]
+    out = {"attn_implementation": args.attention, "logprob_head": args.logprob_head,
+           "gradient_checkpointing": ckpt, "micro_batch_tokens": budget(args.micro_batch_tokens),
+           "no_grad_micro_batch_tokens": budget(args.no_grad_micro_batch_tokens)}  # fmt: skip
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def run_shape(args: argparse.Namespace) -> dict:
+    """The long-tailed batch through the learner on `args.shape` with the levers of the flags."""
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    scale = SMOKE_SCALE if args.smoke else 1
+    vocab = (SMOKE if args.smoke else SHAPES[args.shape][1])["vocab_size"]
+    groups = longtail_groups(16, 8, vocab, seed=0, scale=scale)
+    real = sum(len(g.prompt_ids) * len(g.trajectories) + sum(len(t.response_ids) for t in g.trajectories)
+               for g in groups)  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis.start(Path(tmp) / "redis") as redis:
+        folder = save_model(Path(args.model_dir or Path(tmp) / "model"), args.shape, args.smoke, device)
+        cfg = LearnerConfig(
+            model_path=str(folder), device=str(device), precision=args.precision, redis_url=redis.url,
+            run_id="longtail", groups_per_step=16, packing=args.packing != "off", micro_batch_size=ROWS_MICRO,
+            rollout_correction="decoupled_token_is", torch_threads=args.threads,
+            publish={"weights_dir": str(Path(tmp) / "w"), "publish_every": 10**6},
+            checkpoint={"checkpoint_dir": None}, buffer={"max_times_sampled": None}, **lever_settings(args),
+        )  # fmt: skip
+        with ReplayBuffer(redis.url, cfg.run_id, cfg.buffer) as buf:
+            buf.insert_many(groups)
+        learner = Learner(cfg)
+        try:
+            learner.step()  # warm-up (and the fused head's compilation)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            steps = [learner.step() for _ in range(args.steps)]
+            peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+            params = sum(p.numel() for p in learner.model.parameters())
+            attention = learner.model.config._attn_implementation
+            settings, plan = learner.settings, learner.memory_plan
+        finally:
+            learner.close()
+    phases = {p: statistics.median(s.get(f"time/{p}", 0.0) for s in steps) for p in PHASES}
+    step_s = statistics.median(sum(s.get(f"time/{p}", 0.0) for p in PHASES) for s in steps)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+    peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    return {
+        "shape": args.shape + ("-smoke" if args.smoke else ""),
+        "device": name,
+        "precision": learner.precision.name,
+        "params": params,
+        "rows_per_step": 16 * 8,
+        "tokens_per_step": real,
+        "steps": args.steps,
+        "step_s": step_s,
+        "tokens_per_s": real / step_s,
+        "mfu": None if peak_tflops is None else 8 * params * real / step_s / (peak_tflops * 1e12),
+        "pi_old_s": phases["old_logprob"],
+        "forward_backward_s": phases["forward_backward"],
+        "optimizer_s": phases["optimizer"],
+        "phases_s": phases,
+        "peak_memory_gib": peak,
+        "plan_gib": plan.total / GIB,
+        "plan": plan.as_dict(),
+        "attention": attention,
+        "settings": {**settings.as_dict(), "logprob_head": cfg.logprob_head, "packing": cfg.packing},
     }

@@ -182,14 +182,15 @@ def learner_run(args: argparse.Namespace) -> dict:
     from offpolicy.learner.model import make_tiny_model
 
     shape = SHAPES[args.learner_shape]
-    # groups per step, completions, prompt and response tokens: little compute for the weights' size
-    groups, n, prompt, resp = 4, 2, 8, 8
+    # groups per step (one optimizer step), completions, prompt and response tokens: little compute (and
+    # few FSDP all-gathers: one micro-batch per pass) for the weights' size
+    groups, n, prompt, resp = 2, 2, 8, 8
     with tempfile.TemporaryDirectory() as d, EmbeddedRedis.start(Path(d) / "redis") as redis:
         tmp = Path(d)
         model_dir = make_tiny_model(tmp / "model", **shape)
         cfg = LearnerConfig(
             model_path=str(model_dir), redis_url=redis.url, run_id="publish-bench", groups_per_step=groups,
-            mini_batch_groups=groups // 2, micro_batch_size=2, packing=False, torch_threads=args.threads,
+            micro_batch_size=n * groups, packing=False, torch_threads=args.threads,
             rollout_correction="decoupled_token_is", checkpoint={"checkpoint_dir": None},
             publish={"weights_dir": str(tmp / "w"), "publish_every": 1, "keep_versions": 2},
             buffer={"sampler": "fifo", "max_times_sampled": 1},

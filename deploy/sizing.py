@@ -9,8 +9,10 @@ defaults (the 7B row) are checked against it (tests/unit/deploy/test_sizing.py):
   with configs/learner.yaml's settings (bf16_mixed, packing, `micro_batch_tokens`, checkpointing on);
 - actor GPUs: vLLM's tensor-parallel size, the fewest GPUs holding the bf16 weights (2 B x P) in half of
   each GPU (the other half for the KV cache);
-- host memory per learner rank: the loader materialises the whole model in fp32 masters on every rank
-  before sharding (4 B x P), plus 4 GiB (CUDA context, Python, NCCL); the pod adds its /dev/shm;
+- host memory of the learner's first node (the leader's; the others hold less): the learner's own host plan
+  (`offpolicy.learner.host_plan.node_bytes`, the plan it refuses to start above: DCP's pinned checkpoint
+  stager, the background gather's snapshot, the leader's published sets, the lean start's reads, 4 GiB of
+  process per rank); the pod adds its /dev/shm;
 - weights volume: (`publish.keep_versions` + 1 being written) x 2 B x P (published in bf16);
 - checkpoints volume: (`checkpoint.keep_checkpoints` + 1 being written) x 12 B x P (fp32 masters + AdamW's
   two fp32 moments);
@@ -34,11 +36,11 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from offpolicy.learner.config import LearnerConfig
+from offpolicy.learner.host_plan import node_bytes
 from offpolicy.learner.memory_plan import GIB, HEADROOM, ModelShape, estimate
 
 GPU_GIB = 80  # H100 / A100 80 GB
 GROUP_OVERHEAD = 1024  # bytes: the frame's header and the entry's keys (checked against the codec)
-HOST_OVERHEAD_GIB = 4
 SHM_GIB = 16  # the learner pod's /dev/shm (memory-backed: counts against the pod's limit)
 BYTES_PER_TOKEN = 12  # int32 token id + float32 behaviour logprob + int32 policy version
 
@@ -78,7 +80,7 @@ class Sizing:
     learner_gpus: int
     plan_gib: float  # the learner's memory plan per rank at that count
     actor_gpus: int
-    host_gib_per_rank: float
+    host_gib_node: float  # the learner's first node: its ranks' host plan
     learner_pod_gib: int  # memory limit of one learner pod (its ranks + /dev/shm), whole 16 GiB
     weights_gib: int
     checkpoints_gib: int
@@ -98,16 +100,16 @@ def size(w: Workload, config: LearnerConfig | None = None) -> Sizing:
     else:
         raise ValueError(f"{w.name}: no rank count up to 64 fits")
     actor = next(tp for tp in (1, 2, 4, 8) if 2 * p / tp <= GPU_GIB * GIB / 2)
-    host = 4 * p / GIB + HOST_OVERHEAD_GIB
     per_node = min(gpus, 8)
+    host = node_bytes(cfg, p, gpus, per_node, leader_node=True) / GIB
     data = w.buffer_groups * group_bytes(w)
     maxmemory = 2**29 * math.ceil(1.5 * data / 2**29)  # whole 512 MiB
     return Sizing(
         learner_gpus=gpus,
         plan_gib=plan.total / GIB,
         actor_gpus=actor,
-        host_gib_per_rank=host,
-        learner_pod_gib=ceil_to(per_node * host + SHM_GIB, 16),
+        host_gib_node=host,
+        learner_pod_gib=ceil_to(host + SHM_GIB, 16),
         weights_gib=ceil_to((cfg.publish.keep_versions + 1) * 2 * p / GIB, 16),
         checkpoints_gib=ceil_to((cfg.checkpoint.keep_checkpoints + 1) * 12 * p / GIB, 16),
         group_kib=group_bytes(w) / 1024,
@@ -119,7 +121,7 @@ def size(w: Workload, config: LearnerConfig | None = None) -> Sizing:
 def table(config: LearnerConfig | None = None) -> str:
     """The markdown table of docs/deploy.md "Sizing"."""
     head = (
-        "| model | T x n, prompt, groups | learner GPUs (plan/rank) | actor GPUs (TP) | host/rank "
+        "| model | T x n, prompt, groups | learner GPUs (plan/rank) | actor GPUs (TP) | host, node 0 "
         "| learner pod | weights | checkpoints | group | Redis maxmemory | Redis limit |\n"
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
     )
@@ -128,7 +130,7 @@ def table(config: LearnerConfig | None = None) -> str:
         s = size(w, config)
         rows.append(
             f"| {w.name} | {w.response_tokens} x {w.group_size}, {w.prompt_tokens}, {w.buffer_groups} "
-            f"| {s.learner_gpus} ({s.plan_gib:.0f} GiB) | {s.actor_gpus} | {s.host_gib_per_rank:.0f} GiB "
+            f"| {s.learner_gpus} ({s.plan_gib:.0f} GiB) | {s.actor_gpus} | {s.host_gib_node:.0f} GiB "
             f"| {s.learner_pod_gib} Gi | {s.weights_gib} Gi | {s.checkpoints_gib} Gi | {s.group_kib:.0f} KiB "
             f"| {s.redis_maxmemory_mib} mb | {s.redis_limit_gib} Gi |"
         )

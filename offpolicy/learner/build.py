@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
+from offpolicy.learner import host_plan
 from offpolicy.learner.config import LearnerConfig, OptimizerConfig
 from offpolicy.learner.distributed.fsdp import decoder_layers, fsdp_mesh, shard
 from offpolicy.learner.distributed.lean import (
@@ -31,7 +33,15 @@ from offpolicy.learner.distributed.lean import (
 )
 from offpolicy.learner.distributed.ranks import Ranks, current, local_device
 from offpolicy.learner.host_peak import PeakHostMemory
-from offpolicy.learner.memory_plan import MemoryPlan, check, device_limit, plan_for
+from offpolicy.learner.memory_plan import (
+    GIB,
+    MemoryPlan,
+    ModelShape,
+    Settings,
+    check,
+    device_limit,
+    settings_for,
+)
 from offpolicy.learner.model import attention
 from offpolicy.learner.model.critic import ValueModel
 from offpolicy.learner.model.load import load_model, unique_state
@@ -55,12 +65,17 @@ class Trainables:
 
 
 def build_trainables(
-    config: LearnerConfig, device: torch.device, precision: Precision, sharded: bool
+    config: LearnerConfig,
+    device: torch.device,
+    precision: Precision,
+    sharded: bool,
+    checkpointing: bool | None = None,
 ) -> tuple[Trainables, set[str], str]:
     """The policy, optimizer, scheduler and (GAE) critic of `config` on `device` (`sharded`: FSDP2), the
     names of the weights to publish (the state dict's, tied names dropped as `save_pretrained` does;
     taken before sharding, which hides the ties), and how the policy's weights were read (`start_way`)."""
-    checkpointing = gradient_checkpointing(config, device)
+    if checkpointing is None:
+        checkpointing = gradient_checkpointing(config, device)
     attn = attention.resolve(config.attn_implementation, device)
     lean = sharded and config.fsdp.lean_start
     mesh = fsdp_mesh(config.fsdp.replicate, device) if sharded else None
@@ -79,7 +94,7 @@ def build_trainables(
             attn_implementation=attn,
         )
         publish_keys = set(unique_state(model))
-    policy = LogProbs(model)  # what the loop calls for log-probs
+    policy = LogProbs(model, config.logprob_head)  # what the loop calls for log-probs
     if sharded:
         shard(policy, model.config.num_hidden_layers, precision, offload, mesh)
     way = ("whole, sharded" if sharded else "whole") if not lean else ""
@@ -142,7 +157,7 @@ def build_reference(
         model = meta_model(path, dtype, attn_implementation=attn)
     else:
         model = load_model(path, "cpu" if sharded or offload else device, dtype, attn_implementation=attn)
-    reference = freeze(LogProbs(model))
+    reference = freeze(LogProbs(model, config.logprob_head))
     layers = model.config.num_hidden_layers
     if sharded:
         shard(reference, layers, precision, rc.cpu_offload, fsdp_mesh(config.fsdp.replicate, device))
@@ -193,10 +208,11 @@ def _init_device(cpu_offload: bool, device: torch.device) -> torch.device:
 
 
 def gradient_checkpointing(config: LearnerConfig, device: torch.device) -> bool:
-    """`config.gradient_checkpointing`, None resolved: on with CUDA, off elsewhere."""
-    if config.gradient_checkpointing is None:
+    """`config.gradient_checkpointing` without a memory plan: None and `auto` on with CUDA, off elsewhere
+    (`build_models` resolves them from the plan: memory_plan.py `choose`)."""
+    if config.gradient_checkpointing in (None, "auto"):
         return device.type == "cuda"
-    return config.gradient_checkpointing
+    return bool(config.gradient_checkpointing)
 
 
 # --- the LR schedule
@@ -251,6 +267,10 @@ class Built:
     start_way: str = "whole"
     """How the policy's weights were read: `slices` (lean start, each rank its own), `broadcast` (lean start,
     rank 0 read the whole checkpoint), `whole` (one process) or `whole, sharded` (every rank read it all)."""
+    settings: Settings | None = None
+    """The memory plan's choices: checkpointing and the `auto` token budgets resolved (memory_plan.py)."""
+    host_plan: dict[str, float] | None = None
+    """This rank's host memory plan in GiB by part, and its node's total (learner/host_plan.py)."""
 
 
 def resolve_grad_sync(
@@ -278,19 +298,38 @@ def resolve_grad_sync(
     return (deferred if mode == "mini_batch" else plan), mode
 
 
+def plan_host(config: LearnerConfig, ranks: Ranks, shard_ranks: int) -> dict[str, float]:
+    """This rank's host memory plan (GiB by part) and its node's total, checked against the container's
+    limit (`MemoryPlanError` naming the knobs); learner/host_plan.py."""
+    from transformers import AutoConfig
+
+    params = ModelShape.of(AutoConfig.from_pretrained(str(config.model_path))).params
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if ranks.distributed else 1
+    leader_node = ranks.rank < per_node
+    need = host_plan.check(config, params, shard_ranks, per_node, leader_node, host_plan.cgroup_limit())
+    mine = host_plan.host_plan(config, params, shard_ranks, ranks.distributed, ranks.is_leader)
+    return mine.as_dict() | {"node_total": need / GIB}
+
+
 def build_models(config: LearnerConfig, ranks: Ranks) -> Built:
     """The device and precision, the memory plan checked against the device (before any weight loads),
     then the trainables and the KL reference, with the host memory their build took."""
     device = local_device(ranks, pick_device(config.device))
     precision = Precision.resolve(config.precision, device)
-    checkpointing = gradient_checkpointing(config, device)
     # the ranks a parameter is sharded over: all of them, or one replica group's (fsdp.replicate)
     shard_ranks = max(1, ranks.world_size // config.fsdp.replicate) if ranks.distributed else 1
-    plan = plan_for(config, shard_ranks, ranks.distributed, checkpointing, device.type == "cuda")
-    plan, grad_sync = resolve_grad_sync(config, plan, shard_ranks, device_limit(config, device), ranks)
-    check(plan, device_limit(config, device), config, shard_ranks, checkpointing)
+    limit = device_limit(config, device)
+    # the `auto` settings, the same on every rank (ranks with the same device memory)
+    settings = settings_for(config, shard_ranks, ranks.distributed, device.type == "cuda", limit)
+    checkpointing = settings.checkpointing
+    plan, grad_sync = resolve_grad_sync(config, settings.plan, shard_ranks, limit, ranks)
+    check(plan, limit, config, shard_ranks, checkpointing)
+    log.info("memory plan %.1f GiB per rank with %s", plan.total / GIB, settings.as_dict())
+    host = plan_host(config, ranks, shard_ranks)  # refused here when the node's host plan exceeds its limit
     with PeakHostMemory() as startup:  # the models' host memory at start-up (lean start: ~shards)
-        parts, publish_keys, start_way = build_trainables(config, device, precision, ranks.distributed)
+        parts, publish_keys, start_way = build_trainables(
+            config, device, precision, ranks.distributed, checkpointing
+        )
         reference = build_reference(config, device, precision, ranks.distributed)
     log.info(
         "start-up host memory: rank %d peak %d bytes above the %d before the models were built "
@@ -308,4 +347,6 @@ def build_models(config: LearnerConfig, ranks: Ranks) -> Built:
         startup.exact,
         grad_sync,
         start_way,
+        settings,
+        host,
     )

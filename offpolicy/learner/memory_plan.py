@@ -9,20 +9,29 @@ under FSDP, 1 on one process):
   forward (2 P); under FSDP only the layers being gathered are whole (two decoder layers, prefetch, plus the
   root: embeddings and LM head);
 - activations of one micro-batch of T = `micro_batch_tokens` tokens (padded rows: `micro_batch_size` rows
-  at the model's context length, their worst case) in the compute dtype: per token and
-  layer ~(9 h + 4 i) elements (h hidden, i MLP width; attention without T x T scores: FlashAttention or
-  `sdpa_varlen`); with activation checkpointing only each layer's input (h per token and layer) plus one
-  layer recomputed;
-- the LM head's chunk: `logprob_chunk_tokens` x vocabulary fp32 logits, three live at once (logits,
-  their softmax, their gradient), four with the entropy bonus (`entropy_coeff > 0`: its gradient);
+  at the model's context length, their worst case), measured per token and decoder layer (bytes saved for
+  the backward pass, h hidden, i MLP width, q and kv the query and key/value widths, attention without
+  T x T scores: FlashAttention, `torch_varlen` or `sdpa_varlen`): under `bf16_mixed` 26 h + 8 i + 6 q
+  + 4 kv (the residual stream stays fp32; 6 q + 6 kv more with per-head q/k norms, as Qwen3), under
+  `fp32` 24 h + 16 i + 12 q + 8 kv, under `bf16_pure` and under FSDP's bf16 parameters 16 h + 8 i + 6 q
+  + 4 kv; and 11 h outside the layers. With activation checkpointing only each layer's input (h per token
+  and layer, fp32 or bf16 as the residual stream). One layer's worth and its gradients (8 h + 4 i more)
+  are in flight during the backward pass, never at the same time as the LM head's chunk (whose backward
+  comes first): the larger counts;
+- the LM head's chunk of `logprob_chunk_tokens` x vocabulary logits: the `fused` head (model/head.py) holds
+  the logits and their gradient in the compute dtype (compiled on CUDA; eagerly one fp32 copy and the
+  softmax more), the `chunked` one three fp32 copies, four with the entropy bonus;
 - the reference policy of the KL loss (`kl_loss_coef > 0`): P_ref x the compute dtype (2 B under
   `bf16_mixed` and `bf16_pure`, 4 B under `fp32`) / N; with `reference.cpu_offload` in host memory (on one
   process its embeddings and LM head stay on the device; the layers it gathers or streams exist only during
   its own no-grad pass, when no training activations are alive).
 
-Deliberately simple: an upper-bound-minded estimate for decoder-only transformers, not a measurement (no
-allocator fragmentation, no NCCL buffers beyond the 10 % headroom). `check` refuses a plan above 90 % of
-the device's memory (or `memory_limit_gib`) with the knobs that lower it.
+Deliberately simple: an estimate for decoder-only transformers (coefficients measured with
+saved-tensor hooks on Llama and Qwen3 layers), not a measurement (no allocator fragmentation, no NCCL
+buffers beyond the 10 % headroom). `check` refuses a plan above 90 % of the device's memory (or
+`memory_limit_gib`) with the knobs that lower it. `choose` resolves the `auto` settings from it:
+activation checkpointing off when at least `MIN_TOKENS` tokens fit without it, and the largest token
+budgets that fit (at most `MAX_TOKENS`).
 """
 
 from __future__ import annotations
@@ -38,6 +47,12 @@ from offpolicy.learner.errors import MemoryPlanError
 HEADROOM = 0.9
 """The share of the device's memory a plan may use (the rest: CUDA context, NCCL, fragmentation)."""
 GIB = 2**30
+MIN_TOKENS = 16384
+"""`auto` turns activation checkpointing off only when micro-batches of at least this many tokens fit."""
+MAX_TOKENS = 262144
+"""The largest budget `auto` picks (a micro-batch beyond a whole batch has no use)."""
+DEFAULT_TOKENS = 16384
+"""What `micro_batch_tokens: auto` means where the device sets no limit (CPU without memory_limit_gib)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,16 +65,39 @@ class ModelShape:
     layers: int
     vocab: int
     context: int  # max_position_embeddings: a padded row's worst case
+    q_width: int = 0  # query heads x head_dim; 0 = hidden
+    kv_width: int = 0  # key/value heads x head_dim; 0 = hidden
+    qk_norm: bool = False  # per-head RMSNorm of queries and keys (Qwen3)
 
     @classmethod
     def of(cls, hf: PretrainedConfig) -> ModelShape:
         """The shape of a Hugging Face config; the parameters counted on the meta device (nothing loaded)."""
         with torch.device("meta"):
-            params = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf).parameters())
+            named = dict(AutoModelForCausalLM.from_config(hf).named_parameters())
+        params, names = sum(p.numel() for p in named.values()), list(named)
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
         return cls(
             params, hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers, hf.vocab_size,
-            hf.max_position_embeddings,
+            hf.max_position_embeddings, hf.num_attention_heads * head_dim, kv_heads * head_dim,
+            any(n.endswith("q_norm.weight") for n in names),
         )  # fmt: skip
+
+    def layer_bytes(self, precision: str) -> int:
+        """Bytes one decoder layer keeps for the backward pass per token (module docstring)."""
+        h, i = self.hidden, self.intermediate
+        q, kv = self.q_width or h, self.kv_width or h
+        norm = self.qk_norm
+        if precision == "fp32":
+            return 24 * h + 16 * i + (12 + 12 * norm) * q + (8 + 12 * norm) * kv
+        if precision == "bf16_pure":
+            return 16 * h + 8 * i + (6 + 6 * norm) * q + (4 + 6 * norm) * kv
+        return 26 * h + 8 * i + (6 + 6 * norm) * q + (4 + 6 * norm) * kv
+
+    def in_flight_bytes(self, precision: str) -> int:
+        """Bytes per token of the layer whose backward runs: its saved tensors (recomputed under activation
+        checkpointing) and the gradients it makes on the way (the residual's, the MLP's)."""
+        return self.layer_bytes(precision) + 8 * self.hidden + 4 * self.intermediate
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,11 +113,13 @@ class MemoryPlan:
     host_offloaded: int  # weights, gradients and AdamW state in host memory (`fsdp.cpu_offload`), and the
     # reference's weights with `reference.cpu_offload`
     reference: int = 0  # the KL loss's frozen reference policy on the device
+    layer_in_flight: int = 0  # one decoder layer's working set in the backward pass (never at the same
+    # time as the LM head's chunk, whose backward comes first)
 
     @property
     def total(self) -> int:
         return sum((self.weights, self.gradients, self.optimizer, self.compute_copies, self.activations,
-                    self.lm_head_chunk, self.reference))  # fmt: skip
+                    max(self.lm_head_chunk, self.layer_in_flight), self.reference))  # fmt: skip
 
     def as_dict(self) -> dict[str, float]:
         """The parts and the total in GiB (JSON-safe: `/v1/status`)."""
@@ -94,9 +134,12 @@ def estimate(
     checkpointing: bool,
     cuda: bool,
     reference: ModelShape | None = None,
+    tokens: int | None = None,
 ) -> MemoryPlan:
-    """The memory plan of one of `ranks` ranks training `shape` (`sharded`: FSDP2 over the ranks); the KL
-    loss's reference is of shape `reference` (None = `shape`)."""
+    """The memory plan of one of `ranks` ranks training `shape` (`sharded`: FSDP2 over the ranks) on
+    micro-batches of `tokens` tokens (None = `micro_batch_tokens`, `DEFAULT_TOKENS` for `auto`; padded
+    rows: `micro_batch_size` rows at the model's context length); the KL loss's reference is of shape
+    `reference` (None = `shape`)."""
     precision = config.precision or ("bf16_mixed" if cuda else "fp32")
     master = 2 if precision == "bf16_pure" else 4
     compute = 4 if precision == "fp32" else 2
@@ -111,24 +154,53 @@ def estimate(
         copies = 2 * (2 * layer + 2 * shape.vocab * shape.hidden)
     else:
         copies = 2 * params
-    tokens = config.micro_batch_tokens if config.packing else config.micro_batch_size * shape.context
-    per_layer = tokens * (9 * shape.hidden + 4 * shape.intermediate) * compute
-    if checkpointing:
-        activations = shape.layers * tokens * shape.hidden * compute + per_layer
-    else:
-        activations = shape.layers * per_layer
-    head = (4 if config.entropy_coeff > 0 else 3) * config.logprob_chunk_tokens * shape.vocab * 4
+    if tokens is None:
+        budget = config.micro_batch_tokens
+        tokens = (budget if isinstance(budget, int) else DEFAULT_TOKENS) if config.packing else (
+            config.micro_batch_size * shape.context
+        )  # fmt: skip
     ref_device, ref_host = reference_bytes(config, reference or shape, share, sharded, compute)
+    stream = activation_precision(precision, sharded)
     return MemoryPlan(
         weights=0 if offload else state,
         gradients=0 if offload else state,
         optimizer=0 if offload else 2 * state,
         compute_copies=copies,
-        activations=activations,
-        lm_head_chunk=head,
+        activations=tokens * token_bytes(shape, stream, checkpointing),
+        lm_head_chunk=head_bytes(config, shape, compute, cuda),
         host_offloaded=(4 * state if offload else 0) + ref_host,
         reference=ref_device,
+        layer_in_flight=tokens * shape.in_flight_bytes(stream),
     )
+
+
+def activation_precision(precision: str, sharded: bool) -> str:
+    """The precision the activations follow: FSDP's bf16 parameters make `bf16_mixed`'s residual stream
+    bf16, as `bf16_pure`'s (one process: fp32, from the fp32 embeddings)."""
+    return "bf16_pure" if sharded and precision == "bf16_mixed" else precision
+
+
+def token_bytes(shape: ModelShape, stream: str, checkpointing: bool | None) -> int:
+    """Activation bytes kept per token of a micro-batch under activation precision `stream`: every layer's
+    saved tensors (with `checkpointing` each layer's input instead; None: a pass without gradients, which
+    keeps one layer's working set alone) and the states outside the layers."""
+    if checkpointing is None:
+        return shape.layer_bytes(stream) + 11 * shape.hidden
+    layer = shape.hidden * (2 if stream == "bf16_pure" else 4) if checkpointing else shape.layer_bytes(stream)
+    return shape.layers * layer + 11 * shape.hidden
+
+
+def head_bytes(config: LearnerConfig, shape: ModelShape, compute: int, cuda: bool) -> int:
+    """The LM head's chunk of `logprob_chunk_tokens` x vocabulary logits at its largest (module docstring)."""
+    entropy = config.entropy_coeff > 0
+    if config.logprob_head == "chunked":
+        per_logit = 4 * (4 if entropy else 3)
+    elif cuda:
+        per_logit = 2 * compute  # the logits and their gradient; the passes over them compiled
+    else:
+        per_logit = compute + 8 + 4 * entropy  # and one fp32 copy, the softmax (the entropy's)
+    weight_grad = 0 if config.logprob_head == "chunked" else (2 * compute + 4) * shape.vocab * shape.hidden
+    return per_logit * config.logprob_chunk_tokens * shape.vocab + weight_grad
 
 
 def reference_bytes(
@@ -146,14 +218,104 @@ def reference_bytes(
     return (0 if sharded else 2 * shape.vocab * shape.hidden * compute), full
 
 
-def plan_for(config: LearnerConfig, ranks: int, sharded: bool, checkpointing: bool, cuda: bool) -> MemoryPlan:
-    """`estimate` for the model `config.model_path` names (its config read, no weight loaded)."""
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What the memory plan decides for a run: the `auto` settings resolved, and the plan they make."""
+
+    checkpointing: bool
+    micro_batch_tokens: int
+    no_grad_micro_batch_tokens: int
+    plan: MemoryPlan
+
+    def apply(self, config: LearnerConfig) -> LearnerConfig:
+        """`config` with its `auto` (and unset no-grad) token budgets replaced by the chosen numbers."""
+        update: dict[str, int] = {}
+        if config.micro_batch_tokens == "auto":
+            update["micro_batch_tokens"] = self.micro_batch_tokens
+        if not isinstance(config.no_grad_micro_batch_tokens, int):
+            update["no_grad_micro_batch_tokens"] = (
+                self.no_grad_micro_batch_tokens
+                if config.no_grad_micro_batch_tokens == "auto"
+                else update.get("micro_batch_tokens", config.micro_batch_tokens)
+            )
+        return config.model_copy(update=update) if update else config
+
+    def as_dict(self) -> dict[str, int | bool]:
+        """The chosen settings (logs, the benchmark's JSON)."""
+        return {
+            "gradient_checkpointing": self.checkpointing,
+            "micro_batch_tokens": self.micro_batch_tokens,
+            "no_grad_micro_batch_tokens": self.no_grad_micro_batch_tokens,
+        }
+
+
+def choose(
+    config: LearnerConfig,
+    shape: ModelShape,
+    ranks: int,
+    sharded: bool,
+    cuda: bool,
+    limit: int | None,
+    reference: ModelShape | None = None,
+) -> Settings:
+    """Resolve `gradient_checkpointing` (None = `auto` on CUDA, off elsewhere), `micro_batch_tokens` and
+    `no_grad_micro_batch_tokens` against `limit` bytes (None: no limit, as on CPU): checkpointing `auto` is
+    off when the micro-batch (at least `MIN_TOKENS` tokens under `auto`) fits without it; a budget `auto`
+    is the largest that fits (a multiple of 1,024, at most `MAX_TOKENS`; `DEFAULT_TOKENS` or the training
+    budget without a limit). The plan is that of the chosen settings (`check` refuses it if it does not
+    fit)."""
+    stream = activation_precision(config.precision or ("bf16_mixed" if cuda else "fp32"), sharded)
+
+    def largest(checkpointing: bool | None) -> int:  # tokens that fit beside the fixed parts
+        if limit is None:
+            return DEFAULT_TOKENS
+        fixed = estimate(config, shape, ranks, sharded, bool(checkpointing), cuda, reference, tokens=0)
+        kept = token_bytes(shape, stream, checkpointing)
+        layer = 0 if checkpointing is None else shape.in_flight_bytes(stream)
+        room = limit - fixed.total + fixed.lm_head_chunk  # the head's chunk, or a layer in flight
+        tokens = min((room - fixed.lm_head_chunk) // kept, room // (kept + layer))
+        return min(MAX_TOKENS, max(1024, tokens // 1024 * 1024))
+
+    budget, setting = config.micro_batch_tokens, config.gradient_checkpointing
+    if setting is None:
+        setting = "auto" if cuda else False
+    if setting == "auto":
+        needed = budget if isinstance(budget, int) else MIN_TOKENS
+        if not config.packing:
+            needed = config.micro_batch_size * shape.context
+        setting = limit is not None and largest(False) < needed
+    tokens = budget if isinstance(budget, int) else largest(setting)
+    no_grad = config.no_grad_micro_batch_tokens
+    if no_grad is None:
+        no_grad = tokens
+    elif no_grad == "auto":
+        no_grad = tokens if limit is None else max(tokens, largest(None))
+    plan = estimate(
+        config, shape, ranks, sharded, setting, cuda, reference, tokens if config.packing else None
+    )
+    return Settings(setting, tokens, no_grad, plan)
+
+
+def shapes_of(config: LearnerConfig) -> tuple[ModelShape, ModelShape | None]:
+    """The shapes of the policy `config.model_path` names and of the KL loss's reference when it is
+    another model (their configs read, no weight loaded)."""
     shape = ModelShape.of(AutoConfig.from_pretrained(str(config.model_path)))
     ref_path = config.reference.model_path
-    reference = None
     if config.kl_loss_coef > 0 and ref_path is not None:
-        reference = ModelShape.of(AutoConfig.from_pretrained(str(ref_path)))
+        return shape, ModelShape.of(AutoConfig.from_pretrained(str(ref_path)))
+    return shape, None
+
+
+def plan_for(config: LearnerConfig, ranks: int, sharded: bool, checkpointing: bool, cuda: bool) -> MemoryPlan:
+    """`estimate` for the model `config.model_path` names."""
+    shape, reference = shapes_of(config)
     return estimate(config, shape, ranks, sharded, checkpointing, cuda, reference)
+
+
+def settings_for(config: LearnerConfig, ranks: int, sharded: bool, cuda: bool, limit: int | None) -> Settings:
+    """`choose` for the model `config.model_path` names."""
+    shape, reference = shapes_of(config)
+    return choose(config, shape, ranks, sharded, cuda, limit, reference)
 
 
 def device_limit(config: LearnerConfig, device: torch.device) -> int | None:

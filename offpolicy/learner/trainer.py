@@ -109,9 +109,10 @@ class Learner:
         # --- model (master weights in the precision's dtype), optimizer, schedule, critic; tokenizer
         built = build_models(config, ranks)
         self.device, self.precision, self.memory_plan = built.device, built.precision, built.memory_plan
+        self.settings = built.settings  # the memory plan's choices (`auto` budgets resolved)
         self.reference, self._publish_keys = built.reference, built.publish_keys
         self.startup_host_bytes, self.startup_host_exact = built.startup_host_bytes, built.startup_host_exact
-        self.grad_sync, self.start_way = built.grad_sync, built.start_way
+        self.grad_sync, self.start_way, self.host_plan = built.grad_sync, built.start_way, built.host_plan
         self.metrics.start_way.labels(way=built.start_way).set(1)
         parts = built.parts
         self.model, self.policy = parts.model, parts.policy
@@ -259,6 +260,7 @@ class Learner:
             "memory_plan": self.memory_plan.as_dict(),
             "grad_sync": self.grad_sync,
             "start_way": self.start_way,
+            "host_memory_plan": self.host_plan,
         }
 
     def run(self, stop_event: threading.Event) -> None:
@@ -483,7 +485,7 @@ class Learner:
     def step_context(self) -> StepContext:
         """What the next step trains with (frozen: `train_on` reads it, the learner keeps its state)."""
         return StepContext(
-            config=self.config,
+            config=self.settings.apply(self.config) if self.settings is not None else self.config,
             device=self.device,
             precision=self.precision,
             ranks=self.ranks,

@@ -1,5 +1,6 @@
-"""What the learner trains on: loading a Hugging Face causal LM, the policy's forward (log-probs of the
-sampled tokens), the GAE critic, numerical precision, and the tiny local model of the quickstart and tests."""
+"""What the learner trains on: loading a Hugging Face causal LM, its attention kernels on packed rows, the
+policy's forward (log-probs of the sampled tokens through the fused LM head), the GAE critic, numerical
+precision, and the tiny local model of the quickstart and tests."""
 
 from offpolicy.learner.model.critic import ValueModel
 from offpolicy.learner.model.load import checkpoint_dtype, load_model, load_tokenizer, unique_state

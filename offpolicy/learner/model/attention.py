@@ -1,4 +1,4 @@
-"""The attention kernel the learner's models run, and `sdpa_varlen`: PyTorch SDPA over packed sequences.
+"""The attention kernels the learner's models run on packed rows, and `resolve`, which picks one.
 
 A packed micro-batch is one row of whole sequences, `position_ids` restarting at 0 for each; the model
 is called with `attention_mask=None` and the sequences' lengths (`packed_kwargs`). How attention stays
@@ -6,44 +6,76 @@ inside each sequence depends on the kernel:
 
 - `flash_attention_2` / `flash_attention_3` (CUDA, where the package is installed): variable-length
   kernels on `cu_seq_lens_q/k` (transformers' own packed path).
-- `sdpa_varlen` (ours, registered into transformers' `AttentionInterface`): PyTorch's
-  `scaled_dot_product_attention(is_causal=True)` on each sequence of the row in turn. No mask is built and
-  nothing is computed across sequences: the cost is that of the sequences alone, and on CUDA each call
-  runs PyTorch's FlashAttention kernel. With a padded batch (an attention mask) it is transformers' `sdpa`.
+- `torch_varlen` (ours, CUDA): PyTorch's own variable-length FlashAttention
+  (`torch.nn.attention.varlen.varlen_attn`) on the whole row in one call: no loop over sequences, grouped
+  query attention without copies of K and V, sliding windows inside the kernel. Inputs in fp32 (autocast
+  leaves RoPE's output in fp32) are cast to the autocast dtype; fp32 without autocast, attention dropout,
+  or a window on a torch whose `varlen_attn` takes none run `sdpa_varlen`'s loop instead (right, slower).
+- `sdpa_varlen` (ours, everywhere): PyTorch's `scaled_dot_product_attention` causally on each sequence of
+  the row in turn (`enable_gqa`: no K/V copies; FlashAttention inside PyTorch on CUDA); a sequence longer
+  than the layer's sliding window gets the banded causal mask. The portable kernel (CPU).
 - `sdpa`, `eager`, `flex_attention`: the block-diagonal causal mask that transformers builds from the
   restarting `position_ids` (exact; `sdpa` and `eager` compute the whole row's T x T scores).
+
+Ours compute sliding-window attention (Mistral's, Qwen2/3's `sliding_window`, Gemma-2/3's local layers) and
+refuse attention-logit soft-capping (Gemma-2's `attn_logit_softcapping`) by name: `eager` computes it.
+With a padded batch (an attention mask) both are transformers' `sdpa`.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from offpolicy.learner.config import AttnImplementation
 
+try:  # PyTorch's own variable-length attention (torch >= 2.10; its keywords differ between releases)
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:
+    varlen_attn = None
+
 SDPA_VARLEN = "sdpa_varlen"
+TORCH_VARLEN = "torch_varlen"
+VARLEN_KEYWORDS = frozenset(inspect.signature(varlen_attn).parameters) if varlen_attn else frozenset()
+"""The keywords this torch's `varlen_attn` takes: `window_size` (causal and windowed attention as (left,
+right)) or the older `is_causal`; `enable_gqa` where it checks head counts (FlashAttention itself takes
+fewer K/V heads than query heads)."""
+
+
+def torch_varlen_available() -> bool:
+    """Whether this torch has a `varlen_attn` whose causal form we know and is built with CUDA."""
+    return torch.cuda.is_available() and bool(VARLEN_KEYWORDS & {"window_size", "is_causal"})
 
 
 def resolve(name: AttnImplementation, device: torch.device) -> str:
-    """The kernel `name` means on `device`: `auto` = FlashAttention 3 or 2 on CUDA where installed, else
-    `sdpa_varlen`. A FlashAttention kernel that is not installed is refused here, naming the package."""
+    """The kernel `name` means on `device`: `auto` = on CUDA FlashAttention 3 or 2 where installed, else
+    `torch_varlen` where this torch has it, else `sdpa_varlen`; `sdpa_varlen` on CPU. A kernel that cannot
+    run here is refused, naming what it needs."""
     packages = {"flash_attention_3": "flash_attn_interface", "flash_attention_2": "flash_attn"}
     if name == "auto":
+        if device.type != "cuda":
+            return SDPA_VARLEN
         for kernel, package in packages.items():
-            if device.type == "cuda" and importlib.util.find_spec(package) is not None:
+            if importlib.util.find_spec(package) is not None:
                 return kernel
-        return SDPA_VARLEN
+        return TORCH_VARLEN if torch_varlen_available() else SDPA_VARLEN
     if name in packages and importlib.util.find_spec(packages[name]) is None:
         raise ValueError(
             f"attn_implementation={name!r} needs the {packages[name]!r} package: install it, or use "
             "'auto' or 'sdpa_varlen'"
+        )
+    if name == TORCH_VARLEN and (device.type != "cuda" or not torch_varlen_available()):
+        raise ValueError(
+            f"attn_implementation='torch_varlen' needs CUDA and torch.nn.attention.varlen.varlen_attn "
+            f"(device {device.type}, torch {torch.__version__}): use 'auto' or 'sdpa_varlen'"
         )
     return name
 
@@ -62,6 +94,16 @@ def packed_kwargs(seq_lens: Sequence[int], device: torch.device) -> dict[str, An
     }
 
 
+def _refuse_softcap(module: torch.nn.Module, softcap: float | None, kernel: str) -> None:
+    """Attention-logit soft-capping is not computed by our kernels: refused, naming the model's setting."""
+    if softcap is not None:
+        setting = getattr(getattr(module, "config", None), "attn_logit_softcapping", softcap)
+        raise ValueError(
+            f"attn_implementation={kernel!r} does not apply attention-logit soft-capping, which this model "
+            f"uses (config.attn_logit_softcapping={setting}): use attn_implementation='eager'"
+        )
+
+
 def sdpa_varlen_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -70,33 +112,76 @@ def sdpa_varlen_attention(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     packed_seq_lens: tuple[int, ...] | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Causal attention on each packed sequence (query (1, H, T, D), key and value (1, Hkv, T, D)) -> (1, T,
     H, D). Without `packed_seq_lens` (a padded batch) it is transformers' `sdpa` on the given mask."""
+    _refuse_softcap(module, softcap, SDPA_VARLEN)
     if packed_seq_lens is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    groups = getattr(module, "num_key_value_groups", 1)
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # (1, H, T, D)
+    gqa = query.shape[1] != key.shape[1]
     parts, start = [], 0
     for n in packed_seq_lens:
-        end = start + n
-        parts.append(
-            scaled_dot_product_attention(
-                query[:, :, start:end],
-                key[:, :, start:end],
-                value[:, :, start:end],
-                dropout_p=dropout,
-                scale=scaling,
-                is_causal=True,
+        q, k, v = (t[:, :, start : start + n] for t in (query, key, value))  # (1, H or Hkv, n, D)
+        start += n
+        if sliding_window is not None and n > sliding_window:
+            i = torch.arange(n, device=q.device)
+            band = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < sliding_window)  # (n, n)
+            out = scaled_dot_product_attention(
+                q, k, v, attn_mask=band, dropout_p=dropout, scale=scaling, enable_gqa=gqa
             )
-        )  # (1, H, n, D)
-        start = end
+        else:
+            out = scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa
+            )
+        parts.append(out)  # (1, H, n, D)
     return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None  # (1, T, H, D)
 
 
-def _sdpa_varlen_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
+def torch_varlen_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    packed_seq_lens: tuple[int, ...] | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention on the whole packed row in one `varlen_attn` call (query (1, H, T, D), key and value
+    (1, Hkv, T, D)) -> (1, T, H, D); the cases it cannot take go to `sdpa_varlen_attention`."""
+    _refuse_softcap(module, softcap, TORCH_VARLEN)
+    dtype = query.dtype
+    if dtype == torch.float32 and torch.is_autocast_enabled(query.device.type):
+        dtype = torch.get_autocast_dtype(query.device.type)  # what SDPA would compute in under autocast
+    windowed = sliding_window is not None and "window_size" not in VARLEN_KEYWORDS
+    if packed_seq_lens is None or dtype == torch.float32 or dropout or windowed:
+        return sdpa_varlen_attention(
+            module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
+            packed_seq_lens, **kwargs,
+        )  # fmt: skip
+    assert cu_seq_lens_q is not None and max_length_q is not None, "packed_kwargs gives both"
+    q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))  # (T, H or Hkv, D)
+    options: dict[str, Any] = {"scale": scaling}
+    if "window_size" in VARLEN_KEYWORDS:  # (left, right): (-1, 0) causal; (W - 1, 0) a window of W tokens
+        options["window_size"] = (-1 if sliding_window is None else sliding_window - 1, 0)
+    else:
+        options["is_causal"] = True
+    if "enable_gqa" in VARLEN_KEYWORDS:
+        options["enable_gqa"] = q.shape[1] != k.shape[1]
+    out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, **options)
+    return out[None], None  # (1, T, H, D)
+
+
+def _packed_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
     """No mask for a packed row (attention stays inside each sequence by construction); `sdpa`'s otherwise."""
     if attention_mask is None:
         return None
@@ -104,4 +189,6 @@ def _sdpa_varlen_mask(*args: Any, attention_mask: torch.Tensor | None = None, **
 
 
 AttentionInterface.register(SDPA_VARLEN, sdpa_varlen_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(SDPA_VARLEN, _sdpa_varlen_mask)
+AttentionInterface.register(TORCH_VARLEN, torch_varlen_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(SDPA_VARLEN, _packed_mask)
+ALL_MASK_ATTENTION_FUNCTIONS.register(TORCH_VARLEN, _packed_mask)

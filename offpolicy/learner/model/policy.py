@@ -27,25 +27,28 @@ import torch.utils.checkpoint
 from torch import nn
 
 from offpolicy.learner.model.attention import packed_kwargs
+from offpolicy.learner.model.head import head_logprobs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from offpolicy.learner.batch import Batch
+    from offpolicy.learner.config import LogprobHead
 
 
 class LogProbs(nn.Module):
-    """`forward(batch, chunk_tokens, packed, entropy)` = `token_stats(lm, ...)`: (log-probs (B, R),
-    entropy (B, R) or None)."""
+    """`forward(batch, chunk_tokens, packed, entropy)` = `token_stats(lm, ..., head=head)`: (log-probs
+    (B, R), entropy (B, R) or None); `head` = `fused` (learner/model/head.py) or `chunked`."""
 
-    def __init__(self, lm: nn.Module) -> None:
+    def __init__(self, lm: nn.Module, head: LogprobHead = "fused") -> None:
         super().__init__()
         self.lm = lm
+        self.logprob_head = head
 
     def forward(
         self, batch: Batch, chunk_tokens: int, packed: bool = False, entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return token_stats(self.lm, batch, chunk_tokens, packed, entropy)
+        return token_stats(self.lm, batch, chunk_tokens, packed, entropy, self.logprob_head)
 
 
 # --- the packed layout
@@ -157,17 +160,23 @@ def _chunk_stats(
 
 
 def token_logprobs(
-    model: PreTrainedModel, batch: Batch, chunk_tokens: int = 4096, packed: bool = False
+    model: PreTrainedModel,
+    batch: Batch,
+    chunk_tokens: int = 4096,
+    packed: bool = False,
+    head: LogprobHead = "fused",
 ) -> torch.Tensor:
     """log pi(response token | prefix) under `model` at each row's temperature: (B, R), 0 on padding.
 
     The LM head runs on chunks of response positions holding at most `chunk_tokens` tokens of the
-    micro-batch, so the fp32 logits of a whole micro-batch (B x R x V: 4.9 GiB at 8 x 1024 tokens and a
-    152k vocabulary) are never materialised. With gradients on, each chunk is recomputed in the backward
-    pass (activation checkpointing of the head): only the hidden states are kept between the passes.
+    micro-batch, so the logits of a whole micro-batch (B x R x V: 4.9 GiB in fp32 at 8 x 1024 tokens and a
+    152k vocabulary) are never materialised. With gradients on, each chunk's logits are recomputed in the
+    backward pass: only the hidden states are kept between the passes. `head`: `fused` makes each
+    chunk's logits once and reads them once (learner/model/head.py); `chunked` is the earlier head (an
+    fp32 copy and a tempered copy of each chunk, the chunk under activation checkpointing).
     `packed`: the decoder runs on the packed row and the head on the sampled tokens alone.
     """
-    return token_stats(model, batch, chunk_tokens, packed)[0]
+    return token_stats(model, batch, chunk_tokens, packed, head=head)[0]
 
 
 def token_stats(
@@ -176,10 +185,12 @@ def token_stats(
     chunk_tokens: int = 4096,
     packed: bool = False,
     entropy: bool = False,
+    head: LogprobHead = "fused",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs`, and with `entropy` the entropy of the policy's tempered distribution at each
     response position, (B, R), 0 where the log-probs are 0: computed from the same chunks of logits."""
-    head = model.get_output_embeddings()
+    stats_of = head_logprobs if head == "fused" else _checkpointed_stats
+    head_module = model.get_output_embeddings()
     softcap = getattr(model.config, "final_logit_softcapping", None)
     if packed:
         states, sampled = sampled_states(model.get_decoder(), batch)  # (N, H), (B, R)
@@ -188,12 +199,12 @@ def token_stats(
             :, None
         ]  # (N, 1)
         chunks = [
-            _stats_of(
-                head,
-                softcap,
+            stats_of(
+                head_module,
                 states[s : s + chunk_tokens],
                 ids[s : s + chunk_tokens],
                 temps[s : s + chunk_tokens],
+                softcap,
                 entropy,
             )
             for s in range(0, max(1, states.shape[0]), chunk_tokens)  # one (empty) chunk for an idle pass
@@ -206,8 +217,13 @@ def token_stats(
     temps = batch.temperatures.to(hidden.device)[:, None, None]  # (B, 1, 1)
     width = max(1, chunk_tokens // hidden.shape[0])  # response positions per chunk
     chunks = [
-        _stats_of(
-            head, softcap, hidden[:, s : s + width], batch.response_ids[:, s : s + width], temps, entropy
+        stats_of(
+            head_module,
+            hidden[:, s : s + width],
+            batch.response_ids[:, s : s + width],
+            temps,
+            softcap,
+            entropy,
         )
         for s in range(0, hidden.shape[1], width)
     ]
@@ -217,15 +233,15 @@ def token_stats(
     )  # (B, R) each
 
 
-def _stats_of(
+def _checkpointed_stats(
     head: torch.nn.Module,
-    softcap: float | None,
     h: torch.Tensor,
     ids: torch.Tensor,
     temps: torch.Tensor,
+    softcap: float | None,
     entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`_chunk_stats`, recomputed in the backward pass when gradients are on."""
+    """The `chunked` head: `_chunk_stats`, recomputed in the backward pass when gradients are on."""
     if torch.is_grad_enabled():
         return torch.utils.checkpoint.checkpoint(
             _chunk_stats, head, softcap, h, ids, temps, entropy, use_reentrant=False

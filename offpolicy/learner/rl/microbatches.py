@@ -85,15 +85,18 @@ def _largest_first(lengths: Sequence[int], count: int) -> list[tuple[int, list[i
 
 
 def rank_micro_batches(
-    batch: Batch, rows: torch.Tensor, cfg: LearnerConfig, ranks: Ranks
+    batch: Batch, rows: torch.Tensor, cfg: LearnerConfig, ranks: Ranks, budget: int | None = None
 ) -> list[torch.Tensor | None]:
     """This rank's micro-batches of the global rows `rows`, padded with `None` to the micro-batch count of
     the busiest rank: every rank runs as many forward and backward passes (FSDP's collectives pair up), a
-    `None` being a pass that contributes nothing. Packed: `plan_micro_batches` by `micro_batch_tokens`;
-    padded: its share of whole groups (balanced by tokens), `micro_batch_size` rows at a time."""
+    `None` being a pass that contributes nothing. Packed: `plan_micro_batches` by `budget` tokens (None =
+    `micro_batch_tokens`); padded: its share of whole groups (balanced by tokens), `micro_batch_size`
+    rows at a time."""
     if cfg.packing:
         lengths = batch.attention_mask[rows].sum(-1).tolist()  # (n,) tokens of each sequence
-        plan = plan_micro_batches(lengths, cfg.micro_batch_tokens, ranks.world_size)[ranks.rank]
+        tokens = budget or cfg.micro_batch_tokens
+        assert isinstance(tokens, int), "the trainer resolves `auto` (memory_plan.Settings.apply)"
+        plan = plan_micro_batches(lengths, tokens, ranks.world_size)[ranks.rank]
         return [rows[torch.tensor(mb, device=rows.device)] if mb else None for mb in plan]
     size = cfg.micro_batch_size
     parts = shares(rows, batch.group_index, batch.attention_mask.sum(-1), ranks.world_size)
@@ -113,11 +116,13 @@ def rows_forward(
     fn: Callable[[Batch], torch.Tensor], batch: Batch, cfg: LearnerConfig, ranks: Ranks = SINGLE
 ) -> torch.Tensor:
     """`fn` (a (b, r) result per micro-batch: log-probs, values) over the whole batch, (B, R): each rank
-    runs its share, the results are summed across ranks (exact: the other rows are zeros)."""
+    runs its share, the results are summed across ranks (exact: the other rows are zeros). Packed, its
+    micro-batches hold `no_grad_micro_batch_tokens` (no activations are kept: larger than training's)."""
     width = batch.response_ids.shape[1]
     rows = torch.arange(batch.num_rows, device=batch.response_ids.device)
     out = torch.zeros(batch.num_rows, width, device=rows.device)
-    for mb_rows in rank_micro_batches(batch, rows, cfg, ranks):
+    budget = cfg.no_grad_micro_batch_tokens
+    for mb_rows in rank_micro_batches(batch, rows, cfg, ranks, budget if isinstance(budget, int) else None):
         if mb_rows is None:
             fn(idle_rows(batch, rows))  # lock-step: the other ranks' collectives need this pass
             continue

@@ -163,6 +163,7 @@ class LearnerRuntime:
             memory_plan=raw.get("memory_plan"),
             grad_sync=raw.get("grad_sync"),
             start_way=raw.get("start_way"),
+            host_memory_plan=raw.get("host_memory_plan"),
             error=error,
         )
 

@@ -136,7 +136,7 @@ def test_learner_and_actor_probes_and_seeds_from_ordinal(overlay):
 
 def test_gpu_overlay_requests_gpus_and_scales_actors():
     specs = pod_specs("gpu")
-    assert specs["learner"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"  # the 7B row
+    assert specs["learner"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"  # the 7B row
     resources = specs["actor"]["containers"][0]["resources"]
     assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == "1"
     assert by_kind("gpu", "StatefulSet")["actor"]["spec"]["replicas"] == 4
@@ -175,7 +175,7 @@ def assert_one_rank_per_gpu(docs: tuple[dict, ...]) -> int:
 
 
 def test_gpu_learner_runs_one_rank_per_gpu_with_shared_memory():
-    assert assert_one_rank_per_gpu(build("gpu")) == 4
+    assert assert_one_rank_per_gpu(build("gpu")) == 2
 
 
 def test_gpu_learner_rank_count_follows_its_gpu_limit(tmp_path):
@@ -183,9 +183,9 @@ def test_gpu_learner_rank_count_follows_its_gpu_limit(tmp_path):
     copy_sources(tmp_path)
     patch = tmp_path / "k8s" / "overlays" / "gpu" / "learner-gpu.yaml"
     head, limits, tail = patch.read_text().partition("limits:")
-    assert 'nvidia.com/gpu: "4"' in tail
-    patch.write_text(head + limits + tail.replace('nvidia.com/gpu: "4"', 'nvidia.com/gpu: "2"', 1))
-    assert assert_one_rank_per_gpu(build_dir(tmp_path / "k8s" / "overlays" / "gpu")) == 2
+    assert 'nvidia.com/gpu: "2"' in tail
+    patch.write_text(head + limits + tail.replace('nvidia.com/gpu: "2"', 'nvidia.com/gpu: "4"', 1))
+    assert assert_one_rank_per_gpu(build_dir(tmp_path / "k8s" / "overlays" / "gpu")) == 4
 
 
 def test_a_learner_whose_ranks_differ_from_its_gpus_is_caught():

@@ -231,16 +231,16 @@ def test_node_and_gpu_counts_each_change_in_one_place(tmp_path):
     text = path.read_text()
     nodes_line = 'name: OFFPOLICY_NNODES\n                      value: "2"'
     head, limits, tail = text.partition("limits:")
-    assert nodes_line in head and 'nvidia.com/gpu: "4"' in tail
+    assert nodes_line in head and 'nvidia.com/gpu: "2"' in tail
     text = head.replace(nodes_line, nodes_line.replace('"2"', '"4"')) + limits
-    path.write_text(text + tail.replace('nvidia.com/gpu: "4"', 'nvidia.com/gpu: "2"', 1))
+    path.write_text(text + tail.replace('nvidia.com/gpu: "2"', 'nvidia.com/gpu: "8"', 1))
     built = build_dir(tmp_path / "k8s" / "overlays" / OVERLAY)
     job = the_job(jobset(built))["spec"]
     assert job["parallelism"] == job["completions"] == 4
     env = pod_env(built, 3)
     assert env["OFFPOLICY_NNODES"] == "4" and env["OFFPOLICY_NODE_RANK"] == "3"
-    assert env["OFFPOLICY_NPROC_PER_NODE"] == "2"
-    assert learner_container(jobset(built))["resources"]["requests"]["nvidia.com/gpu"] == "2"
+    assert env["OFFPOLICY_NPROC_PER_NODE"] == "8"
+    assert learner_container(jobset(built))["resources"]["requests"]["nvidia.com/gpu"] == "8"
     validate_jobset(jobset(built))
 
 

@@ -1,14 +1,25 @@
-"""The learner's memory plan: the estimate's parts for real model shapes, and the refusal that names the
-knobs, before any weight is loaded."""
+"""The learner's memory plan: the estimate's parts for real model shapes, the refusal that names the
+knobs, before any weight is loaded; the `auto` settings it chooses, and its activation bytes against what
+autograd saves."""
 
 from __future__ import annotations
 
 import pytest
-from transformers import LlamaConfig
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 from offpolicy.learner.config import LearnerConfig
 from offpolicy.learner.errors import MemoryPlanError
-from offpolicy.learner.memory_plan import GIB, ModelShape, check, estimate
+from offpolicy.learner.memory_plan import (
+    DEFAULT_TOKENS,
+    GIB,
+    MAX_TOKENS,
+    MIN_TOKENS,
+    ModelShape,
+    check,
+    choose,
+    estimate,
+)
 
 QWEN_7B = LlamaConfig(
     hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -59,3 +70,101 @@ def test_the_token_budget_scales_the_activations(shape_7b):
 def test_no_limit_no_check():
     plan = estimate(cfg(), ModelShape(10**12, 8192, 28672, 80, 128256, 8192), 1, False, False, True)
     check(plan, None, cfg(), 1, False)  # CPU without memory_limit_gib: reported, not refused
+
+
+# --- the auto settings
+
+LLAMA_1_8B = LlamaConfig(
+    hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+    num_key_value_heads=2, vocab_size=151936, max_position_embeddings=8192, tie_word_embeddings=False,
+)  # fmt: skip
+H200, H100 = int(0.9 * 139.8 * GIB), int(0.9 * 79.6 * GIB)
+
+
+@pytest.fixture(scope="module")
+def shape_1_8b() -> ModelShape:
+    return ModelShape.of(LLAMA_1_8B)
+
+
+def test_checkpointing_is_off_where_the_micro_batch_fits_without_it(shape_1_8b):
+    """1.78B on one GPU, 16,384 tokens: ~86 GiB without checkpointing fits an H200's 126, not an H100's
+    72; None means `auto` on CUDA, off on CPU."""
+    on_h200 = choose(cfg(), shape_1_8b, 1, False, True, H200)
+    on_h100 = choose(cfg(), shape_1_8b, 1, False, True, H100)
+    assert not on_h200.checkpointing and on_h200.plan.total <= H200
+    assert on_h100.checkpointing and on_h100.plan.total <= H100
+    assert choose(cfg(gradient_checkpointing=True), shape_1_8b, 1, False, True, H200).checkpointing
+    assert not choose(cfg(), shape_1_8b, 1, False, False, None).checkpointing  # CPU
+
+
+def test_an_auto_budget_is_the_largest_that_fits(shape_1_8b):
+    for limit in (H200, H100):
+        s = choose(cfg(micro_batch_tokens="auto"), shape_1_8b, 1, False, True, limit)
+        assert s.plan.total <= limit
+        more = estimate(
+            cfg(), shape_1_8b, 1, False, s.checkpointing, True, tokens=s.micro_batch_tokens + 1024
+        )
+        assert more.total > limit or s.micro_batch_tokens == MAX_TOKENS
+        assert s.micro_batch_tokens >= MIN_TOKENS
+    tight = choose(cfg(micro_batch_tokens="auto"), shape_1_8b, 1, False, True, H200)
+    assert not tight.checkpointing and tight.micro_batch_tokens > 16384  # the H200 takes more than 16k
+
+
+def test_the_no_grad_budget_keeps_no_activations_and_is_larger(shape_1_8b):
+    s = choose(cfg(no_grad_micro_batch_tokens="auto"), shape_1_8b, 1, False, True, H100)
+    assert s.micro_batch_tokens == 16384 and s.no_grad_micro_batch_tokens > 8 * 16384
+    assert choose(cfg(), shape_1_8b, 1, False, True, H100).no_grad_micro_batch_tokens == 16384  # None
+
+
+def test_the_chosen_budgets_replace_auto_in_the_steps_config(shape_1_8b):
+    config = cfg(micro_batch_tokens="auto", no_grad_micro_batch_tokens="auto")
+    s = choose(config, shape_1_8b, 1, False, True, H100)
+    applied = s.apply(config)
+    assert applied.micro_batch_tokens == s.micro_batch_tokens
+    assert applied.no_grad_micro_batch_tokens == s.no_grad_micro_batch_tokens
+    assert s.apply(cfg(micro_batch_tokens=4096)).no_grad_micro_batch_tokens == 4096
+    assert choose(config, shape_1_8b, 1, False, False, None).micro_batch_tokens == DEFAULT_TOKENS
+
+
+@pytest.mark.parametrize(
+    ("model", "autocast"),
+    [("llama", True), ("qwen3", True), ("llama", False)],
+    ids=["llama", "qwen3", "fp32"],
+)
+def test_the_activation_bytes_are_what_autograd_saves(model, autocast):
+    """A 2-layer and a 1-layer model on the same packed micro-batch: the bytes their forwards keep for the
+    backward pass differ by one layer's, which the plan's per-token formula gives within 3 %."""
+    from transformers import Qwen3Config
+
+    from offpolicy.learner.batch import collate
+    from offpolicy.learner.model import attention  # noqa: F401  (registers sdpa_varlen)
+    from offpolicy.learner.model.policy import LogProbs
+    from tests.unit.learner.rl.test_microbatches import ragged_groups
+
+    kind = Qwen3Config if model == "qwen3" else LlamaConfig
+    batch = collate(ragged_groups(2, 2, seed=1, prompt=(50, 100), response=(100, 200)), 0)
+    tokens = int(batch.attention_mask.sum())
+    saved = []
+    for layers in (1, 2):
+        hf = kind(vocab_size=101, hidden_size=128, intermediate_size=512, num_hidden_layers=layers,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=32)  # fmt: skip
+        hf._attn_implementation = "sdpa_varlen"
+        lm = AutoModelForCausalLM.from_config(hf)
+        weights = {p.untyped_storage().data_ptr() for p in lm.parameters()}
+        shapes = {tuple(p.shape) for p in lm.parameters()}
+        kept: dict[int, int] = {}
+
+        def keep(t, weights=weights, shapes=shapes, kept=kept):
+            if t.untyped_storage().data_ptr() not in weights and tuple(t.shape) not in shapes:
+                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()  # not a weight's cast
+            return t
+
+        with (
+            torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t),
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast),
+        ):
+            LogProbs(lm)(batch, 4096, True)
+        saved.append(sum(kept.values()))
+    per_layer = (saved[1] - saved[0]) / tokens
+    want = ModelShape.of(hf).layer_bytes("bf16_mixed" if autocast else "fp32")
+    assert per_layer == pytest.approx(want, rel=0.03)

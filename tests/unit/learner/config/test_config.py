@@ -113,3 +113,21 @@ def test_torch_threads_is_optional_positive_and_frozen_while_running():
     with pytest.raises(ValidationError, match="torch_threads"):
         LearnerConfig(model_path="a", torch_threads=0)
     assert "torch_threads" in frozen_field_paths()
+
+
+def test_the_speed_settings_take_auto_and_name_the_field_they_refuse():
+    cfg = LearnerConfig(
+        model_path="m", gradient_checkpointing="auto", micro_batch_tokens="auto",
+        no_grad_micro_batch_tokens="auto", logprob_head="chunked", attn_implementation="torch_varlen",
+    )  # fmt: skip
+    assert (cfg.micro_batch_tokens, cfg.gradient_checkpointing) == ("auto", "auto")
+    assert LearnerConfig(model_path="m").micro_batch_tokens == 16384  # the earlier values stay valid
+    for field, value in (
+        ("micro_batch_tokens", 0),
+        ("micro_batch_tokens", "big"),
+        ("no_grad_micro_batch_tokens", -1),
+        ("gradient_checkpointing", "sometimes"),
+        ("logprob_head", "liger"),
+    ):
+        with pytest.raises(ValidationError, match=field):
+            LearnerConfig(model_path="m", **{field: value})

@@ -212,7 +212,11 @@ def test_the_memory_plan_counts_the_reference_only_with_the_kl_loss():
     )
     assert fp32.reference == 4 * shape.params
     bonus = estimate(LearnerConfig(model_path="m", entropy_coeff=0.01), shape, 8, True, True, True)
-    assert bonus.lm_head_chunk == off.lm_head_chunk * 4 // 3  # one more chunk: the entropy's gradient
+    assert bonus.lm_head_chunk == off.lm_head_chunk  # the fused head's entropy comes from the same pass
+    chunked = LearnerConfig(model_path="m", logprob_head="chunked")
+    plain = estimate(chunked, shape, 8, True, True, True)
+    bonus = estimate(chunked.model_copy(update={"entropy_coeff": 0.01}), shape, 8, True, True, True)
+    assert bonus.lm_head_chunk == plain.lm_head_chunk * 4 // 3  # one more fp32 chunk: the entropy's gradient
 
 
 def test_streamed_layers_compute_the_same_log_probs_and_go_back_to_host_memory(tiny):

@@ -1,0 +1,143 @@
+"""The host memory plan of a learner node, estimated before any weight is loaded, and refused at start when
+it exceeds the container's memory limit (its cgroup's `memory.max`).
+
+Per rank, for P parameters sharded over S ranks (FSDP2; S = 1 on one process):
+
+- `process`: CUDA context, Python, NCCL, the libraries: 4 GiB (`PROCESS_BYTES`).
+- `startup`: what the build reads before the weights are on the device: lean start, the rank's fp32 shards
+  (4 B x P / S); the eager start (`fsdp.lean_start: false`) and one process, the whole fp32 model (4 B x P).
+  Freed before training: the plan counts the larger of it and the training's own parts.
+- `checkpoint_stager`: N ranks with `checkpoint.async_staging`: DCP's stager keeps the rank's fp32 masters
+  and AdamW's two moments in (pinned, on CUDA) host memory for the run, 12 B x P / S; one process: the
+  checkpoint's host copy of the same, 12 B x P, while a checkpoint is written.
+- `publish_snapshot`: N ranks: the rank's shards in the publish dtype (the checkpoint's; bf16 counted) for
+  the background gather, 2 B x P / S.
+- `published_sets`: the leader: the full weights in the publish dtype, up to two sets (the writer reads one
+  while the next snapshot fills the other): 2 x 2 B x P in bf16.
+- `cpu_offload`: `fsdp.cpu_offload`: the rank's fp32 masters, gradients and AdamW state, 16 B x P / S.
+- `reference`: `reference.cpu_offload`: the KL reference's weights in the compute dtype (2 B x P / S).
+
+A node holds `ranks_per_node` ranks; the leader's node adds the leader's parts. `check` refuses a node plan
+above the cgroup limit, naming the parts and the knobs that lower them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from offpolicy.learner.errors import MemoryPlanError
+
+if TYPE_CHECKING:
+    from offpolicy.learner.config import LearnerConfig
+
+GIB = 2**30
+PROCESS_BYTES = 4 * GIB
+CGROUP_FILES = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """Host bytes of one learner rank, by part."""
+
+    process: int
+    startup: int
+    checkpoint_stager: int
+    publish_snapshot: int
+    published_sets: int
+    cpu_offload: int
+    reference: int
+
+    @property
+    def steady(self) -> int:
+        return (
+            self.checkpoint_stager
+            + self.publish_snapshot
+            + self.published_sets
+            + self.cpu_offload
+            + self.reference
+        )
+
+    @property
+    def total(self) -> int:
+        """The rank's peak: the process plus the start-up reads or the training's parts, whichever is more."""
+        return self.process + max(self.startup, self.steady)
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: v / GIB for k, v in asdict(self).items()} | {"total": self.total / GIB}
+
+
+def host_plan(
+    config: LearnerConfig, params: int, shard_ranks: int, distributed: bool, leader: bool
+) -> HostPlan:
+    """The host plan of one rank training `params` parameters sharded over `shard_ranks` ranks."""
+    share = shard_ranks if distributed else 1
+    compute = 4 if config.precision == "fp32" else 2
+    publish = 2  # the checkpoint's dtype, bf16 for the models this plans for
+    lean = distributed and config.fsdp.lean_start
+    stager = (
+        12 * params // share
+        if (config.checkpoint_path is not None and (config.checkpoint.async_staging or not distributed))
+        else 0
+    )
+    return HostPlan(
+        process=PROCESS_BYTES,
+        startup=4 * params // share if lean else 4 * params,
+        checkpoint_stager=stager,
+        publish_snapshot=publish * params // share if distributed else 0,
+        published_sets=2 * publish * params if leader else 0,
+        cpu_offload=16 * params // share if distributed and config.fsdp.cpu_offload else 0,
+        reference=compute * params // share
+        if config.kl_loss_coef > 0 and config.reference.cpu_offload
+        else 0,
+    )
+
+
+def node_bytes(
+    config: LearnerConfig, params: int, shard_ranks: int, ranks_per_node: int, leader_node: bool
+) -> int:
+    """Host bytes of one node's ranks (the leader's node: one leader and `ranks_per_node - 1` others)."""
+    distributed = shard_ranks > 1 or ranks_per_node > 1
+    other = host_plan(config, params, shard_ranks, distributed, leader=False).total
+    if not leader_node:
+        return ranks_per_node * other
+    return (
+        host_plan(config, params, shard_ranks, distributed, leader=True).total + (ranks_per_node - 1) * other
+    )
+
+
+def cgroup_limit() -> int | None:
+    """This container's memory limit in bytes (cgroup v2 or v1), or None when there is none."""
+    for path in CGROUP_FILES:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text and text != "max" and int(text) < 2**60:
+            return int(text)
+    return None
+
+
+def check(
+    config: LearnerConfig,
+    params: int,
+    shard_ranks: int,
+    ranks_per_node: int,
+    leader_node: bool,
+    limit: int | None,
+) -> int:
+    """The node's planned host bytes; `MemoryPlanError` when they exceed `limit` (None: no limit)."""
+    need = node_bytes(config, params, shard_ranks, ranks_per_node, leader_node)
+    if limit is None or need <= limit:
+        return need
+    distributed = shard_ranks > 1 or ranks_per_node > 1
+    plan = host_plan(config, params, shard_ranks, distributed, leader=leader_node)
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in plan.as_dict().items() if k != "total")
+    raise MemoryPlanError(
+        f"the host memory plan of this node needs ~{need / GIB:.1f} GiB ({ranks_per_node} rank(s); the "
+        f"{'leader' if leader_node else 'rank'}'s parts: {parts} GiB) but the container's limit is "
+        f"{limit / GIB:.1f} GiB: raise the pod's memory limit, set checkpoint.async_staging: false (now "
+        f"{config.checkpoint.async_staging}: DCP's pinned stager), fsdp.cpu_offload: false (now "
+        f"{config.fsdp.cpu_offload}), or shard over more ranks"
+    )

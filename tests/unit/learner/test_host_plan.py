@@ -1,0 +1,47 @@
+"""The host memory plan of a learner node: each part by hand for a 7B model on 2 x 4 ranks, the leader's
+node above the others', the knobs that lower it, and the refusal against the container's limit."""
+
+from __future__ import annotations
+
+import pytest
+
+from offpolicy.learner.config import LearnerConfig
+from offpolicy.learner.errors import MemoryPlanError
+from offpolicy.learner.host_plan import GIB, PROCESS_BYTES, check, host_plan, node_bytes
+
+P = 7_000_000_000
+
+
+def cfg(**kw) -> LearnerConfig:
+    return LearnerConfig(model_path="unused", **kw)
+
+
+def test_each_part_of_a_rank_by_hand():
+    leader = host_plan(cfg(), P, 8, distributed=True, leader=True)
+    assert leader.startup == 4 * P // 8  # lean start: the rank's fp32 shards
+    assert leader.checkpoint_stager == 12 * P // 8  # DCP's pinned stager: masters + two moments
+    assert leader.publish_snapshot == 2 * P // 8 and leader.published_sets == 2 * 2 * P
+    assert leader.cpu_offload == 0 and leader.reference == 0
+    assert leader.total == PROCESS_BYTES + leader.steady
+    other = host_plan(cfg(), P, 8, distributed=True, leader=False)
+    assert other.published_sets == 0 and other.total == PROCESS_BYTES + (12 + 2) * P // 8
+
+
+def test_the_leaders_node_holds_the_published_sets_and_the_knobs_lower_it():
+    both = node_bytes(cfg(), P, 8, 4, leader_node=True)
+    other = node_bytes(cfg(), P, 8, 4, leader_node=False)
+    assert both - other == 2 * 2 * P
+    no_stager = cfg(checkpoint={"async_staging": False})
+    # without the stager a follower's peak is its start-up read (4 B x P / 8 > its 2 B x P / 8 snapshot)
+    leader = PROCESS_BYTES + 2 * P // 8 + 2 * 2 * P
+    assert node_bytes(no_stager, P, 8, 4, True) == leader + 3 * (PROCESS_BYTES + 4 * P // 8) < both
+    eager = host_plan(cfg(fsdp={"lean_start": False}), P, 8, distributed=True, leader=False)
+    assert eager.startup == 4 * P  # every rank reads the whole model
+
+
+def test_a_node_above_the_containers_limit_is_refused_with_the_knobs():
+    need = node_bytes(cfg(), P, 8, 4, True)
+    assert check(cfg(), P, 8, 4, True, None) == need and check(cfg(), P, 8, 4, True, need) == need
+    with pytest.raises(MemoryPlanError, match=r"checkpoint.async_staging: false") as e:
+        check(cfg(), P, 8, 4, True, need - GIB)
+    assert f"{need / GIB:.1f} GiB" in str(e.value)
