@@ -6,7 +6,7 @@ its mean right after the warm-up. Keys are split: one payload key per stored gro
 (indexes, dedupe, leases, the policy record), whose count is the one that must stay flat; payload keys
 must never outnumber the stored groups (orphaned payloads). The buffer's dedupe set is bounded by a
 window of ids (default 100,000, ~10 MB of Redis): it grows until full, by design; the soak uses a 500-id
-window so that it fills during the warm-up (`--dedupe-window`). Not part of CI (10 minutes by default).
+window so that it fills during the warm-up (`--dedupe-window`). CI runs `--smoke` only (the run: 10 min).
 
     python benchmarks/soak.py [--minutes 10] [--every 10] [--warmup 0.2] [--json] [--smoke]
 
