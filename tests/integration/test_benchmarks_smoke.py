@@ -89,8 +89,13 @@ CASES: dict[str, Case] = {
         (pytest.mark.redis, pytest.mark.slow),
     ),
     "publish_gather.py": Case(
-        _keys("shape device backend nproc params state_dict_s cast_first_s speedup same_tensors"),
-        lambda o: o["same_tensors"] is True and o["cast_first_s"] > 0,
+        _keys(
+            "shape device backend nproc params state_dict_s cast_first_s speedup same_tensors "
+            "publish_share sync_publish_share grad_reductions_per_minibatch"
+        ),
+        lambda o: (
+            o["same_tensors"] is True and o["cast_first_s"] > 0 and o["grad_reductions_per_minibatch"] == 1
+        ),
         (pytest.mark.slow,),
     ),
     "actor.py": Case(

@@ -39,6 +39,14 @@ def publish_group(ranks: list[int]) -> dist.ProcessGroup:
     return _GROUPS[key]
 
 
+def close_publish_groups() -> None:
+    """Destroy this process's publish groups (every gather waited for first): a gloo group left to the
+    interpreter's exit can abort the process while its threads are torn down."""
+    while _GROUPS:
+        _, group = _GROUPS.popitem()
+        dist.destroy_process_group(group)
+
+
 def _group_ranks(t: DTensor) -> list[int]:
     """The global ranks of rank 0's shard group (the last mesh dimension, at the other coordinates 0)."""
     mesh = t.device_mesh.mesh

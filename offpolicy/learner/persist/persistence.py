@@ -23,7 +23,7 @@ from offpolicy.config.secrets import redact_url
 from offpolicy.learner.distributed.ranks import SINGLE, Ranks
 from offpolicy.learner.metrics import timed
 from offpolicy.learner.model.load import unique_state
-from offpolicy.learner.persist.background_gather import BackgroundGather
+from offpolicy.learner.persist.background_gather import BackgroundGather, close_publish_groups
 from offpolicy.learner.persist.checkpoint import Checkpoints, NoCheckpoints, base_meta
 from offpolicy.learner.persist.dcp import ShardedCheckpoints
 from offpolicy.learner.persist.published import (
@@ -242,5 +242,6 @@ class Persistence:
         self.fence()
         if self._gathering is not None:  # every rank: the leader's write needs the others' shards
             self._gathering.wait()
+            close_publish_groups()
         self.checkpoints.close()
         self.writer.close()
