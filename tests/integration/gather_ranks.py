@@ -68,13 +68,23 @@ def main(model_dir: str, dtype_name: str, out: str) -> None:
 
 
 class FilesOnce:
-    """Stands in for `Persistence`: counts the file generations asked for (a collective on every rank)."""
+    """Stands in for `Persistence`: counts the file generations asked for (a collective on every rank) and,
+    as it does, gathers each one's weights in the background (`BackgroundGather`), which `gathered()`
+    hands to the transport: a version written as files is gathered once."""
 
-    def __init__(self) -> None:
+    def __init__(self, model, dtype, leader: bool) -> None:
         self.versions: list[int] = []
+        self.model, self.dtype, self.leader = model, dtype, leader
+        self._gathering = None
 
     def publish(self, version: int, gather: set[str] | None) -> None:
+        from offpolicy.learner.persist.background_gather import BackgroundGather
+
         self.versions.append(version)
+        self._gathering = BackgroundGather(self.model, gather, self.dtype, self.leader, bucket_bytes=2**20)
+
+    def gathered(self) -> dict:
+        return self._gathering.wait() if self._gathering is not None else {}
 
 
 def publish_twice(model_dir: str, model, keys: set[str], dtype, leader: bool) -> list:
@@ -86,7 +96,7 @@ def publish_twice(model_dir: str, model, keys: set[str], dtype, leader: bool) ->
     config = LearnerConfig.model_validate(
         {"model_path": model_dir, "publish": {"transport": "vllm", "persist_every": 5, "gather_bucket_mb": 1}}
     )
-    files, sent = FilesOnce(), []
+    files, sent = FilesOnce(model, dtype, leader), []
     publisher = Publisher(config, files, None, None, gather=(model, dtype, 2**20, leader))
 
     class Recording:
@@ -103,6 +113,10 @@ def publish_twice(model_dir: str, model, keys: set[str], dtype, leader: bool) ->
         publisher.publish(version, keys)
     assert files.versions == [1], files.versions  # persist_every 5: the first publish only, on every rank
     assert publisher.gathered() == {}  # the host copy lived for one send
+    from offpolicy.learner.persist.background_gather import close_publish_groups
+
+    files.gathered()  # every rank's part of the background gather is done
+    close_publish_groups()
     return sent
 
 
