@@ -79,4 +79,4 @@ def test_the_policy_forward_with_either_head_gives_the_same_numbers(tmp_path, pa
     assert torch.equal(out["fused"][0], out["chunked"][0])
     torch.testing.assert_close(out["fused"][1], out["chunked"][1], rtol=0, atol=1e-6)
     for a, b in zip(out["fused"][2], out["chunked"][2], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # fp32 sums, any thread order
