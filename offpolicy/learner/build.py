@@ -284,11 +284,8 @@ def resolve_grad_sync(
     mode = config.fsdp.grad_sync
     if config.fsdp.cpu_offload and mode == "auto":
         mode = "micro_batch"  # the gradients live in host memory: holding them whole would undo that
-    width = 2 if config.precision == "bf16_pure" else 4
-    master = 2 if config.precision == "bf16_pure" else 4
-    # the plan's sharded gradients are parameters x master bytes / shard ranks (0 under cpu_offload)
-    unsharded = plan.weights * shard_ranks * width // master
-    deferred = replace(plan, gradients=unsharded)
+    # unsharded gradients are in the masters' dtype, like the plan's weights: those x the shard ranks
+    deferred = replace(plan, gradients=plan.weights * shard_ranks)
     if mode == "auto":
         mode = "mini_batch" if limit is None or deferred.total <= limit else "micro_batch"
     log.info(

@@ -16,6 +16,9 @@ host tensors the writer reads. Rank 0's extra device memory and its pinned host 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -24,14 +27,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
 
-def _rows(n: int, parts: int, i: int) -> tuple[int, int]:
+def rows_of(n: int, parts: int, i: int) -> tuple[int, int]:
     """Rows [start, stop) of part `i` when `n` rows are cut in `parts` as `torch.chunk` cuts (FSDP2)."""
     size = -(-n // parts) if n else 0
     start = min(n, i * size)
     return start, min(n, start + size)
 
 
-def _layout(t: torch.Tensor) -> tuple[dist.ProcessGroup, int, bool] | None:
+def layout_of(t: torch.Tensor) -> tuple[dist.ProcessGroup, int, bool] | None:
     """(shard group, its size, whether this rank sends) of an FSDP2 parameter sharded on dim 0 over the
     last mesh dimension (replicated over any other); None for another layout (gathered whole)."""
     if not isinstance(t, DTensor):
@@ -74,15 +77,12 @@ class GatheredWeights:
         for name, t in state:
             want = dtype if t.is_floating_point() else t.dtype
             if leader:
-                buf = into.get(name) if into is not None else None
-                if buf is None or buf.shape != t.shape or buf.dtype != want:
-                    buf = torch.empty(t.shape, dtype=want)
-                self.tensors[name] = buf
-            layout = _layout(t)
+                self.tensors[name] = host_buffer(into, name, t.shape, want)
+            layout = layout_of(t)
             if layout is None:  # not sharded on dim 0: whole, one tensor at a time
                 self._flush(bucket, leader)
                 bucket, size = [], 0
-                full = _full_tensor(t, want)
+                full = full_tensor(t, want)
                 if leader:
                     self.tensors[name].copy_(full)
                 continue
@@ -99,7 +99,7 @@ class GatheredWeights:
         """Gather one bucket's shards to rank 0 of the shard group and copy them into the host tensors."""
         if not bucket:
             return
-        group, parts, sends = _layout(bucket[0][1])  # type: ignore[misc]
+        group, parts, sends = layout_of(bucket[0][1])  # type: ignore[misc]
         if not sends:
             return
         first = bucket[0][1]
@@ -107,13 +107,7 @@ class GatheredWeights:
         device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
         me = dist.get_rank(group)
         # per rank of the group: its shard of each tensor, packed in bucket order, as bytes
-        sizes = [
-            sum(
-                (_rows(t.shape[0], parts, r)[1] - _rows(t.shape[0], parts, r)[0]) * _row_bytes(t, want)
-                for _, t, want in bucket
-            )
-            for r in range(parts)
-        ]
+        sizes = part_sizes([(t.shape, want) for _, t, want in bucket], parts)
         width = max(sizes)
         flat = torch.zeros(width, dtype=torch.uint8, device=device)
         at = 0
@@ -141,28 +135,55 @@ class GatheredWeights:
                 stage = self._staging[: host.numel()]
                 stage.copy_(host)
                 host = stage
-            at = 0
-            for name, t, want in bucket:
-                start, stop = _rows(t.shape[0], parts, r)
-                nbytes = (stop - start) * _row_bytes(t, want)
-                if nbytes:
-                    rows = host[at : at + nbytes].view(want).view(stop - start, *t.shape[1:])
-                    self.tensors[name][start:stop].copy_(rows)
-                at += nbytes
+            unpack_rows(self.tensors, [(name, t.shape, want) for name, t, want in bucket], parts, r, host)
 
     def wait(self) -> dict[str, torch.Tensor]:
         """The host tensors (the leader's; empty elsewhere): complete once the constructor returned."""
         return self.tensors
 
 
-def _row_bytes(t: torch.Tensor, dtype: torch.dtype) -> int:
-    n = dtype.itemsize
-    for d in t.shape[1:]:
-        n *= d
-    return n
+def row_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    """Bytes of one dim-0 row of a tensor of `shape` in `dtype`."""
+    return dtype.itemsize * math.prod(shape[1:])
 
 
-def _full_tensor(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def host_buffer(
+    into: dict[str, torch.Tensor] | None, name: str, shape: Sequence[int], dtype: torch.dtype
+) -> torch.Tensor:
+    """The leader's host tensor for `name`: the one in `into` when its shape and dtype match, else new."""
+    buf = into.get(name) if into is not None else None
+    if buf is None or tuple(buf.shape) != tuple(shape) or buf.dtype != dtype:
+        buf = torch.empty(tuple(shape), dtype=dtype)
+    return buf
+
+
+def part_sizes(entries: Sequence[tuple[Sequence[int], torch.dtype]], parts: int) -> list[int]:
+    """Per rank of a shard group of `parts`: the bytes of its rows of every (shape, dtype) of a bucket."""
+    return [
+        sum((rows_of(s[0], parts, r)[1] - rows_of(s[0], parts, r)[0]) * row_bytes(s, d) for s, d in entries)
+        for r in range(parts)
+    ]
+
+
+def unpack_rows(
+    tensors: dict[str, torch.Tensor],
+    entries: Sequence[tuple[str, Sequence[int], torch.dtype]],
+    parts: int,
+    rank: int,
+    host: torch.Tensor,
+) -> None:
+    """Copy rank `rank`'s packed bytes of a bucket (`host`, its rows of each entry in order) into the rows
+    of the full host `tensors`."""
+    at = 0
+    for name, shape, dtype in entries:
+        start, stop = rows_of(shape[0], parts, rank)
+        nbytes = (stop - start) * row_bytes(shape, dtype)
+        if nbytes:
+            tensors[name][start:stop].copy_(host[at : at + nbytes].view(dtype).view(stop - start, *shape[1:]))
+        at += nbytes
+
+
+def full_tensor(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`t` whole, in `dtype`: a DTensor's shards cast, then all-gathered; a plain tensor only cast."""
     if not isinstance(t, DTensor):
         return t.to(dtype)

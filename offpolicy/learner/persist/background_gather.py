@@ -17,6 +17,7 @@ whole at once, in the step, as `distributed.gather.GatheredWeights` does.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -24,7 +25,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from offpolicy.learner.distributed.gather import DEFAULT_BUCKET_BYTES, _full_tensor, _layout, _rows
+from offpolicy.learner.distributed.gather import (
+    DEFAULT_BUCKET_BYTES,
+    full_tensor,
+    host_buffer,
+    layout_of,
+    part_sizes,
+    unpack_rows,
+)
 from offpolicy.learner.persist.published import HostCopy
 
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -80,13 +88,10 @@ class BackgroundGather:
         for name, t in ((k, v.detach()) for k, v in module.state_dict().items() if k in keys):
             want = dtype if t.is_floating_point() else t.dtype
             if leader:
-                buf = into.get(name) if into is not None else None
-                if buf is None or buf.shape != t.shape or buf.dtype != want:
-                    buf = torch.empty(t.shape, dtype=want)
-                self.tensors[name] = buf
-            layout = _layout(t)
+                self.tensors[name] = host_buffer(into, name, t.shape, want)
+            layout = layout_of(t)
             if layout is None:  # not row-sharded: whole, now (a collective of the step)
-                full = _full_tensor(t, want)
+                full = full_tensor(t, want)
                 if leader:
                     self.tensors[name].copy_(full)
                 continue
@@ -128,7 +133,7 @@ class BackgroundGather:
             bucket: list[tuple[str, tuple[int, ...], torch.dtype, int]] = []
             size = 0
             for entry in self._entries:
-                n = _numel(entry[1]) * entry[2].itemsize
+                n = math.prod(entry[1]) * entry[2].itemsize
                 if bucket and size + n > self._bucket_bytes:
                     self._flush(bucket, local)
                     bucket, size = [], 0
@@ -143,13 +148,7 @@ class BackgroundGather:
             return
         parts = bucket[0][3]
         me = dist.get_rank(self._group)
-        sizes = [
-            sum(
-                (_rows(s[0], parts, r)[1] - _rows(s[0], parts, r)[0]) * _shape_row_bytes(s, w)
-                for _, s, w, _ in bucket
-            )
-            for r in range(parts)
-        ]
+        sizes = part_sizes([(s, w) for _, s, w, _ in bucket], parts)
         width = max(sizes)
         flat = torch.zeros(width, dtype=torch.uint8)
         at = 0
@@ -170,27 +169,5 @@ class BackgroundGather:
             return
         self.buckets += 1
         for r, part in enumerate(out):  # type: ignore[arg-type]
-            host = part[: sizes[r]].cpu()
-            at = 0
-            for name, shape, want, _ in bucket:
-                start, stop = _rows(shape[0], parts, r)
-                nbytes = (stop - start) * _shape_row_bytes(shape, want)
-                if nbytes:
-                    self.tensors[name][start:stop].copy_(
-                        host[at : at + nbytes].view(want).view(stop - start, *shape[1:])
-                    )
-                at += nbytes
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _shape_row_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = dtype.itemsize
-    for d in shape[1:]:
-        n *= d
-    return n
+            entries = [(name, shape, want) for name, shape, want, _ in bucket]
+            unpack_rows(self.tensors, entries, parts, r, part[: sizes[r]].cpu())

@@ -4,12 +4,10 @@ the transfer thread's current device is the rank's own (a new thread's is 0)."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
-from offpolicy.learner.transport.vllm import _weight_source, bind_thread, transfer_device
+from offpolicy.learner.transport.vllm import _weight_source, transfer_device
 
 
 @pytest.mark.parametrize(
@@ -43,18 +41,3 @@ def test_the_source_moves_host_tensors_to_the_sending_device():
         for m in _weight_source(host_state, torch.bfloat16, torch.device("meta")).metadata()
     }
     assert meta == {"w": (torch.bfloat16, (2, 3)), "step": (torch.int64, (1,))}
-
-
-def test_binding_the_host_is_a_no_op_in_any_thread():
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            bind_thread(torch.device("cpu"))
-        except BaseException as e:
-            errors.append(e)
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
-    assert not errors
