@@ -60,6 +60,20 @@ class ChatRequestError(ActorError):
         self.field = field
 
 
+class InvalidSampling(ChatRequestError):
+    """vLLM's own `SamplingParams` checks refused the parameters (`stop: [""]`, `max_tokens` < 1, ...);
+    `field` names the parameter. Raised when the parameters are built, before a request records anything."""
+
+
+class BudgetExceeded(EpisodeConflict):
+    """A call does not fit the episode's budget: its new messages and at least one answer token need
+    `needed` tokens, `left` are left. Nothing was recorded: a shorter call may follow."""
+
+    def __init__(self, message: str, needed: int, left: int) -> None:
+        super().__init__(message)
+        self.needed, self.left = needed, left
+
+
 class TooManyEpisodes(ActorError):
     """The gateway holds `gateway.max_open_episodes` open episodes; finish some or wait for expiry."""
 

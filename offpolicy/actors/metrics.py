@@ -76,6 +76,11 @@ class ActorMetrics:
             "Groups set aside because their reward failed, by reason (see actors/metrics.py)", ["reason"],
             registry=r,
         )  # fmt: skip
+        self.reward_failure_alarm = Gauge(
+            "offpolicy_actor_reward_failure_alarm",
+            "1 while more than half of the groups failed their reward (judged after the first 20), else 0",
+            registry=r,
+        )
         self.reward = Histogram(
             "offpolicy_actor_reward", "Reward of each scored completion", buckets=_REWARD_BUCKETS, registry=r
         )

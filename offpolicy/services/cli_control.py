@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from offpolicy.services.cli_check import add_check_parser
 from offpolicy.services.client import ClientError, LearnerClient, Unreachable
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -86,16 +87,12 @@ def _config_validate(client: LearnerClient, args: argparse.Namespace) -> tuple[A
 
 def _config_history(client: LearnerClient, args: argparse.Namespace) -> tuple[Any, list[str]]:
     out = client.config_history()
-    rows = [
-        [
-            str(e["config_version"]),
-            e["source"],
-            _time(e["submitted_at"]),
-            "pending" if e["applied_at_step"] is None else str(e["applied_at_step"]),
-            ", ".join(e["changed_fields"]) or "-",
-        ]
-        for e in out["entries"]
-    ]
+    rows = []
+    for e in out["entries"]:
+        changes = [f"{c['field']}: {_value(c['old'])} -> {_value(c['new'])}" for c in e["changes"]] or ["-"]
+        applied = "pending" if e["applied_at_step"] is None else str(e["applied_at_step"])
+        rows.append([str(e["config_version"]), e["source"], _time(e["submitted_at"]), applied, changes[0]])
+        rows += [["", "", "", "", change] for change in changes[1:]]  # one line per changed key
     return out, _table(["version", "source", "submitted (UTC)", "applied_at_step", "changed"], rows)
 
 
@@ -191,6 +188,11 @@ def error_lines(e: ClientError) -> list[str]:
     return [f"{head}: {e.message}"]
 
 
+def _value(value: Any) -> str:
+    """A config value as the history prints it: compact JSON (`1e-06`, `"grpo"`, `[0.9, 0.99]`, `null`)."""
+    return json.dumps(value, separators=(",", ":"))
+
+
 def _num(value: Any) -> str:
     return "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
 
@@ -267,7 +269,13 @@ def add_control_parsers(sub: argparse._SubParsersAction) -> None:
     )
     check.add_argument("file", type=Path, metavar="FILE", help="a YAML or JSON LearnerConfig")
     check.add_argument("--merge", action="store_true", help="FILE is a patch (as `config set`), not a whole")
-    verb(config_sub, "history", _config_history, "every config version (GET /v1/config/history)")
+    verb(
+        config_sub,
+        "history",
+        _config_history,
+        "every config version and each changed key's old -> new value (GET /v1/config/history)",
+    )
+    add_check_parser(config_sub)  # offline: no learner called (cli_check.py)
     verb(sub, "pause", _pause, "pause at the next step boundary (POST /v1/pause)")
     verb(sub, "resume", _resume, "resume a paused learner (POST /v1/resume)")
     verb(sub, "checkpoint", _checkpoint, "write a checkpoint now (POST /v1/checkpoints)")

@@ -67,7 +67,7 @@ def test_the_gateway_records_an_openai_clients_tool_episode_exactly(
     them, the tool and user messages are the chat template's tokens, masked; at equal weights the learner's
     log-probs of the policy's tokens (the environment's in context) are the behaviour log-probs."""
     from fastapi.testclient import TestClient
-    from openai import ConflictError, OpenAI
+    from openai import ConflictError, OpenAI, UnprocessableEntityError
 
     from offpolicy.actors.engine.chat import render_messages, render_prompt
     from offpolicy.services.actor_api.main import create_app
@@ -122,11 +122,26 @@ def test_the_gateway_records_an_openai_clients_tool_episode_exactly(
         third = http.post("/v1/episodes", json={"prompt_id": "sum-2"}, headers=auth)
         headers = {"X-Episode-Id": third.json()["episode_id"]}
         first = [{"role": "user", "content": "hi"}]
-        r = client.chat.completions.create(model="offpolicy", messages=first, extra_headers=headers)
+        r = client.chat.completions.create(
+            model="offpolicy", messages=first, max_tokens=8, extra_headers=headers
+        )
         with pytest.raises(ConflictError):  # a call that rewrites the recorded assistant turn: 409
             rewritten = {"role": "assistant", "content": r.choices[0].message.content + "!"}
             bad = [*first, rewritten, {"role": "user", "content": "?"}]
             client.chat.completions.create(model="offpolicy", messages=bad, extra_headers=headers)
+        follow = [
+            *first,
+            r.choices[0].message.model_dump(exclude_none=True),
+            {"role": "user", "content": "?"},
+        ]
+        with pytest.raises(UnprocessableEntityError):  # vLLM's own check, before anything is recorded
+            client.chat.completions.create(
+                model="offpolicy", messages=follow, stop=[""], extra_headers=headers
+            )
+        again = client.chat.completions.create(
+            model="offpolicy", messages=follow, max_tokens=8, extra_headers=headers
+        )
+        assert again.choices[0].finish_reason in ("stop", "length")  # the corrected retry goes on
         wait_until(lambda: ReplayBuffer(redis_url, run_id).stats().size == 1, 30, "the group in the buffer")
     (group,) = drain(redis_url, run_id, original_engine.loaded_version)
     assert group.prompt_ids.tolist() == render_prompt(tok, recorded[0][0][:1], tools)

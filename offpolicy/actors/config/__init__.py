@@ -91,7 +91,8 @@ class DatasetConfig(ConfigModel):
 
     Presets for the layouts users bring (docs/actor.md "Datasets"): `DatasetConfig.verl(path)` (verl's
     parquet: `prompt` messages, `reward_model.ground_truth`) and `DatasetConfig.trl(path)` (TRL's
-    conversational prompt-only layout); the defaults read plain `{"prompt", "answer", "metadata", "id"}`.
+    conversational prompt-only layout), or `preset: verl` in YAML; the defaults read plain `{"prompt",
+    "answer", "metadata", "id"}`.
     """
 
     renamed_keys: ClassVar[Mapping[str, str]] = {
@@ -135,6 +136,21 @@ class DatasetConfig(ConfigModel):
     """Seed of the per-epoch shuffle."""
     max_epochs: int | None = Field(None, ge=1)
     """Stop after this many passes over the shard; None = run until stopped."""
+    optional_metadata_keys: list[Annotated[str, Field(pattern=_KEY, max_length=256)]] = Field(
+        default_factory=list, max_length=64
+    )
+    """Columns (or dotted paths) copied into the metadata as `metadata_keys` are, when a record has them
+    (objects as JSON); none = nothing more."""
+    preset: Literal["plain", "verl", "trl"] | None = None
+    """A layout's keys by name, as `DatasetConfig.verl` / `.trl` set them (`preset: verl` in YAML); keys
+    given beside it win. None = the keys as given."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_preset(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and data.get("preset") in DATASET_PRESETS:
+            return DATASET_PRESETS[data["preset"]] | dict(data)
+        return data  # an unknown preset name: the `preset` field refuses it
 
     @classmethod
     def plain(cls, path: str, **overrides: Any) -> DatasetConfig:
@@ -143,23 +159,31 @@ class DatasetConfig(ConfigModel):
 
     @classmethod
     def verl(cls, path: str, **overrides: Any) -> DatasetConfig:
-        """verl's RL parquet (`data_source`, `prompt` messages, `ability`, `reward_model: {style,
-        ground_truth}`, `extra_info: {split, index, ...}`), e.g. its GSM8K and MATH preprocessing."""
-        base: dict[str, Any] = {
-            "path": path,
-            "answer_key": "reward_model.ground_truth",
-            "metadata_keys": ["data_source", "ability"],
-            "id_key": "extra_info.index",
-            "chat_template": True,
-        }
-        return cls(**(base | overrides))
+        """verl's RL parquet (`data_source`, `prompt` messages, `reward_model: {style, ground_truth}`, and
+        when present `ability`, `extra_info: {split, index, ...}`), e.g. its GSM8K and MATH preprocessing.
+        `data_source` and `extra_info` go into the metadata: what verl's `compute_score` reads."""
+        return cls(**({"path": path, "preset": "verl"} | overrides))
 
     @classmethod
     def trl(cls, path: str, **overrides: Any) -> DatasetConfig:
         """TRL's conversational prompt-only layout (`prompt`: a list of messages) with the answer in an
         extra column, `answer` here (`answer_key: solution` for datasets that call it that;
         `answer_key: completion` for the prompt-completion layout)."""
-        return cls(**({"path": path, "chat_template": True} | overrides))
+        return cls(**({"path": path, "preset": "trl"} | overrides))
+
+
+DATASET_PRESETS: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "verl": {
+        "answer_key": "reward_model.ground_truth",
+        "metadata_keys": ["data_source"],
+        "optional_metadata_keys": ["ability", "extra_info"],
+        "id_key": "extra_info.index",
+        "chat_template": True,
+    },
+    "trl": {"chat_template": True},
+}
+"""The keys each `DatasetConfig.preset` sets (keys given beside it win)."""
 
 
 class RemoteRewardConfig(ConfigModel):
@@ -185,11 +209,14 @@ class RewardConfig(ConfigModel):
     name: str = Field("exact_match", min_length=1)
     """A built-in (`exact_match`, `math_answer`, `target_token_share`), `remote` (an HTTP verifier:
     `remote`), or a dotted path `pkg.mod.fn` to a function, sync or async, called as `signature` says."""
-    signature: Literal["text", "sample"] = "text"
+    signature: Literal["text", "sample", "verl"] | None = None
     """`text`: `fn(completion: str, answer: str | None, metadata: dict[str, str]) -> float`; `sample`:
-    `fn(sample: offpolicy.actors.rollout.scoring.RewardSample) -> float` (the prompt's text too). With
-    `batched` the
-    function takes lists (completions, or samples) and returns a list of floats, one call per group."""
+    `fn(sample: offpolicy.actors.rollout.scoring.RewardSample) -> float` (the prompt's text too); `verl`:
+    verl's `compute_score(data_source, solution_str, ground_truth, extra_info) -> float | {"score": ...}`
+    (`data_source` and `extra_info` from the prompt's metadata, as `DatasetConfig.verl` keeps them: the
+    ground truth is the answer). None = detected: `verl` when the function's first parameters are named
+    as verl's, else `text`. With `batched` (`text` or `sample`) the function takes lists (completions, or
+    samples) and returns a list of floats, one call per group."""
     batched: bool = False
     """One call per group (every completion of a prompt at once) instead of one per completion."""
     timeout_s: float = Field(60.0, gt=0.0, le=3600.0)
@@ -209,8 +236,10 @@ class RewardConfig(ConfigModel):
     def _check(self) -> Self:
         if (self.name == "remote") != (self.remote is not None):
             raise ValueError("reward.name 'remote' and reward.remote go together: set both or neither")
-        if self.length_penalty is not None and (self.batched or self.signature != "text" or self.remote):
-            raise ValueError("reward.length_penalty wraps per-completion `text` functions only")
+        if self.length_penalty is not None and (self.batched or self.signature == "sample" or self.remote):
+            raise ValueError("reward.length_penalty wraps per-completion `text` (or `verl`) functions only")
+        if self.batched and self.signature == "verl":
+            raise ValueError("reward.batched: verl's compute_score scores one completion per call")
         return self
 
 

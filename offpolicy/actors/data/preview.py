@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from offpolicy.actors.config import DatasetConfig
 from offpolicy.actors.data.prompts import encode, load_prompts, render, uses_chat_template
+from offpolicy.actors.data.sources import read_rows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -53,7 +54,25 @@ def preview(
             else uses_chat_template(tokenizer, dataset.chat_template)
         ),
         "first": first,
+        "layout_hint": layout_hint(dataset),
     }
+
+
+def layout_hint(dataset: DatasetConfig, n: int = 5) -> str | None:
+    """Why a dataset read with `dataset`'s keys would give no answers though its first `n` rows hold
+    them in a known layout (verl's `reward_model.ground_truth`): the preset to set; None otherwise."""
+    if dataset.preset == "verl" or dataset.answer_key == "reward_model.ground_truth":
+        return None
+    rows = [raw for _, raw in read_rows(dataset.path, dataset.split)[:n]]
+    if any(isinstance(r, dict) and r.get(dataset.answer_key) is not None for r in rows):
+        return None
+    if rows and all(isinstance(r, dict) and isinstance(r.get("reward_model"), dict) for r in rows):
+        return (
+            f"the records have no `{dataset.answer_key}` (dataset.answer_key) but verl's "
+            "`reward_model.ground_truth`: this is verl's layout, read it with `dataset.preset: verl` "
+            "(`--preset verl`)"
+        )
+    return None
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -66,6 +85,8 @@ def format_report(report: dict[str, Any]) -> str:
         + f", chat_template={_template(report['chat_template'])}",
     ]  # fmt: skip
     missing = report["records"] - report["with_answer"]
+    if report["layout_hint"]:
+        lines.append(f"WARNING: {report['layout_hint']}")
     if missing:
         lines.append(
             f"WARNING: {missing} records have no `{keys['answer_key']}`: a reward that needs an answer "

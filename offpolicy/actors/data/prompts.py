@@ -8,7 +8,8 @@ row has none under `answer_key`. `Prompt.text` is what reward functions read: th
 of the conversation's last user message. The answer (`answer_key`, default `answer`; dotted paths such
 as `reward_model.ground_truth` walk nested objects) is kept as a string (numbers as written, objects as
 JSON, a list of messages as its last message's content); a row without one has None. Metadata is the
-row's `metadata` object, or the values at `metadata_keys` (dotted paths, each required), as strings. The
+row's `metadata` object, or the values at `metadata_keys` (dotted paths, each required), as strings,
+and those at `optional_metadata_keys` that the row has. The
 id is the value at `id_key` (default `id`), else the row's index. Actor `i` of `N` takes the rows whose
 index is `i` modulo `N`, so the actors together cover every row exactly once per epoch.
 """
@@ -47,11 +48,12 @@ class Prompt:
     system: str | None = None  # this record's system prompt (`system_prompt_key`); None = the config's
 
 
-def load_prompts(dataset: DatasetConfig | str | Path) -> list[Prompt]:
-    """Every record of the dataset, in order; `DatasetError` names the bad one (row and key). A path
-    alone reads with the default keys."""
+def load_prompts(dataset: DatasetConfig | str | Path, limit: int | None = None) -> list[Prompt]:
+    """Every record of the dataset (the first `limit` with one), in order; `DatasetError` names the bad
+    one (row and key). A path alone reads with the default keys."""
     cfg = dataset if isinstance(dataset, DatasetConfig) else DatasetConfig(path=str(dataset))
-    prompts = [_record(i, raw, where, cfg) for i, (where, raw) in enumerate(read_rows(cfg.path, cfg.split))]
+    rows = read_rows(cfg.path, cfg.split)[:limit]
+    prompts = [_record(i, raw, where, cfg) for i, (where, raw) in enumerate(rows)]
     if cfg.chat_template is False:
         chat = next((p for p in prompts if p.messages is not None), None)
         if chat is not None:
@@ -89,7 +91,7 @@ def _record(index: int, raw: Any, where: str, cfg: DatasetConfig) -> Prompt:
         prompt_id=_id(raw, cfg.id_key, index),
         text=text,
         answer=completion if answer is None else answer,
-        metadata=_metadata(raw, cfg.metadata_keys, where),
+        metadata=_metadata(raw, cfg.metadata_keys, where) | _optional(raw, cfg.optional_metadata_keys),
         messages=None if messages is None else tuple(messages),
         system=_system(raw, cfg.system_prompt_key, where),
     )
@@ -150,6 +152,12 @@ def _metadata(raw: Mapping[str, Any], keys: Sequence[str] | None, where: str) ->
             raise DatasetError(f"{where}: no `{key}` (dataset.metadata_keys); the record has {sorted(raw)}")
         out[key] = _as_string(value)
     return out
+
+
+def _optional(raw: Mapping[str, Any], keys: Sequence[str]) -> dict[str, str]:
+    """The values at `keys` that the record has (not null), as strings (objects as JSON)."""
+    values = {key: _lookup(raw, key) for key in keys}
+    return {k: _as_string(v) for k, v in values.items() if v is not _MISSING and v is not None}
 
 
 def _id(raw: Mapping[str, Any], key: str, index: int) -> str:

@@ -37,10 +37,7 @@ def render_prompt(
     tokenization: `apply_chat_template(tokenize=True)`)."""
     if not messages:
         raise ChatRequestError("messages", "a conversation needs at least one message")
-    rendered = tokenizer.apply_chat_template(
-        [as_template_message(m) for m in messages], tools=tools, tokenize=True, add_generation_prompt=True
-    )
-    return ids_of(rendered)
+    return ids_of(_template(tokenizer, [as_template_message(m) for m in messages], tools, True))
 
 
 def render_messages(
@@ -48,17 +45,26 @@ def render_messages(
 ) -> list[int]:
     """The tokens the chat template adds for `messages` after an assistant turn, and the next assistant
     turn's opening (see the module docstring)."""
-    before = tokenizer.apply_chat_template(_BASE, tools=tools, tokenize=True, add_generation_prompt=False)
-    after = tokenizer.apply_chat_template(
-        [*_BASE, *(as_template_message(m) for m in messages)],
-        tools=tools,
-        tokenize=True,
-        add_generation_prompt=True,
-    )
-    before, after = ids_of(before), ids_of(after)
+    before = ids_of(_template(tokenizer, _BASE, tools, False))
+    after = ids_of(_template(tokenizer, [*_BASE, *(as_template_message(m) for m in messages)], tools, True))
     if after[: len(before)] != before:
         raise ValueError("the chat template does not render a conversation as a prefix of its extension")
     return after[len(before) :]
+
+
+def _template(
+    tokenizer: PreTrainedTokenizerBase, messages: list[Message], tools: list[Any] | None, generation: bool
+) -> Any:
+    """`apply_chat_template(tokenize=True)`; a conversation the template refuses (its `raise_exception`:
+    roles out of order, a tool message it cannot place) is the caller's `ChatRequestError`."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=True, add_generation_prompt=generation
+        )
+    except TemplateError as e:
+        raise ChatRequestError("messages", f"the chat template refused the conversation: {e}") from e
 
 
 def ids_of(rendered: Any) -> list[int]:

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from offpolicy.actors.config import EngineConfig, SamplingConfig
-from offpolicy.actors.errors import EngineError, PromptFailed, WeightLoadError
+from offpolicy.actors.errors import EngineError, InvalidSampling, PromptFailed, WeightLoadError
 
 log = logging.getLogger(__name__)
 STALL_GRACE_S = 5.0
@@ -129,8 +129,10 @@ class VLLMEngine:
 
     def sampling_params(self, sampling: SamplingConfig, n: int | None = None, **overrides: Any):
         """The `vllm.SamplingParams` for `sampling`: one log-prob (the sampled token's) per position, the
-        final output only. `overrides` (e.g. `max_tokens`, `ignore_eos`) are passed to vLLM as they are."""
+        final output only. `overrides` (e.g. `max_tokens`, `ignore_eos`) are passed to vLLM as they are;
+        what vLLM's own checks refuse (`stop: [""]`, `max_tokens: 0`) raises `InvalidSampling`."""
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMValidationError
         from vllm.sampling_params import RequestOutputKind
 
         params: dict[str, Any] = {
@@ -143,7 +145,10 @@ class VLLMEngine:
             "flat_logprobs": True,
             "output_kind": RequestOutputKind.FINAL_ONLY,
         }
-        return SamplingParams(**(params | overrides))
+        try:
+            return SamplingParams(**(params | overrides))
+        except VLLMValidationError as e:  # translated: the parameter vLLM names, when it names one
+            raise InvalidSampling(e.parameter or "sampling", str(e)) from e
 
     async def _generate(self, request_id: str, prompt_ids: list[int], params) -> list[Completion]:
         from vllm.exceptions import VLLMError

@@ -38,6 +38,7 @@ from offpolicy.actors.errors import (
     ChatRequestError,
     EpisodeConflict,
     EpisodeNotFound,
+    InvalidSampling,
     RewardError,
     TooManyEpisodes,
 )
@@ -201,16 +202,20 @@ class Gateway:
     # --- chat completions
 
     async def chat(self, episode_id: str | None, body: Mapping[str, Any]) -> dict[str, Any]:
-        """One chat completion (OpenAI's response object); recorded within `episode_id`'s episode."""
+        """One chat completion (OpenAI's response object); recorded within `episode_id`'s episode. The
+        request is checked whole before anything is recorded (`_check`, then `Episode.chat`): a refused
+        call leaves the episode as it was, and a corrected retry goes on from there."""
         request = chat_request(body)
         self._check(request, recorded=episode_id is not None)
         messages = [dict(m) for m in request.messages]
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")  # validated by vLLM
+        max_tokens = self._max_tokens(body)
         stop = [request.stop] if isinstance(request.stop, str) else (request.stop or None)
+        self._check_stop(stop)
+        kwargs = {"max_tokens": max_tokens, "stop": stop, "request": request, "refuse_past_budget": True}
         if episode_id is None:
             episode = self._scratch_episode()
-            turn = await episode.chat(messages, tools, max_tokens=max_tokens, stop=stop, request=request)
+            turn = await episode.chat(messages, tools, **kwargs)
         else:
             open_ = self._get(episode_id)
             async with open_.lock:  # one call at a time per episode: the next must extend this one
@@ -218,13 +223,30 @@ class Gateway:
                     raise EpisodeNotFound(f"episode {episode_id} is not open")
                 open_.last_active = time.monotonic()
                 episode = open_.episode
-                if episode.ended:
-                    raise EpisodeConflict(f"episode {episode_id} has used its budget of response tokens")
-                turn = await episode.chat(messages, tools, max_tokens=max_tokens, stop=stop, request=request)
+                turn = await episode.chat(messages, tools, **kwargs)
                 open_.last_active = time.monotonic()
         self.metrics.chat_calls.labels("true" if episode_id else "false").inc()
         self.metrics.gateway_seconds.labels("engine").inc(episode.engine_seconds_last)
         return self._response(turn, request)
+
+    @staticmethod
+    def _max_tokens(body: Mapping[str, Any]) -> int | None:
+        """The call's `max_completion_tokens`, else its `max_tokens` (integers: vLLM's request model
+        checked them); below 1 is `InvalidSampling`."""
+        field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        value = body.get(field)
+        if value is not None and value < 1:
+            raise InvalidSampling(field, f"must be at least 1, got {value}")
+        return value
+
+    def _check_stop(self, stop: list[str] | None) -> None:
+        """vLLM's own checks of `stop` (`[""]` is refused), run before anything is recorded: the actor's
+        sampling passes them, so a refusal here is the stop's."""
+        if stop:
+            try:
+                self._params_for(1, stop=stop)
+            except InvalidSampling as e:
+                raise InvalidSampling("stop", str(e).removeprefix(f"{e.field}: ")) from e
 
     def _check(self, request: Any, recorded: bool) -> None:
         if request.n not in (None, 1):

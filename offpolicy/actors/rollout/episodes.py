@@ -43,7 +43,7 @@ from offpolicy.actors.engine.chat import (
     render_prompt,
 )
 from offpolicy.actors.engine.vllm import Completion
-from offpolicy.actors.errors import ChatRequestError, RewardError
+from offpolicy.actors.errors import BudgetExceeded, ChatRequestError, RewardError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -141,10 +141,12 @@ class Episode:
     @property
     def budget_left(self) -> int:
         """Response tokens this episode may still add (`sampling.max_tokens` in all)."""
-        left = self._budget - len(self._ids)
-        return (
-            left if self._max_len is None else min(left, self._max_len - len(self._prompt) - len(self._ids))
-        )
+        return self._room(len(self._prompt), len(self._ids))
+
+    def _room(self, prompt_len: int, response_len: int) -> int:
+        """Response tokens left after a prompt and a response of these lengths (the budget, `max_len`)."""
+        left = self._budget - response_len
+        return left if self._max_len is None else min(left, self._max_len - prompt_len - response_len)
 
     @property
     def version(self) -> int:
@@ -171,8 +173,12 @@ class Episode:
         if limit <= 0 or self.ended:
             self.ended, self.finish_reason = True, "length"
             return ""
+        return await self._sample(self._params_for(limit, **overrides))
+
+    async def _sample(self, params: Any) -> str:
+        """One policy turn with `params` (built and checked by the caller), recorded."""
         request, t0 = f"episode-{next(_ids)}", time.perf_counter()
-        (out,) = await self._engine.generate_group(request, self.tokens, self._params_for(limit, **overrides))
+        (out,) = await self._engine.generate_group(request, self.tokens, params)
         self.engine_seconds_last = time.perf_counter() - t0
         self.last_turn = out
         self._ids += out.token_ids.tolist()
@@ -191,27 +197,43 @@ class Episode:
         max_tokens: int | None = None,
         stop: list[str] | None = None,
         request: Any = None,
+        refuse_past_budget: bool = False,
     ) -> ChatTurn:
         """One policy turn after `messages` (the recorded conversation, then new messages appended as
         environment tokens); see the module docstring. `request`: the caller's vLLM `ChatCompletionRequest`
-        (for the tool parser; built from `tools` when None)."""
+        (for the tool parser; built from `tools` when None).
+
+        The call is checked whole before anything is recorded: the messages (`ChatRequestError`,
+        `EpisodeConflict`) and the sampling parameters (vLLM's own checks: `InvalidSampling`). Messages
+        that leave no room for one answer token end the episode (the turn is ""), or, with
+        `refuse_past_budget` (the gateway), raise `BudgetExceeded`. A refused call leaves the episode as
+        it was."""
+        prompt, added, env = self._pending(messages, tools)
+        left = self._room(len(prompt), len(self._ids) + len(env))
+        if refuse_past_budget and (self.ended or left < 1):
+            have = 0 if self.ended else self.budget_left
+            raise BudgetExceeded(
+                f"the call needs {len(env) + 1} tokens (its new messages and one answer token) but the "
+                f"episode has {have} of its {self._budget} left (sampling.max_tokens): a new episode, or "
+                "shorter messages",
+                len(env) + 1,
+                have,
+            )
+        limit = left if max_tokens is None else min(max_tokens, left)
+        overrides = {"stop": stop} if stop else {}
+        params = self._params_for(limit, **overrides) if limit > 0 and not self.ended else None
+        # --- recorded from here on: everything above raised before anything changed
         if not self._prompt:
-            prompt = render_prompt(self._tokenizer, messages, tools)
-            if self._max_len is not None and len(prompt) >= self._max_len:
-                raise ChatRequestError(
-                    "messages", f"the conversation is {len(prompt)} tokens: no room to answer"
-                )
             self._prompt, self._messages, self.tools = prompt, [dict(m) for m in messages], tools
         else:
-            if self._messages is None:
-                raise ChatRequestError(
-                    "messages", "this episode's prompt is not a conversation: use generate()"
-                )
-            added = new_messages(self._messages, messages)
-            self.add_tokens(render_messages(self._tokenizer, added, self.tools))
-            self._messages += added
+            self.add_tokens(env)
+            self._messages += added  # type: ignore[operator]
         before = len(self.tokens)
-        text = await self.generate(max_tokens, **({"stop": stop} if stop else {}))
+        self.last_turn, self.engine_seconds_last = None, 0.0
+        if params is None or self.ended:
+            self.ended, self.finish_reason, text = True, "length", ""
+        else:
+            text = await self._sample(params)
         out = self.last_turn
         content, calls = text, []
         wants = request is None or getattr(request, "tool_choice", "auto") != "none"
@@ -228,8 +250,25 @@ class Episode:
             logprobs=np.zeros(0, np.float32) if out is None else out.logprobs,
             prompt_tokens=before,
         )
-        self._messages.append(turn.message)
+        self._messages.append(turn.message)  # type: ignore[union-attr]
         return turn
+
+    def _pending(
+        self, messages: Sequence[Mapping[str, Any]], tools: list[Any] | None
+    ) -> tuple[list[int], list[Message], list[int]]:
+        """What a `chat` call would record, changing nothing: the prompt (rendered by the first call,
+        else the recorded one), the messages it adds and their environment tokens."""
+        if not self._prompt:
+            prompt = render_prompt(self._tokenizer, messages, tools)
+            if self._max_len is not None and len(prompt) >= self._max_len:
+                raise ChatRequestError(
+                    "messages", f"the conversation is {len(prompt)} tokens: no room to answer"
+                )
+            return prompt, [], []
+        if self._messages is None:
+            raise ChatRequestError("messages", "this episode's prompt is not a conversation: use generate()")
+        added = new_messages(self._messages, messages)
+        return self._prompt, added, render_messages(self._tokenizer, added, self.tools)
 
     def add_tokens(self, token_ids: Sequence[int]) -> None:
         """Append environment tokens (attended by the policy, never trained). Tokens that do not fit the

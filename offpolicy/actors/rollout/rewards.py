@@ -1,6 +1,9 @@
 """Reward functions: the built-ins, the `length_penalty` wrapper, lookup by name or dotted path, scoring.
 
 A reward function is `fn(completion: str, answer: str | None, metadata: dict[str, str]) -> float`.
+verl's reward functions run as they are: `from_verl` calls `compute_score(data_source, solution_str,
+ground_truth, extra_info)` as one (`reward.signature: verl`, or detected by `signature_of` from the
+function's parameter names).
 `score` calls one and translates anything it raises (or a non-finite / non-numeric result) into
 `RewardError` with its reason, which the rollout loop counts as a failed group instead of crashing.
 """
@@ -8,14 +11,19 @@ A reward function is `fn(completion: str, answer: str | None, metadata: dict[str
 from __future__ import annotations
 
 import importlib
+import inspect
+import json
 import math
 import numbers
 import re
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from offpolicy.actors.errors import RewardError
 
 RewardFn = Callable[[str, str | None, Mapping[str, str]], float]
+VERL_PARAMETERS = ("data_source", "solution_str", "ground_truth", "extra_info")
+"""The parameters of verl's `compute_score`, in its order."""
 
 _NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 _FRAC = re.compile(r"^(-?)\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}$")
@@ -112,6 +120,59 @@ def resolve_reward(name: str, length_coef: float | None = None, length_max_chars
     else:
         raise ValueError(f"unknown reward {name!r}; built-ins: {sorted(BUILTINS)} or a dotted path")
     return fn if length_coef is None else length_penalty(fn, length_coef, length_max_chars)
+
+
+def signature_of(fn: Callable[..., Any], configured: str | None) -> str:
+    """How `fn` is called: `configured`, or when None `verl` if its first parameters are named as verl's
+    (`VERL_PARAMETERS`), else `text`. `text` for a function with verl's parameters is refused (it would be
+    called with its arguments swapped)."""
+    names = tuple(inspect.signature(fn).parameters)[: len(VERL_PARAMETERS)]
+    if configured is None:
+        return "verl" if names == VERL_PARAMETERS else "text"
+    if configured == "text" and names == VERL_PARAMETERS:
+        raise ValueError(
+            f"reward {getattr(fn, '__name__', fn)!s} takes verl's ({', '.join(VERL_PARAMETERS)}): set "
+            "reward.signature: verl (or leave it null), not text"
+        )
+    return configured
+
+
+def from_verl(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """verl's `compute_score(data_source, solution_str, ground_truth, extra_info)` as a reward function
+    `(completion, answer, metadata)`: the answer is the ground truth, `metadata["data_source"]` the data
+    source (None without one), `metadata["extra_info"]` decoded from JSON (`DatasetConfig.verl` stores the
+    object so; None without one). Its result may be a number or verl's `{"score": ..., ...}`: the score."""
+
+    def args(completion: str, answer: str | None, metadata: Mapping[str, str]) -> tuple[Any, ...]:
+        extra = metadata.get("extra_info")
+        return metadata.get("data_source"), completion, answer, None if extra is None else _json(extra)
+
+    if inspect.iscoroutinefunction(fn):
+
+        async def acall(completion: str, answer: str | None, metadata: Mapping[str, str]) -> Any:
+            return _verl_score(await fn(*args(completion, answer, metadata)))
+
+        reward: Callable[..., Any] = acall
+    else:
+
+        def call(completion: str, answer: str | None, metadata: Mapping[str, str]) -> Any:
+            return _verl_score(fn(*args(completion, answer, metadata)))
+
+        reward = call
+    reward.__name__ = f"verl({getattr(fn, '__name__', 'compute_score')})"
+    return reward
+
+
+def _verl_score(value: Any) -> Any:
+    return value["score"] if isinstance(value, Mapping) and "score" in value else value
+
+
+def _json(text: str) -> Any:
+    """A metadata value as verl stored it: the decoded JSON of an object, else the string itself."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def score(fn: RewardFn, completion: str, answer: str | None, metadata: Mapping[str, str]) -> float:

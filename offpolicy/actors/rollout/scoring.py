@@ -24,7 +24,7 @@ import httpx
 
 from offpolicy.actors.errors import RewardError
 from offpolicy.actors.metrics import REWARD_FAILURE_REASONS
-from offpolicy.actors.rollout.rewards import resolve_reward, score
+from offpolicy.actors.rollout.rewards import from_verl, length_penalty, resolve_reward, score, signature_of
 
 if TYPE_CHECKING:
     from offpolicy.actors.config import RemoteRewardConfig, RewardConfig
@@ -55,8 +55,15 @@ class Scorer:
         self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix="offpolicy-reward")
         self._remote = RemoteReward(config.remote) if config.remote is not None else None
         self._fn: Callable[..., Any] | None = None
+        self.signature = config.signature or "text"  # how `_fn` is called (verl's: adapted to `text`)
         if self._remote is None:
-            self._fn = resolve_reward(config.name, config.length_penalty, config.length_max_chars)
+            fn = resolve_reward(config.name)
+            self.signature = signature_of(fn, config.signature)
+            if self.signature == "verl":
+                fn, self.signature = from_verl(fn), "text"
+            if config.length_penalty is not None:
+                fn = length_penalty(fn, config.length_penalty, config.length_max_chars)
+            self._fn = fn
         self.name = config.name
 
     async def score(self, prompt: Prompt, completions: Sequence[str]) -> list[float]:
@@ -83,11 +90,11 @@ class Scorer:
         if self.config.batched:
             args = (
                 (samples,)
-                if self.config.signature == "sample"
+                if self.signature == "sample"
                 else (list(completions), prompt.answer, prompt.metadata)
             )
             return await self._run(*args)
-        if self.config.signature == "sample":
+        if self.signature == "sample":
             return await asyncio.gather(*(self._run(s) for s in samples))
         return await asyncio.gather(*(self._run(c, prompt.answer, prompt.metadata) for c in completions))
 
@@ -98,7 +105,7 @@ class Scorer:
         try:
             if inspect.iscoroutinefunction(fn):
                 return await fn(*args)
-            if self.config.signature == "text" and not self.config.batched:
+            if self.signature == "text" and not self.config.batched:
                 return await asyncio.get_running_loop().run_in_executor(self._pool, score, fn, *args)
             return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
         except RewardError:
@@ -122,8 +129,9 @@ class RewardFailures:
 
     One failing group is a warning; a dataset whose answers the reward cannot read fails nearly every
     group, so once `ALARM_AFTER_GROUPS` groups were scored and more than `ALARM_SHARE` of them failed,
-    one ERROR is logged with the commonest reason and its count, and `status()["alarm"]` says so while
-    the share stays above it."""
+    one ERROR is logged with the commonest reason and its count, and `status()["alarm"]` (and the gauge
+    `offpolicy_actor_reward_failure_alarm`: the `OffpolicyRewardFailing` alert) says so while the share
+    stays above it."""
 
     def __init__(self, metrics: ActorMetrics) -> None:
         self.metrics = metrics
@@ -134,6 +142,7 @@ class RewardFailures:
     def scored(self) -> None:
         """A group got its rewards."""
         self.groups += 1
+        self.metrics.reward_failure_alarm.set(0.0 if self.alarm() is None else 1.0)
 
     def failed(self, reason: str) -> None:
         """A group was set aside because its reward failed for `reason` (`RewardError.reason`)."""
@@ -144,6 +153,7 @@ class RewardFailures:
         self.metrics.failures.labels("reward_error").inc()
         self.metrics.reward_failures.labels(reason).inc()
         alarm = self.alarm()
+        self.metrics.reward_failure_alarm.set(0.0 if alarm is None else 1.0)
         if alarm is not None and not self._logged:
             self._logged = True
             log.error("%s", alarm)

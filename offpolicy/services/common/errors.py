@@ -21,11 +21,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from offpolicy.actors.errors import (
     ActorError,
     ActorNotRunning,
+    BudgetExceeded,
     ChatRequestError,
     DatasetError,
     EngineError,
     EpisodeConflict,
     EpisodeNotFound,
+    InvalidSampling,
     PromptFailed,
     RewardError,
     TooManyEpisodes,
@@ -185,7 +187,9 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
     PromptFailed: (500, "prompt_failed"),
     EpisodeNotFound: (404, "episode_not_found"),
     EpisodeConflict: (409, "episode_conflict"),
+    BudgetExceeded: (409, "episode_budget_exceeded"),
     ChatRequestError: (422, "unsupported_chat_request"),
+    InvalidSampling: (422, "validation_error"),
     TooManyEpisodes: (429, "too_many_episodes"),
     ActorNotRunning: (503, "actor_not_running"),
 }
@@ -198,6 +202,8 @@ ERROR_DETAIL: dict[type[BaseException], Callable[[Any], Any]] = {
     ChatRequestError: lambda exc: [
         {"field": f"body.{exc.field}", "message": str(exc), "type": "unsupported"}
     ],
+    InvalidSampling: lambda exc: [{"field": f"body.{exc.field}", "message": str(exc), "type": "value_error"}],
+    BudgetExceeded: lambda exc: {"needed": exc.needed, "left": exc.left},
     WeightLoadError: lambda exc: {"version": exc.version, "reason": exc.reason},
 }
 """The envelope's `detail` for the error classes that carry structured fields (MRO order, like the table)."""
@@ -237,7 +243,11 @@ def field_errors(errors: list[Any], prefix: tuple[str | int, ...] = ()) -> list[
 def _envelope(
     request: Request, status: int, code: str, message: str, detail: Any = None, headers=None
 ) -> JSONResponse:
-    """The envelope, with every secret the app knows (`app.state.redactor`) scrubbed from it."""
+    """The envelope, with every secret the app knows (`app.state.redactor`) scrubbed from it. A 409 carries
+    `x-should-retry: false` (the state it conflicts with does not change by waiting: the `openai` client
+    and others read the header and do not spend their retries on it)."""
+    if status == 409:
+        headers = {**(headers or {}), "x-should-retry": "false"}
     body = ErrorResponse(error=ErrorBody(code=code, message=message, detail=detail)).model_dump(mode="json")
     redactor: Redactor | None = getattr(request.app.state, "redactor", None)
     if redactor is not None:

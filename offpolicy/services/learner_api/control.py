@@ -13,6 +13,7 @@ a change is accepted: their folder must exist or be creatable, and be writable (
 
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
 import threading
@@ -27,7 +28,7 @@ from offpolicy.config.secrets import redact_url
 from offpolicy.learner.config import LearnerConfig, frozen_field_changes, merge, writable_path_fields
 from offpolicy.learner.errors import FrozenFieldChange
 from offpolicy.services.common.errors import InvalidConfig, field_errors
-from offpolicy.services.learner_api.schemas import ConfigEntry, ConfigSource
+from offpolicy.services.learner_api.schemas import ConfigEntry, ConfigSource, FieldChange
 
 
 def validate_body(body: Mapping[str, Any]) -> LearnerConfig:
@@ -50,6 +51,29 @@ def redacted_config(config: LearnerConfig) -> LearnerConfig:
 def redacted(entry: ConfigEntry) -> ConfigEntry:
     """`entry` as the API shows it: its config through `redacted_config`."""
     return entry.model_copy(update={"config": redacted_config(entry.config)})
+
+
+def with_changes(entries: list[ConfigEntry]) -> list[ConfigEntry]:
+    """The history as the API shows it: each entry redacted, with the old and new value of each of its
+    `changed_fields` (the old from the entry before it)."""
+    shown = [redacted(e) for e in entries]
+    out = shown[:1]
+    for before, entry in itertools.pairwise(shown):
+        old, new = before.config.model_dump(mode="json"), entry.config.model_dump(mode="json")
+        changes = [FieldChange(field=f, old=_at(old, f), new=_at(new, f)) for f in entry.changed_fields]
+        out.append(entry.model_copy(update={"changes": changes}))
+    return out
+
+
+def _at(values: Mapping[str, Any], path: str) -> Any:
+    """The value at a dotted `path` of a config dump; None where it has none (e.g. a mapping replaced by
+    a preset name)."""
+    value: Any = values
+    for part in path.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return None
+        value = value[part]
+    return value
 
 
 def _can_create_in(folder: str) -> bool:

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from offpolicy.services.common.auth import Authorized
 from offpolicy.services.common.errors import error_responses
-from offpolicy.services.learner_api.control import redacted, redacted_config
+from offpolicy.services.learner_api.control import redacted, redacted_config, with_changes
 from offpolicy.services.learner_api.deps import Control, Runtime
 from offpolicy.services.learner_api.schemas import (
     CheckpointResult,
@@ -123,7 +123,7 @@ def validate_config(
 
 @router.get("/config/history", response_model=ConfigHistory, tags=["config"], summary="Every config version")
 def config_history(control: Control) -> ConfigHistory:
-    return ConfigHistory(entries=[redacted(entry) for entry in control.history()])
+    return ConfigHistory(entries=with_changes(control.history()))
 
 
 @router.get("/presets", response_model=PresetList, tags=["presets"], summary="Rollout-correction presets")

@@ -12,6 +12,17 @@ from offpolicy.learner.correction.config import RolloutCorrectionConfig
 ConfigSource = Literal["initial", "put", "patch", "resume"]
 
 
+class FieldChange(BaseModel):
+    """One changed field of a config version: its value before and after (as JSON)."""
+
+    field: str
+    """Dotted path, e.g. `optimizer.lr`."""
+    old: Any
+    """The previous config version's value (null where it had none)."""
+    new: Any
+    """This version's value (null where it has none)."""
+
+
 class ConfigEntry(BaseModel):
     """One config the learner ran (or will run from its next step boundary) and when it took effect."""
 
@@ -34,6 +45,9 @@ class ConfigEntry(BaseModel):
     detail: str | None = None
     """A `resume` entry: which checkpointed config version was reapplied and which rule decided
     (`checkpoint.resume_config`)."""
+    changes: list[FieldChange] = Field(default_factory=list)
+    """Each of `changed_fields` with its old value (the previous version's) and its new one, as
+    `GET /v1/config/history` answers it (the Redis password masked in both)."""
 
 
 class ConfigHistory(BaseModel):

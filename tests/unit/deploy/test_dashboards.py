@@ -336,3 +336,59 @@ def test_buffer_full_alert_fires_on_sustained_back_pressure_only(tmp_path):
         [promtool(), "test", "rules", str(path)], capture_output=True, text=True, check=False
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_reward_failing_and_actor_down_alerts(tmp_path):
+    """OffpolicyRewardFailing follows the actor's own alarm gauge (5 minutes held; a cleared alarm does not
+    fire); OffpolicyActorDown fires for the actor that stopped answering its scrape (2 minutes)."""
+    from deploy.checks import ALERTS_FILE
+
+    rules = {r["alert"]: r for r in alert_rules()}
+    reward, down = rules["OffpolicyRewardFailing"], rules["OffpolicyActorDown"]
+    alarm = 'offpolicy_actor_reward_failure_alarm{instance="%s",job="actor",run_id="a"}'
+    up = 'up{instance="%s",job="actor",run_id="a"}'
+    case = {
+        "interval": "1m",
+        "input_series": [
+            {"series": alarm % "a-0:8001", "values": "0 0 1x10"},
+            {"series": alarm % "a-1:8001", "values": "0 1 1 0x9"},
+            {"series": up % "a-0:8001", "values": "1x12"},
+            {"series": up % "a-1:8001", "values": "1x5 0x6"},
+        ],
+        "alert_rule_test": [
+            {
+                "eval_time": "10m",
+                "alertname": "OffpolicyRewardFailing",
+                "exp_alerts": [
+                    {
+                        "exp_labels": {"severity": "critical", "instance": "a-0:8001", "run_id": "a"},
+                        "exp_annotations": {
+                            "summary": "Actor a-0:8001: most groups fail their reward",
+                            "description": reward["annotations"]["description"],
+                        },
+                    }
+                ],
+            },
+            {
+                "eval_time": "10m",
+                "alertname": "OffpolicyActorDown",
+                "exp_alerts": [
+                    {
+                        "exp_labels": {
+                            "severity": "critical", "instance": "a-1:8001", "job": "actor", "run_id": "a"
+                        },
+                        "exp_annotations": {
+                            "summary": "Prometheus cannot scrape actor a-1:8001",
+                            "description": down["annotations"]["description"],
+                        },
+                    }
+                ],
+            },
+        ],
+    }  # fmt: skip
+    path = tmp_path / "actor_alerts_test.yml"
+    path.write_text(yaml.safe_dump({"rule_files": [str(ALERTS_FILE)], "tests": [case]}))
+    out = subprocess.run(
+        [promtool(), "test", "rules", str(path)], capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 0, out.stdout + out.stderr

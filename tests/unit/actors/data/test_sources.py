@@ -62,14 +62,41 @@ def test_every_layout_reads_to_the_same_prompts(layouts):
 def test_verl_metadata_ids_and_messages(layouts):
     first = load_prompts(layouts["verl"])[0]
     assert first.messages == ({"role": "user", "content": question(0)},)
-    assert first.metadata == {"data_source": "openai/gsm8k", "ability": "math"}
+    assert (first.metadata["data_source"], first.metadata["ability"]) == ("openai/gsm8k", "math")
+    assert json.loads(first.metadata["extra_info"])["index"] == 0  # what verl's compute_score reads
     assert first.prompt_id == "0"
     assert load_prompts(layouts["plain"])[0].messages is None
-    nested = DatasetConfig.verl(layouts["verl"].path, metadata_keys=["extra_info.split", "reward_model"])
+    nested = DatasetConfig.verl(
+        layouts["verl"].path, metadata_keys=["extra_info.split", "reward_model"], optional_metadata_keys=[]
+    )
     assert load_prompts(nested)[1].metadata == {
         "extra_info.split": "train",
         "reward_model": json.dumps({"style": "rule", "ground_truth": "10"}),
     }
+
+
+def test_the_verl_preset_in_yaml_and_rows_without_ability(tmp_path):
+    """`preset: verl` in a config file is `DatasetConfig.verl`; keys beside it win; `ability` and
+    `extra_info` are kept when a row has them and not required; an unknown preset names its field."""
+    import yaml
+    from pydantic import ValidationError
+
+    rows = [{k: v for k, v in r.items() if k != "ability"} for r in verl_rows()]
+    rows[1].pop("extra_info")
+    path = _parquet(tmp_path / "no_ability.parquet", rows)
+    cfg = DatasetConfig.model_validate(yaml.safe_load(f"path: {path}\npreset: verl\n"))
+    assert cfg == DatasetConfig.verl(path)
+    assert cfg.answer_key == "reward_model.ground_truth" and cfg.chat_template is True
+    assert (
+        DatasetConfig.model_validate({"path": path, "preset": "verl", "chat_template": False}).chat_template
+        is False
+    )
+    first, second, _ = load_prompts(cfg)
+    assert first.answer == "72" and "ability" not in first.metadata and "extra_info" in first.metadata
+    assert second.metadata == {"data_source": "openai/gsm8k"} and second.prompt_id == "1"  # its index
+    with pytest.raises(ValidationError) as e:
+        DatasetConfig.model_validate({"path": path, "preset": "verll"})
+    assert e.value.errors()[0]["loc"] == ("preset",)
 
 
 def test_disk_folder_splits():

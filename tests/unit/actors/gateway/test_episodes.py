@@ -15,8 +15,15 @@ from prometheus_client import CollectorRegistry
 
 from offpolicy.actors.config import ActorConfig, EngineConfig, GatewayConfig, SamplingConfig
 from offpolicy.actors.engine.chat import new_messages, render_messages, render_prompt
-from offpolicy.actors.engine.vllm import Completion
-from offpolicy.actors.errors import ChatRequestError, EpisodeConflict, EpisodeNotFound, TooManyEpisodes
+from offpolicy.actors.engine.vllm import Completion, VLLMEngine
+from offpolicy.actors.errors import (
+    BudgetExceeded,
+    ChatRequestError,
+    EpisodeConflict,
+    EpisodeNotFound,
+    InvalidSampling,
+    TooManyEpisodes,
+)
 from offpolicy.actors.gateway.episodes import Gateway
 from offpolicy.actors.metrics import ActorMetrics
 from offpolicy.actors.rollout.scoring import RewardFailures, Scorer
@@ -28,20 +35,21 @@ TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type":
 
 
 class ScriptedEngine:
-    """Answers each request with the next scripted text (one token per character) and log-probs -0.5."""
+    """Answers each request with the next scripted text (one token per character) and log-probs -0.5. Its
+    sampling parameters are the real engine's (vLLM's `SamplingParams` and its own checks)."""
 
     def __init__(self, tokenizer: Any, script: list[str]) -> None:
         self.tokenizer, self.script, self.loaded_version = tokenizer, list(script), 7
         self.requests: list[list[int]] = []
 
-    def sampling_params(self, sampling: Any, n: int | None = None, **overrides: Any) -> dict[str, Any]:
-        return {"n": n, **overrides}
+    def sampling_params(self, sampling: Any, n: int | None = None, **overrides: Any) -> Any:
+        return VLLMEngine.sampling_params(self, sampling, n, **overrides)  # type: ignore[arg-type]
 
     async def generate_group(
         self, request_id: str, prompt_ids: Any, params: dict[str, Any]
     ) -> list[Completion]:
         self.requests.append(list(prompt_ids))
-        text = self.script.pop(0)[: params["max_tokens"]]
+        text = self.script.pop(0)[: params.max_tokens]
         ids = np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], np.int32)
         lps = -0.5 - np.arange(len(ids), dtype=np.float32) / 100
         return [Completion(ids, lps, "stop", text, np.full(len(ids), self.loaded_version, np.int32))]
@@ -256,3 +264,62 @@ def test_new_messages_compares_tool_calls_by_value_not_formatting():
     echoed[1]["tool_calls"][0]["function"]["arguments"] = '{"a": 9, "b": 2}'
     with pytest.raises(EpisodeConflict):
         new_messages(recorded, echoed)
+
+
+def test_bad_input_is_refused_before_anything_is_recorded_and_a_corrected_retry_goes_on():
+    """vLLM's own sampling checks (`stop: [""]`), `max_tokens` below 1 and a message past the budget are
+    refused with their field (or the budget) before the episode records anything; it stays usable."""
+    actor = StubActor(["hello", "ok", "fine"])  # budget: sampling.max_tokens = 200 response tokens
+    gw = Gateway(actor)
+
+    async def go() -> None:
+        eid = (await gw.open_episode("p", group_size=1))["episode_id"]
+        episode = gw._episodes[eid].episode
+        first = [{"role": "user", "content": "hi"}]
+        for extra, field in (
+            ({"stop": [""]}, "stop"),
+            ({"stop": ""}, "stop"),
+            ({"max_tokens": -1}, "max_tokens"),
+            ({"max_tokens": 0}, "max_tokens"),
+            ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ):
+            with pytest.raises(InvalidSampling) as e:
+                await gw.chat(eid, body(first, **extra))
+            assert e.value.field == field
+            assert episode.prompt_ids == [] and episode.messages is None and not episode.ended
+        r1 = await gw.chat(eid, body(first, stop=["\n"]))
+        reply = r1["choices"][0]["message"]
+        recorded = episode.tokens
+        second = [*first, reply, {"role": "user", "content": "more"}]
+        with pytest.raises(InvalidSampling, match="stop"):
+            await gw.chat(eid, body(second, stop=[""]))
+        with pytest.raises(BudgetExceeded) as past:
+            await gw.chat(eid, body([*first, reply, {"role": "user", "content": "x" * 300}]))
+        assert past.value.left == 200 - 5 and past.value.needed > 300
+        assert episode.tokens == recorded and len(episode.messages or []) == 2 and not episode.ended
+        r2 = await gw.chat(eid, body(second, max_tokens=2))  # the corrected retry extends the record
+        assert r2["choices"][0]["message"]["content"] == "ok"
+        assert (await gw.finish(eid, reward=1.0))["group_complete"]
+
+    run(go())
+    (group,) = actor.pushed
+    (t,) = group.trajectories
+    tok = actor.engine.tokenizer
+    assert tok.decode(t.response_ids[t.policy_mask].tolist()) == "hellook"
+    assert len(actor.engine.requests) == 2  # the refused calls never reached the engine
+
+
+def test_an_episode_out_of_budget_refuses_further_calls():
+    actor = StubActor(["a" * 200, "b"])
+    gw = Gateway(actor)
+
+    async def go() -> None:
+        eid = (await gw.open_episode("p", group_size=1))["episode_id"]
+        first = [{"role": "user", "content": "hi"}]
+        r = await gw.chat(eid, body(first))
+        assert r["usage"]["completion_tokens"] == 200
+        with pytest.raises(BudgetExceeded) as e:
+            await gw.chat(eid, body([*first, r["choices"][0]["message"], {"role": "user", "content": "?"}]))
+        assert e.value.left == 0
+
+    run(go())

@@ -45,9 +45,11 @@ def test_failures_by_reason_and_one_error_when_most_groups_fail(caplog):
     status = tally.status()
     assert status["reward_failures"] == {"bad_answer": 21, "timeout": 1}
     assert "22 of 30 groups; most often 'bad_answer' (21 groups)" in status["reward_failure_alarm"]
+    assert registry.get_sample_value("offpolicy_actor_reward_failure_alarm") == 1.0  # the alert's gauge
     for _ in range(15):
         tally.scored()  # 22 of 45: no longer most
     assert tally.status()["reward_failure_alarm"] is None
+    assert registry.get_sample_value("offpolicy_actor_reward_failure_alarm") == 0.0
     with pytest.raises(ValueError, match="unknown reward failure reason"):
         tally.failed("whatever")  # labels stay bounded
 

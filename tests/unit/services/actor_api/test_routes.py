@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 
 from offpolicy.services.actor_api.main import create_app
@@ -37,12 +38,12 @@ class ServedActor(StubActor):
         pass
 
 
-def app_for(enabled: bool, script: list[str]) -> Any:
+def app_for(enabled: bool, script: list[str], token: str = "tok") -> Any:
     config = StubActor([], group_size=1).config.model_copy(
         update={"gateway": StubActor([], group_size=1).config.gateway.model_copy(update={"enabled": enabled})}
     )
     return create_app(
-        ActorServiceSettings(api_token="tok"),
+        ActorServiceSettings(api_token=token),
         config=config,
         actor_factory=lambda c, r: ServedActor(c, r, script),
     )
@@ -66,6 +67,7 @@ def test_routes_need_the_token_and_refuse_with_the_envelope() -> None:
         bad = {**chat, "messages": [*chat["messages"], *rewritten]}
         r = http.post("/v1/chat/completions", json=bad, headers=ep)
         assert r.status_code == 409 and r.json()["error"]["code"] == "episode_conflict"
+        assert r.headers["x-should-retry"] == "false"  # every 409: the openai client does not retry it
         r = http.post("/v1/chat/completions", json=chat, headers={**AUTH, "X-Episode-Id": "abc"})
         assert r.status_code == 404 and r.json()["error"]["code"] == "episode_not_found"
         r = http.post(f"/v1/episodes/{eid}/finish", json={"reward": 0.5}, headers=AUTH)
@@ -80,3 +82,43 @@ def test_a_disabled_gateway_answers_404() -> None:
     with TestClient(app_for(False, [])) as http:
         r = http.post("/v1/episodes", json={"prompt_id": "p"}, headers=AUTH)
         assert r.status_code == 404 and "gateway.enabled" in r.json()["error"]["message"]
+
+
+def test_an_openai_client_gets_4xx_for_bad_input_and_the_episode_stays_usable() -> None:
+    """The `openai` client against the real app: `stop: [""]` and `max_tokens` <= 0 answer 422 naming the
+    field, a message past the budget 409 with `x-should-retry: false` (the client does not retry it); the
+    episode records none of them and the corrected call goes on from where it was."""
+    from openai import ConflictError, OpenAI, UnprocessableEntityError
+
+    app = app_for(True, ["hello", "ok"], token="s3cret")  # not "tok": the envelope scrubs the token
+    auth = {"Authorization": "Bearer s3cret"}
+    with TestClient(app) as http:
+        sent: list[str] = []
+        http.event_hooks = {"request": [lambda r: sent.append(r.url.path)], "response": []}
+        client = OpenAI(base_url="http://testserver/v1", api_key="s3cret", http_client=http, max_retries=2)
+        eid = http.post("/v1/episodes", json={"prompt_id": "p"}, headers=auth).json()["episode_id"]
+        ep = {"X-Episode-Id": eid}
+        first = [{"role": "user", "content": "hi"}]
+        for extra, field in (
+            ({"stop": [""]}, "body.stop"),
+            ({"max_tokens": -1}, "body.max_tokens"),
+            ({"max_tokens": 0}, "body.max_tokens"),
+        ):
+            with pytest.raises(UnprocessableEntityError) as e:
+                client.chat.completions.create(model="m", messages=first, extra_headers=ep, **extra)
+            assert e.value.response.json()["error"]["detail"][0]["field"] == field
+        r = client.chat.completions.create(model="m", messages=first, extra_headers=ep)
+        assert r.choices[0].message.content == "hello"
+        messages = [*first, r.choices[0].message.model_dump(exclude_none=True)]
+        sent.clear()
+        with pytest.raises(ConflictError) as e:
+            long = [*messages, {"role": "user", "content": "x" * 300}]
+            client.chat.completions.create(model="m", messages=long, extra_headers=ep)
+        assert e.value.response.headers["x-should-retry"] == "false" and len(sent) == 1  # not retried
+        assert e.value.response.json()["error"]["code"] == "episode_budget_exceeded"
+        r = client.chat.completions.create(
+            model="m", messages=[*messages, {"role": "user", "content": "?"}], extra_headers=ep
+        )
+        assert r.choices[0].message.content == "ok"
+        done = http.post(f"/v1/episodes/{eid}/finish", json={"reward": 1.0}, headers=auth).json()
+        assert done["group_complete"] and http.get("/v1/status").json()["groups_pushed"] == 1

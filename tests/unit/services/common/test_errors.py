@@ -11,7 +11,14 @@ from fastapi.testclient import TestClient
 import offpolicy.actors.errors
 import offpolicy.buffer.errors
 import offpolicy.learner.errors
-from offpolicy.actors.errors import DatasetError, EngineError, RewardError, WeightLoadError
+from offpolicy.actors.errors import (
+    BudgetExceeded,
+    DatasetError,
+    EngineError,
+    InvalidSampling,
+    RewardError,
+    WeightLoadError,
+)
 from offpolicy.buffer.errors import (
     BufferFull,
     BufferNotReady,
@@ -42,7 +49,7 @@ def _domain_errors() -> list[type[BaseException]]:
 
 def test_every_domain_error_has_its_own_row() -> None:
     errors = _domain_errors()
-    assert len(errors) == 6 + 9 + 11  # buffer, learner, actors: a new error class must be added here
+    assert len(errors) == 6 + 9 + 13  # buffer, learner, actors: a new error class must be added here
     missing = [cls.__qualname__ for cls in errors if cls not in ERROR_TABLE]
     assert missing == []
 
@@ -65,6 +72,8 @@ def test_every_domain_error_has_its_own_row() -> None:
         (RewardError("nan"), 500, "reward_error"),
         (WeightLoadError(3, "checksum", "mismatch"), 503, "weight_load_failed"),
         (EngineError("no logprobs"), 500, "engine_error"),
+        (InvalidSampling("stop", "stop cannot contain an empty string."), 422, "validation_error"),
+        (BudgetExceeded("past the budget", 301, 195), 409, "episode_budget_exceeded"),
     ],
 )
 def test_statuses(exc: BaseException, status: int, code: str) -> None:

@@ -137,6 +137,29 @@ def test_history_lists_every_version(client: TestClient) -> None:
     assert [e["config"]["groups_per_step"] for e in entries] == [8, 4, 2]
 
 
+def test_history_shows_each_changed_keys_old_and_new_value(client: TestClient) -> None:
+    """`changes` pairs each changed field with the previous version's value and this one's; the `config
+    history` verb prints them, one line per key (and `--json` is this answer)."""
+    from offpolicy.services.cli_control import _config_history
+    from offpolicy.services.client import LearnerClient
+
+    client.patch("/v1/config", json={"groups_per_step": 4, "optimizer": {"lr": 2e-6}}, headers=AUTH)
+    client.patch("/v1/config", json={"rollout_correction": "decoupled_seq_is"}, headers=AUTH)
+    entries = client.get("/v1/config/history").json()["entries"]
+    assert entries[0]["changes"] == []
+    assert entries[1]["changes"] == [
+        {"field": "groups_per_step", "old": 8, "new": 4},
+        {"field": "optimizer.lr", "old": 1e-6, "new": 2e-6},
+    ]
+    assert {"field": "rollout_correction.rollout_is", "old": None, "new": "sequence"} in entries[2]["changes"]
+    out, lines = _config_history(LearnerClient(http=client), None)  # type: ignore[arg-type]
+    assert out["entries"] == entries
+    assert lines[0].split()[-1] == "changed" and lines[1].split()[-1] == "-"
+    assert lines[2].endswith("groups_per_step: 8 -> 4")
+    assert lines[3].split() == ["optimizer.lr:", "1e-06", "->", "2e-06"]  # its own line, no version
+    assert any(line.endswith('rollout_correction.rollout_is: null -> "sequence"') for line in lines)
+
+
 def test_history_records_the_exact_boundary_step(client: TestClient) -> None:
     for _ in range(3):
         _fake(client).boundary()

@@ -1,0 +1,202 @@
+"""`offpolicy config check`: a learner config and an actor config checked offline, every reason at once.
+
+Nothing is started and no service is called: each file is validated (field paths), the actor's reward,
+environment and evaluation reward are imported by their dotted paths, the dataset's first records are read
+with the configured keys (a known layout read with the wrong keys is named: `dataset.preset: verl`), and
+the learner's memory plan per rank is estimated for `--gpus` (`offpolicy.learner.memory_plan.estimate`,
+the plan the learner refuses to start above), against `--gpu-memory-gib` when given. Only local files are
+read: a model or dataset that is not on this machine (a hub id not in the cache) is a reason, not a
+download. Exit codes: 0 every check passed, 1 at least one failed (each reason on stderr), 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+FIRST_ROWS = 5
+"""Dataset records read and turned into prompts."""
+
+
+class Report:
+    """What the checks found: lines to print, and the reasons the check fails."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.reasons: list[str] = []
+
+    def fail(self, where: str, message: str) -> None:
+        self.reasons.append(f"{where}: {message}")
+
+
+def _load(kind: str, path: Path, report: Report, environ: Mapping[str, str]) -> Any:
+    """The config at `path` (with `OFFPOLICY_*` of `environ`), or None with each invalid field a reason."""
+    if kind == "learner":
+        from offpolicy.learner.config import load_config
+    else:
+        from offpolicy.actors.config import load_config
+    try:
+        config = load_config(path, environ)
+    except ValidationError as e:
+        for err in e.errors(include_url=False):
+            field = ".".join(str(part) for part in err["loc"]) or "(top level)"
+            report.fail(str(path), f"{field}: {err['msg']}")
+        return None
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        report.fail(str(path), str(e))
+        return None
+    report.lines.append(f"{path}: a valid {kind} config")
+    return config
+
+
+def _imports(actor: Any, where: str, report: Report) -> None:
+    """The actor's reward, environment and evaluation reward, imported by their dotted paths."""
+    from offpolicy.actors.rollout.episodes import resolve_environment
+    from offpolicy.actors.rollout.rewards import resolve_reward, signature_of
+
+    rewards = [("reward", actor.reward)]
+    if actor.eval is not None and actor.eval.reward is not None:
+        rewards.append(("eval.reward", actor.eval.reward))
+    for field, reward in rewards:
+        if reward.remote is not None:
+            report.lines.append(f"{field}: remote {reward.remote.url} (not called)")
+            continue
+        try:
+            signature = signature_of(resolve_reward(reward.name), reward.signature)
+        except ValueError as e:
+            report.fail(where, f"{field}.name: {e}")
+            continue
+        report.lines.append(f"{field}: {reward.name} (signature {signature})")
+    if actor.environment is not None:
+        try:
+            resolve_environment(actor.environment.name)
+        except ValueError as e:
+            report.fail(where, f"environment.name: {e}")
+        else:
+            report.lines.append(f"environment: {actor.environment.name}")
+
+
+def _dataset(dataset: Any, field: str, where: str, report: Report) -> None:
+    """The dataset's first records read with its keys; a known layout read with the wrong keys fails."""
+    from offpolicy.actors.data.preview import layout_hint
+    from offpolicy.actors.data.prompts import load_prompts
+    from offpolicy.actors.errors import DatasetError
+
+    if not Path(dataset.path).exists():
+        report.fail(where, f"{field}.path: {dataset.path} is not a file or folder here (no hub read offline)")
+        return
+    try:
+        hint = layout_hint(dataset, FIRST_ROWS)
+        if hint is not None:
+            report.fail(where, f"{field}: {hint}")
+            return
+        prompts = load_prompts(dataset, FIRST_ROWS)
+    except DatasetError as e:
+        report.fail(where, f"{field}: {e}")
+        return
+    answered = sum(p.answer is not None for p in prompts)
+    report.lines.append(
+        f"{field}: {dataset.path}: the first {len(prompts)} records read, {answered} with an answer "
+        f"(`{dataset.answer_key}`)"
+    )
+
+
+def _model_shape(path: str) -> Any:
+    """The `ModelShape` of a local model folder (or one in the Hugging Face cache); no download."""
+    from transformers import AutoConfig
+
+    from offpolicy.learner.memory_plan import ModelShape
+
+    return ModelShape.of(AutoConfig.from_pretrained(path, local_files_only=True))
+
+
+def _plan(learner: Any, where: str, gpus: int, gpu_memory_gib: float | None, report: Report) -> None:
+    """The learner's memory plan per rank on `gpus` GPUs (bf16 on CUDA), against the GPU's memory."""
+    from offpolicy.learner.errors import MemoryPlanError
+    from offpolicy.learner.memory_plan import GIB, HEADROOM, check, estimate
+
+    try:
+        shape = _model_shape(str(learner.model_path))
+        ref_path = learner.reference.model_path
+        reference = _model_shape(str(ref_path)) if learner.kl_loss_coef > 0 and ref_path else None
+    except (OSError, ValueError) as e:
+        report.fail(where, f"model_path: its config.json cannot be read here, so no memory plan: {e}")
+        return
+    checkpointing = learner.gradient_checkpointing is not False
+    plan = estimate(learner, shape, gpus, gpus > 1, checkpointing, cuda=True, reference=reference)
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in plan.as_dict().items() if k != "total")
+    report.lines.append(
+        f"memory plan: {plan.total / GIB:.1f} GiB per rank on {gpus} GPU(s) "
+        f"({'FSDP2' if gpus > 1 else 'one process'}, {shape.params:,} parameters; {parts} GiB)"
+    )
+    if gpu_memory_gib is not None:
+        limit = int(HEADROOM * gpu_memory_gib * GIB)
+        try:
+            check(plan, limit, learner, gpus, checkpointing)
+        except MemoryPlanError as e:
+            report.fail(where, f"memory plan: {e}")
+        else:
+            report.lines.append(f"memory plan: fits {HEADROOM:.0%} of {gpu_memory_gib:g} GiB per GPU")
+
+
+def run_check(
+    learner_path: Path,
+    actor_path: Path | None,
+    gpus: int = 1,
+    gpu_memory_gib: float | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Report:
+    """Every check of the module docstring; the report of what passed and why the rest failed."""
+    environ = os.environ if environ is None else environ
+    report = Report()
+    learner = _load("learner", learner_path, report, environ)
+    if learner is not None:
+        _plan(learner, str(learner_path), gpus, gpu_memory_gib, report)
+    if actor_path is None:
+        return report
+    actor = _load("actor", actor_path, report, environ)
+    if actor is None:
+        return report
+    _imports(actor, str(actor_path), report)
+    if actor.dataset is not None:
+        _dataset(actor.dataset, "dataset", str(actor_path), report)
+    if actor.eval is not None:
+        _dataset(actor.eval.dataset, "eval.dataset", str(actor_path), report)
+    if learner is not None:
+        for field in ("run_id", "model_path"):
+            ours, theirs = str(getattr(learner, field)), str(getattr(actor, field))
+            if ours != theirs:
+                report.fail(str(actor_path), f"{field}: {theirs!r} differs from the learner's {ours!r}")
+    return report
+
+
+def _check(args: argparse.Namespace) -> int:
+    report = run_check(args.learner, args.actor, args.gpus, args.gpu_memory_gib)
+    print("\n".join(report.lines))
+    if report.reasons:
+        print(f"{len(report.reasons)} problem(s):", file=sys.stderr)
+        print("\n".join(f"- {reason}" for reason in report.reasons), file=sys.stderr)
+        return 1
+    print("ok: every check passed")
+    return 0
+
+
+def add_check_parser(config_sub: argparse._SubParsersAction) -> None:
+    """`offpolicy config check LEARNER [ACTOR] [--gpus N] [--gpu-memory-gib M]`."""
+    check = config_sub.add_parser(
+        "check",
+        help="check a learner (and an actor) config offline: fields, imports, dataset, memory plan",
+        description=__doc__.split("\n\n", 1)[1].split("Exit codes")[0].strip(),
+    )
+    check.add_argument("learner", type=Path, metavar="LEARNER_YAML", help="the learner's config")
+    check.add_argument("actor", type=Path, nargs="?", metavar="ACTOR_YAML", help="the actor's config")
+    check.add_argument("--gpus", type=int, default=1, help="learner GPUs (ranks) to plan for (default 1)")
+    check.add_argument("--gpu-memory-gib", type=float, help="memory of one GPU; the plan must fit 90%% of it")
+    check.set_defaults(func=_check)
