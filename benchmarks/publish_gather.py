@@ -183,7 +183,8 @@ def learner_run(args: argparse.Namespace) -> dict:
 
     shape = SHAPES[args.learner_shape]
     # groups per step (one optimizer step), completions, prompt and response tokens: little compute (and
-    # few FSDP all-gathers: one micro-batch per pass) for the weights' size
+    # few FSDP all-gathers: one micro-batch per pass) for the weights' size; bypass mode (the behaviour
+    # log-probs are pi_old): no pi_old forward, whose FSDP2 all-gathers are, on gloo, most of a step
     groups, n, prompt, resp = 2, 2, 8, 8
     with tempfile.TemporaryDirectory() as d, EmbeddedRedis.start(Path(d) / "redis") as redis:
         tmp = Path(d)
@@ -191,7 +192,7 @@ def learner_run(args: argparse.Namespace) -> dict:
         cfg = LearnerConfig(
             model_path=str(model_dir), redis_url=redis.url, run_id="publish-bench", groups_per_step=groups,
             micro_batch_size=n * groups, packing=False, torch_threads=args.threads,
-            rollout_correction="decoupled_token_is", checkpoint={"checkpoint_dir": None},
+            rollout_correction="bypass_ppo_clip", checkpoint={"checkpoint_dir": None},
             publish={"weights_dir": str(tmp / "w"), "publish_every": 1, "keep_versions": 2},
             buffer={"sampler": "fifo", "max_times_sampled": 1},
         )  # fmt: skip

@@ -11,9 +11,13 @@ Per rank, for P parameters sharded over S ranks (FSDP2; S = 1 on one process):
   and AdamW's two moments in (pinned, on CUDA) host memory for the run, 12 B x P / S; one process: the
   checkpoint's host copy of the same, 12 B x P, while a checkpoint is written.
 - `publish_snapshot`: N ranks: the rank's shards in the publish dtype (the checkpoint's; bf16 counted) for
-  the background gather, 2 B x P / S.
-- `published_sets`: the leader: the full weights in the publish dtype, up to two sets (the writer reads one
-  while the next snapshot fills the other): 2 x 2 B x P in bf16.
+  the background gather, 2 B x P / S; twice when the gather streams into the files (one gathering, the
+  newest waiting while the writer is busy), once when the leader keeps what it gathers.
+- `published_sets`: the leader: one process and N ranks with a transport that sends from the leader's host
+  memory (`publish.transport: vllm` with a broadcast backend): the full weights in the publish dtype, up
+  to two sets (the writer reads one while the next snapshot fills the other), 2 x 2 B x P in bf16; N ranks
+  otherwise: the gather streams into the version's files, (`STREAM_DEPTH` + 2) buckets of
+  `publish.gather_bucket_mb` (persist/background_gather.py).
 - `cpu_offload`: `fsdp.cpu_offload`: the rank's fp32 masters, gradients and AdamW state, 16 B x P / S.
 - `reference`: `reference.cpu_offload`: the KL reference's weights in the compute dtype (2 B x P / S).
 
@@ -27,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from offpolicy.learner.config.publish import STREAM_DEPTH
 from offpolicy.learner.errors import MemoryPlanError
 
 if TYPE_CHECKING:
@@ -75,6 +80,10 @@ def host_plan(
     share = shard_ranks if distributed else 1
     compute = 4 if config.precision == "fp32" else 2
     publish = 2  # the checkpoint's dtype, bf16 for the models this plans for
+    # N ranks: the leader keeps the gathered weights for a transport that sends them (publisher.py)
+    keep = config.publish.transport == "vllm" and not config.publish.transfer.sharded
+    streamed = distributed and not keep
+    bucket = config.publish.gather_bucket_mb * 2**20
     lean = distributed and config.fsdp.lean_start
     stager = (
         12 * params // share
@@ -85,8 +94,10 @@ def host_plan(
         process=PROCESS_BYTES,
         startup=4 * params // share if lean else 4 * params,
         checkpoint_stager=stager,
-        publish_snapshot=publish * params // share if distributed else 0,
-        published_sets=2 * publish * params if leader else 0,
+        publish_snapshot=(2 if streamed else 1) * publish * params // share if distributed else 0,
+        published_sets=(
+            0 if not leader else (STREAM_DEPTH + 2) * bucket if streamed else 2 * publish * params
+        ),
         cpu_offload=16 * params // share if distributed and config.fsdp.cpu_offload else 0,
         reference=compute * params // share
         if config.kl_loss_coef > 0 and config.reference.cpu_offload

@@ -82,6 +82,7 @@ class FilesOnce:
 
         self.versions.append(version)
         self._gathering = BackgroundGather(self.model, gather, self.dtype, self.leader, bucket_bytes=2**20)
+        self._gathering.start()
 
     def gathered(self) -> dict:
         return self._gathering.wait() if self._gathering is not None else {}

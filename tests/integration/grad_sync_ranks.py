@@ -1,6 +1,7 @@
-"""Run by torchrun from test_grad_sync.py: one learner step on 2 ranks (FSDP2, gloo) under the profiler;
-rank 0 writes, per FSDP unit, how many times its gradients were reduce-scattered (FSDP2's
-`FSDP::post_backward_reduce` ranges), with the optimizer and micro-batch counts. Arguments: CONFIG OUT."""
+"""Run by torchrun from test_grad_sync.py (2 ranks, FSDP2, gloo) and tests/gpu/test_cluster_cuda.py (one GPU,
+FSDP2, NCCL: the config's `device`): one learner step under the profiler; rank 0 writes, per FSDP unit,
+how many times its gradients were reduce-scattered (FSDP2's `FSDP::post_backward_reduce` ranges), with the
+optimizer and micro-batch counts. Arguments: CONFIG OUT."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from offpolicy.learner.trainer import Learner
 
 def main(config_path: str, out: str) -> None:
     config = load_config(config_path, {})
-    init_from_env("cpu")
+    init_from_env("cuda" if (config.device or "").startswith("cuda") else "cpu")
     learner = Learner(config)
     try:
         if not current().is_leader:

@@ -32,3 +32,22 @@ def test_rank0_gets_the_full_weights_in_the_publish_dtype(tmp_path, dtype):
     # publish.transport vllm on 2 ranks: both join each publish's gather, rank 0 sends the full weights
     assert result["sent_versions"] == [1, 2] and result["sent_names_match"]
     assert result["sent_max_abs_diff"] == 0.0
+
+
+def test_rank0_streams_the_gather_into_the_files_and_a_slow_writer_coalesces(tmp_path):
+    """The files transport on N ranks: rank 0 never holds the full weights (the gather waits on the writer
+    with at most STREAM_DEPTH buckets queued, one more in hand); versions published while the writer is
+    busy are coalesced on every rank alike, the newest written at flush; each written version is the
+    weights of its step, exactly."""
+    model = make_tiny_model(
+        tmp_path / "model", hidden_size=256, num_heads=4, num_layers=3, intermediate_size=1024
+    )  # ~6 MiB in bf16: 8 buckets of 1 MiB
+    out = tmp_path / "result.json"
+    run_script("stream_ranks.py", str(model), str(tmp_path / "weights"), str(out))
+    result = json.loads(out.read_text())
+    assert result["versions"] == [1, 3]  # v2 replaced by v3 before its gather began
+    assert result["coalesced"] == 1
+    assert result["max_abs_diff"] == {"1": 0.0, "3": 0.0}
+    assert result["buckets_total"] >= 2 * (result["stream_depth"] + 1)
+    assert result["buckets_held"] <= result["stream_depth"] + 1  # blocked on the full queue
+    assert result["kept"] == 0  # nothing kept in rank 0's host memory

@@ -9,6 +9,10 @@ from pydantic import Field
 from offpolicy.config.base import FROZEN, ConfigModel, PathStr
 from offpolicy.weights.config import TransferConfig
 
+STREAM_DEPTH = 2
+"""N ranks: buckets of a version's gather queued between rank 0's gather thread and its writer
+(persist/background_gather.py; counted by the host plan, learner/host_plan.py)."""
+
 
 class PublishConfig(ConfigModel):
     """Where and how often the learner publishes weights for the actors."""

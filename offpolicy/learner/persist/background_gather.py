@@ -3,13 +3,20 @@
 At a step boundary every rank (a collective) takes a snapshot of its own shards of the weights to publish,
 cast to the publish dtype, into host memory (`persist.published.HostCopy`: on CUDA a side stream into
 pinned buffers, overlapping the next forward). That is all the step waits for, at its next optimizer step
-(`released`), as on one process. A helper thread on every rank of rank 0's shard group then gathers the
-snapshots to rank 0 in buckets of about `bucket_bytes` over a process group of its own (the training's
-collectives go on in the main thread meanwhile), and rank 0 copies each bucket's rows into the full host
-tensors its writer reads (`wait`). The ranks' memory for it: their shards in pinned host memory, one
-bucket on the device for NCCL (rank 0: the gathered bucket, and one pinned staging buffer to host), and
-rank 0's full host tensors, reused version after version. One gather is in flight at a time: the next
-publish waits for the previous one (every rank, so that the group's gathers pair up in order).
+(`released`), as on one process. Once started (`start`), a helper thread on every rank of rank 0's shard
+group gathers the snapshots to rank 0 in buckets of about `bucket_bytes` over a process group of its own
+(the training's collectives go on in the main thread meanwhile). Rank 0 either
+
+- streams each bucket, as its tensors complete, to the writer (`stream()`: a queue of at most
+  `STREAM_DEPTH` buckets; the writer writes them into the version's files as they come), so it never holds
+  more than a few buckets of the full weights (`keep=False`, the files transport), or
+- copies them into full host tensors (`wait()`), reused version after version, for a transport that sends
+  a version from rank 0's host memory (`keep=True`).
+
+The ranks' memory for it: their shards in pinned host memory, one bucket on the device for NCCL (rank 0:
+the gathered bucket); rank 0: `STREAM_DEPTH` + 2 buckets streamed, or the full host tensors kept. One
+gather is in flight at a time (every rank in step, so that the group's gathers pair up in order: the
+caller, persist/persistence.py, decides when the next starts).
 
 Tensors that are not FSDP2 row shards (none in a model sharded by `distributed.fsdp.shard`) are gathered
 whole at once, in the step, as `distributed.gather.GatheredWeights` does.
@@ -18,13 +25,16 @@ whole at once, in the step, as `distributed.gather.GatheredWeights` does.
 from __future__ import annotations
 
 import math
+import queue
 import threading
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from offpolicy.learner.config.publish import STREAM_DEPTH
 from offpolicy.learner.distributed.gather import (
     DEFAULT_BUCKET_BYTES,
     full_tensor,
@@ -33,8 +43,9 @@ from offpolicy.learner.distributed.gather import (
     part_sizes,
     unpack_rows,
 )
-from offpolicy.learner.persist.published import HostCopy
+from offpolicy.learner.persist.published import Entry, HostCopy, TensorStream
 
+_END = object()
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
@@ -64,11 +75,14 @@ def _group_ranks(t: DTensor) -> list[int]:
 
 
 class BackgroundGather:
-    """The full weights of a sharded module in rank 0's host memory, in the publish dtype, gathered on a
-    helper thread (every rank constructs one at the same step boundary; only the leader's holds tensors).
+    """The full weights of a sharded module, in the publish dtype, gathered to rank 0 on a helper thread
+    (every rank constructs one at the same step boundary and starts it at the same later one; only the
+    leader's yields tensors).
 
-    `released()`: the sources may change (the shards' host snapshot is complete); `wait()`: the gather is
-    complete, the host tensors (the leader's; empty elsewhere)."""
+    `released()`: the sources may change (the shards' host snapshot is complete); `start()`: the gather
+    begins; `busy()`: it has not finished (the leader: or its stream is not written yet); `wait()`: the
+    gather is complete, the kept host tensors (the leader's with `keep`; empty elsewhere); `stream()`: the
+    leader's tensors as they arrive (without `keep`), for `write_version`."""
 
     def __init__(
         self,
@@ -78,22 +92,27 @@ class BackgroundGather:
         leader: bool,
         into: dict[str, torch.Tensor] | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        keep: bool = True,
     ) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
         self.buckets = 0
         self._entries: list[tuple[str, tuple[int, ...], torch.dtype, int]] = []  # name, shape, dtype, parts
+        self._whole: dict[str, torch.Tensor] = {}  # the leader's tensors gathered whole in the constructor
         shards: dict[str, torch.Tensor] = {}
         group_ranks: list[int] | None = None
         sends = False
+        self._device = torch.device("cpu")
         for name, t in ((k, v.detach()) for k, v in module.state_dict().items() if k in keys):
             want = dtype if t.is_floating_point() else t.dtype
-            if leader:
+            if leader and keep:
                 self.tensors[name] = host_buffer(into, name, t.shape, want)
             layout = layout_of(t)
             if layout is None:  # not row-sharded: whole, now (a collective of the step)
                 full = full_tensor(t, want)
-                if leader:
+                if leader and keep:
                     self.tensors[name].copy_(full)
+                elif leader:
+                    self._whole[name] = full.cpu()
                 continue
             _, parts, sends = layout
             group_ranks = group_ranks or _group_ranks(t)  # type: ignore[arg-type]
@@ -102,11 +121,18 @@ class BackgroundGather:
                 self._device = torch.device("cuda", torch.cuda.current_device())  # CPU-offloaded shards
             shards[name] = t.to_local()
             self._entries.append((name, tuple(t.shape), want, parts))
-        self._leader, self._bucket_bytes = leader, bucket_bytes
+        self._leader, self._keep, self._bucket_bytes = leader, keep, bucket_bytes
         self._group = publish_group(group_ranks) if group_ranks is not None else None
         self._snapshot = HostCopy(shards, dtype) if sends and self._entries else None
         self._error: BaseException | None = None
+        self._queue: queue.Queue = queue.Queue(maxsize=STREAM_DEPTH)
+        self._streamed = threading.Event()  # the leader's stream was read to its end (or nothing streams)
+        if keep or not leader:
+            self._streamed.set()
         self._thread = threading.Thread(target=self._run, name="offpolicy-publish-gather", daemon=True)
+
+    def start(self) -> None:
+        """Begin the gather (every rank of the shard group, in the same order of versions)."""
         self._thread.start()
 
     def released(self) -> None:
@@ -114,12 +140,34 @@ class BackgroundGather:
         if self._snapshot is not None:
             self._snapshot.wait()
 
+    def busy(self) -> bool:
+        """Started and not finished: the gather still runs, or (the leader's stream) is not written yet."""
+        return self._thread.is_alive() or (self._thread.ident is not None and not self._streamed.is_set())
+
     def wait(self) -> dict[str, torch.Tensor]:
-        """Block until the gather is complete; the leader's host tensors (empty on the other ranks)."""
+        """Block until the gather is complete; the leader's kept host tensors (empty without `keep` and on
+        the other ranks)."""
         self._thread.join()
         if self._error is not None:
             raise self._error
         return self.tensors
+
+    def stream(self) -> TensorStream:
+        """The leader's tensors (without `keep`) as their buckets arrive, in the order of `entries`."""
+        entries: list[Entry] = [(k, tuple(t.shape), t.dtype) for k, t in self._whole.items()]
+        entries += [(name, shape, want) for name, shape, want, _ in self._entries]
+        return TensorStream(entries, self._chunks())
+
+    def _chunks(self) -> Iterator[dict[str, torch.Tensor]]:
+        try:
+            if self._whole:
+                yield self._whole
+            while (item := self._queue.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self._streamed.set()
 
     # --- the helper thread
 
@@ -142,6 +190,9 @@ class BackgroundGather:
             self._flush(bucket, local)
         except BaseException as e:  # re-raised in wait(), where the writer reports it
             self._error = e
+        finally:
+            if self._leader and not self._keep:  # the writer's stream ends (with the error, if any)
+                self._queue.put(self._error if self._error is not None else _END)
 
     def _flush(self, bucket: list[tuple[str, tuple[int, ...], torch.dtype, int]], local: dict) -> None:
         if not bucket:
@@ -168,6 +219,9 @@ class BackgroundGather:
         if me != 0 or not self._leader:
             return
         self.buckets += 1
+        entries = [(name, shape, want) for name, shape, want, _ in bucket]
+        into = self.tensors if self._keep else {n: torch.empty(s, dtype=w) for n, s, w in entries}
         for r, part in enumerate(out):  # type: ignore[arg-type]
-            entries = [(name, shape, want) for name, shape, want, _ in bucket]
-            unpack_rows(self.tensors, entries, parts, r, part[: sizes[r]].cpu())
+            unpack_rows(into, entries, parts, r, part[: sizes[r]].cpu())
+        if not self._keep:
+            self._queue.put(into)  # blocks while the writer is STREAM_DEPTH buckets behind

@@ -13,11 +13,13 @@ run's or model's.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from offpolicy.config.secrets import redact_url
 from offpolicy.learner.distributed.ranks import SINGLE, Ranks
@@ -28,6 +30,7 @@ from offpolicy.learner.persist.checkpoint import Checkpoints, NoCheckpoints, bas
 from offpolicy.learner.persist.dcp import ShardedCheckpoints
 from offpolicy.learner.persist.published import (
     HostCopy,
+    TensorStream,
     WeightsSnapshot,
     publish_snapshot,
     remove_leftovers,
@@ -85,6 +88,8 @@ class Persistence:
         self._weights_buffers = WeightsBuffers(self.writer)
         self._weight_copies: list[HostCopy | BackgroundGather] = []
         self._gathering: BackgroundGather | None = None  # N ranks: the publish gather in flight
+        self._waiting: tuple[int, BackgroundGather] | None = None  # N ranks, streamed: the next to gather
+        self.keep_gathered = False  # N ranks: the leader keeps each gathered version (a transport sends it)
         self._coalesced_seen = 0
         self.published_version: int | None = None  # newest version announced to the actors
         self.durable_checkpoint_version: int | None = None  # newest checkpoint on disk
@@ -100,16 +105,21 @@ class Persistence:
     def publish(self, version: int, gather: set[str] | None = None) -> None:
         """Start the host snapshot of the weights (cast to the publish dtype) and queue their write.
         `gather`: on N ranks every rank calls this (a collective) with the names to publish, and the full
-        weights are gathered from every rank's shards into the leader's host buffers
-        (distributed/gather.py)."""
-        bucket = self.config.publish.gather_bucket_mb * 2**20
+        weights are gathered from every rank's shards to the leader (persist/background_gather.py): streamed
+        into the version's files as they arrive, or, with `keep_gathered` (a transport sends the version from
+        the leader's host memory), into its host buffers."""
         self.fence()  # the buffers about to be reused must not be mid-copy (normally long finished)
+        if gather is not None and not self.keep_gathered:
+            self._publish_streamed(version, gather)
+            return
+        bucket = self.config.publish.gather_bucket_mb * 2**20
         if self._gathering is not None:  # one background gather at a time, on every rank in step
             self._gathering.wait()
         if gather is not None and not self.ranks.is_leader:
             self._gathering = BackgroundGather(
                 self.model, gather, self.publish_dtype, leader=False, bucket_bytes=bucket
             )
+            self._gathering.start()
             self._weight_copies.append(self._gathering)
             return
         into = self._weights_buffers.acquire()
@@ -121,16 +131,24 @@ class Persistence:
             else HostCopy(unique_state(self.model), self.publish_dtype, into=into)
         )
         if isinstance(copy, BackgroundGather):
+            copy.start()
             self._gathering = copy
         self._weights_buffers.keep(copy.tensors)
         self._weight_copies.append(copy)
+        self.writer.submit("weights", version, self._write(version, copy.wait), buffers=copy.tensors)
+        self._count_coalesced()
+
+    def _write(
+        self, version: int, tensors: Callable[[], dict[str, torch.Tensor] | TensorStream]
+    ) -> Callable[[], object]:
+        """The writer's job for `version`: the folder from `tensors()` (read on the writer thread)."""
         pc, store, wdir = self.config.publish, self.store, self.config.weights_path
         model, tokenizer, dtype = self.model, self.tokenizer, self.publish_dtype
 
         def write() -> object:
             snap = WeightsSnapshot(
                 version=version,
-                tensors=copy.wait(),
+                tensors=tensors(),
                 config=model.config,
                 tokenizer=tokenizer,
                 dtype=dtype,
@@ -140,9 +158,55 @@ class Persistence:
                 snap, wdir, store=store, keep_versions=pc.keep_versions, weights_root=pc.weights_root
             )
 
-        self.writer.submit("weights", version, write, buffers=copy.tensors)
+        return write
+
+    def _count_coalesced(self) -> None:
         self.metrics.writes_coalesced.inc(self.writer.coalesced - self._coalesced_seen)
         self._coalesced_seen = self.writer.coalesced
+
+    # --- N ranks: the streamed publish
+
+    def _publish_streamed(self, version: int, gather: set[str]) -> None:
+        """Every rank: snapshot its shards now (what the step waits for); the gather starts at once when
+        the previous version is written on every rank, else this snapshot waits (replacing an older waiting
+        one: coalesced, newest first, as the writer does on one process) for the next publish or flush."""
+        bucket = self.config.publish.gather_bucket_mb * 2**20
+        copy = BackgroundGather(
+            self.model, gather, self.publish_dtype, self.ranks.is_leader, bucket_bytes=bucket, keep=False
+        )
+        self._weight_copies.append(copy)
+        if self._waiting is not None:
+            self.metrics.writes_coalesced.inc()
+        self._waiting = (version, copy)
+        self._start_waiting(block=False)
+
+    def _start_waiting(self, block: bool) -> None:
+        """Start the waiting gather when the one in flight is done on every rank (`block`: wait for it);
+        a collective of the control group when one is in flight and not `block`."""
+        if self._waiting is None:
+            return
+        if self._gathering is not None:
+            if not block:
+                busy = torch.tensor([int(self._gathering.busy())])
+                dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=self.ranks.control)
+                if busy.item():
+                    return
+            self._gathering.wait()
+            while self._gathering.busy():  # the leader: its stream still being written
+                time.sleep(0.01)
+        (version, copy), self._waiting = self._waiting, None
+        copy.start()
+        self._gathering = copy
+        if not self.ranks.is_leader:
+            return
+        try:
+            self.writer.submit("weights", version, self._write(version, copy.stream))
+        except BaseException:
+            try:  # read to its end: the gather thread must not block on it
+                for _ in copy.stream().chunks:
+                    pass
+            finally:
+                raise
 
     def needs_publish(self, version: int) -> bool:
         """At start: whether `version` must be published (the policy record does not name it, in our
@@ -231,7 +295,8 @@ class Persistence:
         return self._gathering.wait() if self._gathering is not None else {}
 
     def flush(self) -> None:
-        """Wait until every queued publish and checkpoint is durable."""
+        """Wait until every queued publish and checkpoint is durable (N ranks: a collective)."""
+        self._start_waiting(block=True)
         if self._gathering is not None:  # every rank: its part of the gather in flight
             self._gathering.wait()
         self.checkpoints.finish()
@@ -240,6 +305,7 @@ class Persistence:
     def close(self) -> None:
         """Finish the copies and the queued writes, then stop the writer."""
         self.fence()
+        self._start_waiting(block=True)  # the newest version is written, however busy the writer was
         if self._gathering is not None:  # every rank: the leader's write needs the others' shards
             self._gathering.wait()
             close_publish_groups()

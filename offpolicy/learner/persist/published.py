@@ -28,12 +28,14 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -195,37 +197,94 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict:
     """Write `tensors` in the safetensors format, hashing as it writes; return {"bytes", "sha256"}."""
+    entries = [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()]
+    return _write_streamed(path, entries, lambda e: tensors[e[0]])
+
+
+Entry = tuple[str, tuple[int, ...], torch.dtype]
+"""A tensor of a stream: (name, shape, dtype)."""
+
+
+@dataclass(frozen=True)
+class TensorStream:
+    """Tensors of a known layout (`entries`, in file order) arriving as dicts (`chunks`) in that order: the
+    N-rank gather's buckets (persist/background_gather.py) stream into the files as they arrive, so the
+    leader never holds a full set; `whole` wraps a snapshot held in memory."""
+
+    entries: list[Entry]
+    chunks: Iterable[dict[str, torch.Tensor]]
+
+    @classmethod
+    def whole(cls, tensors: dict[str, torch.Tensor]) -> TensorStream:
+        return cls([(k, tuple(t.shape), t.dtype) for k, t in tensors.items()], [tensors])
+
+
+def _nbytes(entry: Entry) -> int:
+    return math.prod(entry[1]) * entry[2].itemsize
+
+
+def _shards(entries: list[Entry], max_bytes: int) -> list[list[Entry]]:
+    shards: list[list[Entry]] = [[]]
+    size = 0
+    for entry in entries:
+        n = _nbytes(entry)
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += n
+    return shards
+
+
+def _safetensors_header(entries: list[Entry]) -> bytes:
     header: dict[str, Any] = {}
     offset = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
+    for name, shape, dtype in entries:
+        n = _nbytes((name, shape, dtype))
         header[name] = {
-            "dtype": _ST_DTYPES[t.dtype],
-            "shape": list(t.shape),
+            "dtype": _ST_DTYPES[dtype],
+            "shape": list(shape),
             "data_offsets": [offset, offset + n],
         }
         offset += n
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-aligned, as the reference writer does
+    return len(head).to_bytes(8, "little") + head
+
+
+def _write_streamed(path: Path, entries: list[Entry], take: Callable[[Entry], torch.Tensor]) -> dict:
+    """One safetensors file of `entries`, each tensor taken (`take`) in its turn; hashed as written."""
     out = _HashingFile(path)
-    out.write(len(head).to_bytes(8, "little"))
-    out.write(head)
-    for t in tensors.values():
-        out.write(_tensor_bytes(t))
+    out.write(_safetensors_header(entries))
+    for entry in entries:
+        out.write(_tensor_bytes(take(entry)))
     return out.close()
 
 
-def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        if shards[-1] and size + n > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += n
-    return shards
+class _Arrivals:
+    """Takes the tensors of a stream by name, reading its chunks as far as needed (in order)."""
+
+    def __init__(self, chunks: Iterable[dict[str, torch.Tensor]]) -> None:
+        self._chunks = iter(chunks)
+        self._held: dict[str, torch.Tensor] = {}
+
+    def take(self, entry: Entry) -> torch.Tensor:
+        name, shape, dtype = entry
+        while name not in self._held:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                raise RuntimeError(f"the weights stream ended before {name}")
+            self._held.update(chunk)
+        t = self._held.pop(name)
+        if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+            raise RuntimeError(f"{name}: streamed {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}")
+        return t
+
+    def drain(self) -> None:
+        """Read what is left (a failed write must not leave the producer blocked on a full queue)."""
+        self._held.clear()
+        for _ in self._chunks:
+            pass
 
 
 def _write_small(path: Path, data: bytes) -> dict[str, Any]:
@@ -247,7 +306,7 @@ class WeightsSnapshot:
     """Everything a version folder is written from, held in host memory."""
 
     version: int
-    tensors: dict[str, torch.Tensor]  # host tensors in the publish dtype
+    tensors: dict[str, torch.Tensor] | TensorStream  # host tensors in the publish dtype, or their stream
     config: PretrainedConfig
     tokenizer: PreTrainedTokenizerBase | None
     dtype: torch.dtype
@@ -259,23 +318,29 @@ def write_version(snap: WeightsSnapshot, weights_dir: str | Path, max_shard_byte
 
     An existing `v<version>/` (a resumed learner re-publishing a version) is replaced as a whole."""
     final = version_dir(weights_dir, snap.version)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".tmp-v{snap.version}-{uuid.uuid4().hex}"
-    tmp.mkdir()
-    files: dict[str, dict[str, Any]] = {}
-    # The record's checksum is combined from the files' own digests (combine_sha256): each byte hashed once.
-    shards = _shards(snap.tensors, max_shard_bytes)
-    names = (
-        ["model.safetensors"]
-        if len(shards) == 1
-        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    )
-    for name, shard in zip(names, shards, strict=True):  # names sort in write order
-        files[name] = write_safetensors(tmp / name, shard)
+    stream = snap.tensors if isinstance(snap.tensors, TensorStream) else TensorStream.whole(snap.tensors)
+    arrivals = _Arrivals(stream.chunks)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / f".tmp-v{snap.version}-{uuid.uuid4().hex}"
+        tmp.mkdir()
+        files: dict[str, dict[str, Any]] = {}
+        # The record's checksum is combined from the files' own digests (combine_sha256): each byte hashed
+        # once.
+        shards = _shards(stream.entries, max_shard_bytes)
+        names = (
+            ["model.safetensors"]
+            if len(shards) == 1
+            else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        )
+        for name, shard in zip(names, shards, strict=True):  # names sort in write order
+            files[name] = _write_streamed(tmp / name, shard, arrivals.take)
+    finally:
+        arrivals.drain()
     if len(shards) > 1:
         index = {
             "metadata": {"total_size": sum(f["bytes"] for f in files.values())},
-            "weight_map": {t: n for n, shard in zip(names, shards, strict=True) for t in shard},
+            "weight_map": {t[0]: n for n, shard in zip(names, shards, strict=True) for t in shard},
         }
         files["model.safetensors.index.json"] = _write_small(
             tmp / "model.safetensors.index.json", json.dumps(index, indent=1).encode()

@@ -172,6 +172,7 @@ def make_publisher(
         return Publisher(config, persist, transport, metrics)
     bucket = config.publish.gather_bucket_mb * 2**20
     gather = (model, dtype, bucket, ranks.is_leader) if ranks.distributed else None
+    persist.keep_gathered = gather is not None  # the leader sends each version from its host memory
     publisher = Publisher(config, persist, None, None, gather=gather)
     if control is None:
         return publisher

@@ -229,18 +229,18 @@ def test_node_and_gpu_counts_each_change_in_one_place(tmp_path):
     copy_sources(tmp_path)
     path = tmp_path / "k8s" / "overlays" / OVERLAY / "learner-jobset.yaml"
     text = path.read_text()
-    nodes_line = 'name: OFFPOLICY_NNODES\n                      value: "2"'
+    nodes_line = 'name: OFFPOLICY_NNODES\n                      value: "4"'
     head, limits, tail = text.partition("limits:")
-    assert nodes_line in head and 'nvidia.com/gpu: "2"' in tail
-    text = head.replace(nodes_line, nodes_line.replace('"2"', '"4"')) + limits
-    path.write_text(text + tail.replace('nvidia.com/gpu: "2"', 'nvidia.com/gpu: "8"', 1))
+    assert nodes_line in head and 'nvidia.com/gpu: "8"' in tail
+    text = head.replace(nodes_line, nodes_line.replace('"4"', '"6"')) + limits
+    path.write_text(text + tail.replace('nvidia.com/gpu: "8"', 'nvidia.com/gpu: "4"', 1))
     built = build_dir(tmp_path / "k8s" / "overlays" / OVERLAY)
     job = the_job(jobset(built))["spec"]
-    assert job["parallelism"] == job["completions"] == 4
-    env = pod_env(built, 3)
-    assert env["OFFPOLICY_NNODES"] == "4" and env["OFFPOLICY_NODE_RANK"] == "3"
-    assert env["OFFPOLICY_NPROC_PER_NODE"] == "8"
-    assert learner_container(jobset(built))["resources"]["requests"]["nvidia.com/gpu"] == "8"
+    assert job["parallelism"] == job["completions"] == 6
+    env = pod_env(built, 5)
+    assert env["OFFPOLICY_NNODES"] == "6" and env["OFFPOLICY_NODE_RANK"] == "5"
+    assert env["OFFPOLICY_NPROC_PER_NODE"] == "4"
+    assert learner_container(jobset(built))["resources"]["requests"]["nvidia.com/gpu"] == "4"
     validate_jobset(jobset(built))
 
 

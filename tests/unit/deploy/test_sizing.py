@@ -1,6 +1,7 @@
 """docs/deploy.md "Sizing": the table is what deploy/sizing.py computes, its per-group bytes are what the
-buffer's codec writes, and the shipped manifests' defaults (volumes, Redis maxmemory and limit, learner
-GPUs and pod memory) are the 7B row."""
+buffer's codec writes, and the shipped manifests' sizes (volumes, Redis maxmemory and limit, learner and
+actor GPUs, learner pod memory) are its rows: the one-pod overlays the 7B row, the multi-node JobSet the
+70B row."""
 
 from __future__ import annotations
 
@@ -74,16 +75,41 @@ def test_the_shipped_manifests_are_the_7b_row():
     learner = by_name(docs, "Deployment")["learner"]["spec"]["template"]["spec"]["containers"][0]
     assert learner["resources"]["limits"]["nvidia.com/gpu"] == str(row.learner_gpus)
     assert learner["resources"]["limits"]["memory"] == f"{row.learner_pod_gib}Gi"
-    # the multi-node learner: each node's pod sized the same way for its GPUs
-    (jobset,) = (d for d in kustomize("multinode") if d["kind"] == "JobSet")
-    (rjob,) = jobset["spec"]["replicatedJobs"]
-    (node,) = rjob["template"]["spec"]["template"]["spec"]["containers"]
-    assert node["resources"]["limits"]["nvidia.com/gpu"] == str(row.learner_gpus)
-    assert node["resources"]["limits"]["memory"] == f"{row.learner_pod_gib}Gi"
     # compose: the Redis default of .env.example and of the compose file
     assert read_env_file(ROOT / ".env.example")["REDIS_MAXMEMORY"] == f"{row.redis_maxmemory_mib}mb"
     redis_env = load_compose(ROOT / "docker-compose.yml")["services"]["redis"]["environment"]
     assert redis_env["REDIS_MAXMEMORY"].endswith(f":-{row.redis_maxmemory_mib}mb}}")
+
+
+def test_the_multinode_jobset_is_the_70b_row():
+    """4 nodes x 8 GPUs, each node's pod limit holding node 0's host plan (the leader's: the gather streamed
+    into the files, DCP's pinned stager), the volumes, Redis and the actors' tensor parallelism of 70B."""
+    row = size(SIZING["70B"], CONFIG)
+    docs = kustomize("multinode")
+    (jobset,) = (d for d in docs if d["kind"] == "JobSet")
+    (rjob,) = jobset["spec"]["replicatedJobs"]
+    (node,) = rjob["template"]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in node["env"]}
+    per_node = min(row.learner_gpus, 8)
+    assert int(env["OFFPOLICY_NNODES"]) * per_node == row.learner_gpus
+    assert rjob["template"]["spec"]["parallelism"] == int(env["OFFPOLICY_NNODES"])
+    assert node["resources"]["limits"]["nvidia.com/gpu"] == str(per_node) == env["OFFPOLICY_NPROC_PER_NODE"]
+    assert node["resources"]["limits"]["memory"] == f"{row.learner_pod_gib}Gi"
+    assert row.host_gib_node + 16 <= row.learner_pod_gib  # the plan and /dev/shm fit the limit
+    claims = by_name(docs, "PersistentVolumeClaim")
+    assert claims["weights"]["spec"]["resources"]["requests"]["storage"] == f"{row.weights_gib}Gi"
+    assert claims["checkpoints"]["spec"]["resources"]["requests"]["storage"] == f"{row.checkpoints_gib}Gi"
+    sets = by_name(docs, "StatefulSet")
+    (redis,) = sets["redis"]["spec"]["template"]["spec"]["containers"]
+    assert {e["name"]: e.get("value") for e in redis["env"]}[
+        "REDIS_MAXMEMORY"
+    ] == f"{row.redis_maxmemory_mib}mb"
+    assert redis["resources"]["limits"]["memory"] == f"{row.redis_limit_gib}Gi"
+    (actor,) = sets["actor"]["spec"]["template"]["spec"]["containers"]
+    actor_env = {e["name"]: e.get("value") for e in actor["env"]}
+    assert actor["resources"]["limits"]["nvidia.com/gpu"] == str(row.actor_gpus)
+    assert actor_env["OFFPOLICY_ENGINE__TENSOR_PARALLEL_SIZE"] == str(row.actor_gpus)
+    assert actor_env["OFFPOLICY_MODEL_PATH"] == env["OFFPOLICY_MODEL_PATH"]
 
 
 def test_a_change_of_the_retention_changes_the_volumes():

@@ -6,10 +6,14 @@ from __future__ import annotations
 import pytest
 
 from offpolicy.learner.config import LearnerConfig
+from offpolicy.learner.config.publish import STREAM_DEPTH
 from offpolicy.learner.errors import MemoryPlanError
 from offpolicy.learner.host_plan import GIB, PROCESS_BYTES, check, host_plan, node_bytes
 
 P = 7_000_000_000
+BUCKET = 256 * 2**20  # publish.gather_bucket_mb's default
+STREAMED = (STREAM_DEPTH + 2) * BUCKET  # the leader's part of a gather streamed into the files
+VLLM = {"publish": {"transport": "vllm"}}  # a broadcast backend: the leader sends from its host memory
 
 
 def cfg(**kw) -> LearnerConfig:
@@ -20,18 +24,27 @@ def test_each_part_of_a_rank_by_hand():
     leader = host_plan(cfg(), P, 8, distributed=True, leader=True)
     assert leader.startup == 4 * P // 8  # lean start: the rank's fp32 shards
     assert leader.checkpoint_stager == 12 * P // 8  # DCP's pinned stager: masters + two moments
-    assert leader.publish_snapshot == 2 * P // 8 and leader.published_sets == 2 * 2 * P
+    # the files transport: each rank's shards twice (one gathering, the newest waiting), the leader streams
+    assert leader.publish_snapshot == 2 * 2 * P // 8 and leader.published_sets == STREAMED
     assert leader.cpu_offload == 0 and leader.reference == 0
     assert leader.total == PROCESS_BYTES + leader.steady
     other = host_plan(cfg(), P, 8, distributed=True, leader=False)
-    assert other.published_sets == 0 and other.total == PROCESS_BYTES + (12 + 2) * P // 8
+    assert other.published_sets == 0 and other.total == PROCESS_BYTES + (12 + 4) * P // 8
+    # a broadcast transport: the leader keeps two full sets, each rank one snapshot
+    sends = host_plan(cfg(**VLLM), P, 8, distributed=True, leader=True)
+    assert sends.publish_snapshot == 2 * P // 8 and sends.published_sets == 2 * 2 * P
+    m2n = host_plan(cfg(publish={"transport": "vllm", "transfer": {"backend": "nccl_m2n"}}), P, 8, True, True)
+    assert m2n.published_sets == STREAMED  # every rank sends its own shards: nothing kept
+    one = host_plan(cfg(), P, 1, distributed=False, leader=True)
+    assert one.published_sets == 2 * 2 * P and one.publish_snapshot == 0
 
 
 def test_the_leaders_node_holds_the_published_sets_and_the_knobs_lower_it():
-    both = node_bytes(cfg(), P, 8, 4, leader_node=True)
-    other = node_bytes(cfg(), P, 8, 4, leader_node=False)
+    both = node_bytes(cfg(**VLLM), P, 8, 4, leader_node=True)
+    other = node_bytes(cfg(**VLLM), P, 8, 4, leader_node=False)
     assert both - other == 2 * 2 * P
-    no_stager = cfg(checkpoint={"async_staging": False})
+    assert node_bytes(cfg(), P, 8, 4, True) - node_bytes(cfg(), P, 8, 4, False) == STREAMED
+    no_stager = cfg(checkpoint={"async_staging": False}, **VLLM)
     # without the stager a follower's peak is its start-up read (4 B x P / 8 > its 2 B x P / 8 snapshot)
     leader = PROCESS_BYTES + 2 * P // 8 + 2 * 2 * P
     assert node_bytes(no_stager, P, 8, 4, True) == leader + 3 * (PROCESS_BYTES + 4 * P // 8) < both

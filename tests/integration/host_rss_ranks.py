@@ -1,0 +1,39 @@
+"""Run by torchrun from tests/gpu/test_cluster_cuda.py: the learner on this rank trains `STEPS` steps,
+publishing and checkpointing (DCP's pinned stager) every step, then rank 0 writes its peak resident set
+(`ru_maxrss`) and the host memory plan the learner computed for it at start (learner/host_plan.py).
+Arguments: CONFIG STEPS OUT."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+
+from offpolicy.learner.config import load_config
+from offpolicy.learner.distributed import current, init_from_env
+from offpolicy.learner.trainer import Learner
+
+
+def main(config_path: str, steps: str, out: str) -> None:
+    config = load_config(config_path, {})
+    init_from_env("cuda" if (config.device or "").startswith("cuda") else "cpu")
+    learner = Learner(config)
+    try:
+        if not current().is_leader:
+            learner.follow()
+            return
+        for _ in range(int(steps)):
+            learner.step()
+        learner.persist.flush()  # the last publish and checkpoint written: every part has existed
+        result = {
+            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB on Linux
+            "plan_gib": learner.host_plan,
+        }
+        with open(out, "w") as fh:
+            json.dump(result, fh)
+    finally:
+        learner.close()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
