@@ -247,6 +247,11 @@ def main() -> None:
         help="no_grad_micro_batch_tokens: pi_old's budget (default: micro_batch_tokens)",
     )
     ap.add_argument(
+        "--compile-layers",
+        action="store_true",
+        help="compile_layers: torch.compile each decoder layer (default: off, the learner's)",
+    )
+    ap.add_argument(
         "--model-dir",
         default=None,
         help="longtail-*: where the random model is written, and reused when it is there",

@@ -245,7 +245,8 @@ def lever_settings(args: argparse.Namespace) -> dict:
     ckpt = {"on": True, "off": False, "auto": "auto", None: None}[args.gradient_checkpointing]
     out = {"attn_implementation": args.attention, "logprob_head": args.logprob_head,
            "gradient_checkpointing": ckpt, "micro_batch_tokens": budget(args.micro_batch_tokens),
-           "no_grad_micro_batch_tokens": budget(args.no_grad_micro_batch_tokens)}  # fmt: skip
+           "no_grad_micro_batch_tokens": budget(args.no_grad_micro_batch_tokens),
+           "compile_layers": True if getattr(args, "compile_layers", False) else None}  # fmt: skip
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -304,5 +305,10 @@ def run_shape(args: argparse.Namespace) -> dict:
         "plan_gib": plan.total / GIB,
         "plan": plan.as_dict(),
         "attention": attention,
-        "settings": {**settings.as_dict(), "logprob_head": cfg.logprob_head, "packing": cfg.packing},
+        "settings": {
+            **settings.as_dict(),
+            "logprob_head": cfg.logprob_head,
+            "packing": cfg.packing,
+            "compile_layers": cfg.compile_layers,
+        },
     }

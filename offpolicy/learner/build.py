@@ -43,6 +43,7 @@ from offpolicy.learner.memory_plan import (
     settings_for,
 )
 from offpolicy.learner.model import attention
+from offpolicy.learner.model.compile import compile_layers
 from offpolicy.learner.model.critic import ValueModel
 from offpolicy.learner.model.load import load_model, unique_state
 from offpolicy.learner.model.policy import LogProbs
@@ -95,6 +96,8 @@ def build_trainables(
         )
         publish_keys = set(unique_state(model))
     policy = LogProbs(model, config.logprob_head)  # what the loop calls for log-probs
+    if config.compile_layers:
+        compile_layers(decoder_layers(model, model.config.num_hidden_layers))
     if sharded:
         shard(policy, model.config.num_hidden_layers, precision, offload, mesh)
     way = ("whole, sharded" if sharded else "whole") if not lean else ""
@@ -127,6 +130,8 @@ def build_trainables(
             attn_implementation=attn,
             backbone=backbone,
         )
+        if config.compile_layers:
+            compile_layers(decoder_layers(critic.backbone, critic.backbone.config.num_hidden_layers))
         if sharded:
             shard(critic, critic.backbone.config.num_hidden_layers, precision, offload, mesh)
         if lean:

@@ -156,6 +156,11 @@ class LearnerConfig(ConfigModel):
     PyTorch's SDPA causally on each packed sequence (no mask, no compute across sequences); both compute
     sliding windows and refuse attention soft-capping by name. `sdpa`, `eager` and `flex_attention` run on
     the block-diagonal causal mask transformers builds for packed rows."""
+    compile_layers: bool = Field(False, json_schema_extra=FROZEN)
+    """`torch.compile` each decoder layer's forward (dynamic shapes: packed micro-batches of any length
+    reuse one graph; FSDP2's hooks and activation checkpointing stay outside it; learner/model/compile.py).
+    Off by default: the first steps pay the compilation; measure it with `benchmarks/learner.py
+    --compile-layers` on your GPU."""
     memory_limit_gib: float | None = Field(None, gt=0.0, json_schema_extra=FROZEN)
     """The memory one rank may plan for, GiB (learner/memory_plan.py: the learner refuses to start with a plan
     above it, naming the knobs). None = 90 % of the CUDA device's memory; no check on CPU."""
