@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST_ARGS ?=
 
-.PHONY: install system-deps test test-unit test-gpu lint format quickstart bench clean
+.PHONY: install system-deps test test-unit test-gpu lint format quickstart bench images clean
 
 install: $(STAMP)
 
@@ -66,6 +66,18 @@ quickstart: install
 
 bench: install
 	$(VENV)/bin/offpolicy bench
+
+# Both GPU images, built and pushed to REGISTRY (docs/deploy.md "Images"): REGISTRY/offpolicy/{learner,actor}:VERSION,
+# the names an overlay's `images:` (newName) and compose's OFFPOLICY_IMAGE_PREFIX take.
+REGISTRY ?=
+VERSION  ?= 0.1.0
+IMAGE_PREFIX = $(if $(REGISTRY),$(REGISTRY)/,)offpolicy
+images:
+	@test -n "$(REGISTRY)" || { echo "make images REGISTRY=<registry/namespace> [VERSION=$(VERSION)]"; exit 2; }
+	docker build -f deploy/docker/learner.Dockerfile --target gpu -t $(IMAGE_PREFIX)/learner:$(VERSION) .
+	docker build -f deploy/docker/actor.Dockerfile --target gpu -t $(IMAGE_PREFIX)/actor:$(VERSION) .
+	docker push $(IMAGE_PREFIX)/learner:$(VERSION)
+	docker push $(IMAGE_PREFIX)/actor:$(VERSION)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -25,7 +25,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
     OFFPOLICY_HOST=0.0.0.0 OFFPOLICY_PORT=8000 HF_HOME=/var/lib/offpolicy/hf-cache
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu \
-      "torch==${TORCH_CPU_VERSION}+cpu" /wheels/offpolicy-*.whl "tensorboard>=2.14,<3" \
+      "torch==${TORCH_CPU_VERSION}+cpu" /wheels/offpolicy-*.whl "tensorboard>=2.14,<3" "wandb>=0.20,<1" \
  && useradd --uid 10001 --user-group --no-create-home --home-dir /var/lib/offpolicy offpolicy \
  && mkdir -p /var/lib/offpolicy/weights /var/lib/offpolicy/checkpoints /var/lib/offpolicy/logs /var/lib/offpolicy/hf-cache /var/lib/offpolicy/models \
       /var/lib/offpolicy/tiny-model \
@@ -55,7 +55,7 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 # hadolint ignore=DL3013
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
-    python3 -m pip install --no-cache-dir /wheels/offpolicy-*.whl "tensorboard>=2.14,<3" \
+    python3 -m pip install --no-cache-dir /wheels/offpolicy-*.whl "tensorboard>=2.14,<3" "wandb>=0.20,<1" \
  && if [ -n "${NCCL_M2N_SPEC}" ]; then python3 -m pip install --no-cache-dir "${NCCL_M2N_SPEC}"; fi \
  && useradd --uid 10001 --user-group --no-create-home --home-dir /var/lib/offpolicy offpolicy \
  && mkdir -p /var/lib/offpolicy/weights /var/lib/offpolicy/checkpoints /var/lib/offpolicy/logs /var/lib/offpolicy/hf-cache /var/lib/offpolicy/models \

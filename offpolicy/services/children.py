@@ -82,8 +82,10 @@ def start_service(
     *,
     port: int | None = None,
     env: dict[str, str] | None = None,
+    args: list[str] | None = None,
 ) -> ServiceProcess:
-    """Start `offpolicy <kind> --config <config_path>` on `port` (a free one when None) as a child."""
+    """Start `offpolicy <kind> --config <config_path> [args]` on `port` (a free one when None) as a child,
+    with `env` over this process's environment (e.g. its CUDA_VISIBLE_DEVICES)."""
     port = port or free_port()
     child_env = {**os.environ, **(env or {})}
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), child_env.get("PYTHONPATH")]))
@@ -99,6 +101,7 @@ def start_service(
         str(config_path),
         "--port",
         str(port),
+        *(args or []),
     ]
     proc = subprocess.Popen(
         cmd,

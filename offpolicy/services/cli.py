@@ -127,6 +127,13 @@ def _data_preview(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gpu_list(text: str) -> str:
+    """`--gpus 0,1`: comma-separated GPU indices."""
+    if not all(part.isdigit() for part in text.split(",")):
+        raise argparse.ArgumentTypeError(f"{text!r}: GPU indices separated by commas, e.g. 0,1")
+    return text
+
+
 def _quickstart(args: argparse.Namespace) -> int:
     from offpolicy.services.quickstart import QuickstartOptions, run_quickstart
 
@@ -140,6 +147,8 @@ def _quickstart(args: argparse.Namespace) -> int:
         environment=args.environment,
         reward=args.reward,
         transport=args.transport,
+        preset=args.preset,
+        gpus=None if args.gpus is None else tuple(int(g) for g in args.gpus.split(",")),
     )
     return run_quickstart(options)
 
@@ -217,6 +226,16 @@ def build_parser() -> argparse.ArgumentParser:
         default="files",
         help="weights to the actor as file generations (default) or over vLLM's weight-transfer engine "
         "(gloo: the CPU stand-in for nccl, gloo_m2n for nccl_m2n; files every 10 versions)",
+    )
+    quick.add_argument(
+        "--preset", choices=["plain", "verl", "trl"], help="the layout of --dataset (e.g. verl's parquet)"
+    )
+    quick.add_argument(
+        "--gpus",
+        type=_gpu_list,
+        metavar="IDS",
+        help="GPUs by index, e.g. 0,1: the learner on the first half, the actor on the rest (vLLM on GPU, "
+        "bfloat16), no Docker; default: the CPU engine",
     )
     quick.add_argument("--redis-url", help="use this Redis instead of starting the embedded one")
     quick.add_argument("--max-steps", type=int, default=60, help="stop after this many learner steps")

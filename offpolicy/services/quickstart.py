@@ -61,6 +61,11 @@ class QuickstartOptions:
     reward: str | None = None
     """The reward that scores `dataset` (a built-in or `pkg.mod.fn`); required with `dataset`, refused
     without it (the toy task has its own)."""
+    preset: str | None = None
+    """The layout of `dataset` (`plain`, `verl`, `trl`: `DatasetConfig.preset`); None = the default keys."""
+    gpus: tuple[int, ...] | None = None
+    """GPUs by index (`--gpus 0,1`): the learner on the first half, the actor on the rest (each child's
+    CUDA_VISIBLE_DEVICES), with GPU engine settings; None = vLLM on CPU."""
 
     def refusal(self) -> str | None:
         """Why these options cannot run as asked (a flag the quickstart would otherwise ignore), or None."""
@@ -73,7 +78,29 @@ class QuickstartOptions:
             return "--reward scores --dataset: the toy task has its own reward; pass --dataset too"
         if self.environment is not None and self.reward is not None:
             return "--reward is not used with --environment: the environment scores its episodes"
+        if self.preset is not None and self.dataset is None:
+            return "--preset names the layout of --dataset: pass --dataset too"
+        if self.gpus is not None and (len(self.gpus) < 2 or len(set(self.gpus)) != len(self.gpus)):
+            return "--gpus needs two or more distinct GPUs: the learner and the actor never share one"
         return None
+
+    def gpu_split(self) -> tuple[list[int], list[int]] | None:
+        """The learner's GPUs (the first half, rounded up) and the actor's (the rest); None on CPU."""
+        if self.gpus is None:
+            return None
+        half = (len(self.gpus) + 1) // 2
+        return list(self.gpus[:half]), list(self.gpus[half:])
+
+    def child_env(self) -> tuple[dict[str, str], dict[str, str]]:
+        """The learner's and the actor's extra environment: their CUDA_VISIBLE_DEVICES (none on CPU)."""
+        split = self.gpu_split()
+        if split is None:
+            return {}, {}
+        learner, actor = split
+        return (
+            {"CUDA_VISIBLE_DEVICES": ",".join(map(str, learner))},
+            {"CUDA_VISIBLE_DEVICES": ",".join(map(str, actor))},
+        )
 
 
 TOY_BUFFER = {
@@ -110,7 +137,7 @@ def _transfer(transport: str) -> dict[str, Any]:
 
 
 def learner_config(
-    run_dir: Path, model: str, redis_url: str, run_id: str, transport: str = "files"
+    run_dir: Path, model: str, redis_url: str, run_id: str, transport: str = "files", lr: float = 3e-3
 ) -> dict[str, Any]:
     """The learner's config for the toy task: small batches, a high learning rate, staleness bound 2;
     `transport` `gloo` / `gloo_m2n`: every version sent over vLLM's weight-transfer engine (that backend),
@@ -130,7 +157,7 @@ def learner_config(
             "groups_per_step": 4,
             "micro_batch_size": 16,
             "adv_estimator": "grpo",
-            "optimizer": {"lr": 3e-3},
+            "optimizer": {"lr": lr},
             "rollout_correction": "decoupled_token_is",
             "buffer": TOY_BUFFER,
             "sample_timeout_s": 5.0,
@@ -164,24 +191,41 @@ def actor_config(
     reward: str | None = None,
     max_model_len: int | None = None,
     transport: str = "files",
+    preset: str | None = None,
+    gpus: int | None = None,
 ) -> dict[str, Any]:
     """The actor's config for the toy task: vLLM on CPU (float32, eager, 1 GiB KV cache), 4 completions
     of up to 32 tokens per prompt at temperature 0.7, reward = share of the target character (or
     `reward`, for a user's dataset). `max_model_len`: a user's model's (None = the tiny model's 512).
     With an `environment`, 4 episodes per prompt of up to 80 tokens (the policy's turns and the
-    environment's). With `eval_dataset`, the held-out prompts are evaluated every 3 versions (inline)."""
-    from offpolicy.actors.config import ActorConfig, EngineConfig, RewardConfig
+    environment's). With `eval_dataset`, the held-out prompts are evaluated every 3 versions (inline).
+    A user's dataset (`reward` given) is read with `preset`'s keys and the model's chat template when it
+    has one. `gpus`: vLLM on that many GPUs (bfloat16, CUDA graphs, tensor parallel over them) instead of
+    the CPU engine."""
+    from offpolicy.actors.config import ActorConfig, DatasetConfig, EngineConfig, RewardConfig
 
     extra: dict[str, Any] = {}
     if reward is not None:
         extra["reward"] = RewardConfig(name=reward)
-    if max_model_len is not None:
+    if gpus is not None:
+        extra["engine"] = EngineConfig(
+            dtype="bfloat16",
+            max_model_len=max_model_len or 4096,
+            tensor_parallel_size=gpus,
+            gpu_memory_utilization=0.85,
+        )
+    elif max_model_len is not None:
         extra["engine"] = EngineConfig.cpu_tiny(max_model_len=max_model_len)
     if transport in TRANSPORTS:  # receives every version in place (reload.mode inflight, the default)
         extra["reload"] = {"transport": "vllm", "transfer": _transfer(transport)}
     config = ActorConfig.cpu_tiny(
         model, str(dataset), redis_url=redis_url, run_id=run_id, buffer=TOY_BUFFER, **extra
     )
+    if (
+        reward is not None
+    ):  # a user's dataset: its layout's keys, the tokenizer's chat template when it has one
+        users = DatasetConfig(path=str(dataset), preset=preset)
+        config = ActorConfig.model_validate(config.model_dump() | {"dataset": users.model_dump()})
     if eval_dataset is not None:  # inline evaluation: 16 held-out prompts x 4 samples every 3 versions
         held_out = {"path": str(eval_dataset)}
         ev = {"dataset": held_out, "every_versions": 3, "samples_per_prompt": 4, "pass_threshold": 0.5}
@@ -204,7 +248,7 @@ def run_quickstart(options: QuickstartOptions) -> int:
         print(f"[quickstart] {refusal}", file=sys.stderr)
         return 2
     try:
-        max_model_len = None if options.model is None else _model_len(options.model)
+        max_model_len = None if options.model is None else _model_len(options.model, options.gpus is not None)
     except (OSError, ValueError) as exc:  # not a model folder, an unknown hub id
         print(f"[quickstart] --model {options.model}: {exc}", file=sys.stderr)
         return 2
@@ -230,6 +274,7 @@ def run_quickstart(options: QuickstartOptions) -> int:
             reward=options.reward,
             max_model_len=max_model_len,
             transport=options.transport,
+            options=options,
         )
         tracker = _follow(run_dir, learner, actor, options)
         for line in summary_lines(tracker, run_dir):
@@ -275,13 +320,21 @@ QUICKSTART_MAX_MODEL_LEN = 2048
 """The longest context the quickstart gives a user's model on CPU (its KV cache is 1 GiB)."""
 
 
-def _model_len(model: str) -> int:
+GPU_MAX_MODEL_LEN = 4096
+"""The longest context the quickstart gives a user's model with `--gpus`."""
+
+
+def _model_len(model: str, gpu: bool = False) -> int:
     """A user's model's context for the quickstart: its `max_position_embeddings`, at most
-    `QUICKSTART_MAX_MODEL_LEN`; printed with the rest of the engine settings the quickstart uses."""
+    `QUICKSTART_MAX_MODEL_LEN` (`GPU_MAX_MODEL_LEN` with `--gpus`); printed with the engine settings."""
     from transformers import AutoConfig
 
     positions = getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None)
-    length = min(positions or QUICKSTART_MAX_MODEL_LEN, QUICKSTART_MAX_MODEL_LEN)
+    cap = GPU_MAX_MODEL_LEN if gpu else QUICKSTART_MAX_MODEL_LEN
+    length = min(positions or cap, cap)
+    if gpu:
+        print(f"[quickstart] engine for {model}: vLLM on GPU, bfloat16, max_model_len {length}")
+        return length
     print(
         f"[quickstart] engine for {model}: vLLM on CPU, float32, eager, max_model_len {length}, "
         "1 GiB KV cache; 4 completions of up to 32 tokens per prompt (docs/quickstart.md)"
@@ -318,9 +371,14 @@ def _start_services(
     reward: str | None = None,
     max_model_len: int | None = None,
     transport: str = "files",
+    options: QuickstartOptions | None = None,
 ) -> tuple[ServiceProcess, ServiceProcess]:
+    options = options or QuickstartOptions()
+    split = options.gpu_split()
+    learner_env, actor_env = options.child_env()
+    lr = 3e-3 if options.model is None else 1e-6  # the toy model's, or a real model's fine-tuning rate
     learner_yaml = run_dir / "learner.yaml"
-    learner_yaml.write_text(yaml.safe_dump(learner_config(run_dir, model, redis_url, run_id, transport)))
+    learner_yaml.write_text(yaml.safe_dump(learner_config(run_dir, model, redis_url, run_id, transport, lr)))
     actor_yaml = run_dir / "actor.yaml"
     held_out = _write_held_out(run_dir, environment) if eval_dataset else None
     actor_yaml.write_text(
@@ -335,12 +393,15 @@ def _start_services(
                 reward=reward,
                 max_model_len=max_model_len,
                 transport=transport,
+                preset=options.preset,
+                gpus=None if split is None else len(split[1]),
             )
         )
     )
-    learner = start_service("learner", learner_yaml, run_dir / "learner.log")
+    ranks = [] if split is None or len(split[0]) == 1 else ["--nproc-per-node", str(len(split[0]))]
+    learner = start_service("learner", learner_yaml, run_dir / "learner.log", env=learner_env, args=ranks)
     stoppable.append(learner)
-    actor = start_service("actor", actor_yaml, run_dir / "actor.log")
+    actor = start_service("actor", actor_yaml, run_dir / "actor.log", env=actor_env)
     stoppable.append(actor)
     print(f"[quickstart] learner service {learner.url} (log {learner.log_path.name})")
     print(f"[quickstart] actor service   {actor.url} (log {actor.log_path.name}); vLLM starts in ~1 min")

@@ -18,8 +18,8 @@ DESCRIPTION = """An offpolicy actor: vLLM generation into the replay buffer, rel
 Serves liveness, readiness (Redis reachable, engine loaded, loop running), Prometheus metrics and its
 status. With `gateway.enabled` it also serves the OpenAI-compatible gateway for agents written elsewhere:
 `POST /v1/episodes` opens an episode, `POST /v1/chat/completions` with `X-Episode-Id` records each call,
-`POST /v1/episodes/{episode_id}/finish` closes it (docs/agents.md); these need the bearer token when one is
-configured (the `openai` client's `api_key`).
+`POST /v1/episodes/{episode_id}/finish` closes it (docs/agents.md); these need the gateway's bearer token
+(`OFFPOLICY_GATEWAY_TOKEN`, the `openai` client's `api_key`) when one is configured, else the API token.
 """
 
 

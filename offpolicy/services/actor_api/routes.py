@@ -18,7 +18,7 @@ from offpolicy.services.actor_api.schemas import (
     FinishEpisode,
     OpenEpisode,
 )
-from offpolicy.services.common.auth import Authorized
+from offpolicy.services.common.auth import GatewayAuthorized
 from offpolicy.services.common.errors import InvalidConfig, error_responses
 
 EPISODE_ID = Path(min_length=1, max_length=64, pattern=r"^[0-9a-f]+$")
@@ -40,7 +40,7 @@ def status(runtime: Runtime) -> ActorStatus:
 @router.post(
     "/episodes",
     response_model=EpisodeOpened,
-    dependencies=[Authorized],
+    dependencies=[GatewayAuthorized],
     tags=["gateway"],
     summary="Open an episode (its chat calls carry X-Episode-Id)",
     responses=error_responses(401, 404, 409, 422, 429, 503),
@@ -56,7 +56,7 @@ async def open_episode(body: OpenEpisode, runtime: Runtime) -> EpisodeOpened:
 @router.post(
     "/episodes/{episode_id}/finish",
     response_model=EpisodeFinished,
-    dependencies=[Authorized],
+    dependencies=[GatewayAuthorized],
     tags=["gateway"],
     summary="Close an episode with its reward (none: the reward function scores it)",
     responses=error_responses(401, 404, 422, 503),
@@ -74,7 +74,7 @@ async def finish_episode(
 
 @router.post(
     "/chat/completions",
-    dependencies=[Authorized],
+    dependencies=[GatewayAuthorized],
     tags=["gateway"],
     summary="An OpenAI chat completion; recorded within the episode named by X-Episode-Id",
     responses=error_responses(401, 404, 409, 422, 503),

@@ -44,7 +44,8 @@ def create_service_app(
 ) -> FastAPI:
     """A FastAPI app with `/healthz`, `/readyz` (running `readiness_checks`), `/metrics` on `registry`,
     the error envelope, the body size limit, and `settings`, `registry`, `readiness_checks`, `redactor`
-    (the secrets no response or log line may show: the API token plus those of `redactor`) on `app.state`;
+    (the secrets no response or log line may show: the API and gateway tokens plus those of `redactor`)
+    on `app.state`;
     `liveness` (None: `/healthz` always 200) and `fatal_exit` (None: nothing to exit for) are set by
     `create_runtime_app`."""
     from importlib.metadata import PackageNotFoundError, version
@@ -60,8 +61,9 @@ def create_service_app(
     app.state.liveness = None
     app.state.fatal_exit = None
     app.state.redactor = redactor or Redactor()
-    if settings.api_token is not None:
-        app.state.redactor.add(settings.api_token.get_secret_value())
+    for token in (settings.api_token, getattr(settings, "gateway_token", None)):
+        if token is not None:
+            app.state.redactor.add(token.get_secret_value())
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.include_router(health.router)

@@ -70,3 +70,7 @@ class ActorServiceSettings(ServiceSettings):
 
     port: int = Field(default=8001, ge=0, le=65535)
     """TCP port of the actor's health, metrics and status routes."""
+
+    gateway_token: SecretStr | None = Field(None, min_length=1, max_length=MAX_STR)
+    """Bearer token of the gateway's routes (`OFFPOLICY_GATEWAY_TOKEN`: the agents' `api_key`), apart from
+    the learner's admin token so that an agent cannot change the learner; None = `api_token` guards them."""

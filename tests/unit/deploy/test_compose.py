@@ -27,12 +27,12 @@ from deploy.checks import (
 BASE = ROOT / "docker-compose.yml"
 CPU = ROOT / "docker-compose.cpu.yml"
 GPU8 = ROOT / "docker-compose.8gpu.yml"
-SECRETS = ("OFFPOLICY_API_TOKEN", "REDIS_PASSWORD", "GRAFANA_ADMIN_PASSWORD")
+SECRETS = ("OFFPOLICY_API_TOKEN", "OFFPOLICY_GATEWAY_TOKEN", "REDIS_PASSWORD", "GRAFANA_ADMIN_PASSWORD")
 USER_FOLDERS = ("./data", "./models", "./code")  # the user's dataset, model and code folders (not in git)
 
 
 def env() -> dict[str, str]:
-    """.env.example with the three secrets filled, as a user's .env would be."""
+    """.env.example with the four secrets filled, as a user's .env would be."""
     values = read_env_file(ROOT / ".env.example")
     return values | {name: f"test-{name.lower()}" for name in SECRETS}
 
@@ -235,9 +235,21 @@ def test_extending_the_actor_without_override_would_add_its_gpu_to_the_base_one(
         assert_one_rank_per_gpu_and_no_gpu_shared(services)
 
 
-def test_actor_one_replica_explicit_index_one_shard_no_host_port():
+def test_actor_one_replica_explicit_index_one_shard_its_gateway_port_on_localhost():
     actor = base()["services"]["actor"]
-    assert "container_name" not in actor and "ports" not in actor
+    assert "container_name" not in actor
+    # the gateway for agents: 8001 (OFFPOLICY_PORT) on localhost unless ACTOR_BIND says otherwise, with its
+    # own token, not the admin one
+    assert actor["ports"] == ["127.0.0.1:8001:8001"] and actor["environment"]["OFFPOLICY_PORT"] == "8001"
+    token = actor["environment"]["OFFPOLICY_GATEWAY_TOKEN"]
+    assert token == "test-offpolicy_gateway_token" != actor["environment"]["OFFPOLICY_API_TOKEN"]
+    # the 8-GPU override's further actors publish no host port (one port, one service)
+    for name, service in merged_8gpu()["services"].items():
+        if name.startswith("actor-gpu"):
+            assert "ports" not in service, name
+    # W&B reaches the learner (empty: none) and never the actors
+    assert base()["services"]["learner"]["environment"]["WANDB_API_KEY"] == ""
+    assert "WANDB_API_KEY" not in actor["environment"]
     assert actor["deploy"]["replicas"] == 1  # replicas would share the index: more actors = more services
     # one shard for every actor; the entry point turns the explicit index into seeds (test_deploy_images.py)
     assert actor["environment"]["OFFPOLICY_REPLICA_INDEX"] == "0"

@@ -28,7 +28,7 @@ from offpolicy.learner.config import LearnerConfig
 from offpolicy.learner.config import load_config as load_learner_config
 
 LOADERS = {"learner": load_learner_config, "actor": load_actor_config}
-SECRETS = ("OFFPOLICY_API_TOKEN", "REDIS_PASSWORD", "GRAFANA_ADMIN_PASSWORD")
+SECRETS = ("OFFPOLICY_API_TOKEN", "OFFPOLICY_GATEWAY_TOKEN", "REDIS_PASSWORD", "GRAFANA_ADMIN_PASSWORD")
 
 
 def test_the_config_files_load_with_the_real_loaders():

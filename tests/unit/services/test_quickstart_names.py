@@ -120,3 +120,44 @@ def test_the_quickstart_gloo_variant_sends_versions_over_the_transfer_engine(tmp
     assert actor.reload.transport == "vllm" and actor.reload.transfer.backend == "gloo"
     files = LearnerConfig.model_validate(learner_config(tmp_path, "/m", "redis://h:1/0", "r"))
     assert files.publish.transport == "files"
+
+
+def test_the_quickstart_runs_a_users_model_on_their_gpus(tmp_path, monkeypatch):
+    """--gpus 0,1: the learner's child sees GPU 0, the actor's GPU 1, with GPU engine settings; --dataset
+    with --preset verl keeps the model's chat template (no `chat_template: false`)."""
+    import yaml
+
+    from offpolicy.services import quickstart
+
+    options = QuickstartOptions(
+        model="/m",
+        dataset=tmp_path / "t.parquet",
+        reward="gsm8k_reward.compute_score",
+        preset="verl",
+        gpus=(0, 1),
+    )
+    assert options.refusal() is None
+    assert options.child_env() == ({"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"})
+    assert QuickstartOptions(gpus=(0, 1, 2, 3)).gpu_split() == ([0, 1], [2, 3])
+    assert QuickstartOptions(gpus=(0,)).refusal() is not None
+    assert QuickstartOptions(preset="verl").refusal() is not None
+    started = {}
+
+    def fake_start(kind, config_path, log_path, *, port=None, env=None, args=None):
+        started[kind] = (yaml.safe_load(config_path.read_text()), env, args)
+        raise KeyboardInterrupt  # stop before anything would run
+
+    monkeypatch.setattr(quickstart, "start_service", fake_start)
+    with pytest.raises(KeyboardInterrupt):
+        quickstart._start_services(
+            tmp_path, "/m", options.dataset, "redis://h:1/0", "r", [], reward=options.reward,
+            max_model_len=4096, options=options,
+        )  # fmt: skip
+    config, env, args = started["learner"]
+    assert env == {"CUDA_VISIBLE_DEVICES": "0"} and args == [] and config["optimizer"]["lr"] == 1e-6
+    actor = ActorConfig.model_validate(yaml.safe_load((tmp_path / "actor.yaml").read_text()))
+    assert actor.dataset.preset == "verl" and actor.dataset.chat_template is not False
+    assert actor.engine.dtype == "bfloat16" and actor.engine.cpu_kv_cache_gib is None
+    assert not actor.engine.enforce_eager and actor.engine.tensor_parallel_size == 1
+    cpu = ActorConfig.model_validate(actor_config("/m", tmp_path / "p.jsonl", "redis://h:1/0", "r"))
+    assert cpu.dataset.chat_template is False and cpu.engine.dtype == "float32"  # the toy task: raw text

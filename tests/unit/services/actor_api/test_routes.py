@@ -78,6 +78,26 @@ def test_routes_need_the_token_and_refuse_with_the_envelope() -> None:
         assert bad_reward.status_code == 422
 
 
+def test_the_gateway_has_its_own_token_and_refuses_the_admin_one() -> None:
+    """With OFFPOLICY_GATEWAY_TOKEN the gateway's routes take it and refuse the learner's admin token; no
+    response shows either."""
+    config = StubActor([], group_size=1).config
+    config = config.model_copy(update={"gateway": config.gateway.model_copy(update={"enabled": True})})
+    settings = ActorServiceSettings(api_token="admin-secret", gateway_token="agent-secret")
+    app = create_app(settings, config=config, actor_factory=lambda c, r: ServedActor(c, r, ["hi"]))
+    with TestClient(app) as http:
+        admin = {"Authorization": "Bearer admin-secret"}
+        r = http.post("/v1/episodes", json={"prompt_id": "p"}, headers=admin)
+        assert r.status_code == 401 and "admin-secret" not in r.text
+        agent = {"Authorization": "Bearer agent-secret"}
+        eid = http.post("/v1/episodes", json={"prompt_id": "p"}, headers=agent).json()["episode_id"]
+        chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        r = http.post("/v1/chat/completions", json=chat, headers={**agent, "X-Episode-Id": eid})
+        assert r.status_code == 200 and "agent-secret" not in r.text
+    env = ActorServiceSettings.from_env({"OFFPOLICY_GATEWAY_TOKEN": "g", "OFFPOLICY_API_TOKEN": "a"})
+    assert env.gateway_token.get_secret_value() == "g" and env.api_token.get_secret_value() == "a"
+
+
 def test_a_disabled_gateway_answers_404() -> None:
     with TestClient(app_for(False, [])) as http:
         r = http.post("/v1/episodes", json={"prompt_id": "p"}, headers=AUTH)
