@@ -334,6 +334,29 @@ LEARNER = DashboardSpec(
                         q(f"sum(increase(offpolicy_learner_leases_lost_total[{RATE}]))", "leases lost"),
                     ),
                 ),
+                Panel(
+                    "Failed writes",
+                    (
+                        q(
+                            "sum by (kind, reason) "
+                            f"(increase(offpolicy_learner_write_failures_total[{RATE}]))",
+                            "{{kind}} {{reason}}",
+                        ),
+                        q("max(offpolicy_learner_undurable_steps)", "steps not checkpointed"),
+                        q("max(offpolicy_learner_intake_blocked)", "intake stopped"),
+                    ),
+                    description="Publishes and checkpoints that failed (ENOSPC, EIO: retried with backoff "
+                    "while training goes on; /v1/status names the path), the learner steps not covered by "
+                    "a durable checkpoint, and 1 while checkpoint.max_undurable_steps stops intake.",
+                ),
+                Panel(
+                    "Age of the newest checkpoint and published version",
+                    (
+                        q("max(offpolicy_learner_checkpoint_age_seconds)", "checkpoint"),
+                        q("max(offpolicy_learner_published_age_seconds)", "published version"),
+                    ),
+                    unit="s",
+                ),
             ),
         ),
     ),

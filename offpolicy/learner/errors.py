@@ -40,12 +40,19 @@ class CheckpointsDisabled(LearnerError):
 
 
 class WriteFailed(LearnerError):
-    """A background write (published weights or a checkpoint) failed; raised in the training thread."""
+    """A background write (published weights or a checkpoint) failed: a bug, raised in the training thread;
+    or an `OSError` (a full disk), retried by the writer and raised only by a `flush` that waits for it.
+    `tries`: consecutive failures of its kind."""
 
     def __init__(self, kind: str, version: int, cause: BaseException) -> None:
         super().__init__(f"background {kind} write of v{version} failed: {type(cause).__name__}: {cause}")
-        self.kind, self.version = kind, version
+        self.kind, self.version, self.tries = kind, version, 1
         self.__cause__ = cause
+
+
+class IntakeStopped(LearnerError):
+    """The learner takes no new groups: checkpoints fail and `checkpoint.max_undurable_steps` learner steps
+    are not covered by a durable one. The loop waits (state `waiting_for_checkpoint`) until one lands."""
 
 
 class CheckpointMismatch(LearnerError):

@@ -81,6 +81,8 @@ REJECTION_FIELDS = (
     "sampling.temperature", "prompt_ids", "trajectories.response_ids", "trajectories.behavior_logprobs",
 )  # fmt: skip
 """The `field` labels of `groups_rejected_total` (learner/rl/screening.py, list indices dropped)."""
+DROP_REASONS = ("zero_variance", "all_truncated")
+"""The `reason` labels of `groups_dropped_total` (learner/rl/dynamic_sampling.py)."""
 TRACKING_SINKS = ("jsonl", "tensorboard", "wandb", "mlflow")
 """The `sink` labels of `tracking_errors_total` (learner/tracking/)."""
 WRITE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -219,6 +221,12 @@ class LearnerMetrics:
         )  # fmt: skip
         for field in REJECTION_FIELDS:  # declared at 0 so that dashboards have a series before the first one
             self.groups_rejected.labels(field=field)
+        self.groups_dropped = Counter(
+            PREFIX + "groups_dropped", "Sampled groups dynamic sampling did not train (acked), by reason.",
+            ["reason"], registry=registry,
+        )  # fmt: skip
+        for reason in DROP_REASONS:
+            self.groups_dropped.labels(reason=reason)
         self.leases_lost = Counter(
             PREFIX + "leases_lost", "Trained groups whose lease expired before its ack (they train again).",
             registry=registry,
@@ -230,6 +238,40 @@ class LearnerMetrics:
         self.writes_coalesced = Counter(
             PREFIX + "writes_coalesced", "Snapshots replaced by a newer one before the writer reached them.",
             registry=registry,
+        )  # fmt: skip
+        self.write_failures = Counter(
+            PREFIX + "write_failures",
+            "Background writes (publish, checkpoint) that failed, by kind and reason (an errno name such as "
+            "ENOSPC or EIO: retried with backoff; any other name: a bug, the loop ends).",
+            ["kind", "reason"],
+            registry=registry,
+        )
+        for kind in ("weights", "checkpoint"):
+            self.write_failures.labels(kind=kind, reason="ENOSPC")
+        self.checkpoint_age = Gauge(
+            PREFIX + "checkpoint_age_seconds",
+            "Seconds since the newest durable checkpoint was written (since the start when there is none).",
+            registry=registry,
+        )
+        self.published_age = Gauge(
+            PREFIX + "published_age_seconds",
+            "Seconds since the newest version was published to the actors (since the start when none was).",
+            registry=registry,
+        )
+        self.undurable_steps = Gauge(
+            PREFIX + "undurable_steps",
+            "Learner steps not covered by a durable checkpoint (a crash trains them again); capped by "
+            "checkpoint.max_undurable_steps.",
+            registry=registry,
+        )
+        self.checkpoint_every = Gauge(
+            PREFIX + "checkpoint_every_steps",
+            "The running config's checkpoint.checkpoint_every (0 = only on demand, or no checkpoints).",
+            registry=registry,
+        )
+        self.intake_blocked = Gauge(
+            PREFIX + "intake_blocked", "1 while the learner takes no new groups: checkpoints are failing and "
+            "checkpoint.max_undurable_steps is reached.", registry=registry,
         )  # fmt: skip
         self.tracking_errors = Counter(
             PREFIX + "tracking_errors", "Failed calls to an experiment tracker (the step went on), by sink.",
@@ -302,6 +344,8 @@ class LearnerMetrics:
         self._info_labels = labels
         max_staleness = config.buffer.max_staleness
         self.max_staleness.set(float("inf") if max_staleness is None else max_staleness)
+        every = config.checkpoint.checkpoint_every if config.checkpoint_path is not None else None
+        self.checkpoint_every.set(every or 0)
 
     def record_step(self, step_metrics: Mapping[str, float], phases: Mapping[str, float]) -> None:
         """Set the gauges from one step's metrics dict and observe its phase times; keep the dict."""

@@ -14,8 +14,11 @@ changes land only between steps; `checkpoint()` from another thread waits for th
 
 The loop waits out an empty buffer (state `waiting_for_data`, retry every 0.5 s) and transient trouble
 (`TRANSIENT_ERRORS`: Redis unreachable), retried with capped exponential backoff for as long as it lasts
-(state `waiting_for_redis`, `retrying` the reason), then stepping resumes by itself. Any other error
-propagates (the loop is dead).
+(state `waiting_for_redis`, `retrying` the reason), then stepping resumes by itself. A full disk is
+back-pressure (persist/persistence.py): publishes and checkpoints are retried in the background while
+training goes on, until `checkpoint.max_undurable_steps` steps are not covered by a durable checkpoint;
+then the loop takes no new groups (state `waiting_for_checkpoint`, `retrying` the reason) until one lands.
+Any other error propagates (the loop is dead).
 
 On N ranks (torchrun; learner/distributed/) the rank-0 `Learner` (leader) samples, screens and sends each
 step boundary's `Command` to the others (followers), which run `follow()`; from there every rank runs the
@@ -39,8 +42,10 @@ from offpolicy.buffer.codec import decode_group, encode_group
 from offpolicy.buffer.errors import BufferNotReady, RateLimited, StorageUnavailable
 from offpolicy.buffer.evaluations import EvalStore
 from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.buffer.types import Leased
 from offpolicy.learner.build import Trainables, build_models, set_optimizer_hparams
 from offpolicy.learner.config import LearnerConfig, frozen_field_changes
+from offpolicy.learner.config.screening import ScreeningConfig
 from offpolicy.learner.delivery import Delivery
 from offpolicy.learner.distributed import (
     HEARTBEAT_S,
@@ -51,12 +56,13 @@ from offpolicy.learner.distributed import (
     broadcast_command,
     current,
 )
-from offpolicy.learner.errors import FrozenFieldChange, WriteFailed
+from offpolicy.learner.errors import FrozenFieldChange, IntakeStopped, WriteFailed
 from offpolicy.learner.metrics import LearnerMetrics, timed
 from offpolicy.learner.model import checkpoint_dtype, load_tokenizer
 from offpolicy.learner.persist import BackgroundWriter, Persistence
 from offpolicy.learner.resume_config import ResumedConfig, resumed_config
 from offpolicy.learner.rl import ModelLimits, StepContext, field_label, screen, train_on
+from offpolicy.learner.rl.dynamic_sampling import Filled, fill
 from offpolicy.learner.tracking import StepLog, build_tracker
 from offpolicy.learner.transport.publisher import make_publisher
 from offpolicy.weights.record import PolicyStore
@@ -113,6 +119,7 @@ class Learner:
         self.reference, self._publish_keys = built.reference, built.publish_keys
         self.startup_host_bytes, self.startup_host_exact = built.startup_host_bytes, built.startup_host_exact
         self.grad_sync, self.start_way, self.host_plan = built.grad_sync, built.start_way, built.host_plan
+        self.groups_dropped: dict[str, int] = {}  # dynamic sampling: groups dropped since start, by reason
         self.metrics.start_way.labels(way=built.start_way).set(1)
         parts = built.parts
         self.model, self.policy = parts.model, parts.policy
@@ -147,6 +154,8 @@ class Learner:
         self._step_lock = threading.Lock()  # held while a step trains, publishes or checkpoints
         self._running = threading.Event()
         self._running.set()
+        self.durable_step = 0  # learner steps covered by the newest durable checkpoint
+        self._checkpoint_steps: dict[int, int] = {}  # checkpoint version queued -> its step count
         self.channel = LeaderChannel(ranks) if ranks.distributed and leader else None  # N ranks: rank 0
         # --- published weights and checkpoints (off the critical path); resume, then publish what we hold
         self.persist = Persistence(
@@ -184,6 +193,7 @@ class Learner:
         meta = self.persist.restore_latest(self.trainables())
         if meta is not None:
             self._resumed(meta)
+            self.durable_step = self.step_count
         self.tracker.log_config(
             self.config, "initial" if meta is None else "resume", self.config_version, self.step_count
         )
@@ -234,7 +244,7 @@ class Learner:
             return self.channel.request_checkpoint()
         with self._step_lock:
             path, version = self._checkpoint(), self.version
-        self.persist.writer.flush()
+        self.persist.writer.flush(kind="checkpoint")  # a full disk: WriteFailed, the write retried
         return path, version
 
     @property
@@ -244,7 +254,7 @@ class Learner:
 
     def status(self) -> dict[str, Any]:
         """State, version, step, tokens/s, buffer stats and the last step's key metrics (JSON-safe)."""
-        idle = self.state in ("running", "waiting_for_data", "waiting_for_redis")  # states a pause overrides
+        idle = self.state in ("running", "waiting_for_data", "waiting_for_redis", "waiting_for_checkpoint")
         state = "paused" if not self._running.is_set() and idle else self.state
         return {
             "state": state,
@@ -261,6 +271,10 @@ class Learner:
             "grad_sync": self.grad_sync,
             "start_way": self.start_way,
             "host_memory_plan": self.host_plan,
+            "groups_dropped": dict(self.groups_dropped),
+            "writes_failing": {kind: dict(t) for kind, t in dict(self.persist.troubles).items()},
+            "intake_stopped": self.retrying if self.state == "waiting_for_checkpoint" else None,
+            "undurable_steps": self.undurable_steps(),
         }
 
     def run(self, stop_event: threading.Event) -> None:
@@ -289,10 +303,20 @@ class Learner:
                 log.info("no groups to train on yet: %s", exc)
                 self.heartbeat()
                 stop_event.wait(0.5)
+            except IntakeStopped as exc:  # checkpoints failing, at the cap: no new groups until one lands
+                if self.state != "waiting_for_checkpoint":
+                    log.warning("%s", exc)
+                self.state, self.retrying, delay = "waiting_for_checkpoint", str(exc), RETRY_INITIAL_S
+                self.heartbeat()
+                stop_event.wait(0.5)
             except (
                 *TRANSIENT_ERRORS,
                 WriteFailed,
             ) as exc:  # retried for as long as it lasts, the wait capped
+                if isinstance(exc, WriteFailed) and isinstance(exc.__cause__, OSError):
+                    log.warning("%s (retried in the background)", exc)  # a flush that met a full disk
+                    stop_event.wait(RETRY_INITIAL_S)
+                    continue
                 if isinstance(exc, WriteFailed) and not isinstance(exc.__cause__, TRANSIENT_ERRORS):
                     raise
                 self.state, self.retrying = "waiting_for_redis", f"{type(exc).__name__}: {exc}"
@@ -311,11 +335,12 @@ class Learner:
     def step(self) -> dict[str, float]:
         """Sample, train, publish, checkpoint: one learner step. Returns its metrics."""
         assert self.buffer is not None and self.delivery is not None, "followers run follow(), not step()"
-        self.persist.writer.raise_if_failed()  # a failed background write ends the loop (or is retried)
+        self.persist.writer.raise_if_failed()  # a bug's failed write ends the loop (a full disk: retried)
         self.persist.poll()
         self.delivery.ack_durable()  # leases of checkpoints that became durable since the last step
         self._apply_pending()
         cfg, phases = self.config, {}
+        self._check_durability()
         if self._table_published != cfg.buffer:  # at start and after a `buffer` change: producers follow
             self.buffer.publish_table()
             self._table_published = cfg.buffer
@@ -325,26 +350,96 @@ class Learner:
                 consumer=self.delivery.consumer, lease_s=cfg.lease_s,
             )  # fmt: skip
         self.state = "running"
-        lease_of = {id(g): lid for g, lid in zip(leased.groups, leased.lease_ids, strict=True)}
-        groups, rejected = screen(leased.groups, self.limits)
-        for r in rejected:  # set aside in the dead-letter list; the rest of the batch trains
-            self.buffer.dead_letter(self.delivery.consumer, lease_of[id(r.group)], r.reason, r.field)
-            log.warning("group %s set aside: %s: %s", r.group.group_id, r.field, r.reason)
-            self.metrics.groups_rejected.labels(field=field_label(r.field)).inc()
+        lease_of: dict[str, str] = {}  # group id -> lease id
+        groups = self._screened(leased, lease_of)
+        with timed(phases, "sample_wait"):  # dynamic sampling: dropped groups replaced by more leases
+            filled = fill(groups, cfg.screening, lambda n: self._screened(self._lease_more(n), lease_of))
+        groups = filled.groups
+        self._drop(filled, lease_of)
         if not groups:  # nothing trainable in this sample: no update, the loop samples again
             self.heartbeat()
-            return {"groups_rejected": float(len(rejected))}
+            return {"groups_dropped": float(len(filled.dropped))}
         command = self._command("step", groups)
         applied: dict[str, float] = {}  # the update's metrics, once it is applied
+        if cfg.screening != ScreeningConfig():  # dynamic sampling's part of the step's metrics
+            applied_extra = {
+                "screening/dropped": float(len(filled.dropped)),
+                "screening/refill_rounds": float(filled.rounds),
+                "screening/short": float(filled.short),
+            }
+        else:
+            applied_extra = {}
         with self._step_lock:
-            trained = [lease_of[id(g)] for g in groups]
+            trained = [lease_of[g.group_id] for g in groups]
             try:
                 self._execute(command, groups, phases, lambda: self.delivery.trained(trained), applied)
             except BaseException:
                 if applied:  # applied, then an ack, publish or background write failed: it still counts
-                    self._record(applied, phases, groups)
+                    self._record(applied | applied_extra, phases, groups)
                 raise
-        return self._record(applied, phases, groups)
+        return self._record(applied | applied_extra, phases, groups)
+
+    def _screened(self, leased: Any, lease_of: dict[str, str]) -> list:
+        """The leased groups the model can train (learner/rl/screening.py); the others set aside in the
+        dead-letter list, so the rest of the batch trains. Records each group's lease in `lease_of`."""
+        lease_of.update((g.group_id, lid) for g, lid in zip(leased.groups, leased.lease_ids, strict=True))
+        groups, rejected = screen(leased.groups, self.limits)
+        for r in rejected:
+            self.buffer.dead_letter(self.delivery.consumer, lease_of[r.group.group_id], r.reason, r.field)
+            log.warning("group %s set aside: %s: %s", r.group.group_id, r.field, r.reason)
+            self.metrics.groups_rejected.labels(field=field_label(r.field)).inc()
+        return groups
+
+    def _lease_more(self, n: int) -> Any:
+        """Dynamic sampling's refill: `n` more groups, waiting at most `screening.refill_timeout_s`; fewer
+        there: one; none (or rate-limited): an empty lease, and the step trains what it has."""
+        cfg = self.config
+        for want in dict.fromkeys((n, 1)):
+            try:
+                return self.buffer.lease(
+                    want, self.version, cfg.screening.refill_timeout_s, consumer=self.delivery.consumer,
+                    lease_s=cfg.lease_s,
+                )  # fmt: skip
+            except (BufferNotReady, RateLimited):
+                continue
+        return Leased(consumer=self.delivery.consumer, groups=[], lease_ids=[])
+
+    def _drop(self, filled: Filled, lease_of: dict[str, str]) -> None:
+        """Dropped groups are consumed: their leases are held (and acked) like trained ones, never trained."""
+        if not filled.dropped:
+            return
+        self.delivery.trained([lease_of[d.group.group_id] for d in filled.dropped])
+        for d in filled.dropped:
+            self.metrics.groups_dropped.labels(reason=d.reason).inc()
+            self.groups_dropped[d.reason] = self.groups_dropped.get(d.reason, 0) + 1
+        if filled.short:
+            log.info(
+                "dynamic sampling: %d group(s) dropped, %d trainable after %d refill round(s)",
+                len(filled.dropped), len(filled.groups), filled.rounds,
+            )  # fmt: skip
+
+    def undurable_steps(self) -> int:
+        """Learner steps not covered by a durable checkpoint (0 without checkpoints: nothing to cover)."""
+        return self.step_count - self.durable_step if self.config.checkpoint_path is not None else 0
+
+    def _check_durability(self) -> None:
+        """Raise `IntakeStopped` while `checkpoint.max_undurable_steps` steps are not covered by a durable
+        checkpoint (checkpoints failing); one process: a checkpoint is queued if none waits for a retry."""
+        cap = self.config.checkpoint.undurable_cap if self.config.checkpoint_path is not None else None
+        undurable = self.undurable_steps()
+        self.metrics.undurable_steps.set(undurable)
+        self.metrics.intake_blocked.set(cap is not None and undurable >= cap)
+        if cap is None or undurable < cap:
+            return
+        if not self.ranks.distributed and not self.persist.checkpoint_pending():
+            with self._step_lock:
+                self._checkpoint()
+        failing = self.persist.troubles.get("checkpoint")
+        why = f"{failing['error']} on {failing['path']}" if failing else "the checkpoint is not durable yet"
+        raise IntakeStopped(
+            f"intake stopped: {undurable} learner steps are not covered by a durable checkpoint "
+            f"(checkpoint.max_undurable_steps = {cap}): {why}"
+        )
 
     def _record(self, metrics: dict[str, float], phases: dict[str, float], groups: list) -> dict[str, float]:
         """The metrics line (trackers) and Prometheus record of a step whose update was applied."""
@@ -507,6 +602,7 @@ class Learner:
             position = {"inserted_total": stats.inserted_total, "sampled_total": stats.sampled_total}
             leases = self.delivery.checkpointed(self.version)
         self.publisher.at_checkpoint(self.version, self._publish_keys if self.ranks.distributed else None)
+        self._checkpoint_steps[self.version] = self.step_count
         return self.persist.checkpoint(
             self.trainables(), self.version, self.step_count, position, leases, self.config_version
         )
@@ -514,7 +610,10 @@ class Learner:
     def _on_durable(self, kind: str, version: int) -> None:
         """Writer thread: a write became durable; a checkpoint's leases are acked by the next step."""
         if kind == "checkpoint":
-            self.delivery.durable(version)
+            steps = [s for v, s in list(self._checkpoint_steps.items()) if v <= version]
+            self.durable_step = max([self.durable_step, *steps])
+            if self.delivery is not None:
+                self.delivery.durable(version)
 
     def _resumed(self, meta: dict[str, Any]) -> None:
         """Take the resumed checkpoint's counters. The version is always that of the weights we hold:

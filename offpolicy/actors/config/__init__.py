@@ -305,7 +305,8 @@ class RetryConfig(ConfigModel):
     max_s: float = Field(10.0, gt=0.0)
     """Longest single wait, in seconds. The actor never drops a generated group: it keeps retrying."""
     pacing_timeout_s: float = Field(30.0, gt=0.0)
-    """Seconds one `wait_for_room` call waits for the learner to catch up before the actor re-checks."""
+    """Seconds the actor waits for the learner to catch up before it logs that it still waits (it reads
+    the buffer and its stop flag at least every second meanwhile: SIGTERM ends the wait at once)."""
 
     @model_validator(mode="after")
     def _check(self) -> Self:

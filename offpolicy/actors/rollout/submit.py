@@ -155,6 +155,10 @@ async def _backoff(
     return min(delay * 2, retry.max_s)
 
 
+PACING_SLICE_S = 1.0
+"""The longest one pacing check blocks before the stop flag is read again (an actor exits within it)."""
+
+
 async def wait_for_room(
     buffer: AsyncReplayBuffer,
     policy_version: int,
@@ -162,17 +166,22 @@ async def wait_for_room(
     metrics: ActorMetrics,
     stop: threading.Event,
 ) -> None:
-    """Producer pacing: return once the buffer has room for groups of `policy_version` (or on stop)."""
-    delay = retry.initial_s
+    """Producer pacing: return once the buffer has room for groups of `policy_version` (or on stop). Each
+    check blocks at most `PACING_SLICE_S`, so a stop (SIGTERM) is noticed within it whatever
+    `pacing_timeout_s` is; "still waiting" is logged once per `pacing_timeout_s`."""
+    delay, waited = retry.initial_s, 0.0
     while not stop.is_set():
         t0 = time.monotonic()
         try:
-            await buffer.wait_for_room(policy_version, retry.pacing_timeout_s)
+            await buffer.wait_for_room(policy_version, min(retry.pacing_timeout_s, PACING_SLICE_S))
             metrics.buffer_wait.labels("pacing").inc(time.monotonic() - t0)
             return
         except RateLimited:
             metrics.buffer_wait.labels("pacing").inc(time.monotonic() - t0)
-            log.info("buffer holds max_ahead fresh groups for %.0f s; still waiting", retry.pacing_timeout_s)
+            waited += time.monotonic() - t0
+            if waited >= retry.pacing_timeout_s:
+                log.info("buffer holds max_ahead fresh groups for %.0f s; still waiting", waited)
+                waited = 0.0
         except StorageUnavailable as e:
             metrics.failures.labels("redis_unavailable").inc()
             log.warning("pacing check: Redis unavailable (%s); retrying in %.1f s", e, delay)

@@ -19,6 +19,7 @@ from offpolicy.config.loader import env_overrides as env_overrides
 from offpolicy.config.loader import load_layered
 from offpolicy.config.loader import merge as merge
 from offpolicy.learner.config.publish import CheckpointConfig, PublishConfig
+from offpolicy.learner.config.screening import ScreeningConfig
 from offpolicy.learner.config.tracking import TrackingConfig
 from offpolicy.learner.correction.config import RolloutCorrectionConfig
 
@@ -261,6 +262,9 @@ class LearnerConfig(ConfigModel):
     and trains none twice in the resumed history; leased groups stay in Redis until then), `step` = right
     after the update (runs without checkpoints). None = `checkpoint` when periodic checkpoints are on
     (`checkpoint_dir` and `checkpoint_every` set), else `step`."""
+    screening: ScreeningConfig = ScreeningConfig()
+    """Dynamic sampling: groups that teach nothing dropped, truncated completions filtered or punished, the
+    batch kept full by sampling more (learner/rl/dynamic_sampling.py); off by default."""
     lease_s: float = Field(600.0, ge=1.0, le=86400.0)
     """Seconds a lease lasts unless renewed; the learner renews its leases every `lease_s / 4` while it
     lives, so only a dead learner's leases expire back into the buffer (a restarted one releases them at

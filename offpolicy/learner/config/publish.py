@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from offpolicy.config.base import FROZEN, ConfigModel, PathStr
 from offpolicy.weights.config import TransferConfig
@@ -54,6 +54,12 @@ class CheckpointConfig(ConfigModel):
     """Checkpoint after every this many learner steps; None = only on demand (`POST /v1/checkpoints`)."""
     keep_checkpoints: int = Field(2, ge=1)
     """How many checkpoints stay on disk."""
+    max_undurable_steps: int | None = Field(None, ge=1)
+    """Durability bound while checkpoints fail (a full or broken checkpoint volume): at most this many
+    learner steps not covered by a durable checkpoint (a crash would train their groups again; their leases
+    stay unacknowledged). At the cap the learner stops taking new groups (state `waiting_for_checkpoint`,
+    `/readyz` 503, the reason in `/v1/status`) and resumes when a checkpoint lands. None = 3 x
+    `checkpoint_every` (no cap with only on-demand checkpoints). Must exceed `checkpoint_every`."""
     async_staging: bool = Field(True, json_schema_extra=FROZEN)
     """N ranks: copy each rank's shards to host memory on a background thread (pinned on CUDA, the buffers
     kept between checkpoints: host memory of about the shards' size stays taken), waited for only before
@@ -64,3 +70,20 @@ class CheckpointConfig(ConfigModel):
     while running still come from the file), `file` = the file wins (an edit before the restart takes
     effect). Always read from the file; the disagreeing fields are logged and shown in the config history's
     `resume` entry (learner/resume_config.py)."""
+
+    @model_validator(mode="after")
+    def _cap_above_interval(self) -> CheckpointConfig:
+        every, cap = self.checkpoint_every, self.max_undurable_steps
+        if cap is not None and every is not None and cap <= every:
+            raise ValueError(
+                f"checkpoint.max_undurable_steps ({cap}) must exceed checkpoint_every ({every}): "
+                "the learner would stop before its next checkpoint is due"
+            )
+        return self
+
+    @property
+    def undurable_cap(self) -> int | None:
+        """`max_undurable_steps` as it applies (None = no cap)."""
+        if self.max_undurable_steps is not None:
+            return self.max_undurable_steps
+        return 3 * self.checkpoint_every if self.checkpoint_every else None

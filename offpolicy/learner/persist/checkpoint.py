@@ -154,6 +154,14 @@ class Checkpoints(ABC):
         """`finish`, then release what the backend holds (threads, host buffers)."""
         self.finish()
 
+    def pending(self) -> bool:
+        """Whether a checkpoint is being written or waits for its (re)try."""
+        return False
+
+    def snapshot_bytes(self) -> int | None:
+        """About the bytes the newest checkpoint's write needs on disk (None = unknown)."""
+        return None
+
     @abstractmethod
     def latest(self) -> Path | None:
         """The newest complete checkpoint folder, or None."""

@@ -124,9 +124,10 @@ class ShardedCheckpoints(Checkpoints):
         keep: int | None,
         on_durable: Callable[[int, float], None] | None = None,
         async_staging: bool = True,
+        on_failed: Callable[[int, OSError], None] | None = None,
     ) -> None:
         self.root, self.run_id, self.ranks, self.keep = root, run_id, ranks, keep
-        self._on_durable = on_durable
+        self._on_durable, self._on_failed = on_durable, on_failed
         self._inflight: _InFlight | None = None
         self._group = dist.new_group(backend="gloo") if ranks.distributed else None  # checkpoints only
         cuda = torch.cuda.is_available()
@@ -178,10 +179,25 @@ class ShardedCheckpoints(Checkpoints):
             self.finish()
 
     def finish(self) -> None:
-        """Wait for the checkpoint in flight (if any) and make it durable (rank 0: meta, fsync, rename)."""
+        """Wait for the checkpoint in flight (if any) and make it durable (rank 0: meta, fsync, rename).
+        One that failed with an `OSError` (a full disk) is reported (`on_failed`), its partial folder
+        removed (rank 0), and not retried: the next checkpoint due tries again."""
         job, self._inflight = self._inflight, None
         if job is None:
             return
+        try:
+            self._finish(job)
+        except Exception as exc:
+            os_error = _os_error(exc)
+            if os_error is None:
+                raise
+            if self.ranks.is_leader:
+                shutil.rmtree(job.tmp, ignore_errors=True)
+            log.error("checkpoint v%d failed on rank %d: %s", job.version, self.ranks.rank, exc)
+            if self._on_failed is not None:
+                self._on_failed(job.version, os_error)
+
+    def _finish(self, job: _InFlight) -> None:
         if job.staging is not None:
             job.staging.result()
         job.future.result()  # raises what the background write raised
@@ -206,6 +222,9 @@ class ShardedCheckpoints(Checkpoints):
         self.finish()
         self._stager.close()
 
+    def pending(self) -> bool:
+        return self._inflight is not None
+
     def latest(self) -> Path | None:
         return latest_checkpoint(self.root)
 
@@ -218,6 +237,24 @@ class ShardedCheckpoints(Checkpoints):
                 "reads sharded checkpoints only: resume it with --nproc-per-node 1"
             )
         return load_sharded(path, parts, self.ranks)
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The `OSError` behind `exc` (itself, its causes, or one of DCP's per-rank `failures`), if any."""
+    seen: list[BaseException] = [exc]
+    visited: set[int] = set()
+    while seen:
+        e = seen.pop()
+        if id(e) in visited:
+            continue
+        visited.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        seen.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            seen.extend(f for f in failures.values() if isinstance(f, BaseException))
+    return None
 
 
 def load_sharded(path: Path, parts: Trainables, ranks: Ranks) -> dict[str, Any]:

@@ -8,10 +8,17 @@ the next optimizer step changes the weights) waits for the copies. `on_durable(k
 learner when a write is durable: weights announced to the actors, or a checkpoint on disk (what delivery
 acknowledgements wait for). `restore_latest` loads the newest checkpoint of this run and refuses another
 run's or model's.
+
+A write that fails with an `OSError` (a full disk, an I/O error) is back-pressure, not an outage: counted
+(`offpolicy_learner_write_failures_total{kind,reason}`), logged once per spell with the path and the bytes
+it needs, its partial folder removed at once, and retried by the writer with backoff while training goes
+on (the newest version replaces an older one still waiting: intermediate versions may be skipped, never
+half-written). `troubles` names what is failing (`/v1/status`) until a write of that kind succeeds.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from collections.abc import Callable
@@ -55,6 +62,7 @@ def make_checkpoints(
     ranks: Ranks,
     writer: BackgroundWriter,
     on_durable: Callable[[int, float], None],
+    on_failed: Callable[[int, OSError], None] | None = None,
 ) -> Checkpoints:
     """The checkpoint backend of this learner: none (disabled), sharded (N ranks) or files (one process)."""
     root = config.checkpoint_path
@@ -63,7 +71,7 @@ def make_checkpoints(
         return NoCheckpoints()
     if ranks.distributed:
         return ShardedCheckpoints(
-            root, config.run_id, ranks, keep, on_durable, config.checkpoint.async_staging
+            root, config.run_id, ranks, keep, on_durable, config.checkpoint.async_staging, on_failed
         )
     return FileCheckpoints(root, config.run_id, writer, keep)
 
@@ -84,7 +92,7 @@ class Persistence:
     ) -> None:
         self.config, self.model, self.tokenizer, self.publish_dtype = config, model, tokenizer, publish_dtype
         self.store, self.metrics, self._on_durable, self.ranks = store, metrics, on_durable, ranks
-        self.writer = BackgroundWriter(on_done=self._written)
+        self.writer = BackgroundWriter(on_done=self._written, on_failed=self._failed)
         self._weights_buffers = WeightsBuffers(self.writer)
         self._weight_copies: list[HostCopy | BackgroundGather] = []
         self._gathering: BackgroundGather | None = None  # N ranks: the publish gather in flight
@@ -93,11 +101,20 @@ class Persistence:
         self._coalesced_seen = 0
         self.published_version: int | None = None  # newest version announced to the actors
         self.durable_checkpoint_version: int | None = None  # newest checkpoint on disk
+        self.troubles: dict[Kind, dict[str, Any]] = {}  # kinds whose writes fail now (OSError), for status
+        self._need: dict[Kind, int | None] = {}  # bytes the newest job of each kind writes (about)
+        self.published_at = self.checkpointed_at = time.time()  # the ages' gauges count from the start
+        metrics.published_age.set_function(lambda: time.time() - self.published_at)
+        metrics.checkpoint_age.set_function(lambda: time.time() - self.checkpointed_at)
         for folder in (config.weights_path, config.checkpoint_path) if ranks.is_leader else ():
             if folder is not None and (gone := remove_leftovers(folder)):
                 log.warning("removed %d partial write(s) left by a killed learner in %s", len(gone), folder)
         self.checkpoints = make_checkpoints(
-            config, ranks, self.writer, lambda v, seconds: self._written("checkpoint", v, None, seconds)
+            config,
+            ranks,
+            self.writer,
+            lambda v, seconds: self._written("checkpoint", v, None, seconds),
+            lambda v, exc: self._failed("checkpoint", v, exc, 0.0),
         )
 
     # --- weights
@@ -135,6 +152,7 @@ class Persistence:
             self._gathering = copy
         self._weights_buffers.keep(copy.tensors)
         self._weight_copies.append(copy)
+        self._need["weights"] = sum(t.nbytes for t in copy.tensors.values())
         self.writer.submit("weights", version, self._write(version, copy.wait), buffers=copy.tensors)
         self._count_coalesced()
 
@@ -200,7 +218,8 @@ class Persistence:
         if not self.ranks.is_leader:
             return
         try:
-            self.writer.submit("weights", version, self._write(version, copy.stream))
+            # a stream is read once: a failed write is not retried, the next publish supersedes it
+            self.writer.submit("weights", version, self._write(version, copy.stream), retry=False)
         except BaseException:
             try:  # read to its end: the gather thread must not block on it
                 for _ in copy.stream().chunks:
@@ -249,7 +268,13 @@ class Persistence:
             lease_ids=lease_ids,
             config_version=config_version,
         )
-        return self.checkpoints.save(parts, version, meta)
+        path = self.checkpoints.save(parts, version, meta)
+        self._need["checkpoint"] = self.checkpoints.snapshot_bytes()
+        return path
+
+    def checkpoint_pending(self) -> bool:
+        """Whether a checkpoint is being written or waits for its (re)try."""
+        return self.checkpoints.pending()
 
     def restore_latest(self, parts: Trainables) -> dict[str, Any] | None:
         """Load the newest checkpoint of this run into `parts`; its meta, or None when there is none."""
@@ -258,6 +283,7 @@ class Persistence:
             return None
         meta = self.checkpoints.load(path, parts)
         self.durable_checkpoint_version = int(meta["version"])
+        self.checkpointed_at = path.stat().st_mtime
         log.info("resumed from %s at version %d", path, int(meta["version"]))
         return meta
 
@@ -277,13 +303,46 @@ class Persistence:
     def _written(self, kind: Kind, version: int, result: object, seconds: float) -> None:
         self.metrics.write_seconds.labels(kind=kind).observe(seconds)
         if kind == "weights":
-            self.published_version = version
+            self.published_version, self.published_at = version, time.time()
             self.metrics.publishes.inc()
         else:
-            self.durable_checkpoint_version = version
+            self.durable_checkpoint_version, self.checkpointed_at = version, time.time()
             self.metrics.checkpoints.inc()
+        if (trouble := self.troubles.pop(kind, None)) is not None:
+            log.warning(
+                "%s writes recovered: v%d is durable after %d failed write(s) since %s",
+                kind, version, trouble["failures"], time.ctime(trouble["since"]),
+            )  # fmt: skip
         if self._on_durable is not None:
             self._on_durable(kind, version)
+
+    def _failed(self, kind: Kind, version: int, exc: OSError, retry_in_s: float) -> None:
+        """A write failed with an `OSError`: counted; logged once per spell (path, bytes needed); its
+        partial folders removed; named in `troubles` until a write of `kind` succeeds."""
+        reason = errno.errorcode.get(exc.errno, "OSError") if exc.errno else type(exc).__name__
+        self.metrics.write_failures.labels(kind=kind, reason=reason).inc()
+        root = self.config.weights_path if kind == "weights" else self.config.checkpoint_path
+        if root is not None and self.ranks.is_leader and not self.ranks.distributed:
+            remove_leftovers(root)  # the writer's own partial folder is gone already; anything else too
+        path = str(exc.filename or root)
+        need = self._need.get(kind)
+        previous = self.troubles.get(kind)
+        self.troubles[kind] = {
+            "path": path,
+            "reason": reason,
+            "error": f"{type(exc).__name__}: {exc}",
+            "version": version,
+            "bytes_needed": need,
+            "since": previous["since"] if previous is not None else time.time(),
+            "failures": previous["failures"] + 1 if previous is not None else 1,
+            "retry_in_s": retry_in_s,
+        }
+        if previous is None:  # once per spell; the counter and status show the rest
+            log.error(
+                "%s write of v%d failed on %s (%s, about %s bytes needed): retried with backoff while "
+                "training goes on: %s",
+                kind, version, path, reason, need if need is not None else "?", exc,
+            )  # fmt: skip
 
     def poll(self) -> None:
         """Step boundary: a checkpoint whose write completed becomes durable."""

@@ -316,13 +316,28 @@ class WeightsSnapshot:
 def write_version(snap: WeightsSnapshot, weights_dir: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
     """Write `v<version>/` with its manifest atomically (temp folder, fsync, rename); return the folder.
 
-    An existing `v<version>/` (a resumed learner re-publishing a version) is replaced as a whole."""
+    An existing `v<version>/` (a resumed learner re-publishing a version) is replaced as a whole. A write
+    that fails (a full disk) removes its temporary folder at once, then raises."""
     final = version_dir(weights_dir, snap.version)
+    tmp = final.parent / f".tmp-v{snap.version}-{uuid.uuid4().hex}"
+    try:
+        _write_folder(snap, tmp, max_shard_bytes)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed write (a full disk) gives its space back at once
+        raise
+    if final.exists():
+        remove_folder(final)
+    tmp.rename(final)
+    _fsync_dir(final.parent)
+    return final
+
+
+def _write_folder(snap: WeightsSnapshot, tmp: Path, max_shard_bytes: int) -> None:
+    """Write the files of `snap` and their manifest into the new folder `tmp` (fsynced)."""
     stream = snap.tensors if isinstance(snap.tensors, TensorStream) else TensorStream.whole(snap.tensors)
     arrivals = _Arrivals(stream.chunks)
     try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / f".tmp-v{snap.version}-{uuid.uuid4().hex}"
+        tmp.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
         files: dict[str, dict[str, Any]] = {}
         # The record's checksum is combined from the files' own digests (combine_sha256): each byte hashed
@@ -358,11 +373,6 @@ def write_version(snap: WeightsSnapshot, weights_dir: str | Path, max_shard_byte
                 files[p.name] = _write_small(p, p.read_bytes())  # rewritten through the hasher, fsynced
     _write_small(tmp / MANIFEST, encode_manifest(manifest_doc(snap.version, files)))
     _fsync_dir(tmp)
-    if final.exists():
-        remove_folder(final)
-    tmp.rename(final)
-    _fsync_dir(final.parent)
-    return final
 
 
 def prune_versions(weights_dir: str | Path, keep: int, protect: int | None = None) -> list[int]:

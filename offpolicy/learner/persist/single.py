@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,10 +51,12 @@ class FileCheckpoints(Checkpoints):
     def __init__(self, root: Path, run_id: str, writer: BackgroundWriter, keep: int | None) -> None:
         self.root, self.run_id, self.writer, self.keep = root, run_id, writer, keep
         self._snapshots: list[CheckpointSnapshot] = []
+        self._nbytes = 0
 
     def save(self, parts: Trainables, version: int, meta: dict[str, Any]) -> Path:
         snap = snapshot_checkpoint(parts, meta)
         self._snapshots.append(snap)
+        self._nbytes = sum(t.nbytes for c in snap.copies.values() for t in c.tensors.values())
         root, keep = self.root, self.keep
         self.writer.submit("checkpoint", version, lambda: write_checkpoint(root, snap, keep))
         return root / f"ckpt-{version:010d}"
@@ -64,7 +67,16 @@ class FileCheckpoints(Checkpoints):
         self._snapshots.clear()
 
     def finish(self) -> None:
-        self.writer.flush()
+        self.writer.flush(kind="checkpoint")
+
+    def close(self) -> None:
+        """Nothing of its own: the writer's `close` finishes (or, on a full disk, drops) the queued write."""
+
+    def pending(self) -> bool:
+        return self.writer.pending("checkpoint")
+
+    def snapshot_bytes(self) -> int | None:
+        return self._nbytes
 
     def latest(self) -> Path | None:
         return latest_checkpoint(self.root)
@@ -139,16 +151,21 @@ def snapshot_checkpoint(parts: Trainables, meta: dict[str, Any]) -> CheckpointSn
 
 
 def write_checkpoint(checkpoint_dir: str | Path, snap: CheckpointSnapshot, keep: int | None = None) -> Path:
-    """Write `ckpt-<version>/` atomically (temp folder, fsync, rename); keep the newest `keep`."""
+    """Write `ckpt-<version>/` atomically (temp folder, fsync, rename); keep the newest `keep`. A write
+    that fails (a full disk) removes its temporary folder at once, then raises."""
     root = Path(checkpoint_dir)
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-{uuid.uuid4().hex}"
     tmp.mkdir()
-    for name, copy in snap.copies.items():
-        write_safetensors(tmp / f"{name}.safetensors", copy.wait())  # fsynced
-    (tmp / "meta.json").write_text(json.dumps(snap.meta, indent=1))
-    with (tmp / "meta.json").open("rb") as fh:
-        os.fsync(fh.fileno())
+    try:
+        for name, copy in snap.copies.items():
+            write_safetensors(tmp / f"{name}.safetensors", copy.wait())  # fsynced
+        (tmp / "meta.json").write_text(json.dumps(snap.meta, indent=1))
+        with (tmp / "meta.json").open("rb") as fh:
+            os.fsync(fh.fileno())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # the space it took is back now, not at the next start
+        raise
     final = root / f"ckpt-{snap.version:010d}"
     if final.exists():
         remove_folder(final)

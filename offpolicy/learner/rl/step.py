@@ -15,6 +15,7 @@ from offpolicy.learner.distributed.ranks import all_reduce_sum, reduce_means
 from offpolicy.learner.metrics import StalenessKL, metric_sums, timed
 from offpolicy.learner.rl.advantages import compute_advantages, gae, grpo, token_rewards
 from offpolicy.learner.rl.context import StepContext, StepResult
+from offpolicy.learner.rl.dynamic_sampling import truncated_rows
 from offpolicy.learner.rl.microbatches import mini_batches, no_grad_logprobs, rows_forward
 from offpolicy.learner.rl.update import optimizer_step
 
@@ -28,6 +29,9 @@ def train_on(ctx: StepContext, groups: list, phases: dict[str, float]) -> StepRe
     # --- collate
     with timed(phases, "collate"):
         batch = collate(groups, ctx.pad_id).to(ctx.device)
+        if cfg.screening.overlong == "filter":  # no loss on truncated completions (dynamic_sampling.py)
+            kept = ~truncated_rows(groups).to(ctx.device)  # (B,)
+            batch.response_mask = batch.response_mask * kept.unsqueeze(-1)  # (B, R)
         staleness = ctx.version - batch.policy_versions  # (B,)
         tokens = batch.response_mask.sum()
     host: dict[str, float] = {}

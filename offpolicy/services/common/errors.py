@@ -48,6 +48,7 @@ from offpolicy.learner.errors import (
     CheckpointsDisabled,
     CorrectionInputError,
     FrozenFieldChange,
+    IntakeStopped,
     LearnerError,
     MemoryPlanError,
     UnknownPreset,
@@ -177,6 +178,7 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
     CheckpointsDisabled: (409, "checkpoints_disabled"),
     CheckpointMismatch: (409, "checkpoint_mismatch"),
     WriteFailed: (500, "write_failed"),
+    IntakeStopped: (503, "intake_stopped"),
     MemoryPlanError: (422, "memory_plan_exceeds_device"),
     # actors/errors.py
     ActorError: (500, "actor_error"),

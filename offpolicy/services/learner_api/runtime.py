@@ -46,7 +46,8 @@ class LearnerLike(Protocol):
     state: str
     """`running`, `waiting_for_data`, `waiting_for_redis`, `paused`, `finished`, `stopped`, ..."""
     retrying: str | None
-    """Why the loop is retrying transient trouble (Redis unreachable) right now; None when it is not."""
+    """Why the loop is retrying transient trouble (Redis unreachable) or takes no new groups (checkpoints
+    failing at `checkpoint.max_undurable_steps`) right now; None when it is not."""
     buffer: DeadLetterSource
 
     def run(self, stop_event: threading.Event) -> None: ...
@@ -164,6 +165,10 @@ class LearnerRuntime:
             grad_sync=raw.get("grad_sync"),
             start_way=raw.get("start_way"),
             host_memory_plan=raw.get("host_memory_plan"),
+            writes_failing=raw.get("writes_failing") or {},
+            intake_stopped=raw.get("intake_stopped"),
+            undurable_steps=int(raw.get("undurable_steps", 0)),
+            groups_dropped={k: int(v) for k, v in (raw.get("groups_dropped") or {}).items()},
             error=error,
         )
 

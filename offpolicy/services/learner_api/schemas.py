@@ -102,7 +102,9 @@ class LearnerStatus(BaseModel):
 
     state: str
     """`starting`, `running`, `waiting_for_data`, `waiting_for_redis` (retrying until Redis answers;
-    `/readyz` 503), `paused`, `finished`, `stopped` or `failed` (`/healthz` 503, the process exits)."""
+    `/readyz` 503), `waiting_for_checkpoint` (checkpoints failing and `checkpoint.max_undurable_steps`
+    reached: no new groups until one lands; `/readyz` 503), `paused`, `finished`, `stopped` or `failed`
+    (`/healthz` 503, the process exits)."""
     policy_version: int
     """Optimizer steps taken so far (= the version the actors load)."""
     step: int
@@ -134,6 +136,17 @@ class LearnerStatus(BaseModel):
     """How the learner read its policy weights at start: `slices` (lean start, each rank its own),
     `broadcast` (lean start, rank 0 read the whole checkpoint), `whole` (one process) or `whole, sharded`;
     null before it starts."""
+    writes_failing: dict[str, dict[str, Any]] = {}
+    """The background writes failing now with an `OSError` (a full disk, an I/O error), by kind
+    (`weights`, `checkpoint`): `path`, `reason` (errno name), `error`, `version`, `bytes_needed`, `since`
+    (Unix seconds), `failures`, `retry_in_s`. Retried with backoff while training goes on; empty when none."""
+    intake_stopped: str | None = None
+    """Why the learner takes no new groups (state `waiting_for_checkpoint`); null when it takes them."""
+    undurable_steps: int = 0
+    """Learner steps not covered by a durable checkpoint (capped by `checkpoint.max_undurable_steps`)."""
+    groups_dropped: dict[str, int] = {}
+    """Groups dynamic sampling did not train since start (`screening`), by reason (`zero_variance`,
+    `all_truncated`); acknowledged like trained ones. Empty when none was dropped."""
     error: str | None = None
     """Why the loop stopped, when it failed."""
 

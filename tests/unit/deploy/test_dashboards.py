@@ -193,6 +193,70 @@ def test_version_lag_alert_compares_with_the_learners_max_staleness(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+def _promtool_test(tmp_path, name: str, cases: list[dict]) -> None:
+    from deploy.checks import ALERTS_FILE
+
+    path = tmp_path / f"{name}_test.yml"
+    path.write_text(yaml.safe_dump({"rule_files": [str(ALERTS_FILE)], "tests": cases}))
+    out = subprocess.run(
+        [promtool(), "test", "rules", str(path)], capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _learner_case(alert: str, series: dict[str, str], fires: bool, summary: str = "") -> dict:
+    """A promtool test of a learner alert over 15 one-minute samples of `series` (name -> values)."""
+    labels = '{instance="learner:8000",job="learner",run_id="r1"}'
+    firing = {
+        "exp_labels": {"severity": "critical", "run_id": "r1"},
+        "exp_annotations": {
+            "summary": summary,
+            "description": next(r for r in alert_rules() if r["alert"] == alert)["annotations"][
+                "description"
+            ],
+        },
+    }
+    return {
+        "interval": "1m",
+        "input_series": [{"series": name + labels, "values": values} for name, values in series.items()],
+        "alert_rule_test": [
+            {"eval_time": "15m", "alertname": alert, "exp_alerts": [firing] if fires else []}
+        ],
+    }
+
+
+def test_checkpoint_old_alert_counts_checkpoint_intervals(tmp_path):
+    """Fires past 3 checkpoint intervals without a durable checkpoint (31 > 3 x 10), not at 30, not with
+    on-demand checkpoints only (checkpoint_every 0); the interval is the learner's gauge."""
+
+    def case(undurable: str, every: str, fires: bool) -> dict:
+        series = {"offpolicy_learner_undurable_steps": f"{undurable}x15",
+                  "offpolicy_learner_checkpoint_every_steps": f"{every}x15"}  # fmt: skip
+        summary = f"No durable checkpoint for {undurable} learner steps (over 3 checkpoint intervals)"
+        return _learner_case("OffpolicyCheckpointOld", series, fires, summary)
+
+    _promtool_test(tmp_path, "checkpoint_old", [case("31", "10", True), case("30", "10", False),
+                                                case("100", "0", False)])  # fmt: skip
+
+
+def test_publishing_failing_alert_fires_only_while_no_version_lands(tmp_path):
+    """Fires while weights writes fail and nothing is published; not while publishes still succeed (a
+    failure now and then, retried), nor when only checkpoints fail."""
+
+    def case(failures: str, publishes: str, kind: str, fires: bool) -> dict:
+        series = {f'offpolicy_learner_write_failures_total{{kind="{kind}",reason="ENOSPC"}}': failures,
+                  "offpolicy_learner_publishes_total": publishes}  # fmt: skip
+        summary = "Publishing weights is failing: no version published in 10 minutes"
+        return _learner_case("OffpolicyPublishingFailing", series, fires, summary)
+
+    cases = [case("0+3x15", "5x15", "weights", True), case("0+3x15", "5+1x15", "weights", False),
+             case("0+3x15", "5x15", "checkpoint", False)]  # fmt: skip
+    for c in cases:  # the labelled counter series: the run's labels go inside its braces
+        for s in c["input_series"]:
+            s["series"] = s["series"].replace('"}{', '",')
+    _promtool_test(tmp_path, "publishing_failing", cases)
+
+
 # --- runs and config changes
 
 

@@ -52,6 +52,13 @@ def test_redis_trouble_is_retried_with_backoff_and_reported() -> None:
     assert gaps[0] >= RETRY_INITIAL_S * 0.9 and gaps[1] >= 2 * RETRY_INITIAL_S * 0.9  # doubled
 
 
+def test_a_full_disk_met_by_a_flush_does_not_end_run() -> None:
+    """A flush that meets a failing write (an OSError: retried in the background) is not a bug."""
+    learner = ScriptedLearner([None, WriteFailed("checkpoint", 4, OSError(28, "No space left")), None])
+    learner.run(threading.Event())
+    assert learner.state == "finished" and learner.step_count == 2
+
+
 def test_no_data_is_not_trouble() -> None:
     learner = ScriptedLearner([BufferNotReady("empty"), None])
     learner.run(threading.Event())
@@ -59,7 +66,7 @@ def test_no_data_is_not_trouble() -> None:
 
 
 @pytest.mark.parametrize(
-    "error", [WriteFailed("checkpoint", 4, OSError("disk full")), RuntimeError("bug"), ValueError("nan loss")]
+    "error", [WriteFailed("checkpoint", 4, TypeError("a bug")), RuntimeError("bug"), ValueError("nan loss")]
 )
 def test_anything_else_ends_run(error: BaseException) -> None:
     learner = ScriptedLearner([None, error, None])
