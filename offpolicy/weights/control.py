@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -64,6 +65,36 @@ class Member:
         )
 
 
+class Liveness:
+    """Which members are dead by their heartbeats, as the learner sees them (`observe` at every read of the
+    members): a member whose record is gone, or whose beat count has not moved for `lapse_s` (the actors'
+    `heartbeat_s` and a quarter of it for jitter), is dead, whatever its record's TTL (3 heartbeats) says.
+    A member is first seen alive: its count starts moving then."""
+
+    def __init__(self, lapse_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.lapse_s, self._clock = lapse_s, clock
+        self._seen: dict[tuple[str, str], tuple[int, float]] = {}  # (id, incarnation) -> (beats, since)
+
+    def observe(self, members: Sequence[Member]) -> None:
+        now = self._clock()
+        for m in members:
+            key = (m.actor_id, m.incarnation)
+            beats, _ = self._seen.get(key, (None, now))
+            if beats != m.beats:
+                self._seen[key] = (m.beats, now)
+
+    def stopped(self, m: Member) -> bool:
+        """`m`'s beat count has not moved for `lapse_s` (call `observe` first)."""
+        beats, since = self._seen.get((m.actor_id, m.incarnation), (m.beats, self._clock()))
+        return beats == m.beats and self._clock() - since > self.lapse_s
+
+    def dead(self, live: Sequence[Member], ids: Sequence[str]) -> set[str]:
+        """Of `ids`, those dead given `live` (the members read just now; observed here)."""
+        self.observe(live)
+        by_id = {m.actor_id: m for m in live}
+        return {i for i in ids if i not in by_id or self.stopped(by_id[i])}
+
+
 @dataclass(frozen=True, slots=True)
 class Ack:
     """An actor's answer to one command."""
@@ -99,20 +130,31 @@ class LearnerControl:
         pipe.execute()
         return token
 
-    def acks(self, token: str, expected: int, timeout_s: float) -> list[Ack]:
-        """Up to `expected` answers to command `token`, waiting at most `timeout_s` in all."""
+    def acks(
+        self, token: str, expected: int | Sequence[str], timeout_s: float, liveness: Liveness | None = None
+    ) -> list[Ack]:
+        """Up to `expected` answers (a count, or the actor ids) to command `token`, waiting at most
+        `timeout_s` in all; with `liveness` (and ids), no longer than it takes to see the silent ones dead
+        (`Liveness.lapse_s`): the members are read every quarter of it."""
+        ids = None if isinstance(expected, int) else list(expected)
+        count = expected if ids is None else len(ids)
         deadline, out = time.monotonic() + timeout_s, []
         key = self.keys.ack_prefix + token
-        while len(out) < expected:
+        poll = 5.0 if liveness is None or ids is None else max(0.05, liveness.lapse_s / 4)
+        while len(out) < count:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            got = self._client.blpop([key], timeout=min(max(left, 0.01), 5.0))  # < the socket timeout
+            got = self._client.blpop([key], timeout=min(max(left, 0.01), poll, 5.0))  # < the socket timeout
             if got is not None:
                 doc = json.loads(got[1])
                 out.append(
                     Ack(doc["actor_id"], bool(doc["ok"]), doc.get("error", ""), doc.get("seconds", 0.0))
                 )
+            elif liveness is not None and ids is not None:
+                missing = [i for i in ids if i not in {a.actor_id for a in out}]
+                if missing and liveness.dead(self.members(), missing) == set(missing):
+                    break  # every silent one is dead: no answer is coming
         self._client.delete(key)
         return out
 

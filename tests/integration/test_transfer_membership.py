@@ -1,18 +1,22 @@
 """The transfer group's membership and bounds on real Redis, without engines: heartbeats expire, a member
-that never answers makes the send fail within `timeout_s` and sits out the next send, a restarted member
-(a new incarnation) comes back at once, and a send with no members is a no-op."""
+that beats but never answers makes the send fail within `timeout_s` and sits out the next send, a
+restarted member (a new incarnation) comes back at once, and a send with no members is a no-op. A member
+whose heartbeats stop is dead within its lapse (1.25 x `heartbeat_s`), whatever its record's TTL: never
+admitted to a send, its answers not awaited (an update the others confirmed stands, the dead one dropped)."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
 
-from offpolicy.learner.transport.vllm import VllmTransport
+from offpolicy.learner.transport.vllm import FanoutClient, VllmTransport
 from offpolicy.weights.config import TransferConfig
-from offpolicy.weights.control import ActorControl, LearnerControl
+from offpolicy.weights.control import ActorControl, LearnerControl, Liveness
 
 pytestmark = pytest.mark.redis
 
@@ -27,6 +31,31 @@ def _beat(redis_url: str, run_id: str, actor_id: str, ttl_s: float, control: Act
             await c.close()
 
     asyncio.run(go())
+
+
+@contextmanager
+def beating(redis_url: str, run_id: str, actor_id: str, answer: bool = False):
+    """`actor_id` beats every heartbeat (alive) until the block ends (dead: its record stays 3 beats);
+    with `answer`, it also takes every command and answers it ok."""
+    stop = threading.Event()
+
+    async def go():
+        c = ActorControl(redis_url, run_id, actor_id)
+        while not stop.is_set():
+            await c.heartbeat(1, 0, 3 * CFG.heartbeat_s)
+            if not answer:
+                await asyncio.sleep(CFG.heartbeat_s)
+            elif (cmd := await c.next_command(CFG.heartbeat_s)) is not None:
+                await c.answer(cmd["token"], True)
+        await c.close()
+
+    t = threading.Thread(target=asyncio.run, args=(go(),), daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
 
 
 def test_membership_expires_with_the_heartbeat(redis_url, run_id):
@@ -47,18 +76,19 @@ def test_a_silent_member_fails_the_send_within_its_bound_then_sits_out(redis_url
     transport = VllmTransport(CFG, control, lambda: weights, torch.float32)
     try:
         assert transport.send(1).ok and transport.send(1).group_size == 0  # nobody yet: nothing to do
-        _beat(redis_url, run_id, "silent", 30.0)  # announced, never executes a command
-        t0 = time.monotonic()
-        failed = transport.send(2)
-        took = time.monotonic() - t0
-        assert not failed.ok and failed.group_size == 1 and "silent" in failed.error
-        assert took < CFG.timeout_s + 1.0, took
-        assert not transport.busy or time.sleep(CFG.timeout_s) is None
-        skipped = transport.send(3)  # benched for one send
-        assert skipped.ok and skipped.group_size == 0
-        again = transport.send(4)  # back in, still silent: fails again, now benched for two sends
-        assert not again.ok and again.group_size == 1
-        assert transport.send(5).group_size == 0 and transport.send(6).group_size == 0
+        with beating(redis_url, run_id, "silent"):  # alive, announced, never executes a command
+            time.sleep(2 * CFG.heartbeat_s)
+            t0 = time.monotonic()
+            failed = transport.send(2)
+            took = time.monotonic() - t0
+            assert not failed.ok and failed.group_size == 1 and "silent" in failed.error
+            assert took < CFG.timeout_s + 1.0, took
+            assert not transport.busy or time.sleep(CFG.timeout_s) is None
+            skipped = transport.send(3)  # benched for one send
+            assert skipped.ok and skipped.group_size == 0
+            again = transport.send(4)  # back in, still silent: fails again, now benched for two sends
+            assert not again.ok and again.group_size == 1
+            assert transport.send(5).group_size == 0 and transport.send(6).group_size == 0
         # a restart (new incarnation) comes back at once
         _beat(redis_url, run_id, "silent", 30.0)
         t0 = time.monotonic()
@@ -66,3 +96,44 @@ def test_a_silent_member_fails_the_send_within_its_bound_then_sits_out(redis_url
         assert time.monotonic() - t0 < CFG.timeout_s + 1.0
     finally:
         transport.close()
+
+
+def test_a_member_whose_heartbeats_stop_is_never_admitted(redis_url, run_id):
+    control = LearnerControl(redis_url, run_id)
+    transport = VllmTransport(CFG, control, lambda: {"w": torch.ones(2)}, torch.float32)
+    try:
+        with beating(redis_url, run_id, "gone"):
+            time.sleep(2 * CFG.heartbeat_s)
+            assert [m.actor_id for m in control.members()] == ["gone"]
+            transport.liveness.observe(control.members())
+        time.sleep(1.25 * CFG.heartbeat_s + 0.1)  # its record lives 3 beats; its count stopped moving
+        assert [m.actor_id for m in control.members()] == ["gone"]  # still announced
+        t0 = time.monotonic()
+        result = transport.send(1)
+        assert result.ok and result.group_size == 0, result  # not admitted: no rendezvous waited for
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        transport.close()
+
+
+def test_answers_are_not_awaited_from_the_dead(redis_url, run_id):
+    """An update two members took: the live one answers, the other's heartbeats stopped; the wait ends
+    within the lapse (timeout_s is 5 s) and the update stands, the dead member dropped."""
+    control = LearnerControl(redis_url, run_id)
+    liveness = Liveness(1.25 * CFG.heartbeat_s)
+    try:
+        with beating(redis_url, run_id, "live", answer=True):
+            with beating(redis_url, run_id, "dead"):
+                time.sleep(2 * CFG.heartbeat_s)
+                members = control.members()
+                liveness.observe(members)
+            assert [m.actor_id for m in members] == ["dead", "live"]
+            client = FanoutClient(control, members, epoch=1, timeout_s=CFG.timeout_s, liveness=liveness)
+            client.version = 3
+            t0 = time.monotonic()
+            client.update_weights({"names": []})
+            took = time.monotonic() - t0
+        assert client.dropped == {"dead"}
+        assert took < 1.25 * CFG.heartbeat_s + 1.0 < CFG.timeout_s, took
+    finally:
+        control.close()

@@ -16,6 +16,8 @@ class TransferResult:
     group_size: int = 0  # receiving actors (the learner's rank is not counted)
     ok: bool = True
     error: str = ""
+    dropped: tuple[str, ...] = ()  # members found dead during the send (their heartbeats stopped): left out
+    dead_wait_s: float = 0.0  # seconds the send spent on dead members (finding them, sending again)
 
 
 class WeightTransport(Protocol):

@@ -65,9 +65,22 @@ class TransferMetrics:
         self.version = Gauge(
             "offpolicy_learner_transfer_version", "Newest version every group member confirmed", registry=r
         )
+        self.dropped = Counter(
+            "offpolicy_learner_transfer_members_dropped_total",
+            "Members found dead during a send (heartbeats stopped) and left out of it",
+            registry=r,
+        )
+        self.dead_wait = Histogram(
+            "offpolicy_learner_transfer_dead_wait_seconds",
+            "Seconds a send spent on members that died in it (finding them, sending again to the others)",
+            buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60), registry=r,
+        )  # fmt: skip
 
     def observe(self, result: TransferResult) -> None:
         self.group_size.set(result.group_size)
+        if result.dropped:
+            self.dropped.inc(len(result.dropped))
+            self.dead_wait.observe(result.dead_wait_s)
         if not result.ok:
             self.failures.inc()
             return

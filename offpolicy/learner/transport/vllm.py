@@ -15,6 +15,12 @@ member died mid-update, an answer missing or an error) tears the group down, is 
 goes on training and writing file generations; members whose heartbeat count has not moved since are left
 out of the next group until it moves again (a restarted actor has a new incarnation and joins afresh,
 after it loaded the newest file generation).
+
+A dying actor costs a heartbeat, not a step (`weights.control.Liveness`: a member whose heartbeat record
+is gone or whose beat count has not moved for 1.25 x `heartbeat_s` is dead): the answers of a send stop
+being awaited from dead members (an update the live ones confirmed is a success, the dead ones
+`dropped`); a send broken by a member's death is made again at once to the survivors; a dead member is
+never admitted to a send. `dead_wait_s` of the result is what the dead cost the step.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from offpolicy.learner.transport.base import TransferResult
+from offpolicy.weights.control import Liveness
 
 if TYPE_CHECKING:
     from offpolicy.weights.config import TransferConfig
@@ -83,19 +90,35 @@ def _weight_source(state: Callable[[], dict[str, torch.Tensor]], dtype: torch.dt
 class FanoutClient:
     """vLLM's weight-sync control plane (the four calls) fanned out to the group's members over Redis."""
 
-    def __init__(self, control: LearnerControl, members: list[Member], epoch: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        control: LearnerControl,
+        members: list[Member],
+        epoch: int,
+        timeout_s: float,
+        liveness: Liveness | None = None,
+    ) -> None:
         self.control, self.members, self.epoch, self.timeout_s = control, members, epoch, timeout_s
+        self.liveness = liveness
         self.version: int | None = None  # set before each send: the members tag what they received
+        self.dropped: set[str] = set()  # members found dead in the last update (their answers not awaited)
 
     @property
     def ids(self) -> list[str]:
         return [m.actor_id for m in self.members]
 
-    def _call(self, body: dict[str, Any]) -> None:
+    def _call(self, body: dict[str, Any], tolerate_dead: bool = False) -> None:
+        """Send `body` to every member and wait for their answers (not for the dead's: `Liveness`); an error
+        or a missing answer raises `TransferFailed` naming them, except, with `tolerate_dead`, the dead
+        (`dropped`: the others' update stands)."""
         token = self.control.command(self.ids, {**body, "epoch": self.epoch}, ttl_s=2 * self.timeout_s)
-        acks = self.control.acks(token, len(self.members), self.timeout_s)
+        acks = self.control.acks(token, self.ids, self.timeout_s, self.liveness)
         bad = [f"{a.actor_id}: {a.error}" for a in acks if not a.ok]
         missing = sorted(set(self.ids) - {a.actor_id for a in acks})
+        if tolerate_dead and missing and not bad and self.liveness is not None:
+            dead = self.liveness.dead(self.control.members(), missing)
+            self.dropped |= dead
+            missing = [i for i in missing if i not in dead]
         if bad or missing:
             raise TransferFailed(
                 f"{body['op']} (epoch {self.epoch}): errors {bad or 'none'}; "
@@ -115,7 +138,7 @@ class FanoutClient:
 
     def update_weights(self, update_info: Any) -> None:
         assert self.version is not None, "set the version before sending"
-        self._call({"op": "update", "version": self.version, "update_info": update_info})
+        self._call({"op": "update", "version": self.version, "update_info": update_info}, tolerate_dead=True)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Nothing to do here: each member finished and tagged the version before answering the update."""
@@ -146,6 +169,7 @@ class VllmTransport:
         local_rank: int = 0,
     ) -> None:
         self.config, self.control = config, control
+        self.liveness = Liveness(1.25 * config.heartbeat_s)
         self.device = transfer_device(config.backend, local_rank)
         self.source = _weight_source(state, dtype, self.device)
         _trainer_init_info(config, config.address, 0, 1)  # imports (and registers) now, not in a send's bound
@@ -171,14 +195,47 @@ class VllmTransport:
         return 0 if self.client is None else len(self.client.members)
 
     def send(self, version: int) -> TransferResult:
-        """Send `version` to the live members; never waits longer than `timeout_s` (+ one Redis read)."""
-        t0 = time.perf_counter()
+        """Send `version` to the live members; never waits longer than `timeout_s` (+ one Redis read), and
+        a member that dies in it costs at most its lapse (`Liveness`) and a send to the survivors."""
         if self.busy:  # the last one is still unwinding
             return TransferResult(version, 0.0, ok=False, error="the previous send is still unwinding")
         self._sends += 1
-        members = [m for m in self.control.members() if self._admitted(m)]
+        live = self.control.members()
+        self.liveness.observe(live)
+        members = [m for m in live if self._admitted(m) and not self.liveness.stopped(m)]
         for m in members:  # beating again (or restarted): back in
             self._stalled.pop(m.actor_id, None)
+        first = self._send_to(version, members)
+        if first.ok or not members or self.busy:
+            return first
+        t0 = time.perf_counter()  # the send broke: was it a member's death? then once more to the others
+        dead = self._find_dead([m.actor_id for m in members])
+        survivors = [m for m in members if m.actor_id not in dead]
+        if not dead or not survivors:
+            return first
+        for m in survivors:  # the broken group stalled them all: the living ones are not to blame
+            self._stalled.pop(m.actor_id, None)
+        log.warning("v%d: %s died in the send; sending again to %d survivor(s)", version, sorted(dead),
+                    len(survivors))  # fmt: skip
+        again = self._send_to(version, survivors)
+        spent = time.perf_counter() - t0
+        return TransferResult(
+            version, first.seconds + spent, again.bytes, again.group_size, again.ok, again.error,
+            tuple(sorted(dead | set(again.dropped))), spent,
+        )  # fmt: skip
+
+    def _find_dead(self, ids: list[str]) -> set[str]:
+        """Of `ids`, those whose heartbeats stopped, waiting at most one lapse for them to show it."""
+        deadline = time.monotonic() + self.liveness.lapse_s + 0.1
+        while True:
+            dead = self.liveness.dead(self.control.members(), ids)
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(self.liveness.lapse_s / 4)
+
+    def _send_to(self, version: int, members: list[Member]) -> TransferResult:
+        """One send of `version` to `members` (the group formed again when they changed)."""
+        t0 = time.perf_counter()
         if not members:
             self._teardown()
             return TransferResult(version, 0.0, group_size=0)
@@ -199,7 +256,12 @@ class VllmTransport:
             return TransferResult(version, seconds, 0, len(members), ok=False, error=error)
         for m in members:  # a clean send clears past strikes
             self._benched.pop(m.actor_id, None)
-        return TransferResult(version, seconds, outcome["bytes"], len(members))
+        dropped = tuple(sorted(self.client.dropped)) if self.client is not None else ()
+        if dropped:  # confirmed by the others; the dead leave the group before the next send
+            log.warning("v%d: %s died during the send; the %d other(s) confirmed it", version, list(dropped),
+                        len(members) - len(dropped))  # fmt: skip
+            self._teardown()
+        return TransferResult(version, seconds, outcome["bytes"], len(members), dropped=dropped)
 
     def _admitted(self, m: Member) -> bool:
         """Whether a live member goes into this send's group: not stalled since a failure (its heartbeat
@@ -226,6 +288,7 @@ class VllmTransport:
             assert self.engine is not None
             if self.client is not None:  # the controller (on N ranks, rank 0 only)
                 self.client.version = version
+                self.client.dropped = set()
             self.engine.send_weights()
             outcome["bytes"] = getattr(self.engine, "bytes_sent", 0)
         except Exception as e:  # translated: reported as a failed transfer, never raised into the step
@@ -239,7 +302,7 @@ class VllmTransport:
         self._teardown()
         self.epoch += 1
         cfg = self.config
-        client = FanoutClient(self.control, members, self.epoch, _inner(cfg))
+        client = FanoutClient(self.control, members, self.epoch, _inner(cfg), self.liveness)
         port = cfg.port or _free_port()
         world = 1 + sum(m.workers for m in members)
         info = _trainer_init_info(cfg, cfg.address, port, world)
