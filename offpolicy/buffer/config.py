@@ -50,9 +50,14 @@ class BufferConfig(ConfigModel):
     steps); older groups are dropped and counted. None = no staleness gate."""
     sampler: Sampler = "fifo"
     """How `sample` chooses among eligible groups: `fifo` (oldest insert first), `newest`, `uniform`,
-    `staleness_weighted` (weight 1/(staleness+1)), `prioritized` (weight = priority + priority_epsilon)."""
+    `staleness_weighted` (weight 1/(staleness+1)), `prioritized` (weight = (priority +
+    priority_epsilon)^priority_alpha)."""
     priority_epsilon: float = Field(0.01, ge=0.0)
     """Added to every priority of the `prioritized` sampler so zero-advantage groups keep a chance."""
+    priority_alpha: float = Field(1.0, ge=0.0, le=16.0)
+    """The `prioritized` sampler's exponent (prioritized experience replay's alpha): a group is chosen
+    with probability proportional to (priority + priority_epsilon)^alpha; 0 = uniform among the groups
+    with a priority, 1 = proportional to the priority (the default, as before the exponent existed)."""
     min_size_to_sample: int = Field(1, ge=1)
     """Reverb's MinSize: sampling waits until the buffer holds this many groups."""
     samples_per_insert: float | None = Field(None, gt=0.0)

@@ -16,6 +16,7 @@ use is acked. `dead_letter` sets aside a group that cannot be trained; `dead_let
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -47,9 +48,30 @@ def _max_times(cfg: BufferConfig) -> int:
     return cfg.max_times_sampled or 0
 
 
-def ack_args(cfg: BufferConfig, keys: BufferKeys, consumer: str, lease_ids: Sequence[str]) -> list:
+_ACK_HEAD = 6  # ack_args' fixed arguments: an ack with fewer has no lease id
+
+
+def ack_args(
+    cfg: BufferConfig,
+    keys: BufferKeys,
+    consumer: str,
+    lease_ids: Sequence[str],
+    priorities: Sequence[float | None] | None = None,
+) -> list:
+    """lease.lua `ack`; with `priorities` (one per lease id, None = unchanged) each id is followed by its
+    group's new priority."""
     ids = [str(i) for i in lease_ids]
-    return ["ack", check_consumer(consumer), _max_times(cfg), keys.payload_prefix, keys.consumer_prefix, *ids]
+    head = ["ack", check_consumer(consumer), _max_times(cfg), keys.payload_prefix, keys.consumer_prefix]
+    if priorities is None:
+        return [*head, "0", *ids]
+    if len(priorities) != len(ids):
+        raise ValueError(f"{len(priorities)} priorities for {len(ids)} lease ids")
+    pairs: list = []
+    for lease_id, p in zip(ids, priorities, strict=True):
+        if p is not None and not (isinstance(p, int | float) and math.isfinite(p) and p >= 0):
+            raise ValueError(f"priority {p!r} of lease {lease_id} must be a finite number >= 0")
+        pairs += [lease_id, "" if p is None else repr(float(p))]
+    return [*head, "1", *pairs]
 
 
 def renew_args(keys: BufferKeys, consumer: str, lease_s: float) -> list:
@@ -127,11 +149,15 @@ class LeaseOps:
         lease = LeaseArgs(check_consumer(consumer), check_lease_s(lease_s))
         return leased_result(consumer, self._take(num_groups, consumer_version, timeout_s, lease))
 
-    def ack(self, consumer: str, lease_ids: Sequence[str]) -> Acked:
+    def ack(
+        self, consumer: str, lease_ids: Sequence[str], priorities: Sequence[float | None] | None = None
+    ) -> Acked:
         """Acknowledge leases: each use now counts (max_times_sampled, removal, `sampled_total`). Ids that
-        are not the consumer's outstanding leases are reported in `Acked.unknown` and change nothing."""
-        args = ack_args(self.config, self._core.keys, consumer, lease_ids)
-        if len(args) == 5:
+        are not the consumer's outstanding leases are reported in `Acked.unknown` and change nothing.
+        `priorities` (one per id, None = unchanged): the groups that stay in the buffer and have a
+        priority (inserted under `prioritized`) take these, atomically with the ack (one script call)."""
+        args = ack_args(self.config, self._core.keys, consumer, lease_ids, priorities)
+        if len(args) == _ACK_HEAD:
             return Acked(0, 0)
         return acked_result(self._core, self._call(lambda: self._lease_op(args), "ack"))
 
@@ -197,10 +223,12 @@ class AsyncLeaseOps:
         lease = LeaseArgs(check_consumer(consumer), check_lease_s(lease_s))
         return leased_result(consumer, await self._take(num_groups, consumer_version, timeout_s, lease))
 
-    async def ack(self, consumer: str, lease_ids: Sequence[str]) -> Acked:
+    async def ack(
+        self, consumer: str, lease_ids: Sequence[str], priorities: Sequence[float | None] | None = None
+    ) -> Acked:
         """See `LeaseOps.ack`."""
-        args = ack_args(self.config, self._core.keys, consumer, lease_ids)
-        if len(args) == 5:
+        args = ack_args(self.config, self._core.keys, consumer, lease_ids, priorities)
+        if len(args) == _ACK_HEAD:
             return Acked(0, 0)
         return acked_result(self._core, await self._call(lambda: self._lease_op(args), "ack"))
 

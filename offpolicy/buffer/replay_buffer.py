@@ -35,6 +35,20 @@ from offpolicy.buffer.storage import (
 from offpolicy.buffer.types import BufferStats, InsertResult, TrajectoryGroup
 
 
+def merge_priorities(indexed: list, held: list) -> list[float | None]:
+    """Per group: its score in the priority index, else the priority of its `held` record ("seq pv pr",
+    "-" = none), else None."""
+    out: list[float | None] = []
+    for score, meta in zip(indexed, held, strict=True):
+        if score is not None:
+            out.append(float(score))
+        elif meta is not None and meta.split()[2] != b"-":
+            out.append(float(meta.split()[2]))
+        else:
+            out.append(None)
+    return out
+
+
 class ReplayBuffer(BufferHandle, LeaseOps):
     """Synchronous replay buffer over Redis (the learner's side; also used by tests and tools)."""
 
@@ -168,6 +182,21 @@ class ReplayBuffer(BufferHandle, LeaseOps):
                 )
             self._core.metrics.waits["pace"].inc()
             time.sleep(delay)
+
+    def priorities(self, group_ids: Sequence[str]) -> list[float | None]:
+        """The `prioritized` sampler's current priority of each group (indexed or held; None: none, or
+        not stored): what prioritized replay's importance weights are computed from."""
+        ids = list(group_ids)
+        if not ids:
+            return []
+        k = self._core.keys
+
+        def read():
+            pipe = self._client.pipeline(transaction=True)
+            pipe.zmscore(k.priority, ids).hmget(k.held, ids)
+            return pipe.execute()
+
+        return merge_priorities(*self._call(read, "priorities"))
 
     def publish_table(self) -> None:
         """The learner's side: store this config's table-wide fields for the producers that follow it."""
@@ -334,6 +363,20 @@ class AsyncReplayBuffer(BufferHandle, AsyncLeaseOps):
                 )
             self._core.metrics.waits["pace"].inc()
             await asyncio.sleep(delay)
+
+    async def priorities(self, group_ids: Sequence[str]) -> list[float | None]:
+        """See `ReplayBuffer.priorities`."""
+        ids = list(group_ids)
+        if not ids:
+            return []
+        k = self._core.keys
+
+        async def read():
+            pipe = self._client.pipeline(transaction=True)
+            pipe.zmscore(k.priority, ids).hmget(k.held, ids)
+            return await pipe.execute()
+
+        return merge_priorities(*(await self._call(read, "priorities")))
 
     async def stats(self) -> BufferStats:
         """See `ReplayBuffer.stats`."""

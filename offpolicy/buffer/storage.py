@@ -342,6 +342,7 @@ def sample_args(
         lease.consumer if lease else "",
         max(1, round(lease.lease_s * 1000)) if lease else 0,
         keys.consumer_prefix,
+        _num(cfg.priority_alpha),
     ]
 
 

@@ -50,6 +50,7 @@ class Batch:
     returns: torch.Tensor | None = None  # (B, R) GAE returns (critic targets)
     values: torch.Tensor | None = None  # (B, R) critic values at sampling time
     ref_log_probs: torch.Tensor | None = None  # (B, R) the reference policy's (KL loss), no grad
+    teacher_log_probs: torch.Tensor | None = None  # (B, R) the distillation teacher's, no grad
 
     @property
     def num_rows(self) -> int:

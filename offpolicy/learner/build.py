@@ -6,8 +6,9 @@ own shards (learner/distributed/lean.py: `fsdp.lean_start`), so no rank holds a 
 memory or on its GPU; with `lean_start: false` every rank loads the whole model into host memory and each
 decoder layer moves to the GPU as it is sharded. `Trainables` is what
 a step trains and a checkpoint saves; `set_optimizer_hparams` applies a new optimizer config in place.
-`build_reference` loads the frozen reference policy of the KL loss (never checkpointed: it is reloaded
-from its `model_path` on resume).
+`build_reference` and `build_teacher` load the frozen reference policy of the KL loss and the teacher of
+on-policy distillation, both by `build_frozen` (never checkpointed: reloaded from their `model_path` on
+resume).
 """
 
 from __future__ import annotations
@@ -146,32 +147,56 @@ def build_trainables(
 def build_reference(
     config: LearnerConfig, device: torch.device, precision: Precision, sharded: bool
 ) -> torch.nn.Module | None:
-    """The frozen reference policy (`LogProbs`) of the KL loss, or None when `kl_loss_coef` is 0. Its
-    weights are in the compute dtype (bf16 under `bf16_mixed`: what autocast computes with anyway), from
-    `reference.model_path` or the policy's `model_path`. `sharded`: FSDP2 like the policy (with
-    `reference.cpu_offload`: `CPUOffloadPolicy`; lean start like the policy); one process with
-    `reference.cpu_offload`: decoder layers streamed from host memory (`model.reference.stream_layers`)."""
+    """The frozen reference policy of the KL loss, or None when `kl_loss_coef` is 0: `build_frozen` of
+    `reference.model_path` or the policy's `model_path`."""
     if config.kl_loss_coef == 0:
         return None
-    rc = config.reference
-    offload = rc.cpu_offload and device.type == "cuda"
-    path, dtype = rc.model_path or config.model_path, precision.compute_dtype or precision.param_dtype
+    rc, path = config.reference, config.reference.model_path or config.model_path
+    return build_frozen(config, path, rc.cpu_offload, device, precision, sharded)
+
+
+def build_teacher(
+    config: LearnerConfig, device: torch.device, precision: Precision, sharded: bool
+) -> torch.nn.Module | None:
+    """The frozen teacher of on-policy distillation, or None without `teacher.model_path`: `build_frozen`
+    of its path (the tokenizers are compared before, by the trainer: `check_teacher_tokenizer`)."""
+    tc = config.teacher
+    if tc.model_path is None:
+        return None
+    return build_frozen(config, tc.model_path, tc.cpu_offload, device, precision, sharded)
+
+
+def build_frozen(
+    config: LearnerConfig,
+    path: str,
+    cpu_offload: bool,
+    device: torch.device,
+    precision: Precision,
+    sharded: bool,
+) -> torch.nn.Module:
+    """A frozen scorer (`LogProbs`: the KL reference or the distillation teacher) of the model at `path`.
+    Its weights are in the compute dtype (bf16 under `bf16_mixed`: what autocast computes with anyway).
+    `sharded`: FSDP2 like the policy (with `cpu_offload`: `CPUOffloadPolicy`; lean start like the policy);
+    one process with `cpu_offload`: decoder layers streamed from host memory
+    (`model.reference.stream_layers`)."""
+    offload = cpu_offload and device.type == "cuda"
+    dtype = precision.compute_dtype or precision.param_dtype
     attn = attention.resolve(config.attn_implementation, device)
     lean = sharded and config.fsdp.lean_start
     if lean:
         model = meta_model(path, dtype, attn_implementation=attn)
     else:
         model = load_model(path, "cpu" if sharded or offload else device, dtype, attn_implementation=attn)
-    reference = freeze(LogProbs(model, config.logprob_head))
+    frozen = freeze(LogProbs(model, config.logprob_head))
     layers = model.config.num_hidden_layers
     if sharded:
-        shard(reference, layers, precision, rc.cpu_offload, fsdp_mesh(config.fsdp.replicate, device))
+        shard(frozen, layers, precision, cpu_offload, fsdp_mesh(config.fsdp.replicate, device))
         if lean:
-            fill(reference, "lm", model, path, dtype, _init_device(rc.cpu_offload, device))
-            freeze(reference)
+            fill(frozen, "lm", model, path, dtype, _init_device(cpu_offload, device))
+            freeze(frozen)
     elif offload:
         stream_layers(model, decoder_layers(model, layers), device)
-    return reference
+    return frozen
 
 
 def fill(
@@ -276,6 +301,8 @@ class Built:
     """The memory plan's choices: checkpointing and the `auto` token budgets resolved (memory_plan.py)."""
     host_plan: dict[str, float] | None = None
     """This rank's host memory plan in GiB by part, and its node's total (learner/host_plan.py)."""
+    teacher: torch.nn.Module | None = None
+    """The frozen teacher of on-policy distillation; None without `teacher.model_path`."""
 
 
 def resolve_grad_sync(
@@ -306,16 +333,22 @@ def plan_host(config: LearnerConfig, ranks: Ranks, shard_ranks: int) -> dict[str
     from transformers import AutoConfig
 
     params = ModelShape.of(AutoConfig.from_pretrained(str(config.model_path))).params
+    teacher = config.teacher.model_path
+    taught = ModelShape.of(AutoConfig.from_pretrained(str(teacher))).params if teacher else None
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if ranks.distributed else 1
     leader_node = ranks.rank < per_node
-    need = host_plan.check(config, params, shard_ranks, per_node, leader_node, host_plan.cgroup_limit())
-    mine = host_plan.host_plan(config, params, shard_ranks, ranks.distributed, ranks.is_leader)
+    limit = host_plan.cgroup_limit()
+    need = host_plan.check(config, params, shard_ranks, per_node, leader_node, limit, teacher_params=taught)
+    mine = host_plan.host_plan(
+        config, params, shard_ranks, ranks.distributed, ranks.is_leader, teacher_params=taught
+    )
     return mine.as_dict() | {"node_total": need / GIB}
 
 
 def build_models(config: LearnerConfig, ranks: Ranks) -> Built:
     """The device and precision, the memory plan checked against the device (before any weight loads),
-    then the trainables and the KL reference, with the host memory their build took."""
+    then the trainables, the KL reference and the distillation teacher, with the host memory their build
+    took."""
     device = local_device(ranks, pick_device(config.device))
     precision = Precision.resolve(config.precision, device)
     # the ranks a parameter is sharded over: all of them, or one replica group's (fsdp.replicate)
@@ -333,6 +366,7 @@ def build_models(config: LearnerConfig, ranks: Ranks) -> Built:
             config, device, precision, ranks.distributed, checkpointing
         )
         reference = build_reference(config, device, precision, ranks.distributed)
+        teacher = build_teacher(config, device, precision, ranks.distributed)
     log.info(
         "start-up host memory: rank %d peak %d bytes above the %d before the models were built "
         "(lean_start=%s)",
@@ -351,4 +385,5 @@ def build_models(config: LearnerConfig, ranks: Ranks) -> Built:
         start_way,
         settings,
         host,
+        teacher,
     )

@@ -12,6 +12,10 @@ finds the leases of the one that died. A lease is acknowledged once the update t
 - `delivery: step`: acked right after the update (runs without checkpoints; a crash loses the update but
   not the group's count).
 
+With `priorities.update` each lease's group priority (learner/rl/priorities.py), computed when it was
+trained, goes with its acknowledgement: one script call acks the leases and re-prioritises the groups that
+stay in the buffer.
+
 A helper thread renews the consumer's leases every `lease_s / 4` while the process lives (also while paused
 or waiting for Redis), so only a dead learner's leases expire, back into the buffer after `lease_s`.
 """
@@ -47,6 +51,7 @@ class Delivery:
         self.buffer, self.mode, self.lease_s, self.metrics = buffer, mode, lease_s, metrics
         self.consumer = consumer_name(run_id)
         self.unacked: list[str] = []  # trained, not acknowledged yet (in training order)
+        self.priorities: dict[str, float] = {}  # lease id -> its group's new priority, written with its ack
         self._in_checkpoint: dict[int, list[str]] = {}  # checkpoint version -> lease ids it holds
         self._durable: list[int] = []  # checkpoint versions the writer made durable, not acked yet
         self._lock = threading.Lock()  # guards _durable (appended from the writer thread)
@@ -68,9 +73,12 @@ class Delivery:
 
     # --- the training thread
 
-    def trained(self, lease_ids: Sequence[str]) -> None:
-        """The step's update used these leases; with `delivery: step` they are acked now."""
+    def trained(self, lease_ids: Sequence[str], priorities: Sequence[float] | None = None) -> None:
+        """The step's update used these leases (`priorities`: their groups' new priorities, one each, to
+        write with the ack); with `delivery: step` they are acked now."""
         self.unacked.extend(lease_ids)
+        if priorities is not None:
+            self.priorities.update(zip(lease_ids, priorities, strict=True))
         if self.mode == "step":
             self._ack(list(self.unacked))
 
@@ -100,7 +108,13 @@ class Delivery:
     def _ack(self, ids: list[str]) -> None:
         if not ids:
             return
-        result = self.buffer.ack(self.consumer, ids)
+        priorities = [self.priorities.get(i) for i in ids]
+        if any(p is not None for p in priorities):
+            result = self.buffer.ack(self.consumer, ids, priorities)
+        else:
+            result = self.buffer.ack(self.consumer, ids)
+        for i in ids:
+            self.priorities.pop(i, None)
         if result.unknown:  # expired while Redis was unreachable: the groups went back and may train again
             log.warning(
                 "%d lease(s) were lost before their ack (expired): at-least-once", len(result.unknown)
@@ -127,3 +141,4 @@ class Delivery:
         if release and self.unacked:
             self.buffer.release(self.consumer, list(self.unacked))
             self.unacked = []
+            self.priorities.clear()

@@ -35,6 +35,11 @@ class FrozenFieldChange(LearnerError, ValueError):
         self.fields = fields
 
 
+class TokenizerMismatch(LearnerError, ValueError):
+    """The distillation teacher's tokenizer is not the policy's (vocabulary or special tokens differ): its
+    log-probs of the sampled token ids would score other tokens. Raised at start, naming both models."""
+
+
 class CheckpointsDisabled(LearnerError):
     """An on-demand checkpoint was asked for, but the running config has `checkpoint.checkpoint_dir: null`."""
 

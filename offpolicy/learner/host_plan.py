@@ -20,6 +20,8 @@ Per rank, for P parameters sharded over S ranks (FSDP2; S = 1 on one process):
   `publish.gather_bucket_mb` (persist/background_gather.py).
 - `cpu_offload`: `fsdp.cpu_offload`: the rank's fp32 masters, gradients and AdamW state, 16 B x P / S.
 - `reference`: `reference.cpu_offload`: the KL reference's weights in the compute dtype (2 B x P / S).
+- `teacher`: `teacher.cpu_offload`: the distillation teacher's weights in the compute dtype (2 B x P_teacher
+  / S, P_teacher its own parameters).
 
 A node holds `ranks_per_node` ranks; the leader's node adds the leader's parts. `check` refuses a node plan
 above the cgroup limit, naming the parts and the knobs that lower them.
@@ -53,6 +55,7 @@ class HostPlan:
     published_sets: int
     cpu_offload: int
     reference: int
+    teacher: int = 0
 
     @property
     def steady(self) -> int:
@@ -62,6 +65,7 @@ class HostPlan:
             + self.published_sets
             + self.cpu_offload
             + self.reference
+            + self.teacher
         )
 
     @property
@@ -74,9 +78,15 @@ class HostPlan:
 
 
 def host_plan(
-    config: LearnerConfig, params: int, shard_ranks: int, distributed: bool, leader: bool
+    config: LearnerConfig,
+    params: int,
+    shard_ranks: int,
+    distributed: bool,
+    leader: bool,
+    teacher_params: int | None = None,
 ) -> HostPlan:
-    """The host plan of one rank training `params` parameters sharded over `shard_ranks` ranks."""
+    """The host plan of one rank training `params` parameters sharded over `shard_ranks` ranks (the
+    distillation teacher's `teacher_params`; None = `params`)."""
     share = shard_ranks if distributed else 1
     compute = 4 if config.precision == "fp32" else 2
     publish = 2  # the checkpoint's dtype, bf16 for the models this plans for
@@ -102,20 +112,27 @@ def host_plan(
         reference=compute * params // share
         if config.kl_loss_coef > 0 and config.reference.cpu_offload
         else 0,
+        teacher=compute * (teacher_params or params) // share
+        if config.teacher.model_path is not None and config.teacher.cpu_offload
+        else 0,
     )
 
 
 def node_bytes(
-    config: LearnerConfig, params: int, shard_ranks: int, ranks_per_node: int, leader_node: bool
+    config: LearnerConfig,
+    params: int,
+    shard_ranks: int,
+    ranks_per_node: int,
+    leader_node: bool,
+    teacher_params: int | None = None,
 ) -> int:
     """Host bytes of one node's ranks (the leader's node: one leader and `ranks_per_node - 1` others)."""
     distributed = shard_ranks > 1 or ranks_per_node > 1
-    other = host_plan(config, params, shard_ranks, distributed, leader=False).total
+    other = host_plan(config, params, shard_ranks, distributed, False, teacher_params).total
     if not leader_node:
         return ranks_per_node * other
-    return (
-        host_plan(config, params, shard_ranks, distributed, leader=True).total + (ranks_per_node - 1) * other
-    )
+    leader = host_plan(config, params, shard_ranks, distributed, True, teacher_params).total
+    return leader + (ranks_per_node - 1) * other
 
 
 def cgroup_limit() -> int | None:
@@ -137,13 +154,14 @@ def check(
     ranks_per_node: int,
     leader_node: bool,
     limit: int | None,
+    teacher_params: int | None = None,
 ) -> int:
     """The node's planned host bytes; `MemoryPlanError` when they exceed `limit` (None: no limit)."""
-    need = node_bytes(config, params, shard_ranks, ranks_per_node, leader_node)
+    need = node_bytes(config, params, shard_ranks, ranks_per_node, leader_node, teacher_params)
     if limit is None or need <= limit:
         return need
     distributed = shard_ranks > 1 or ranks_per_node > 1
-    plan = host_plan(config, params, shard_ranks, distributed, leader=leader_node)
+    plan = host_plan(config, params, shard_ranks, distributed, leader_node, teacher_params)
     parts = ", ".join(f"{k} {v:.1f}" for k, v in plan.as_dict().items() if k != "total")
     raise MemoryPlanError(
         f"the host memory plan of this node needs ~{need / GIB:.1f} GiB ({ranks_per_node} rank(s); the "

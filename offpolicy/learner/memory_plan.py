@@ -24,7 +24,9 @@ under FSDP, 1 on one process):
 - the reference policy of the KL loss (`kl_loss_coef > 0`): P_ref x the compute dtype (2 B under
   `bf16_mixed` and `bf16_pure`, 4 B under `fp32`) / N; with `reference.cpu_offload` in host memory (on one
   process its embeddings and LM head stay on the device; the layers it gathers or streams exist only during
-  its own no-grad pass, when no training activations are alive).
+  its own no-grad pass, when no training activations are alive);
+- the teacher of on-policy distillation (`teacher.model_path` set): counted as the reference is, with its
+  own shape and `teacher.cpu_offload`.
 
 Deliberately simple: an estimate for decoder-only transformers (coefficients measured with
 saved-tensor hooks on Llama and Qwen3 layers), not a measurement (no allocator fragmentation, no NCCL
@@ -111,15 +113,16 @@ class MemoryPlan:
     activations: int
     lm_head_chunk: int
     host_offloaded: int  # weights, gradients and AdamW state in host memory (`fsdp.cpu_offload`), and the
-    # reference's weights with `reference.cpu_offload`
+    # reference's and the teacher's weights with their `cpu_offload`
     reference: int = 0  # the KL loss's frozen reference policy on the device
     layer_in_flight: int = 0  # one decoder layer's working set in the backward pass (never at the same
     # time as the LM head's chunk, whose backward comes first)
+    teacher: int = 0  # the distillation teacher on the device
 
     @property
     def total(self) -> int:
         return sum((self.weights, self.gradients, self.optimizer, self.compute_copies, self.activations,
-                    max(self.lm_head_chunk, self.layer_in_flight), self.reference))  # fmt: skip
+                    max(self.lm_head_chunk, self.layer_in_flight), self.reference, self.teacher))  # fmt: skip
 
     def as_dict(self) -> dict[str, float]:
         """The parts and the total in GiB (JSON-safe: `/v1/status`)."""
@@ -135,11 +138,12 @@ def estimate(
     cuda: bool,
     reference: ModelShape | None = None,
     tokens: int | None = None,
+    teacher: ModelShape | None = None,
 ) -> MemoryPlan:
     """The memory plan of one of `ranks` ranks training `shape` (`sharded`: FSDP2 over the ranks) on
     micro-batches of `tokens` tokens (None = `micro_batch_tokens`, `DEFAULT_TOKENS` for `auto`; padded
     rows: `micro_batch_size` rows at the model's context length); the KL loss's reference is of shape
-    `reference` (None = `shape`)."""
+    `reference` (None = `shape`), the distillation teacher of shape `teacher` (None = `shape`)."""
     precision = config.precision or ("bf16_mixed" if cuda else "fp32")
     master = 2 if precision == "bf16_pure" else 4
     compute = 4 if precision == "fp32" else 2
@@ -160,6 +164,8 @@ def estimate(
             config.micro_batch_size * shape.context
         )  # fmt: skip
     ref_device, ref_host = reference_bytes(config, reference or shape, share, sharded, compute)
+    on, offloaded = config.teacher.model_path is not None, config.teacher.cpu_offload
+    teacher_device, teacher_host = frozen_bytes(on, offloaded, teacher or shape, share, sharded, compute)
     stream = activation_precision(precision, sharded)
     return MemoryPlan(
         weights=0 if offload else state,
@@ -168,9 +174,10 @@ def estimate(
         compute_copies=copies,
         activations=tokens * token_bytes(shape, stream, checkpointing),
         lm_head_chunk=head_bytes(config, shape, compute, cuda),
-        host_offloaded=(4 * state if offload else 0) + ref_host,
+        host_offloaded=(4 * state if offload else 0) + ref_host + teacher_host,
         reference=ref_device,
         layer_in_flight=tokens * shape.in_flight_bytes(stream),
+        teacher=teacher_device,
     )
 
 
@@ -208,10 +215,19 @@ def reference_bytes(
 ) -> tuple[int, int]:
     """(device, host) bytes of the KL loss's reference policy on one rank (in the compute dtype, sharded
     over `share` ranks); (0, 0) when `kl_loss_coef` is 0."""
-    if config.kl_loss_coef == 0:
+    on = config.kl_loss_coef > 0
+    return frozen_bytes(on, config.reference.cpu_offload, shape, share, sharded, compute)
+
+
+def frozen_bytes(
+    on: bool, cpu_offload: bool, shape: ModelShape, share: int, sharded: bool, compute: int
+) -> tuple[int, int]:
+    """(device, host) bytes of a frozen scorer (the KL reference, the distillation teacher) on one rank, in
+    the compute dtype, sharded over `share` ranks; (0, 0) when it is not loaded (`on` False)."""
+    if not on:
         return 0, 0
     full = shape.params * compute // share
-    if not config.reference.cpu_offload:
+    if not cpu_offload:
         return full, 0
     # in host memory; what it gathers or streams onto the device lives only during its own pass, when no
     # training activations are alive; on one process its embeddings and LM head stay on the device
@@ -257,6 +273,7 @@ def choose(
     cuda: bool,
     limit: int | None,
     reference: ModelShape | None = None,
+    teacher: ModelShape | None = None,
 ) -> Settings:
     """Resolve `gradient_checkpointing` (None = `auto` on CUDA, off elsewhere), `micro_batch_tokens` and
     `no_grad_micro_batch_tokens` against `limit` bytes (None: no limit, as on CPU): checkpointing `auto` is
@@ -269,7 +286,9 @@ def choose(
     def largest(checkpointing: bool | None) -> int:  # tokens that fit beside the fixed parts
         if limit is None:
             return DEFAULT_TOKENS
-        fixed = estimate(config, shape, ranks, sharded, bool(checkpointing), cuda, reference, tokens=0)
+        fixed = estimate(
+            config, shape, ranks, sharded, bool(checkpointing), cuda, reference, tokens=0, teacher=teacher
+        )
         kept = token_bytes(shape, stream, checkpointing)
         layer = 0 if checkpointing is None else shape.in_flight_bytes(stream)
         room = limit - fixed.total + fixed.lm_head_chunk  # the head's chunk, or a layer in flight
@@ -290,9 +309,8 @@ def choose(
         no_grad = tokens
     elif no_grad == "auto":
         no_grad = tokens if limit is None else max(tokens, largest(None))
-    plan = estimate(
-        config, shape, ranks, sharded, setting, cuda, reference, tokens if config.packing else None
-    )
+    tokens_planned = tokens if config.packing else None
+    plan = estimate(config, shape, ranks, sharded, setting, cuda, reference, tokens_planned, teacher)
     return Settings(setting, tokens, no_grad, plan)
 
 
@@ -306,16 +324,23 @@ def shapes_of(config: LearnerConfig) -> tuple[ModelShape, ModelShape | None]:
     return shape, None
 
 
+def teacher_shape(config: LearnerConfig) -> ModelShape | None:
+    """The shape of the distillation teacher (its config read, no weight loaded); None without one."""
+    path = config.teacher.model_path
+    return None if path is None else ModelShape.of(AutoConfig.from_pretrained(str(path)))
+
+
 def plan_for(config: LearnerConfig, ranks: int, sharded: bool, checkpointing: bool, cuda: bool) -> MemoryPlan:
     """`estimate` for the model `config.model_path` names."""
     shape, reference = shapes_of(config)
-    return estimate(config, shape, ranks, sharded, checkpointing, cuda, reference)
+    teacher = teacher_shape(config)
+    return estimate(config, shape, ranks, sharded, checkpointing, cuda, reference, teacher=teacher)
 
 
 def settings_for(config: LearnerConfig, ranks: int, sharded: bool, cuda: bool, limit: int | None) -> Settings:
     """`choose` for the model `config.model_path` names."""
     shape, reference = shapes_of(config)
-    return choose(config, shape, ranks, sharded, cuda, limit, reference)
+    return choose(config, shape, ranks, sharded, cuda, limit, reference, teacher_shape(config))
 
 
 def device_limit(config: LearnerConfig, device: torch.device) -> int | None:
@@ -345,6 +370,11 @@ def check(
         + (
             f"; the KL loss's reference takes {plan.reference / GIB:.1f}: set reference.cpu_offload: true"
             if plan.reference and not config.reference.cpu_offload
+            else ""
+        )
+        + (
+            f"; the distillation teacher takes {plan.teacher / GIB:.1f}: set teacher.cpu_offload: true"
+            if plan.teacher and not config.teacher.cpu_offload
             else ""
         )
     )

@@ -28,8 +28,8 @@ from prometheus_client.registry import Collector
 
 PREFIX = "offpolicy_learner_"
 PHASES = (
-    "sample_wait", "collate", "old_logprob", "ref_logprob", "forward_backward", "optimizer", "publish",
-    "checkpoint",
+    "sample_wait", "collate", "old_logprob", "ref_logprob", "teacher_logprob", "forward_backward",
+    "optimizer", "publish", "checkpoint",
 )  # fmt: skip
 """Critical-path phases of a step; `publish` and `checkpoint` are the host snapshots only (the writes run
 on the background writer and are timed by `offpolicy_learner_background_write_seconds`)."""
@@ -350,7 +350,7 @@ class LearnerMetrics:
     def record_step(self, step_metrics: Mapping[str, float], phases: Mapping[str, float]) -> None:
         """Set the gauges from one step's metrics dict and observe its phase times; keep the dict."""
         for key, value in step_metrics.items():
-            if key.startswith(("rollout_corr/", "actor/", "critic/", "eval/")) or key in SCALARS:
+            if key.startswith(("rollout_corr/", "actor/", "critic/", "eval/", "distill/")) or key in SCALARS:
                 self._gauge(key).set(value)
         for phase, seconds in phases.items():
             self.phase_seconds.labels(phase=phase).observe(seconds)

@@ -42,6 +42,7 @@ from offpolicy.buffer.codec import decode_group, encode_group
 from offpolicy.buffer.errors import BufferNotReady, RateLimited, StorageUnavailable
 from offpolicy.buffer.evaluations import EvalStore
 from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.buffer.samplers import group_priority
 from offpolicy.buffer.types import Leased
 from offpolicy.learner.build import Trainables, build_models, set_optimizer_hparams
 from offpolicy.learner.config import LearnerConfig, frozen_field_changes
@@ -56,13 +57,15 @@ from offpolicy.learner.distributed import (
     broadcast_command,
     current,
 )
-from offpolicy.learner.errors import FrozenFieldChange, IntakeStopped, WriteFailed
+from offpolicy.learner.errors import FrozenFieldChange, IntakeStopped, TokenizerMismatch, WriteFailed
 from offpolicy.learner.metrics import LearnerMetrics, timed
 from offpolicy.learner.model import checkpoint_dtype, load_tokenizer
+from offpolicy.learner.model.reference import tokenizer_differences
 from offpolicy.learner.persist import BackgroundWriter, Persistence
 from offpolicy.learner.resume_config import ResumedConfig, resumed_config
 from offpolicy.learner.rl import ModelLimits, StepContext, field_label, screen, train_on
 from offpolicy.learner.rl.dynamic_sampling import Filled, fill
+from offpolicy.learner.rl.priorities import importance_weights, priority, weighted
 from offpolicy.learner.tracking import StepLog, build_tracker
 from offpolicy.learner.transport.publisher import make_publisher
 from offpolicy.weights.record import PolicyStore
@@ -113,10 +116,12 @@ class Learner:
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
         # --- model (master weights in the precision's dtype), optimizer, schedule, critic; tokenizer
+        check_teacher_tokenizer(config)  # before any weight loads
         built = build_models(config, ranks)
         self.device, self.precision, self.memory_plan = built.device, built.precision, built.memory_plan
         self.settings = built.settings  # the memory plan's choices (`auto` budgets resolved)
         self.reference, self._publish_keys = built.reference, built.publish_keys
+        self.teacher = built.teacher  # on-policy distillation's frozen teacher; None without one
         self.startup_host_bytes, self.startup_host_exact = built.startup_host_bytes, built.startup_host_exact
         self.grad_sync, self.start_way, self.host_plan = built.grad_sync, built.start_way, built.host_plan
         self.groups_dropped: dict[str, int] = {}  # dynamic sampling: groups dropped since start, by reason
@@ -359,6 +364,7 @@ class Learner:
         if not groups:  # nothing trainable in this sample: no update, the loop samples again
             self.heartbeat()
             return {"groups_dropped": float(len(filled.dropped))}
+        groups = self._weighted(groups)  # prioritized replay's importance weights, on the groups
         command = self._command("step", groups)
         applied: dict[str, float] = {}  # the update's metrics, once it is applied
         if cfg.screening != ScreeningConfig():  # dynamic sampling's part of the step's metrics
@@ -372,7 +378,7 @@ class Learner:
         with self._step_lock:
             trained = [lease_of[g.group_id] for g in groups]
             try:
-                self._execute(command, groups, phases, lambda: self.delivery.trained(trained), applied)
+                self._execute(command, groups, phases, lambda: self._trained(trained, groups), applied)
             except BaseException:
                 if applied:  # applied, then an ack, publish or background write failed: it still counts
                     self._record(applied | applied_extra, phases, groups)
@@ -408,7 +414,8 @@ class Learner:
         """Dropped groups are consumed: their leases are held (and acked) like trained ones, never trained."""
         if not filled.dropped:
             return
-        self.delivery.trained([lease_of[d.group.group_id] for d in filled.dropped])
+        dropped = [d.group for d in filled.dropped]
+        self._trained([lease_of[g.group_id] for g in dropped], dropped)
         for d in filled.dropped:
             self.metrics.groups_dropped.labels(reason=d.reason).inc()
             self.groups_dropped[d.reason] = self.groups_dropped.get(d.reason, 0) + 1
@@ -417,6 +424,28 @@ class Learner:
                 "dynamic sampling: %d group(s) dropped, %d trainable after %d refill round(s)",
                 len(filled.dropped), len(filled.groups), filled.rounds,
             )  # fmt: skip
+
+    def _trained(self, lease_ids: list[str], groups: list) -> None:
+        """The groups' leases are consumed (trained or dropped); with `priorities.update` each group's new
+        priority at the current version goes with its ack (learner/rl/priorities.py)."""
+        cfg = self.config
+        if not cfg.priorities.update:
+            self.delivery.trained(lease_ids)
+            return
+        decay, norm = cfg.priorities.staleness_decay, cfg.norm_adv_by_std_in_grpo
+        new = [priority(g, self.version, decay, cfg.adv_estimator, norm) for g in groups]
+        self.delivery.trained(lease_ids, new)
+
+    def _weighted(self, groups: list) -> list:
+        """With `priorities.beta` > 0 under the `prioritized` sampler: the groups carrying their importance
+        weights, from their current priorities in the buffer (learner/rl/priorities.py)."""
+        cfg, table = self.config, self.config.buffer
+        if cfg.priorities.beta == 0 or table.sampler != "prioritized":
+            return groups
+        now = self.buffer.priorities([g.group_id for g in groups])
+        ps = [p if p is not None else group_priority(g) for p, g in zip(now, groups, strict=True)]
+        beta = cfg.priorities.beta
+        return weighted(groups, importance_weights(ps, table.priority_epsilon, table.priority_alpha, beta))
 
     def undurable_steps(self) -> int:
         """Learner steps not covered by a durable checkpoint (0 without checkpoints: nothing to cover)."""
@@ -589,6 +618,7 @@ class Learner:
             step_count=self.step_count,
             trainables=self.trainables(),
             reference=self.reference,
+            teacher=self.teacher,
             before_update=self.persist.fence,
             metrics=self.metrics if self.ranks.is_leader else None,
             grad_sync=self.grad_sync,
@@ -644,3 +674,18 @@ class Learner:
             self.delivery.close(release=True)
             self.buffer.close()
             self.store.close()
+
+
+def check_teacher_tokenizer(config: LearnerConfig) -> None:
+    """Refuse a distillation teacher whose tokenizer is not the policy's (`TokenizerMismatch`, naming both
+    models and what differs): its log-probs of the sampled ids would score other tokens."""
+    teacher = config.teacher.model_path
+    if teacher is None:
+        return
+    diff = tokenizer_differences(load_tokenizer(config.model_path), load_tokenizer(teacher))
+    if diff:
+        raise TokenizerMismatch(
+            f"teacher.model_path={str(teacher)!r} has another tokenizer than model_path="
+            f"{str(config.model_path)!r}: {'; '.join(diff)}. On-policy distillation scores the student's "
+            "token ids with the teacher: both must share the vocabulary and special tokens"
+        )

@@ -126,11 +126,15 @@ def _plan(learner: Any, where: str, gpus: int, gpu_memory_gib: float | None, rep
         shape = _model_shape(str(learner.model_path))
         ref_path = learner.reference.model_path
         reference = _model_shape(str(ref_path)) if learner.kl_loss_coef > 0 and ref_path else None
+        teacher_path = learner.teacher.model_path
+        teacher = _model_shape(str(teacher_path)) if teacher_path else None
     except (OSError, ValueError) as e:
         report.fail(where, f"model_path: its config.json cannot be read here, so no memory plan: {e}")
         return
     checkpointing = learner.gradient_checkpointing is not False
-    plan = estimate(learner, shape, gpus, gpus > 1, checkpointing, cuda=True, reference=reference)
+    plan = estimate(
+        learner, shape, gpus, gpus > 1, checkpointing, cuda=True, reference=reference, teacher=teacher
+    )
     parts = ", ".join(f"{k} {v:.1f}" for k, v in plan.as_dict().items() if k != "total")
     report.lines.append(
         f"memory plan: {plan.total / GIB:.1f} GiB per rank on {gpus} GPU(s) "

@@ -74,6 +74,15 @@ CASES: dict[str, Case] = {
         (pytest.mark.redis,),
         timeout_s=180,
     ),
+    "learning_signal.py": Case(
+        _keys("runs steps_to_target mean_steps_to_target ratio_dynamic_vs_plain ratio_prioritized_vs_plain"),
+        lambda o: (
+            set(o["steps_to_target"]) == {"plain", "dynamic", "prioritized"}
+            and all(r["steps_to_target"] >= 1 for r in o["runs"])
+        ),
+        (pytest.mark.redis,),
+        timeout_s=180,
+    ),
     "learner.py": Case(  # another owner's script: its `--smoke` prints at least these
         _keys("shape step_s device"),
         lambda o: o["step_s"] > 0,

@@ -1,8 +1,11 @@
 -- A consumer's leases (taken by sample.lua) and the dead-letter list, atomically. ARGV[1] is the op:
---   ack:     consumer, max_times, payload_prefix, consumer_prefix, lease ids...
+--   ack:     consumer, max_times, payload_prefix, consumer_prefix, with_priorities ('0' | '1'), then
+--            lease ids... ('1': each id followed by its group's new priority, '' = unchanged)
 --            each of the consumer's leases ends and its use counts (uses + 1, `acked`, `sampled`); a
 --            group whose acked uses reach max_times_sampled with no lease left out leaves the buffer
---            (counted evicted:max_times_sampled). Returns {acked, retired, the unknown ids...}.
+--            (counted evicted:max_times_sampled). A group that stays and has a priority (inserted under
+--            `prioritized`) takes the new one, indexed or held, in the same call (counted
+--            `reprioritized`). Returns {acked, retired, the unknown ids...}.
 --   renew:   consumer, lease_ms, consumer_prefix -> every lease of the consumer gets deadline now +
 --            lease_ms. Returns the number of leases renewed.
 --   release: consumer, max_times, consumer_prefix, lease ids... (none: all of the consumer's) -> the
@@ -37,9 +40,33 @@ local function ids_from(first)
   return ids
 end
 
+-- A stored group's new priority: in the priority index when indexed, in its `held` record when held;
+-- only for groups that have one. Returns 1 when it changed something.
+local function reprioritize(gid, priority)
+  if redis.call('ZSCORE', K.prio, gid) then
+    redis.call('ZADD', K.prio, 'XX', priority, gid)
+    return 1
+  end
+  local meta = redis.call('HGET', K.held, gid)
+  if not meta then return 0 end
+  local seq, pv, pr = string.match(meta, '^(%S+) (%S+) (%S+)$')
+  if pr == '-' then return 0 end
+  redis.call('HSET', K.held, gid, seq .. ' ' .. pv .. ' ' .. priority)
+  return 1
+end
+
 if op == 'ack' then
   local consumer, max_times, payload_prefix, consumer_prefix = ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]
-  local mine, vals, unknown = owned(consumer, ids_from(6))
+  local ids, new_priority = ids_from(7), {}
+  if ARGV[6] == '1' then
+    local plain = {}
+    for i = 1, #ids, 2 do
+      plain[#plain + 1] = ids[i]
+      if ids[i + 1] ~= '' then new_priority[ids[i]] = ids[i + 1] end
+    end
+    ids = plain
+  end
+  local mine, vals, unknown = owned(consumer, ids)
   local gids = forget_leases(mine, vals, consumer_prefix)
   local stored = stored_set(gids)
   local left = unlease(gids, stored)
@@ -54,6 +81,11 @@ if op == 'ack' then
     end
   end
   retire(retired, payload_prefix, false)
+  local n_prio = 0
+  for i, id in ipairs(mine) do
+    if new_priority[id] then n_prio = n_prio + reprioritize(gids[i], new_priority[id]) end
+  end
+  if n_prio > 0 then redis.call('HINCRBY', K.counters, 'reprioritized', n_prio) end
   if #mine > 0 then
     redis.call('HINCRBY', K.counters, 'acked', #mine)
     redis.call('HINCRBY', K.counters, 'sampled', #mine)

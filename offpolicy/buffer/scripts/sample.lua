@@ -8,7 +8,7 @@
 -- ARGV: k, consumer_version, max_staleness (-1 = none), max_times_sampled (0 = none), sampler, seed,
 --       min_size_to_sample, use_ratio (0|1), samples_per_insert, min_diff, priority_epsilon,
 --       payload_prefix, out_prefix (unique to the call), consumer ('' = consume), lease_ms,
---       consumer_prefix (per-consumer lease sets: consumer_prefix .. consumer)
+--       consumer_prefix (per-consumer lease sets: consumer_prefix .. consumer), priority_alpha
 -- Returns: {status, size, n_stale, n_consumed, n_expired, then the chosen group ids, then (lease) their
 --   lease ids}. status: 1 ok, 2 rate limited (ratio), 3 below min_size_to_sample, 4 fewer than k
 --   eligible groups, 5 more stale groups left to drop than one call drops (the client calls again).
@@ -26,6 +26,7 @@ local min_diff = tonumber(ARGV[10])
 local eps = tonumber(ARGV[11])
 local payload_prefix, out_prefix = ARGV[12], ARGV[13]
 local consumer, lease_ms, consumer_prefix = ARGV[14], tonumber(ARGV[15]), ARGV[16]
+local alpha = tonumber(ARGV[17] or '1')
 local STALE_CHUNK = 2000  -- stale groups dropped per call (the rest: status 5, the client calls again)
 
 run_even_at_maxmemory()
@@ -61,7 +62,7 @@ if size < k then return {4, stored, n_stale, 0, n_expired} end
 if sampler == 'prioritized' and redis.call('ZCARD', K.prio) < k then return {4, stored, n_stale, 0, n_expired} end
 
 -- 3. Choose k distinct groups (every indexed group is eligible after step 1): samplers.lua.
-local chosen = choose(sampler, k, size, consumer_version, eps)
+local chosen = choose(sampler, k, size, consumer_version, eps, alpha)
 
 -- 4. Consume or lease each chosen group, and hand its payload to the caller's out key. A payload that is
 -- gone (deleted behind the buffer's back, e.g. by maxmemory eviction) leaves its out key empty: that

@@ -76,11 +76,15 @@ local function staleness_bands(cv)
   return bands
 end
 
--- prioritized: weight priority + eps. Band b: weight in [2^b, 2^(b+1)), i.e. priority in
--- [2^b - eps, 2^(b+1) - eps); at most 64 bands (the lowest reaches down to -inf, or to 0 exclusive when
--- eps = 0, where the priority-0 groups form a band of weight 0).
-local function priority_bands(eps)
+-- prioritized: weight (priority + eps)^alpha (alpha 0: every weight 1, uniform). Band b: weight in
+-- [2^b, 2^(b+1)), i.e. priority in [2^(b/alpha) - eps, 2^((b+1)/alpha) - eps); at most 64 bands (the
+-- lowest reaches down to -inf, or to 0 exclusive when eps = 0, where the priority-0 groups form a band
+-- of weight 0).
+local function priority_bands(eps, alpha)
+  if alpha == 0 then return {{lo = '-inf', hi = '+inf', m = 1}} end
   local function fmt(x) return string.format('%.17g', x) end
+  local function log2w(u) return alpha * math.log(u) / math.log(2) end  -- log2 of the weight of u = p + eps
+  local function edge(b) return fmt(2 ^ (b / alpha) - eps) end  -- the priority where weight 2^b starts
   local bands = {}
   local low = '-inf'
   local first = redis.call('ZRANGE', K.prio, 0, 0, 'WITHSCORES')
@@ -93,24 +97,24 @@ local function priority_bands(eps)
     if #pos == 0 then return bands end
     lowest = tonumber(pos[2]) + eps
   end
-  local bmax = math.floor(math.log(top + eps) / math.log(2))
-  local bmin = math.max(math.floor(math.log(lowest) / math.log(2)), bmax - 63)
+  local bmax = math.floor(log2w(top + eps))
+  local bmin = math.max(math.floor(log2w(lowest)), bmax - 63)
   for b = bmin, bmax do
-    local hi = '(' .. fmt(2 ^ (b + 1) - eps)
+    local hi = '(' .. edge(b + 1)
     if b == bmax then hi = '+inf' end
-    bands[#bands + 1] = {lo = low, hi = hi, m = math.max(2 ^ (b + 1), top + eps)}
+    bands[#bands + 1] = {lo = low, hi = hi, m = math.max(2 ^ (b + 1), (top + eps) ^ alpha)}
     if b < bmax then bands[#bands].m = 2 ^ (b + 1) end
-    low = fmt(2 ^ (b + 1) - eps)
+    low = edge(b + 1)
   end
   return bands
 end
 
-local function choose(sampler, k, size, cv, eps)
+local function choose(sampler, k, size, cv, eps, alpha)
   if sampler == 'fifo' then return redis.call('ZRANGE', K.order, 0, k - 1) end
   if sampler == 'newest' then return redis.call('ZREVRANGE', K.order, 0, k - 1) end
   if sampler == 'uniform' then return uniform(k, size) end
   if sampler == 'staleness_weighted' then
     return banded(K.byver, staleness_bands(cv), function(pv) return 1 / (math.max(cv - pv, 0) + 1) end, k)
   end
-  return banded(K.prio, priority_bands(eps), function(p) return p + eps end, k)
+  return banded(K.prio, priority_bands(eps, alpha), function(p) return math.max(p + eps, 0) ^ alpha end, k)
 end

@@ -18,6 +18,7 @@ from offpolicy.config.base import FROZEN, ConfigModel, IdStr, PathStr
 from offpolicy.config.loader import env_overrides as env_overrides
 from offpolicy.config.loader import load_layered
 from offpolicy.config.loader import merge as merge
+from offpolicy.learner.config.priorities import PrioritiesConfig
 from offpolicy.learner.config.publish import CheckpointConfig, PublishConfig
 from offpolicy.learner.config.screening import ScreeningConfig
 from offpolicy.learner.config.tracking import TrackingConfig
@@ -133,6 +134,26 @@ class ReferenceConfig(ConfigModel):
     (pinned host copies; embeddings, final norm and LM head stay on the GPU). Slower reference passes."""
 
 
+class TeacherConfig(ConfigModel):
+    """On-policy distillation: a frozen teacher scores each token the student sampled; the per-token reward
+    is the negative reverse KL, -(log pi_old - log pi_teacher), mixed with the task's advantage
+    (learner/rl/advantages.py `distill`; docs/learner.md "On-policy distillation"). Off while `model_path`
+    is None. Built like the reference (learner/build.py `build_frozen`): sharded like the policy on N ranks,
+    optionally in host memory."""
+
+    model_path: PathStr | None = Field(None, json_schema_extra=FROZEN)
+    """The teacher's weights (a folder or a hub id); its tokenizer must match the policy's (vocabulary and
+    special tokens, checked at start). None = no teacher, no distillation."""
+    cpu_offload: bool = Field(False, json_schema_extra=FROZEN)
+    """Keep the teacher's weights in host memory, as `reference.cpu_offload` does for the reference."""
+    reward_weight: float = Field(1.0, ge=0.0, json_schema_extra=FROZEN)
+    """w_distill: the weight of the distillation term -(log pi_old - log pi_teacher) in each token's
+    advantage."""
+    task_reward_weight: float = Field(0.0, ge=0.0, json_schema_extra=FROZEN)
+    """w_task: the weight of the task's advantage (the configured estimator's, from the groups' rewards);
+    0 = pure distillation."""
+
+
 class LearnerConfig(ConfigModel):
     """Everything the learner loop reads; applied at step boundaries (DESIGN.md "Learner")."""
 
@@ -241,6 +262,8 @@ class LearnerConfig(ConfigModel):
     `low_var_kl` = k3), aggregated with `loss_agg_mode` over the response mask."""
     reference: ReferenceConfig = ReferenceConfig()
     """The reference policy of the KL loss (used only with `kl_loss_coef > 0`)."""
+    teacher: TeacherConfig = TeacherConfig()
+    """On-policy distillation from a frozen teacher (used only with `teacher.model_path` set)."""
     entropy_coeff: float = Field(0.0, ge=0.0)
     """Weight of the entropy bonus subtracted from the policy loss (`pg_loss - entropy_coeff * entropy`,
     the entropy of the policy's distribution at each trained token, at its temperature, aggregated with
@@ -265,6 +288,9 @@ class LearnerConfig(ConfigModel):
     screening: ScreeningConfig = ScreeningConfig()
     """Dynamic sampling: groups that teach nothing dropped, truncated completions filtered or punished, the
     batch kept full by sampling more (learner/rl/dynamic_sampling.py); off by default."""
+    priorities: PrioritiesConfig = PrioritiesConfig()
+    """Prioritized replay kept current: the priority the learner writes back with each ack, and the
+    importance weights (`beta`) that undo the `prioritized` sampler's bias (learner/rl/priorities.py)."""
     lease_s: float = Field(600.0, ge=1.0, le=86400.0)
     """Seconds a lease lasts unless renewed; the learner renews its leases every `lease_s / 4` while it
     lives, so only a dead learner's leases expire back into the buffer (a restarted one releases them at
@@ -318,6 +344,13 @@ class LearnerConfig(ConfigModel):
                 "delivery='checkpoint' acknowledges leases at periodic checkpoints, but checkpoint_dir="
                 f"{self.checkpoint.checkpoint_dir!r}, checkpoint_every={self.checkpoint.checkpoint_every!r}: "
                 "set both, or use delivery='step'"
+            )
+        distilling = self.teacher.model_path is not None and self.teacher.task_reward_weight == 0
+        if distilling and self.screening.drop_zero_variance:
+            raise ValueError(
+                "screening.drop_zero_variance drops groups by their task rewards, but with a teacher and "
+                "teacher.task_reward_weight=0 every group teaches through the distillation term: turn "
+                "drop_zero_variance off, or give the task reward a weight"
             )
         return self
 

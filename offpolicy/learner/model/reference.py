@@ -1,6 +1,8 @@
-"""The frozen reference policy of the KL loss: loaded once, never trained, optionally kept in host memory.
+"""The frozen scorers: the reference policy of the KL loss and the teacher of on-policy distillation, each
+loaded once, never trained, optionally kept in host memory (one machinery, two roles: learner/build.py
+`build_frozen`).
 
-The reference is a `LogProbs` like the policy (the same log-probs at each row's temperature, packed or
+A frozen scorer is a `LogProbs` like the policy (the same log-probs at each row's temperature, packed or
 padded), with every parameter frozen and in eval mode; the learner calls it under no_grad once per step on
 the same micro-batches as pi_old. On N ranks it is sharded like the policy (learner/build.py). On one CUDA
 process `stream_layers` keeps its decoder layers in pinned host memory and copies each to the GPU for its
@@ -13,6 +15,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from transformers import PreTrainedTokenizerBase
 
 
 def freeze(module: nn.Module) -> nn.Module:
@@ -46,3 +49,23 @@ def stream_layers(model: nn.Module, layers: Iterable[nn.Module], device: torch.d
     for t in (*model.parameters(), *model.buffers()):  # embeddings, final norm, LM head, rotary tables
         if id(t) not in streamed:
             t.data = t.data.to(device)
+
+
+def tokenizer_differences(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase) -> list[str]:
+    """What differs between two tokenizers that must give the same ids to the same tokens (the policy's and
+    the distillation teacher's): the vocabulary (size, then the first differing tokens) and the special
+    tokens (their names and ids). Empty: they match."""
+    out = []
+    a, b = student.get_vocab(), teacher.get_vocab()
+    if a != b:
+        diff = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])[:3]
+        some = ", ".join(f"{t!r}={i}" for t, i in diff)
+        out.append(f"vocabulary ({len(a)} vs {len(b)} tokens; e.g. {some})")
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        sa, sb = getattr(student, name), getattr(teacher, name)
+        ia, ib = getattr(student, f"{name}_id"), getattr(teacher, f"{name}_id")
+        if (sa, ia) != (sb, ib):
+            out.append(f"{name} ({sa!r}={ia} vs {sb!r}={ib})")
+    if sorted(student.all_special_tokens) != sorted(teacher.all_special_tokens):
+        out.append(f"special tokens ({student.all_special_tokens} vs {teacher.all_special_tokens})")
+    return out

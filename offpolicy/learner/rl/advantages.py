@@ -5,7 +5,8 @@ Pure functions. The outcome estimators take one scalar reward per completion (B,
 completion's advantage broadcast over its response mask and 0 on padding. They follow verl 0.9.1's
 `compute_grpo_outcome_advantage` / `compute_rloo_outcome_advantage`; `gae` is its
 `compute_gae_advantage_return` (advantages whitened over the mask, returns = raw advantages + values);
-`token_rewards` places each completion's reward on its last sampled token for GAE.
+`token_rewards` places each completion's reward on its last sampled token for GAE. `distill` mixes the
+per-token reward of on-policy distillation into the advantages.
 """
 
 from __future__ import annotations
@@ -122,3 +123,30 @@ def token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.T
     last = (response_mask.cumsum(-1) == response_mask.sum(-1, keepdim=True)) & (response_mask > 0)  # (B, R)
     first_last = last & (last.cumsum(-1) == 1)
     return first_last.float() * rewards[:, None]
+
+
+def distill(
+    advantages: Tensor,
+    old_log_probs: Tensor,
+    teacher_log_probs: Tensor,
+    response_mask: Tensor,
+    reward_weight: float,
+    task_reward_weight: float,
+) -> tuple[Tensor, Tensor]:
+    """On-policy distillation's advantages and the batch's reverse KL to the teacher.
+
+    Per token t of a row, with m_t the response mask (0 on padding, environment tokens and tokens the
+    rollout correction rejected):
+
+        A'_t = task_reward_weight * A_t + reward_weight * (log pi_teacher(y_t) - log pi_old(y_t)) * m_t
+
+    `advantages` (B, T) are the task's (any estimator's); pi_old is the policy that sampled (bypass mode:
+    the behaviour log-probs), all three log-probs (B, T) at the row's temperature and detached, so the
+    policy gradient of the unchanged PPO loss follows -(log pi - log pi_teacher): it minimises the reverse
+    KL(pi || pi_teacher) on the student's own samples (as TRL's, NeMo-RL's and Thinking Machines'
+    on-policy distillation). Returns (A', the token mean of log pi_old - log pi_teacher over the mask: the
+    reverse KL's per-token estimate, a 0-dim tensor)."""
+    m = response_mask.to(torch.float32)
+    gap = (old_log_probs.float() - teacher_log_probs.float()).detach() * m  # (B, T) log pi_old - log pi_T
+    mixed = task_reward_weight * advantages.float() * m - reward_weight * gap
+    return mixed, gap.sum() / m.sum().clamp(min=1.0)

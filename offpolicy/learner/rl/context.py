@@ -37,6 +37,7 @@ class StepContext:
     before_update: Callable[[dict[str, float]], None]  # runs before each optimizer step changes the weights
     metrics: LearnerMetrics | None  # the histograms only rank 0 exports; None on the other ranks
     grad_sync: str = "micro_batch"  # `fsdp.grad_sync` as resolved at start: mini_batch | micro_batch
+    teacher: torch.nn.Module | None = None  # the frozen teacher of on-policy distillation; None when off
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,6 @@
 """One learner step's training, spec §5.1 in order: collate → [decoupled] pi_old once, the correction,
-its mask replacing the response mask → advantages → [KL loss] the reference's log-probs → PPO epochs ×
+its mask replacing the response mask → advantages → [KL loss] the reference's log-probs → [distillation]
+the teacher's log-probs, the distillation term in the advantages (rl/advantages.py `distill`) → PPO epochs ×
 mini-batches (one optimizer step each, rl/update.py) → the step's metrics. On N ranks every rank runs it
 on the same batch (its own share of each mini-batch's groups). The trainer (learner/trainer.py) calls
 `train_on` with a frozen `StepContext` and advances its own version by the optimizer steps it reports.
@@ -13,10 +14,11 @@ from offpolicy.learner.batch import Batch, collate, token_staleness
 from offpolicy.learner.correction import compute_rollout_correction
 from offpolicy.learner.distributed.ranks import all_reduce_sum, reduce_means
 from offpolicy.learner.metrics import StalenessKL, metric_sums, timed
-from offpolicy.learner.rl.advantages import compute_advantages, gae, grpo, token_rewards
+from offpolicy.learner.rl.advantages import compute_advantages, distill, gae, grpo, token_rewards
 from offpolicy.learner.rl.context import StepContext, StepResult
 from offpolicy.learner.rl.dynamic_sampling import truncated_rows
 from offpolicy.learner.rl.microbatches import mini_batches, no_grad_logprobs, rows_forward
+from offpolicy.learner.rl.priorities import row_weights
 from offpolicy.learner.rl.update import optimizer_step
 
 
@@ -55,6 +57,17 @@ def train_on(ctx: StepContext, groups: list, phases: dict[str, float]) -> StepRe
     if ctx.reference is not None:  # the KL loss: the reference's log-probs on the same micro-batches
         with timed(phases, "ref_logprob"):
             batch.ref_log_probs = no_grad_logprobs(ctx.reference, batch, cfg, ctx.precision, ctx.ranks)
+    if ctx.teacher is not None:  # on-policy distillation: the teacher scores each sampled token
+        with timed(phases, "teacher_logprob"):
+            batch.teacher_log_probs = no_grad_logprobs(ctx.teacher, batch, cfg, ctx.precision, ctx.ranks)
+        tc = cfg.teacher
+        batch.advantages, reverse_kl = distill(
+            batch.advantages, batch.old_log_probs, batch.teacher_log_probs, batch.response_mask,
+            tc.reward_weight, tc.task_reward_weight,
+        )  # fmt: skip
+        host["distill/reverse_kl"] = float(reverse_kl)
+    # prioritized replay (`priorities.beta`): each group's importance weight undoes its sampling bias
+    batch.advantages = batch.advantages * row_weights(groups).to(ctx.device).unsqueeze(-1)  # (B, R)
     # --- PPO epochs × mini-batches × micro-batches
     acc: dict[str, list[torch.Tensor]] = {}
     order = torch.Generator().manual_seed(cfg.seed * 1_000_003 + ctx.step_count)  # same on every rank

@@ -51,6 +51,7 @@ from offpolicy.learner.errors import (
     IntakeStopped,
     LearnerError,
     MemoryPlanError,
+    TokenizerMismatch,
     UnknownPreset,
     WriteFailed,
 )
@@ -177,6 +178,7 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
     FrozenFieldChange: (409, "field_frozen"),
     CheckpointsDisabled: (409, "checkpoints_disabled"),
     CheckpointMismatch: (409, "checkpoint_mismatch"),
+    TokenizerMismatch: (422, "tokenizer_mismatch"),
     WriteFailed: (500, "write_failed"),
     IntakeStopped: (503, "intake_stopped"),
     MemoryPlanError: (422, "memory_plan_exceeds_device"),

@@ -124,13 +124,14 @@ class LearnerStatus(BaseModel):
     or infinite (a skipped update's gradient norm, say)."""
     memory_plan: dict[str, float] | None = None
     """The learner's memory estimate per rank in GiB, by part (weights, gradients, optimizer,
-    compute_copies, activations, lm_head_chunk, host_offloaded, reference, total); null before it starts."""
+    compute_copies, activations, lm_head_chunk, host_offloaded, reference, layer_in_flight, teacher, total);
+    null before it starts."""
     grad_sync: str | None = None
     """When the ranks reduce gradients, as resolved from `fsdp.grad_sync`: `mini_batch` (once per optimizer
     step) or `micro_batch` (each micro-batch); null before it starts."""
     host_memory_plan: dict[str, float] | None = None
     """The learner's host memory plan in GiB (rank 0's parts: process, startup, checkpoint_stager,
-    publish_snapshot, published_sets, cpu_offload, reference, total; and node_total, its node's ranks
+    publish_snapshot, published_sets, cpu_offload, reference, teacher, total; and node_total, its node's ranks
     together, which the learner refused to start above the container's limit); null before it starts."""
     start_way: str | None = None
     """How the learner read its policy weights at start: `slices` (lean start, each rank its own),

@@ -87,3 +87,15 @@ def test_fill_trains_what_it_has_after_the_rounds_or_an_empty_buffer():
 def test_truncated_rows_are_in_collates_row_order():
     groups = [group([0.0, 1.0], finish=["stop", "length"]), group([1.0], finish=["length"])]
     assert truncated_rows(groups).tolist() == [False, True, True]
+
+
+def test_dropping_zero_variance_groups_is_refused_with_pure_distillation():
+    from pydantic import ValidationError
+
+    from offpolicy.learner.config import LearnerConfig
+
+    base = {"model_path": "m", "screening": {"drop_zero_variance": True}}
+    with pytest.raises(ValidationError, match="drop_zero_variance"):
+        LearnerConfig.model_validate(base | {"teacher": {"model_path": "t", "task_reward_weight": 0.0}})
+    LearnerConfig.model_validate(base | {"teacher": {"model_path": "t", "task_reward_weight": 0.5}})
+    LearnerConfig.model_validate(base)
