@@ -37,6 +37,7 @@ from offpolicy.actors.config import EngineConfig, SamplingConfig
 from offpolicy.actors.errors import EngineError, InvalidSampling, PromptFailed, WeightLoadError
 
 log = logging.getLogger(__name__)
+SHUTDOWN_GRACE_S = 1.0  # seconds vLLM's engine core and workers get to exit at shutdown, then killed
 STALL_GRACE_S = 5.0
 """Seconds past a transfer's `timeout_s` after which a receive that has not returned counts as stalled."""
 T = TypeVar("T")
@@ -314,7 +315,9 @@ class VLLMEngine:
         """Stop the engine-core process (and its workers) by handle, then the engine's loop thread."""
         if (handler := self.llm.output_handler) is not None:  # before the core goes: no error logged
             self._loop.call_soon_threadsafe(handler.cancel)
-        self.llm.shutdown()
+        # the engine core and its workers get SHUTDOWN_GRACE_S to exit, then are killed (vLLM's default
+        # waits 5 s for a worker that does not react to its parent's exit): an actor holds nothing there
+        self.llm.shutdown(timeout=SHUTDOWN_GRACE_S)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
         # AsyncLLM.__del__ shuts down again: let it run now, not at interpreter exit (where it fails)
