@@ -37,7 +37,12 @@ def compose_learner_env(volumes: Path, run_id: str, tiny: Path, redis_url: str) 
     """The learner service's environment from docker-compose.yml and .env.example with `run_id`, the
     container paths under /var/lib/offpolicy moved under `volumes` (what the named volumes are on the
     host); the tiny model on CPU and the test's Redis in place of the GPU model and the `redis` service."""
-    secrets = {"OFFPOLICY_API_TOKEN": TOKEN, "REDIS_PASSWORD": "pw", "GRAFANA_ADMIN_PASSWORD": "gp"}
+    secrets = {
+        "OFFPOLICY_API_TOKEN": TOKEN,
+        "OFFPOLICY_GATEWAY_TOKEN": "gw",
+        "REDIS_PASSWORD": "pw",
+        "GRAFANA_ADMIN_PASSWORD": "gp",
+    }
     values = read_env_file(ROOT / ".env.example") | secrets | {"OFFPOLICY_RUN_ID": run_id}
     service = interpolate(load_compose(ROOT / "docker-compose.yml"), values)["services"]["learner"]
     env = {k: str(v).replace(VOLUMES, str(volumes)) for k, v in service["environment"].items()}

@@ -165,7 +165,8 @@ def test_the_importance_weights_reach_the_loss(priorities, behaviour, tiny_dir, 
         finally:
             learner.close()
     diff = max((trained[0.0][k] - trained[1.0][k]).abs().max().item() for k in trained[0.0])
-    if priorities[0] == priorities[1]:
-        assert diff == 0.0
+    print(f"beta 0 vs 1: weights {diff:.1e} apart")
+    if priorities[0] == priorities[1]:  # the same update (the sampler's order may sum in another order)
+        assert diff <= 3e-5, diff
     else:
-        assert diff > 1e-4, diff
+        assert diff > 1e-3, diff  # ~2e-2 here, against ~3e-6 of float noise
