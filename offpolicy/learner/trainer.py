@@ -62,6 +62,7 @@ from offpolicy.learner.metrics import LearnerMetrics, timed
 from offpolicy.learner.model import checkpoint_dtype, load_tokenizer
 from offpolicy.learner.model.reference import tokenizer_differences
 from offpolicy.learner.persist import BackgroundWriter, Persistence
+from offpolicy.learner.persist.writer import back_pressure
 from offpolicy.learner.resume_config import ResumedConfig, resumed_config
 from offpolicy.learner.rl import ModelLimits, StepContext, field_label, screen, train_on
 from offpolicy.learner.rl.dynamic_sampling import Filled, fill
@@ -318,7 +319,7 @@ class Learner:
                 *TRANSIENT_ERRORS,
                 WriteFailed,
             ) as exc:  # retried for as long as it lasts, the wait capped
-                if isinstance(exc, WriteFailed) and isinstance(exc.__cause__, OSError):
+                if isinstance(exc, WriteFailed) and back_pressure(exc.__cause__):
                     log.warning("%s (retried in the background)", exc)  # a flush that met a full disk
                     stop_event.wait(RETRY_INITIAL_S)
                     continue

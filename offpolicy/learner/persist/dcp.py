@@ -51,6 +51,7 @@ from offpolicy.learner.persist.checkpoint import (
     rng_state,
 )
 from offpolicy.learner.persist.published import remove_folder, write_safetensors
+from offpolicy.learner.persist.writer import back_pressure
 
 if TYPE_CHECKING:
     from offpolicy.learner.build import Trainables
@@ -240,7 +241,8 @@ class ShardedCheckpoints(Checkpoints):
 
 
 def _os_error(exc: BaseException) -> OSError | None:
-    """The `OSError` behind `exc` (itself, its causes, or one of DCP's per-rank `failures`), if any."""
+    """The back-pressure `OSError` behind `exc` (itself, its causes, or one of DCP's per-rank `failures`),
+    if any (persist/writer.py `back_pressure`)."""
     seen: list[BaseException] = [exc]
     visited: set[int] = set()
     while seen:
@@ -248,8 +250,8 @@ def _os_error(exc: BaseException) -> OSError | None:
         if id(e) in visited:
             continue
         visited.add(id(e))
-        if isinstance(e, OSError):
-            return e
+        if back_pressure(e):
+            return e  # type: ignore[return-value]
         seen.extend(x for x in (e.__cause__, e.__context__) if x is not None)
         failures = getattr(e, "failures", None)
         if isinstance(failures, dict):

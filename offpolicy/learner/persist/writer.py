@@ -25,6 +25,7 @@ exist at once; `WeightsBuffers` reuses their (pinned, on CUDA) buffers from one 
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -35,6 +36,20 @@ from typing import Any, Literal
 import torch
 
 from offpolicy.learner.errors import WriteFailed
+
+BACK_PRESSURE_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS, errno.ESTALE, errno.ETIMEDOUT}
+    | {errno.EAGAIN}
+)
+"""The `OSError`s a write is retried after (a full or failing volume, a network filesystem's hiccup): they
+heal when space or the volume comes back. Any other (a file where the folder should be, a permission)
+is a misconfiguration, which ends the loop as a bug does."""
+
+
+def back_pressure(exc: BaseException | None) -> bool:
+    """`exc` is an `OSError` a write is retried after (`BACK_PRESSURE_ERRNOS`)."""
+    return isinstance(exc, OSError) and exc.errno in BACK_PRESSURE_ERRNOS
+
 
 log = logging.getLogger(__name__)
 
@@ -188,9 +203,11 @@ class BackgroundWriter:
                     self._retry_at.pop(job.kind, None)
                 if self._on_done is not None:
                     self._on_done(job.kind, job.version, result, time.perf_counter() - t0)
-            except OSError as exc:  # a full disk, an I/O error: back-pressure, retried
-                self._failed(job, exc)
-            except Exception as exc:  # a bug: re-raised in the training thread by raise_if_failed
+            except Exception as exc:
+                if back_pressure(exc):  # a full disk, an I/O error: back-pressure, retried
+                    self._failed(job, exc)  # type: ignore[arg-type]
+                    continue
+                # a bug or a misconfiguration: re-raised in the training thread by raise_if_failed
                 log.exception("background %s write of v%d failed", job.kind, job.version)
                 with self._cond:
                     self._error = WriteFailed(job.kind, job.version, exc)

@@ -162,3 +162,20 @@ def test_a_checkpoint_write_that_meets_a_full_disk_leaves_no_partial_folder(tmp_
     assert list(tmp_path.iterdir()) == []
     monkeypatch.undo()
     assert write_checkpoint(tmp_path, snap).name == "ckpt-0000000005"
+
+
+@pytest.mark.parametrize("code", [errno.EEXIST, errno.ENOTDIR, errno.EACCES])
+def test_a_misconfigured_folder_is_not_back_pressure_but_ends_the_loop(code):
+    """A file where the folder should be, a permission: no retry heals it; raised into the loop as a bug."""
+    rec = _Recorder()
+    writer = _writer(rec)
+
+    def misconfigured():
+        raise OSError(code, "misconfigured")
+
+    writer.submit("weights", 3, misconfigured)
+    _wait(lambda: writer._error is not None)
+    with pytest.raises(WriteFailed, match="weights write of v3 failed"):
+        writer.raise_if_failed()
+    assert rec.failed == [] and writer.failing() == {}
+    writer.close(10)
