@@ -128,6 +128,8 @@ def test_priorities_go_with_the_durable_ack_and_die_with_a_crash(behaviour, tiny
         assert after_ack != [1.0] * 4 and learner.delivery.priorities == {}
         learner.step()  # trained, never checkpointed: the "crash" below loses it
         assert len(learner.delivery.priorities) == 2
+        learner.persist.flush()  # its publish written (no checkpoint, no ack): the restart's start-up
+        # cleanup of partial folders must not race a write of this still-living learner
         restarted = Learner(cfg)  # the same run: acks the checkpoint's leases, releases the lost step's
         try:
             stats = restarted.buffer.stats()
