@@ -9,18 +9,12 @@ import json
 import resource
 import sys
 
-from offpolicy.learner.config import load_config
-from offpolicy.learner.distributed import current, init_from_env
-from offpolicy.learner.trainer import Learner
+from tests.integration.torchrun import leader_learner
 
 
 def main(config_path: str, steps: str, out: str) -> None:
-    config = load_config(config_path, {})
-    init_from_env("cuda" if (config.device or "").startswith("cuda") else "cpu")
-    learner = Learner(config)
-    try:
-        if not current().is_leader:
-            learner.follow()
+    with leader_learner(config_path) as learner:
+        if learner is None:
             return
         for _ in range(int(steps)):
             learner.step()
@@ -31,8 +25,6 @@ def main(config_path: str, steps: str, out: str) -> None:
         }
         with open(out, "w") as fh:
             json.dump(result, fh)
-    finally:
-        learner.close()
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,3 +35,25 @@ def run_script(name: str, *args: str, nproc: int = 2, timeout: float = 300) -> s
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+@contextmanager
+def leader_learner(config_path: str) -> Iterator:
+    """Inside a rank script: the learner of `config_path` on this rank (CUDA when the config's device
+    says so); the leader gets it to drive, a follower follows the leader until it stops (and gets None);
+    every rank closes it at the end."""
+    from offpolicy.learner.config import load_config
+    from offpolicy.learner.distributed import current, init_from_env
+    from offpolicy.learner.trainer import Learner
+
+    config = load_config(config_path, {})
+    init_from_env("cuda" if (config.device or "").startswith("cuda") else "cpu")
+    learner = Learner(config)
+    try:
+        if current().is_leader:
+            yield learner
+        else:
+            learner.follow()
+            yield None
+    finally:
+        learner.close()
