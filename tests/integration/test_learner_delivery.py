@@ -40,6 +40,21 @@ Learner(cfg).run(threading.Event())
 """
 
 
+def train_to_the_end(cfg, steps: Path) -> None:
+    """A learner of `cfg` (its steps logged to `steps`) trains until the buffer is empty, checkpoints and
+    stops cleanly: the last incarnation of a run killed before."""
+    learner = Learner(cfg.model_copy(update={"metrics_jsonl": str(steps), "sample_timeout_s": 0.5}))
+    try:
+        while True:
+            try:
+                learner.step()
+            except BufferNotReady:
+                break
+        learner.checkpoint()
+    finally:
+        learner.close()
+
+
 def _lines(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -86,16 +101,7 @@ def test_kill_9_five_times_trains_every_group_exactly_once_in_the_resumed_histor
     # the last incarnation trains until the buffer is empty, checkpoints, and stops cleanly
     steps = tmp_path / "steps-final.jsonl"
     incarnations.append((steps, (checkpoint_versions(tmp_path / "ckpt") or [0])[-1]))
-    learner = Learner(cfg.model_copy(update={"metrics_jsonl": str(steps), "sample_timeout_s": 0.5}))
-    try:
-        while True:
-            try:
-                learner.step()
-            except BufferNotReady:
-                break
-        learner.checkpoint()
-    finally:
-        learner.close()
+    train_to_the_end(cfg, steps)
     # the history the final weights descend from: each incarnation's steps up to where the next resumed
     trained: Counter[str] = Counter()
     for (path, _), (_, next_resumed) in zip(incarnations, [*incarnations[1:], (None, 10**9)], strict=True):

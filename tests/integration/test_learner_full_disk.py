@@ -19,13 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from offpolicy.buffer.errors import BufferNotReady
 from offpolicy.buffer.replay_buffer import ReplayBuffer
 from offpolicy.learner.persist.checkpoint import checkpoint_versions
 from offpolicy.learner.persist.published import published_versions, version_dir
-from offpolicy.learner.trainer import Learner
 from offpolicy.weights.manifest import file_sha256, read_manifest
-from tests.integration.test_learner_delivery import CHILD, ROOT, _lines
+from tests.integration.test_learner_delivery import CHILD, ROOT, _lines, train_to_the_end
 from tests.integration.test_learner_fixes import covering_groups
 from tests.integration.test_learner_loop import config, tiny_dir  # noqa: F401
 
@@ -123,16 +121,7 @@ def test_a_full_volume_is_back_pressure_and_kill_9_in_the_spell_loses_nothing(
     resumed_first = (checkpoint_versions(volume / "ckpt") or [0])[-1]
     filler.unlink()  # the space comes back
     final = tmp_path / "steps-final.jsonl"
-    learner = Learner(cfg.model_copy(update={"metrics_jsonl": str(final), "sample_timeout_s": 0.5}))
-    try:
-        while True:
-            try:
-                learner.step()
-            except BufferNotReady:
-                break
-        learner.checkpoint()
-    finally:
-        learner.close()
+    train_to_the_end(cfg, final)
     trained: Counter[str] = Counter()
     for line in steps_of(first):
         if line["version"] <= resumed_first:
