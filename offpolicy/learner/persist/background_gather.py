@@ -145,9 +145,10 @@ class BackgroundGather:
         return self._thread.is_alive() or (self._thread.ident is not None and not self._streamed.is_set())
 
     def wait(self) -> dict[str, torch.Tensor]:
-        """Block until the gather is complete; the leader's kept host tensors (empty without `keep` and on
-        the other ranks)."""
+        """Block until the gather is complete (the leader's stream: written too); the leader's kept host
+        tensors (empty without `keep` and on the other ranks)."""
         self._thread.join()
+        self._streamed.wait()  # set at once unless this is the leader's stream (its writer reads it)
         if self._error is not None:
             raise self._error
         return self.tensors

@@ -209,9 +209,7 @@ class Persistence:
                 dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=self.ranks.control)
                 if busy.item():
                     return
-            self._gathering.wait()
-            while self._gathering.busy():  # the leader: its stream still being written
-                time.sleep(0.01)
+            self._gathering.wait()  # the leader: until its stream is written too
         (version, copy), self._waiting = self._waiting, None
         copy.start()
         self._gathering = copy
