@@ -368,23 +368,16 @@ class Learner:
         groups = self._weighted(groups)  # prioritized replay's importance weights, on the groups
         command = self._command("step", groups)
         applied: dict[str, float] = {}  # the update's metrics, once it is applied
-        if cfg.screening != ScreeningConfig():  # dynamic sampling's part of the step's metrics
-            applied_extra = {
-                "screening/dropped": float(len(filled.dropped)),
-                "screening/refill_rounds": float(filled.rounds),
-                "screening/short": float(filled.short),
-            }
-        else:
-            applied_extra = {}
+        sifted = filled.metrics() if cfg.screening != ScreeningConfig() else {}  # dynamic sampling's
         with self._step_lock:
             trained = [lease_of[g.group_id] for g in groups]
             try:
                 self._execute(command, groups, phases, lambda: self._trained(trained, groups), applied)
             except BaseException:
                 if applied:  # applied, then an ack, publish or background write failed: it still counts
-                    self._record(applied | applied_extra, phases, groups)
+                    self._record(applied | sifted, phases, groups)
                 raise
-        return self._record(applied | applied_extra, phases, groups)
+        return self._record(applied | sifted, phases, groups)
 
     def _screened(self, leased: Any, lease_of: dict[str, str]) -> list:
         """The leased groups the model can train (learner/rl/screening.py); the others set aside in the

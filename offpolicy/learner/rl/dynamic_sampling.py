@@ -49,6 +49,14 @@ class Filled:
     rounds: int
     short: bool
 
+    def metrics(self) -> dict[str, float]:
+        """Its part of the step's metrics."""
+        return {
+            "screening/dropped": float(len(self.dropped)),
+            "screening/refill_rounds": float(self.rounds),
+            "screening/short": float(self.short),
+        }
+
 
 def truncated(t: Trajectory) -> bool:
     """The completion hit its token limit (`finish_reason: length`)."""
