@@ -64,7 +64,7 @@ from offpolicy.learner.model.reference import tokenizer_differences
 from offpolicy.learner.persist import BackgroundWriter, Persistence
 from offpolicy.learner.persist.writer import back_pressure
 from offpolicy.learner.resume_config import ResumedConfig, resumed_config
-from offpolicy.learner.rl import ModelLimits, StepContext, field_label, screen, train_on
+from offpolicy.learner.rl import ModelLimits, StepContext, StepResult, field_label, screen, train_on
 from offpolicy.learner.rl.dynamic_sampling import Filled, fill
 from offpolicy.learner.rl.priorities import importance_weights, priority, weighted
 from offpolicy.learner.tracking import StepLog, build_tracker
@@ -372,7 +372,7 @@ class Learner:
         with self._step_lock:
             trained = [lease_of[g.group_id] for g in groups]
             try:
-                self._execute(command, groups, phases, lambda: self._trained(trained, groups), applied)
+                self._execute(command, groups, phases, lambda r: self._trained(trained, groups, r), applied)
             except BaseException:
                 if applied:  # applied, then an ack, publish or background write failed: it still counts
                     self._record(applied | sifted, phases, groups)
@@ -419,15 +419,20 @@ class Learner:
                 len(filled.dropped), len(filled.groups), filled.rounds,
             )  # fmt: skip
 
-    def _trained(self, lease_ids: list[str], groups: list) -> None:
-        """The groups' leases are consumed (trained or dropped); with `priorities.update` each group's new
-        priority at the current version goes with its ack (learner/rl/priorities.py)."""
+    def _trained(self, lease_ids: list[str], groups: list, result: StepResult | None = None) -> None:
+        """The groups' leases are consumed (trained, or dropped: no `result`); with `priorities.update` each
+        group's new priority at the current version goes with its ack (learner/rl/priorities.py), its IS
+        deviation from the step that trained it."""
         cfg = self.config
         if not cfg.priorities.update:
             self.delivery.trained(lease_ids)
             return
         decay, norm = cfg.priorities.staleness_decay, cfg.norm_adv_by_std_in_grpo
-        new = [priority(g, self.version, decay, cfg.adv_estimator, norm) for g in groups]
+        deviation = (result.group_is_deviation if result is not None else ()) or (0.0,) * len(groups)
+        new = [
+            priority(g, self.version, decay, cfg.adv_estimator, norm, dev)
+            for g, dev in zip(groups, deviation, strict=True)
+        ]
         self.delivery.trained(lease_ids, new)
 
     def _weighted(self, groups: list) -> list:
@@ -515,11 +520,11 @@ class Learner:
         command: Command,
         groups: list,
         phases: dict[str, float],
-        on_trained: Callable[[], None] | None = None,
+        on_trained: Callable[[StepResult], None] | None = None,
         applied: dict[str, float] | None = None,
     ) -> dict[str, float]:
-        """Every rank, same step boundary: train on `groups` (op `step`; then `on_trained()`: the leader
-        marks their leases, which a checkpoint of this step then holds), publish, checkpoint when due.
+        """Every rank, same step boundary: train on `groups` (op `step`; then `on_trained(result)`: the
+        leader marks their leases, which a checkpoint of this step then holds), publish, checkpoint when due.
         `applied` gets the step's metrics as soon as the update is applied, before anything that may
         still fail (the ack, the publish, a background write's error re-raised)."""
         cfg, metrics = self.config, {}
@@ -531,7 +536,7 @@ class Learner:
             if applied is not None:
                 applied.update(metrics)
             if on_trained is not None:
-                on_trained()
+                on_trained(result)
             if self.step_count % cfg.publish.publish_every == 0:
                 with timed(phases, "publish"):
                     self._publish()

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from offpolicy.buffer.replay_buffer import ReplayBuffer
@@ -172,3 +173,35 @@ def test_the_importance_weights_reach_the_loss(priorities, behaviour, tiny_dir, 
         assert diff <= 3e-5, diff
     else:
         assert diff > 1e-3, diff  # ~2e-2 here, against ~3e-6 of float noise
+
+
+def test_the_written_priority_grows_with_the_groups_is_deviation(behaviour, tiny_dir, redis_url, tmp_path):  # noqa: F811
+    """Two groups with the same rewards; one's behaviour log-probs are 0.3 above the policy's (its actor was
+    off), so |log pi_old - log mu| = 0.3 on each token: the priority written back with its ack is 1.3 x
+    that of the other, whose behaviour was the policy's own. With no rollout correction configured too."""
+    cfg = config(
+        tiny_dir, redis_url, tmp_path, groups_per_step=2, sample_timeout_s=2.0,
+        buffer={"sampler": "prioritized", "max_times_sampled": None},
+        checkpoint={"checkpoint_dir": None}, priorities={"update": True, "staleness_decay": 1.0},
+    )  # fmt: skip
+    assert not cfg.rollout_correction.bypass_mode and cfg.rollout_correction.rollout_is is None
+    on, off = flat_and_varied(behaviour, "VV")
+    off = replace(
+        off,
+        trajectories=[
+            replace(t, behavior_logprobs=(np.asarray(t.behavior_logprobs) + 0.3).astype(np.float32))
+            for t in off.trajectories
+        ],
+    )
+    with ReplayBuffer(cfg.redis_url, cfg.run_id, cfg.buffer) as buf:
+        buf.insert_many([on, off])
+    learner = Learner(cfg)
+    try:
+        learner.step()
+        p_on, p_off = learner.buffer.priorities([on.group_id, off.group_id])
+        base_on, base_off = priority(on, 1, 1.0), priority(off, 1, 1.0)  # |A| alone, no deviation
+        assert base_on == pytest.approx(base_off) and base_on > 0.5
+        assert p_on == pytest.approx(base_on, rel=1e-3)  # its own policy's samples: w = 1
+        assert p_off / base_off == pytest.approx(1.3, rel=1e-3)
+    finally:
+        learner.close()

@@ -42,7 +42,10 @@ class StepContext:
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    """What one learner step did: its metrics (host floats) and how many optimizer steps it took."""
+    """What one learner step did: its metrics (host floats), how many optimizer steps it took, and per group
+    (in the order of the groups it trained) the mean |log pi_old - log mu| over its kept tokens (0 in bypass
+    mode; rl/priorities.py `group_is_deviation`)."""
 
     metrics: dict[str, float]
     optimizer_steps: int
+    group_is_deviation: tuple[float, ...] = ()

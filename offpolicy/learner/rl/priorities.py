@@ -11,10 +11,10 @@ The priority of a group the learner trained (or dropped), written with its ackno
   broadcast over the completion's tokens as in the step, so the token mean weights each completion by
   its length. Under `gae` (a critic) the group-relative |r - mean r| stands in. A zero-variance group
   has priority 0: the sampler then draws it only through `priority_epsilon`.
-- `is_deviation`: the mean |w - 1| of the group's decoupled IS weights over its tokens (how far off its
-  behaviour policy was; `group_is_deviation`). Deliberately simplified: `train_on` returns host metrics
-  only, not per-group values, so the trainer passes 0 until `StepResult` carries them; the term is in the
-  function so that the formula stays one.
+- `is_deviation`: the mean |log w| over the group's kept response tokens, w = pi_old / mu the decoupled
+  IS ratio of each token (how far off its behaviour policy mu was; `group_is_deviation`, carried per group
+  by `StepResult`). On the log scale, so that one wild token does not swamp the group, and whether or not
+  the rollout correction applies (or truncates) the weights; 0 in bypass mode (no pi_old: pi_old = mu).
 - `staleness`: the learner's version after the update minus the group's `policy_version` (>= 0), the
   staleness the group would have at its next sample, decayed by `priorities.staleness_decay` per version.
   A group not trained again keeps the priority of its last training (only the learner writes them).
@@ -76,13 +76,13 @@ def priority(
 
 
 def group_is_deviation(
-    is_weights: torch.Tensor, response_mask: torch.Tensor, group_index: torch.Tensor
+    log_ratio: torch.Tensor, response_mask: torch.Tensor, group_index: torch.Tensor
 ) -> list[float]:
-    """Per group (0..G-1): mean |w - 1| of its decoupled IS weights over its kept tokens, the `is_deviation`
-    of `priority` (0 for a group with no kept token). `is_weights`, `response_mask` (B, R), `group_index` (B,)
-    as in `Batch`; for `StepResult` to carry (rl/step.py), once it does."""
+    """Per group (0..G-1): mean |log w| over its kept tokens, the `is_deviation` of `priority` (0 for a
+    group with no kept token). `log_ratio` = log pi_old - log mu, `response_mask` (B, R), `group_index` (B,)
+    as in `Batch`."""
     mask = response_mask.float()  # (B, R)
-    per_row = torch.stack([((is_weights.float() - 1).abs() * mask).sum(-1), mask.sum(-1)], -1)  # (B, 2)
+    per_row = torch.stack([(log_ratio.float().abs() * mask).sum(-1), mask.sum(-1)], -1)  # (B, 2)
     groups = int(group_index.max().item()) + 1 if group_index.numel() else 0
     sums = torch.zeros(groups, 2, dtype=per_row.dtype, device=per_row.device).index_add_(
         0, group_index, per_row

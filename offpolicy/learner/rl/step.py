@@ -18,7 +18,7 @@ from offpolicy.learner.rl.advantages import compute_advantages, distill, gae, gr
 from offpolicy.learner.rl.context import StepContext, StepResult
 from offpolicy.learner.rl.dynamic_sampling import truncated_rows
 from offpolicy.learner.rl.microbatches import mini_batches, no_grad_logprobs, rows_forward
-from offpolicy.learner.rl.priorities import row_weights
+from offpolicy.learner.rl.priorities import group_is_deviation, row_weights
 from offpolicy.learner.rl.update import optimizer_step
 
 
@@ -97,7 +97,10 @@ def train_on(ctx: StepContext, groups: list, phases: dict[str, float]) -> StepRe
         "optimizer_steps_skipped": float(skipped),
         "lr": ctx.trainables.scheduler.get_last_lr()[0],
     }
-    return StepResult(host, steps)
+    # per group, for the priority the learner writes back (rl/priorities.py): mean |log pi_old - log mu|
+    log_ratio = batch.old_log_probs - batch.rollout_log_probs  # (B, R); 0 in bypass mode
+    deviation = tuple(group_is_deviation(log_ratio, batch.response_mask, batch.group_index))
+    return StepResult(host, steps, deviation)
 
 
 def advantages(ctx: StepContext, batch: Batch) -> None:

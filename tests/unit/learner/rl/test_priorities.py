@@ -82,8 +82,8 @@ def test_priorities_config_is_off_by_default() -> None:
     assert torch.is_tensor(row_weights([]))
 
 
-def test_group_is_deviation_is_the_masked_token_mean_per_group() -> None:
-    w = torch.tensor([[1.5, 1.0, 9.0], [0.5, 0.5, 0.5], [1.0, 1.0, 1.0]])  # (B=3, R=3)
+def test_group_is_deviation_is_the_masked_token_mean_of_the_absolute_log_ratio_per_group() -> None:
+    log_w = torch.tensor([[0.5, 0.0, 9.0], [-0.5, -0.5, -0.5], [0.2, 0.2, 0.2]])  # (B=3, R=3)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])  # the 9.0 is padding
     index = torch.tensor([0, 0, 1])
-    assert group_is_deviation(w, mask, index) == pytest.approx([(0.5 + 0.0 + 1.5) / 5, 0.0])
+    assert group_is_deviation(log_w, mask, index) == pytest.approx([(0.5 + 0.0 + 1.5) / 5, 0.0])
