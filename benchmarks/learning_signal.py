@@ -85,9 +85,10 @@ class Setup:
     """Arms to run."""
     lr: float = 2e-3
     """AdamW learning rate, constant (the staleness experiment's)."""
-    groups_per_step: int = 8
-    """Groups generated and trained per step."""
-    n: int = 8
+    groups_per_step: int = 4
+    """Groups generated and trained per step: a small batch, whose gradient noise limits progress (the
+    regime where more learnable groups per step pay; at 8 x 8 the lr limits it: docs/benchmarks.md)."""
+    n: int = 4
     """Completions per group."""
     max_new_tokens: int = 12
     """Completion length cap (tokens = characters)."""
@@ -290,6 +291,47 @@ def distill_summary(traces: list[RunTrace]) -> dict:
     }
 
 
+def plot(traces: list[RunTrace], setup: Setup, path: Path) -> None:
+    """Left: the learnable groups' reward per step, mean over seeds, per arm, with the threshold; right
+    (when it ran): the distilled student's reverse KL to the teacher and its reward. matplotlib Agg."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def curve(arm: str) -> list[float]:
+        runs = [t.rewards for t in traces if t.arm == arm]
+        return [statistics.fmean(c) for c in zip(*runs, strict=True)]
+
+    student = [t for t in traces if t.arm == "distill"]
+    fig, axes = plt.subplots(1, 1 + bool(student), figsize=(5.5 * (1 + bool(student)), 4), squeeze=False)
+    ax = axes[0][0]
+    for arm in (a for a in setup.arms if any(t.arm == a for t in traces)):
+        ax.plot(curve(arm), lw=1.5, label=arm)
+    ax.axhline(setup.threshold, color="grey", lw=0.5)
+    ax.set_title("learnable groups' reward (half the prompts flat)")
+    ax.set_xlabel("learner step")
+    ax.set_ylabel(f"reward (mean of {len(setup.seeds)} seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    if student:
+        ax = axes[0][1]
+        ax.plot(student[0].distill_kl, color="tab:purple", lw=1.5, label="reverse KL to the teacher")
+        ax.set_xlabel("student step")
+        ax.set_ylabel("distill/reverse_kl")
+        ax.grid(alpha=0.3)
+        twin = ax.twinx()
+        twin.plot(student[0].rewards, color="tab:green", lw=1.5, label="student reward")
+        twin.set_ylabel("reward")
+        ax.set_title("on-policy distillation")
+        lines = ax.get_lines() + twin.get_lines()
+        ax.legend(lines, [ln.get_label() for ln in lines], fontsize=8, loc="center right")
+    fig.suptitle(f"toy task, tiny Llama, lr {setup.lr:g}, {setup.groups_per_step}x{setup.n} completions/step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def summarise(traces: list[RunTrace], setup: Setup) -> dict:
     """The `--json` object: per arm and seed, the means and the ratios to `plain` (and the distillation's
     figures when it ran)."""
@@ -331,6 +373,7 @@ def summarise(traces: list[RunTrace], setup: Setup) -> dict:
         "seeds": list(setup.seeds),
         "lr": setup.lr,
         "groups_per_step": setup.groups_per_step,
+        "n": setup.n,
         "loadavg": list(os.getloadavg()),
     }
 
@@ -364,6 +407,12 @@ def main() -> None:
     ap.add_argument("--arms", nargs="+", choices=ARMS, help="arms (default all)")
     ap.add_argument("--groups-per-step", type=int, help="groups per step (default 8)")
     ap.add_argument("--distill-steps", type=int, help="steps of the distilled student (default 20; 0 = none)")
+    ap.add_argument("--n", type=int, help="completions per group (default 8)")
+    ap.add_argument("--lr", type=float, help="AdamW learning rate (default 2e-3)")
+    ap.add_argument("--threshold", type=float, help="reward steps_to_target waits for (default 0.5)")
+    ap.add_argument(
+        "--plot", type=Path, help="PNG path (default docs/learning_signal.png; none with --smoke)"
+    )
     args = ap.parse_args()
     setup = Setup.smoke() if args.smoke else Setup()
     given = {
@@ -372,12 +421,22 @@ def main() -> None:
         "arms": args.arms and tuple(args.arms),
         "groups_per_step": args.groups_per_step,
         "distill_steps": args.distill_steps,
+        "n": args.n,
+        "lr": args.lr,
+        "threshold": args.threshold,
     }
     setup = replace(setup, **{k: v for k, v in given.items() if v is not None})
     log = (lambda *a, **k: print(*a, **k, file=sys.stderr)) if args.json else print
     start = time.perf_counter()
-    out = summarise(run_all(setup, log), setup)
+    traces = run_all(setup, log)
+    out = summarise(traces, setup)
     out["wall_s"] = round(time.perf_counter() - start, 1)
+    png = args.plot or (
+        None if args.smoke else Path(__file__).resolve().parents[1] / "docs" / "learning_signal.png"
+    )
+    if png is not None:
+        plot(traces, setup, png)
+        out["plot"] = str(png)
     if args.json:  # the table goes to stderr with the progress lines; stdout holds only the JSON
         print_table(out, file=sys.stderr)
         print(json.dumps(out))
