@@ -198,16 +198,16 @@ def run_arm(
     trained: list[list[TrajectoryGroup]] = []
 
     with ReplayBuffer(redis_url, run_id, cfg.buffer) as buf:
-        lease_more = learner._lease_more
+        lease_more = learner.intake.lease_more
 
-        def refill(n: int):  # the actors keep up: n fresh groups of the current policy, then the lease
+        def refill(cfg, version: int, n: int):  # the actors keep up: n fresh groups, then the lease
             t0 = time.perf_counter()
             picked = [prompts[int(i)] for i in refill_rng.integers(0, len(prompts), n)]
             fresh = generate(learner.model, tok, picked, learner.version, setup, refill_gen, arm)
             buf.insert_many(fresh)
             trace.groups_generated += len(fresh)
             actors_s[0] += time.perf_counter() - t0
-            return lease_more(n)
+            return lease_more(cfg, version, n)
 
         execute = learner._execute
 
@@ -216,7 +216,7 @@ def run_arm(
                 trained.append(list(groups))
             return execute(command, groups, *a)
 
-        learner._lease_more, learner._execute = refill, recorded
+        learner.intake.lease_more, learner._execute = refill, recorded
         try:
             for t in range(steps):
                 gen.manual_seed(1_000_003 * seed + 1_009 * t)

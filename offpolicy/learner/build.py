@@ -33,7 +33,7 @@ from offpolicy.learner.distributed.lean import (
     unique_names,
 )
 from offpolicy.learner.distributed.ranks import Ranks, current, local_device
-from offpolicy.learner.host_peak import PeakHostMemory
+from offpolicy.learner.errors import TokenizerMismatch
 from offpolicy.learner.memory_plan import (
     GIB,
     MemoryPlan,
@@ -46,10 +46,10 @@ from offpolicy.learner.memory_plan import (
 from offpolicy.learner.model import attention
 from offpolicy.learner.model.compile import compile_layers
 from offpolicy.learner.model.critic import ValueModel
-from offpolicy.learner.model.load import load_model, unique_state
+from offpolicy.learner.model.load import load_model, load_tokenizer, unique_state
 from offpolicy.learner.model.policy import LogProbs
 from offpolicy.learner.model.precision import Precision, pick_device
-from offpolicy.learner.model.reference import freeze, stream_layers
+from offpolicy.learner.model.reference import freeze, stream_layers, tokenizer_differences
 
 log = logging.getLogger(__name__)
 
@@ -361,7 +361,7 @@ def build_models(config: LearnerConfig, ranks: Ranks) -> Built:
     check(plan, limit, config, shard_ranks, checkpointing)
     log.info("memory plan %.1f GiB per rank with %s", plan.total / GIB, settings.as_dict())
     host = plan_host(config, ranks, shard_ranks)  # refused here when the node's host plan exceeds its limit
-    with PeakHostMemory() as startup:  # the models' host memory at start-up (lean start: ~shards)
+    with host_plan.PeakHostMemory() as startup:  # the models' host memory at start-up (lean start: ~shards)
         parts, publish_keys, start_way = build_trainables(
             config, device, precision, ranks.distributed, checkpointing
         )
@@ -387,3 +387,18 @@ def build_models(config: LearnerConfig, ranks: Ranks) -> Built:
         host,
         teacher,
     )
+
+
+def check_teacher_tokenizer(config: LearnerConfig) -> None:
+    """Refuse a distillation teacher whose tokenizer is not the policy's (`TokenizerMismatch`, naming both
+    models and what differs): its log-probs of the sampled ids would score other tokens."""
+    teacher = config.teacher.model_path
+    if teacher is None:
+        return
+    diff = tokenizer_differences(load_tokenizer(config.model_path), load_tokenizer(teacher))
+    if diff:
+        raise TokenizerMismatch(
+            f"teacher.model_path={str(teacher)!r} has another tokenizer than model_path="
+            f"{str(config.model_path)!r}: {'; '.join(diff)}. On-policy distillation scores the student's "
+            "token ids with the teacher: both must share the vocabulary and special tokens"
+        )

@@ -12,13 +12,9 @@ steps, and the trainer alone changes its own state (version, step count):
 In bypass mode pi_old := pi_rollout and the correction runs per micro-batch inside the loss. Config
 changes land only between steps; `checkpoint()` from another thread waits for the running step to end.
 
-The loop waits out an empty buffer (state `waiting_for_data`, retry every 0.5 s) and transient trouble
-(`TRANSIENT_ERRORS`: Redis unreachable), retried with capped exponential backoff for as long as it lasts
-(state `waiting_for_redis`, `retrying` the reason), then stepping resumes by itself. A full disk is
-back-pressure (persist/persistence.py): publishes and checkpoints are retried in the background while
-training goes on, until `checkpoint.max_undurable_steps` steps are not covered by a durable checkpoint;
-then the loop takes no new groups (state `waiting_for_checkpoint`, `retrying` the reason) until one lands.
-Any other error propagates (the loop is dead).
+The leader's side of the buffer (lease, screen, dynamic sampling, acks with priorities) is `Intake`
+(learner/intake.py); the loop around the step, which waits out an empty buffer, Redis outages and a
+checkpoint cap, is learner/loop.py. Any other error propagates (the loop is dead).
 
 On N ranks (torchrun; learner/distributed/) the rank-0 `Learner` (leader) samples, screens and sends each
 step boundary's `Command` to the others (followers), which run `follow()`; from there every rank runs the
@@ -39,17 +35,13 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from offpolicy.buffer.codec import decode_group, encode_group
-from offpolicy.buffer.errors import BufferNotReady, RateLimited, StorageUnavailable
 from offpolicy.buffer.evaluations import EvalStore
 from offpolicy.buffer.replay_buffer import ReplayBuffer
-from offpolicy.buffer.samplers import group_priority
-from offpolicy.buffer.types import Leased
-from offpolicy.learner.build import Trainables, build_models, set_optimizer_hparams
+from offpolicy.learner.build import Trainables, build_models, check_teacher_tokenizer, set_optimizer_hparams
 from offpolicy.learner.config import LearnerConfig, frozen_field_changes
-from offpolicy.learner.config.screening import ScreeningConfig
+from offpolicy.learner.config.resume import ResumedConfig, resumed_config
 from offpolicy.learner.delivery import Delivery
 from offpolicy.learner.distributed import (
-    HEARTBEAT_S,
     Command,
     LeaderChannel,
     Ranks,
@@ -57,29 +49,18 @@ from offpolicy.learner.distributed import (
     broadcast_command,
     current,
 )
-from offpolicy.learner.errors import FrozenFieldChange, IntakeStopped, TokenizerMismatch, WriteFailed
+from offpolicy.learner.errors import FrozenFieldChange, IntakeStopped
+from offpolicy.learner.intake import Intake
+from offpolicy.learner.loop import run_loop
 from offpolicy.learner.metrics import LearnerMetrics, timed
 from offpolicy.learner.model import checkpoint_dtype, load_tokenizer
-from offpolicy.learner.model.reference import tokenizer_differences
 from offpolicy.learner.persist import BackgroundWriter, Persistence
-from offpolicy.learner.persist.writer import back_pressure
-from offpolicy.learner.resume_config import ResumedConfig, resumed_config
-from offpolicy.learner.rl import ModelLimits, StepContext, StepResult, field_label, screen, train_on
-from offpolicy.learner.rl.dynamic_sampling import Filled, fill
-from offpolicy.learner.rl.priorities import importance_weights, priority, weighted
+from offpolicy.learner.rl import ModelLimits, StepContext, StepResult, train_on
 from offpolicy.learner.tracking import StepLog, build_tracker
 from offpolicy.learner.transport.publisher import make_publisher
 from offpolicy.weights.record import PolicyStore
 
 log = logging.getLogger(__name__)
-
-TRANSIENT_ERRORS = (StorageUnavailable,)
-"""Errors `run` retries for as long as they last (Redis unreachable, after the buffer's own bounded
-retries), raised by the step itself or as the cause of a failed background write (the policy record's
-publish: the weights are on disk, the next publish supersedes it); any other error ends `run` (the service
-then reports the loop dead and exits after a grace)."""
-RETRY_INITIAL_S, RETRY_MAX_S = 0.5, 10.0
-"""`run`'s backoff between steps while transient errors last: doubles from the first to the cap, seconds."""
 
 # --- the learner
 
@@ -125,7 +106,6 @@ class Learner:
         self.teacher = built.teacher  # on-policy distillation's frozen teacher; None without one
         self.startup_host_bytes, self.startup_host_exact = built.startup_host_bytes, built.startup_host_exact
         self.grad_sync, self.start_way, self.host_plan = built.grad_sync, built.start_way, built.host_plan
-        self.groups_dropped: dict[str, int] = {}  # dynamic sampling: groups dropped since start, by reason
         self.metrics.start_way.labels(way=built.start_way).set(1)
         parts = built.parts
         self.model, self.policy = parts.model, parts.policy
@@ -185,6 +165,11 @@ class Learner:
         self.delivery = (
             Delivery(self.buffer, config.run_id, config.delivery_mode, config.lease_s, self.metrics)
             if self.buffer is not None
+            else None
+        )
+        self.intake = (  # lease, screen, dynamic sampling, acks with priorities: learner/intake.py
+            Intake(self.buffer, self.delivery, self.metrics, self.limits)
+            if self.buffer is not None and self.delivery is not None
             else None
         )
         self._start()
@@ -277,7 +262,7 @@ class Learner:
             "grad_sync": self.grad_sync,
             "start_way": self.start_way,
             "host_memory_plan": self.host_plan,
-            "groups_dropped": dict(self.groups_dropped),
+            "groups_dropped": dict(self.intake.groups_dropped) if self.intake is not None else {},
             "writes_failing": {kind: dict(t) for kind, t in dict(self.persist.troubles).items()},
             "intake_stopped": self.retrying if self.state == "waiting_for_checkpoint" else None,
             "undurable_steps": self.undurable_steps(),
@@ -288,59 +273,17 @@ class Learner:
 
         No data yet, or Redis unreachable: waited out; any other error propagates (the loop is dead)."""
         try:
-            self._loop(stop_event)
+            run_loop(self, stop_event)
         finally:
             self._stop_followers()
-
-    def _loop(self, stop_event: threading.Event) -> None:
-        """The loop of `run`: waits out an empty buffer and transient trouble (module docstring)."""
-        delay = RETRY_INITIAL_S
-        while not stop_event.is_set():
-            if not self.wait_unpaused(HEARTBEAT_S if self.ranks.distributed else 0.2):
-                self.heartbeat()  # paused: the followers hear from us, a checkpoint() is still served
-                continue
-            if self.config.max_steps is not None and self.step_count >= self.config.max_steps:
-                self.state = "finished"
-                return
-            try:
-                self.step()
-            except (BufferNotReady, RateLimited) as exc:  # no data yet: wait and retry, bounded by the loop
-                self.state, self.retrying, delay = "waiting_for_data", None, RETRY_INITIAL_S
-                log.info("no groups to train on yet: %s", exc)
-                self.heartbeat()
-                stop_event.wait(0.5)
-            except IntakeStopped as exc:  # checkpoints failing, at the cap: no new groups until one lands
-                if self.state != "waiting_for_checkpoint":
-                    log.warning("%s", exc)
-                self.state, self.retrying, delay = "waiting_for_checkpoint", str(exc), RETRY_INITIAL_S
-                self.heartbeat()
-                stop_event.wait(0.5)
-            except (
-                *TRANSIENT_ERRORS,
-                WriteFailed,
-            ) as exc:  # retried for as long as it lasts, the wait capped
-                if isinstance(exc, WriteFailed) and back_pressure(exc.__cause__):
-                    log.warning("%s (retried in the background)", exc)  # a flush that met a full disk
-                    stop_event.wait(RETRY_INITIAL_S)
-                    continue
-                if isinstance(exc, WriteFailed) and not isinstance(exc.__cause__, TRANSIENT_ERRORS):
-                    raise
-                self.state, self.retrying = "waiting_for_redis", f"{type(exc).__name__}: {exc}"
-                log.warning("redis unavailable, retrying in %.1f s: %s", delay, exc)
-                for _ in range(max(1, round(delay / HEARTBEAT_S))):  # heartbeats while it lasts
-                    self.heartbeat()
-                    if stop_event.wait(min(delay, HEARTBEAT_S)):
-                        break
-                delay = min(2 * delay, RETRY_MAX_S)
-            else:
-                self.retrying, delay = None, RETRY_INITIAL_S
-        self.state = "stopped"
 
     # --- one learner step
 
     def step(self) -> dict[str, float]:
         """Sample, train, publish, checkpoint: one learner step. Returns its metrics."""
-        assert self.buffer is not None and self.delivery is not None, "followers run follow(), not step()"
+        assert self.intake is not None and self.buffer is not None and self.delivery is not None, (
+            "followers run follow(), not step()"
+        )
         self.persist.writer.raise_if_failed()  # a bug's failed write ends the loop (a full disk: retried)
         self.persist.poll()
         self.delivery.ack_durable()  # leases of checkpoints that became durable since the last step
@@ -350,101 +293,28 @@ class Learner:
         if self._table_published != cfg.buffer:  # at start and after a `buffer` change: producers follow
             self.buffer.publish_table()
             self._table_published = cfg.buffer
-        with timed(phases, "sample_wait"):
-            leased = self.buffer.lease(
-                cfg.groups_per_step, self.version, cfg.sample_timeout_s,
-                consumer=self.delivery.consumer, lease_s=cfg.lease_s,
-            )  # fmt: skip
+        taken = self.intake.take(cfg, self.version, phases)
         self.state = "running"
-        lease_of: dict[str, str] = {}  # group id -> lease id
-        groups = self._screened(leased, lease_of)
-        with timed(phases, "sample_wait"):  # dynamic sampling: dropped groups replaced by more leases
-            filled = fill(groups, cfg.screening, lambda n: self._screened(self._lease_more(n), lease_of))
-        groups = filled.groups
-        self._drop(filled, lease_of)
+        groups = taken.groups
         if not groups:  # nothing trainable in this sample: no update, the loop samples again
             self.heartbeat()
-            return {"groups_dropped": float(len(filled.dropped))}
-        groups = self._weighted(groups)  # prioritized replay's importance weights, on the groups
+            return {"groups_dropped": float(taken.dropped)}
         command = self._command("step", groups)
         applied: dict[str, float] = {}  # the update's metrics, once it is applied
-        sifted = filled.metrics() if cfg.screening != ScreeningConfig() else {}  # dynamic sampling's
+        sifted = taken.metrics  # dynamic sampling's
         with self._step_lock:
-            trained = [lease_of[g.group_id] for g in groups]
+            leases = [taken.lease_of[g.group_id] for g in groups]
+
+            def trained(result: StepResult) -> None:  # after the update: the version it made
+                self.intake.trained(self.config, self.version, leases, groups, result)
+
             try:
-                self._execute(command, groups, phases, lambda r: self._trained(trained, groups, r), applied)
+                self._execute(command, groups, phases, trained, applied)
             except BaseException:
                 if applied:  # applied, then an ack, publish or background write failed: it still counts
                     self._record(applied | sifted, phases, groups)
                 raise
         return self._record(applied | sifted, phases, groups)
-
-    def _screened(self, leased: Any, lease_of: dict[str, str]) -> list:
-        """The leased groups the model can train (learner/rl/screening.py); the others set aside in the
-        dead-letter list, so the rest of the batch trains. Records each group's lease in `lease_of`."""
-        lease_of.update((g.group_id, lid) for g, lid in zip(leased.groups, leased.lease_ids, strict=True))
-        groups, rejected = screen(leased.groups, self.limits)
-        for r in rejected:
-            self.buffer.dead_letter(self.delivery.consumer, lease_of[r.group.group_id], r.reason, r.field)
-            log.warning("group %s set aside: %s: %s", r.group.group_id, r.field, r.reason)
-            self.metrics.groups_rejected.labels(field=field_label(r.field)).inc()
-        return groups
-
-    def _lease_more(self, n: int) -> Any:
-        """Dynamic sampling's refill: `n` more groups, waiting at most `screening.refill_timeout_s`; fewer
-        there: one; none (or rate-limited): an empty lease, and the step trains what it has."""
-        cfg = self.config
-        for want in dict.fromkeys((n, 1)):
-            try:
-                return self.buffer.lease(
-                    want, self.version, cfg.screening.refill_timeout_s, consumer=self.delivery.consumer,
-                    lease_s=cfg.lease_s,
-                )  # fmt: skip
-            except (BufferNotReady, RateLimited):
-                continue
-        return Leased(consumer=self.delivery.consumer, groups=[], lease_ids=[])
-
-    def _drop(self, filled: Filled, lease_of: dict[str, str]) -> None:
-        """Dropped groups are consumed: their leases are held (and acked) like trained ones, never trained."""
-        if not filled.dropped:
-            return
-        dropped = [d.group for d in filled.dropped]
-        self._trained([lease_of[g.group_id] for g in dropped], dropped)
-        for d in filled.dropped:
-            self.metrics.groups_dropped.labels(reason=d.reason).inc()
-            self.groups_dropped[d.reason] = self.groups_dropped.get(d.reason, 0) + 1
-        if filled.short:
-            log.info(
-                "dynamic sampling: %d group(s) dropped, %d trainable after %d refill round(s)",
-                len(filled.dropped), len(filled.groups), filled.rounds,
-            )  # fmt: skip
-
-    def _trained(self, lease_ids: list[str], groups: list, result: StepResult | None = None) -> None:
-        """The groups' leases are consumed (trained, or dropped: no `result`); with `priorities.update` each
-        group's new priority at the current version goes with its ack (learner/rl/priorities.py), its IS
-        deviation from the step that trained it."""
-        cfg = self.config
-        if not cfg.priorities.update:
-            self.delivery.trained(lease_ids)
-            return
-        decay, norm = cfg.priorities.staleness_decay, cfg.norm_adv_by_std_in_grpo
-        deviation = (result.group_is_deviation if result is not None else ()) or (0.0,) * len(groups)
-        new = [
-            priority(g, self.version, decay, cfg.adv_estimator, norm, dev)
-            for g, dev in zip(groups, deviation, strict=True)
-        ]
-        self.delivery.trained(lease_ids, new)
-
-    def _weighted(self, groups: list) -> list:
-        """With `priorities.beta` > 0 under the `prioritized` sampler: the groups carrying their importance
-        weights, from their current priorities in the buffer (learner/rl/priorities.py)."""
-        cfg, table = self.config, self.config.buffer
-        if cfg.priorities.beta == 0 or table.sampler != "prioritized":
-            return groups
-        now = self.buffer.priorities([g.group_id for g in groups])
-        ps = [p if p is not None else group_priority(g) for p, g in zip(now, groups, strict=True)]
-        beta = cfg.priorities.beta
-        return weighted(groups, importance_weights(ps, table.priority_epsilon, table.priority_alpha, beta))
 
     def undurable_steps(self) -> int:
         """Learner steps not covered by a durable checkpoint (0 without checkpoints: nothing to cover)."""
@@ -673,18 +543,3 @@ class Learner:
             self.delivery.close(release=True)
             self.buffer.close()
             self.store.close()
-
-
-def check_teacher_tokenizer(config: LearnerConfig) -> None:
-    """Refuse a distillation teacher whose tokenizer is not the policy's (`TokenizerMismatch`, naming both
-    models and what differs): its log-probs of the sampled ids would score other tokens."""
-    teacher = config.teacher.model_path
-    if teacher is None:
-        return
-    diff = tokenizer_differences(load_tokenizer(config.model_path), load_tokenizer(teacher))
-    if diff:
-        raise TokenizerMismatch(
-            f"teacher.model_path={str(teacher)!r} has another tokenizer than model_path="
-            f"{str(config.model_path)!r}: {'; '.join(diff)}. On-policy distillation scores the student's "
-            "token ids with the teacher: both must share the vocabulary and special tokens"
-        )

@@ -69,7 +69,7 @@ class CheckpointConfig(ConfigModel):
     = the run goes on as it was (the changes applied through the API survive a restart; the fields frozen
     while running still come from the file), `file` = the file wins (an edit before the restart takes
     effect). Always read from the file; the disagreeing fields are logged and shown in the config history's
-    `resume` entry (learner/resume_config.py)."""
+    `resume` entry (learner/config/resume.py)."""
 
     @model_validator(mode="after")
     def _cap_above_interval(self) -> CheckpointConfig:

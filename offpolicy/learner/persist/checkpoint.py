@@ -71,7 +71,7 @@ def base_meta(
     config_version: int = 0,
 ) -> dict[str, Any]:
     """What every checkpoint's `meta.json` holds, whatever its layout: identity, counters, the config the
-    learner trains with and its version (reapplied at resume: learner/resume_config.py), buffer position,
+    learner trains with and its version (reapplied at resume: learner/config/resume.py), buffer position,
     the leases it holds, the scheduler and the Python RNG."""
     return {
         "identity": identity(parts, run_id),

@@ -199,7 +199,7 @@ class ConfigControl:
         return entry
 
     def record_resume(self, config: LearnerConfig, step: int, changed: list[str], detail: str) -> None:
-        """The learner resumed a checkpoint and runs `config` (learner/resume_config.py): version 1,
+        """The learner resumed a checkpoint and runs `config` (learner/config/resume.py): version 1,
         source `resume`, applied at the checkpoint's `step`; `changed` = where the file disagreed."""
         now = self._clock()
         entry = ConfigEntry(

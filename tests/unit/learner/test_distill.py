@@ -7,13 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from offpolicy.learner.build import check_teacher_tokenizer
 from offpolicy.learner.config import LearnerConfig
 from offpolicy.learner.errors import TokenizerMismatch
 from offpolicy.learner.host_plan import host_plan
 from offpolicy.learner.memory_plan import ModelShape, estimate
 from offpolicy.learner.model.tiny import build_char_tokenizer
 from offpolicy.learner.rl.advantages import distill
-from offpolicy.learner.trainer import Learner, check_teacher_tokenizer
+from offpolicy.learner.trainer import Learner
 
 # two rows of three tokens; row 1's last token is padding, row 0's middle one rejected by the correction
 OLD = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -0.2, 0.0]])

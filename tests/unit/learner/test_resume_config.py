@@ -1,9 +1,9 @@
-"""`resumed_config`: which config a resumed learner runs (learner/resume_config.py)."""
+"""`resumed_config`: which config a resumed learner runs (learner/config/resume.py)."""
 
 from __future__ import annotations
 
 from offpolicy.learner.config import LearnerConfig
-from offpolicy.learner.resume_config import resumed_config
+from offpolicy.learner.config.resume import resumed_config
 
 
 def _file(**kw) -> LearnerConfig:

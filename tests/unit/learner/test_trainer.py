@@ -15,7 +15,8 @@ from offpolicy.buffer.errors import BufferNotReady, StorageUnavailable
 from offpolicy.learner.config import LearnerConfig
 from offpolicy.learner.distributed import SINGLE
 from offpolicy.learner.errors import WriteFailed
-from offpolicy.learner.trainer import RETRY_INITIAL_S, Learner
+from offpolicy.learner.loop import RETRY_INITIAL_S
+from offpolicy.learner.trainer import Learner
 
 
 class ScriptedLearner(Learner):

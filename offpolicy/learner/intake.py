@@ -1,0 +1,144 @@
+"""What the leader takes from the buffer for a step, and what it gives back after: the leader's side of the
+replay buffer, owned by the `Learner` (learner/trainer.py) on rank 0.
+
+    lease `groups_per_step` → screen (an untrainable group goes to the dead-letter list; the rest of the
+    batch trains) → dynamic sampling (`screening`: dropped groups replaced by more leases, bounded rounds)
+    → the drops consumed (acked with the step, never trained) → prioritized replay's importance weights
+    (`priorities.beta`) on the groups → [the step trains them] → `trained`: their leases consumed, each
+    group's new priority with its ack (`priorities.update`).
+
+Leases go through `Delivery` (learner/delivery.py): acked after the update (`delivery: step`) or once a
+checkpoint holding it is durable (`checkpoint`), so nothing is lost and nothing trained twice, dropped
+groups included.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from offpolicy.buffer.errors import BufferNotReady, RateLimited
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.buffer.samplers import group_priority
+from offpolicy.buffer.types import Leased
+from offpolicy.learner.config import LearnerConfig
+from offpolicy.learner.config.screening import ScreeningConfig
+from offpolicy.learner.delivery import Delivery
+from offpolicy.learner.metrics import LearnerMetrics, timed
+from offpolicy.learner.rl import ModelLimits, StepResult, field_label, screen
+from offpolicy.learner.rl.dynamic_sampling import Filled, fill
+from offpolicy.learner.rl.priorities import importance_weights, priority, weighted
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """A step's groups: those to train (importance weights on them), the lease of every group leased
+    (trained or dropped) by id, and dynamic sampling's metrics (empty when `screening` is off)."""
+
+    groups: list
+    lease_of: dict[str, str]
+    dropped: int
+    metrics: dict[str, float]
+
+
+class Intake:
+    """The leader's lease, screen, refill, drop and acknowledgement (module docstring)."""
+
+    def __init__(
+        self, buffer: ReplayBuffer, delivery: Delivery, metrics: LearnerMetrics, limits: ModelLimits
+    ) -> None:
+        self.buffer, self.delivery, self.metrics, self.limits = buffer, delivery, metrics, limits
+        self.groups_dropped: dict[str, int] = {}  # dynamic sampling: groups dropped since start, by reason
+
+    def take(self, cfg: LearnerConfig, version: int, phases: dict[str, float]) -> Taken:
+        """Lease and screen `groups_per_step` groups for a step at policy `version`, refill what dynamic
+        sampling drops, consume the drops, weight the rest (`BufferNotReady` / `RateLimited`: no data)."""
+        with timed(phases, "sample_wait"):
+            leased = self.buffer.lease(
+                cfg.groups_per_step, version, cfg.sample_timeout_s,
+                consumer=self.delivery.consumer, lease_s=cfg.lease_s,
+            )  # fmt: skip
+        lease_of: dict[str, str] = {}  # group id -> lease id
+        groups = self.screened(leased, lease_of)
+        with timed(phases, "sample_wait"):  # dynamic sampling: dropped groups replaced by more leases
+            filled = fill(
+                groups, cfg.screening, lambda n: self.screened(self.lease_more(cfg, version, n), lease_of)
+            )
+        self.drop(cfg, version, filled, lease_of)
+        sifted = filled.metrics() if cfg.screening != ScreeningConfig() else {}
+        return Taken(self.weighted(cfg, filled.groups), lease_of, len(filled.dropped), sifted)
+
+    def screened(self, leased: Any, lease_of: dict[str, str]) -> list:
+        """The leased groups the model can train (learner/rl/screening.py); the others set aside in the
+        dead-letter list, so the rest of the batch trains. Records each group's lease in `lease_of`."""
+        lease_of.update((g.group_id, lid) for g, lid in zip(leased.groups, leased.lease_ids, strict=True))
+        groups, rejected = screen(leased.groups, self.limits)
+        for r in rejected:
+            self.buffer.dead_letter(self.delivery.consumer, lease_of[r.group.group_id], r.reason, r.field)
+            log.warning("group %s set aside: %s: %s", r.group.group_id, r.field, r.reason)
+            self.metrics.groups_rejected.labels(field=field_label(r.field)).inc()
+        return groups
+
+    def lease_more(self, cfg: LearnerConfig, version: int, n: int) -> Any:
+        """Dynamic sampling's refill: `n` more groups, waiting at most `screening.refill_timeout_s`; fewer
+        there: one; none (or rate-limited): an empty lease, and the step trains what it has."""
+        for want in dict.fromkeys((n, 1)):
+            try:
+                return self.buffer.lease(
+                    want, version, cfg.screening.refill_timeout_s, consumer=self.delivery.consumer,
+                    lease_s=cfg.lease_s,
+                )  # fmt: skip
+            except (BufferNotReady, RateLimited):
+                continue
+        return Leased(consumer=self.delivery.consumer, groups=[], lease_ids=[])
+
+    def drop(self, cfg: LearnerConfig, version: int, filled: Filled, lease_of: dict[str, str]) -> None:
+        """Dropped groups are consumed: their leases are held (and acked) like trained ones, never trained."""
+        if not filled.dropped:
+            return
+        dropped = [d.group for d in filled.dropped]
+        self.trained(cfg, version, [lease_of[g.group_id] for g in dropped], dropped)
+        for d in filled.dropped:
+            self.metrics.groups_dropped.labels(reason=d.reason).inc()
+            self.groups_dropped[d.reason] = self.groups_dropped.get(d.reason, 0) + 1
+        if filled.short:
+            log.info(
+                "dynamic sampling: %d group(s) dropped, %d trainable after %d refill round(s)",
+                len(filled.dropped), len(filled.groups), filled.rounds,
+            )  # fmt: skip
+
+    def trained(
+        self,
+        cfg: LearnerConfig,
+        version: int,
+        lease_ids: list[str],
+        groups: list,
+        result: StepResult | None = None,
+    ) -> None:
+        """The groups' leases are consumed (trained, or dropped: no `result`); with `priorities.update` each
+        group's new priority at `version` goes with its ack (learner/rl/priorities.py), its IS deviation
+        from the step that trained it."""
+        if not cfg.priorities.update:
+            self.delivery.trained(lease_ids)
+            return
+        decay, norm = cfg.priorities.staleness_decay, cfg.norm_adv_by_std_in_grpo
+        deviation = (result.group_is_deviation if result is not None else ()) or (0.0,) * len(groups)
+        new = [
+            priority(g, version, decay, cfg.adv_estimator, norm, dev)
+            for g, dev in zip(groups, deviation, strict=True)
+        ]
+        self.delivery.trained(lease_ids, new)
+
+    def weighted(self, cfg: LearnerConfig, groups: list) -> list:
+        """With `priorities.beta` > 0 under the `prioritized` sampler: the groups carrying their importance
+        weights, from their current priorities in the buffer (learner/rl/priorities.py)."""
+        table = cfg.buffer
+        if cfg.priorities.beta == 0 or table.sampler != "prioritized" or not groups:
+            return groups
+        now = self.buffer.priorities([g.group_id for g in groups])
+        ps = [p if p is not None else group_priority(g) for p, g in zip(now, groups, strict=True)]
+        beta = cfg.priorities.beta
+        return weighted(groups, importance_weights(ps, table.priority_epsilon, table.priority_alpha, beta))
