@@ -4,11 +4,12 @@ The learner leases its groups (buffer/leases.py) under one consumer name per run
 finds the leases of the one that died. A lease is acknowledged once the update that used it is durable:
 
 - `delivery: checkpoint` (the default with periodic checkpoints): each checkpoint records the lease ids
-  trained since the last acknowledgement (`lease_ids` in its meta); when the checkpoint is on disk they are
-  acked. On restart the learner first acks what its resumed checkpoint holds (the crash may have come
-  between the write and the ack), then releases every other lease of its consumer: those groups' updates
-  were lost with the process, so they go back to the buffer and are trained again, once, in the resumed
-  history. Leased groups stay in Redis until acknowledged: up to `checkpoint_every` steps of groups.
+  trained since the last acknowledgement (`lease_ids` in its meta, with their groups' new priorities in
+  `lease_priorities`); when the checkpoint is on disk they are acked. On restart the learner first acks
+  what its resumed checkpoint holds (the crash may have come between the write and the ack), then
+  releases every other lease of its consumer: those groups' updates were lost with the process, so they
+  go back to the buffer and are trained again, once, in the resumed history. Leased groups stay in Redis
+  until acknowledged: up to `checkpoint_every` steps of groups.
 - `delivery: step`: acked right after the update (runs without checkpoints; a crash loses the update but
   not the group's count).
 
@@ -60,11 +61,19 @@ class Delivery:
 
     # --- start: recover what a previous process of this run left
 
-    def recover(self, checkpoint_lease_ids: Sequence[str]) -> None:
-        """Ack the leases the resumed checkpoint holds, give every other lease of this consumer back to the
+    def recover(
+        self, checkpoint_lease_ids: Sequence[str], checkpoint_priorities: dict[str, float] | None = None
+    ) -> None:
+        """Ack the leases the resumed checkpoint holds (with the priorities it recorded for them: a crash
+        between the write and the ack loses none), give every other lease of this consumer back to the
         buffer (counted `redelivered`), then start renewing."""
         if checkpoint_lease_ids:
-            acked = self.buffer.ack(self.consumer, list(checkpoint_lease_ids))
+            ids, given = list(checkpoint_lease_ids), checkpoint_priorities or {}
+            priorities = [given.get(i) for i in ids]
+            if any(p is not None for p in priorities):
+                acked = self.buffer.ack(self.consumer, ids, priorities)
+            else:
+                acked = self.buffer.ack(self.consumer, ids)
             log.info("acked %d lease(s) of the resumed checkpoint", acked.acked)
         released = self.buffer.release(self.consumer)
         if released:
@@ -82,11 +91,12 @@ class Delivery:
         if self.mode == "step":
             self._ack(list(self.unacked))
 
-    def checkpointed(self, version: int) -> list[str]:
-        """The lease ids a checkpoint at `version` holds (every trained, unacknowledged lease)."""
+    def checkpointed(self, version: int) -> tuple[list[str], dict[str, float]]:
+        """The lease ids a checkpoint at `version` holds (every trained, unacknowledged lease) and their
+        groups' new priorities (those that have one), for its meta: `recover` acks them with these."""
         ids = list(self.unacked)
         self._in_checkpoint[version] = ids
-        return ids
+        return ids, {i: self.priorities[i] for i in ids if i in self.priorities}
 
     def durable(self, version: int) -> None:
         """Writer thread: the checkpoint at `version` is on disk (acked by the next `ack_durable`)."""

@@ -73,9 +73,19 @@ class Intake:
 
     def screened(self, leased: Any, lease_of: dict[str, str]) -> list:
         """The leased groups the model can train (learner/rl/screening.py); the others set aside in the
-        dead-letter list, so the rest of the batch trains. Records each group's lease in `lease_of`."""
-        lease_of.update((g.group_id, lid) for g, lid in zip(leased.groups, leased.lease_ids, strict=True))
-        groups, rejected = screen(leased.groups, self.limits)
+        dead-letter list, so the rest of the batch trains. Records each group's lease in `lease_of`. A
+        group this step already holds (a refill under replay may draw it again) is not taken twice: its
+        second lease is released at once (its use goes back to the buffer)."""
+        fresh, again = [], []
+        for g, lid in zip(leased.groups, leased.lease_ids, strict=True):
+            if g.group_id in lease_of:
+                again.append(lid)
+            else:
+                lease_of[g.group_id] = lid
+                fresh.append(g)
+        if again:
+            self.buffer.release(self.delivery.consumer, again)
+        groups, rejected = screen(fresh, self.limits)
         for r in rejected:
             self.buffer.dead_letter(self.delivery.consumer, lease_of[r.group.group_id], r.reason, r.field)
             log.warning("group %s set aside: %s: %s", r.group.group_id, r.field, r.reason)
@@ -96,11 +106,14 @@ class Intake:
         return Leased(consumer=self.delivery.consumer, groups=[], lease_ids=[])
 
     def drop(self, cfg: LearnerConfig, version: int, filled: Filled, lease_of: dict[str, str]) -> None:
-        """Dropped groups are consumed: their leases are held (and acked) like trained ones, never trained."""
+        """Dropped groups are consumed: their leases are held (and acked) like trained ones, never trained;
+        with `priorities.update` each gets priority 0 (it teaches nothing as it is: drawn again only
+        through `priority_epsilon`)."""
         if not filled.dropped:
             return
         dropped = [d.group for d in filled.dropped]
-        self.trained(cfg, version, [lease_of[g.group_id] for g in dropped], dropped)
+        leases = [lease_of[g.group_id] for g in dropped]
+        self.delivery.trained(leases, [0.0] * len(leases) if cfg.priorities.update else None)
         for d in filled.dropped:
             self.metrics.groups_dropped.labels(reason=d.reason).inc()
             self.groups_dropped[d.reason] = self.groups_dropped.get(d.reason, 0) + 1
@@ -116,16 +129,16 @@ class Intake:
         version: int,
         lease_ids: list[str],
         groups: list,
-        result: StepResult | None = None,
+        result: StepResult,
     ) -> None:
-        """The groups' leases are consumed (trained, or dropped: no `result`); with `priorities.update` each
-        group's new priority at `version` goes with its ack (learner/rl/priorities.py), its IS deviation
-        from the step that trained it."""
+        """The trained groups' leases are consumed; with `priorities.update` each group's new priority at
+        `version` goes with its ack (learner/rl/priorities.py), its IS deviation from `result`, the step
+        that trained it."""
         if not cfg.priorities.update:
             self.delivery.trained(lease_ids)
             return
         decay, norm = cfg.priorities.staleness_decay, cfg.norm_adv_by_std_in_grpo
-        deviation = (result.group_is_deviation if result is not None else ()) or (0.0,) * len(groups)
+        deviation = result.group_is_deviation or (0.0,) * len(groups)
         new = [
             priority(g, version, decay, cfg.adv_estimator, norm, dev)
             for g, dev in zip(groups, deviation, strict=True)

@@ -189,7 +189,8 @@ class Learner:
             self.config, "initial" if meta is None else "resume", self.config_version, self.step_count
         )
         if self.delivery is not None:
-            self.delivery.recover(meta.get("lease_ids", []) if meta is not None else [])
+            held = meta or {}  # the resumed checkpoint's leases, acked with their priorities
+            self.delivery.recover(held.get("lease_ids", []), held.get("lease_priorities"))
         need = self.persist.needs_publish(self.version) if ranks.is_leader else False
         command = Command("publish" if need else "noop") if ranks.is_leader else None
         if broadcast_command(ranks, command).op == "publish":
@@ -495,16 +496,17 @@ class Learner:
 
     def _checkpoint(self) -> Path:
         """Snapshot a checkpoint and queue its write; return the folder it will have."""
-        position, leases = {}, []
+        position, leases, priorities = {}, [], {}
         if self.buffer is not None and self.delivery is not None:  # the leader's (its meta is the one kept)
             stats = self.buffer.stats()
             position = {"inserted_total": stats.inserted_total, "sampled_total": stats.sampled_total}
-            leases = self.delivery.checkpointed(self.version)
+            leases, priorities = self.delivery.checkpointed(self.version)
         self.publisher.at_checkpoint(self.version, self._publish_keys if self.ranks.distributed else None)
         self._checkpoint_steps[self.version] = self.step_count
         return self.persist.checkpoint(
-            self.trainables(), self.version, self.step_count, position, leases, self.config_version
-        )
+            self.trainables(), self.version, self.step_count, position, leases, self.config_version,
+            lease_priorities=priorities,
+        )  # fmt: skip
 
     def _on_durable(self, kind: str, version: int) -> None:
         """Writer thread: a write became durable; a checkpoint's leases are acked by the next step."""

@@ -14,6 +14,7 @@ import sys
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -40,9 +41,9 @@ Learner(cfg).run(threading.Event())
 """
 
 
-def train_to_the_end(cfg, steps: Path) -> None:
+def train_to_the_end(cfg, steps: Path) -> dict:
     """A learner of `cfg` (its steps logged to `steps`) trains until the buffer is empty, checkpoints and
-    stops cleanly: the last incarnation of a run killed before."""
+    stops cleanly: the last incarnation of a run killed before. Returns its `status()` before it stops."""
     learner = Learner(cfg.model_copy(update={"metrics_jsonl": str(steps), "sample_timeout_s": 0.5}))
     try:
         while True:
@@ -51,14 +52,69 @@ def train_to_the_end(cfg, steps: Path) -> None:
             except BufferNotReady:
                 break
         learner.checkpoint()
+        return learner.status()
     finally:
         learner.close()
 
 
-def _lines(path: Path) -> list[dict]:
+def step_lines(path: Path) -> list[dict]:
+    """The step lines a learner's `metrics_jsonl` holds (a line torn by a kill left out)."""
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+Incarnation = tuple[Path, int]
+"""One learner process of a run: its steps file and the checkpoint version it resumed (0: none)."""
+
+
+def kill_9_in_a_row(
+    cfg,
+    tmp_path: Path,
+    rng: random.Random,
+    times: int,
+    most_steps: int = 7,
+    child: str = CHILD,
+    when: Callable[[Path], bool] | None = None,
+) -> list[Incarnation]:
+    """`times` learner subprocesses of `cfg` (`child` runs one from its config file), one after the other
+    on the same folders, each killed -9 somewhere after 1 to `most_steps` logged steps (inside a step, a
+    publish or a checkpoint write), or at once when `when(its steps file)` holds. Numbered on from the
+    incarnations of earlier calls (`steps-<i>.jsonl`, `cfg-<i>.json` in `tmp_path`)."""
+    incarnations: list[Incarnation] = []
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    first = len(list(tmp_path.glob("cfg-*.json")))
+    for i in range(first, first + times):
+        steps = tmp_path / f"steps-{i}.jsonl"
+        resumed = (checkpoint_versions(tmp_path / "ckpt") or [0])[-1]
+        incarnations.append((steps, resumed))
+        cfg_i = cfg.model_copy(update={"metrics_jsonl": str(steps)})
+        (tmp_path / f"cfg-{i}.json").write_text(cfg_i.model_dump_json())
+        proc = subprocess.Popen(
+            [sys.executable, "-c", child, str(tmp_path / f"cfg-{i}.json")], cwd=ROOT, env=env
+        )
+        try:
+            done = when or (lambda path, n=rng.randint(1, most_steps): len(step_lines(path)) >= n)
+            deadline = time.monotonic() + 120
+            while not done(steps):
+                assert proc.poll() is None, "the learner subprocess died"
+                assert time.monotonic() < deadline, "the learner subprocess made no progress"
+                time.sleep(0.01)
+            if when is None:
+                time.sleep(rng.uniform(0.0, 0.3))  # somewhere inside a step, a publish or a checkpoint write
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+    return incarnations
+
+
+def resumed_history(incarnations: list[Incarnation]) -> list[dict]:
+    """The step lines of the history the final weights descend from: each incarnation's steps up to the
+    checkpoint the next one resumed (the last one's all)."""
+    out: list[dict] = []
+    for (path, _), (_, next_resumed) in zip(incarnations, [*incarnations[1:], (None, 10**9)], strict=True):
+        out += [line for line in step_lines(path) if line["version"] <= next_resumed]
+    return out
 
 
 def test_kill_9_five_times_trains_every_group_exactly_once_in_the_resumed_history(
@@ -77,37 +133,12 @@ def test_kill_9_five_times_trains_every_group_exactly_once_in_the_resumed_histor
         groups = covering_groups(600, seed=7, n=2, tokens=4)  # more than 5 incarnations use on a fast machine
         assert buf.insert_many(groups).ok
     inserted = {g.group_id for g in groups}
-    incarnations: list[tuple[Path, int]] = []  # (its steps file, the checkpoint version it resumed)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for i in range(5):
-        steps = tmp_path / f"steps-{i}.jsonl"
-        resumed = (checkpoint_versions(tmp_path / "ckpt") or [0])[-1]
-        incarnations.append((steps, resumed))
-        cfg_i = cfg.model_copy(update={"metrics_jsonl": str(steps)})
-        (tmp_path / f"cfg-{i}.json").write_text(cfg_i.model_dump_json())
-        child = subprocess.Popen(
-            [sys.executable, "-c", CHILD, str(tmp_path / f"cfg-{i}.json")], cwd=ROOT, env=env
-        )
-        try:
-            target, deadline = rng.randint(1, 7), time.monotonic() + 120
-            while len(_lines(steps)) < target:
-                assert child.poll() is None, "the learner subprocess died"
-                assert time.monotonic() < deadline, "the learner subprocess made no progress"
-                time.sleep(0.01)
-            time.sleep(rng.uniform(0.0, 0.3))  # somewhere inside a step, a publish or a checkpoint write
-        finally:
-            child.send_signal(signal.SIGKILL)
-            child.wait(timeout=30)
+    incarnations = kill_9_in_a_row(cfg, tmp_path, rng, times=5)
     # the last incarnation trains until the buffer is empty, checkpoints, and stops cleanly
     steps = tmp_path / "steps-final.jsonl"
     incarnations.append((steps, (checkpoint_versions(tmp_path / "ckpt") or [0])[-1]))
     train_to_the_end(cfg, steps)
-    # the history the final weights descend from: each incarnation's steps up to where the next resumed
-    trained: Counter[str] = Counter()
-    for (path, _), (_, next_resumed) in zip(incarnations, [*incarnations[1:], (None, 10**9)], strict=True):
-        for line in _lines(path):
-            if line["version"] <= next_resumed:
-                trained.update(line["group_ids"])
+    trained = Counter(g for line in resumed_history(incarnations) for g in line["group_ids"])
     twice = [g for g, n in trained.items() if n > 1]
     assert twice == [], f"{len(twice)} groups trained twice"
     with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:

@@ -23,7 +23,7 @@ from offpolicy.buffer.replay_buffer import ReplayBuffer
 from offpolicy.learner.persist.checkpoint import checkpoint_versions
 from offpolicy.learner.persist.published import published_versions, version_dir
 from offpolicy.weights.manifest import file_sha256, read_manifest
-from tests.integration.test_learner_delivery import CHILD, ROOT, _lines, train_to_the_end
+from tests.integration.test_learner_delivery import CHILD, ROOT, step_lines, train_to_the_end
 from tests.integration.test_learner_fixes import covering_groups
 from tests.integration.test_learner_loop import config, tiny_dir  # noqa: F401
 
@@ -63,7 +63,7 @@ def fill(folder: Path) -> Path:
 
 
 def steps_of(path: Path) -> list[dict]:
-    return [line for line in _lines(path) if "group_ids" in line]
+    return [line for line in step_lines(path) if "group_ids" in line]
 
 
 def test_a_full_volume_is_back_pressure_and_kill_9_in_the_spell_loses_nothing(

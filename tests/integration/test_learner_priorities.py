@@ -205,3 +205,40 @@ def test_the_written_priority_grows_with_the_groups_is_deviation(behaviour, tiny
         assert p_off / base_off == pytest.approx(1.3, rel=1e-3)
     finally:
         learner.close()
+
+
+def test_a_crash_between_the_durable_checkpoint_and_its_ack_keeps_the_priorities(
+    behaviour,  # noqa: F811
+    tiny_dir,  # noqa: F811
+    redis_url,
+    tmp_path,
+):
+    """The checkpoint of step 2 is durable, but the learner dies before its next step acks it: the restart
+    acks the checkpoint's leases with the priorities the checkpoint recorded (its meta), not without."""
+    cfg = config(
+        tiny_dir, redis_url, tmp_path, groups_per_step=2, sample_timeout_s=2.0,
+        buffer={"sampler": "prioritized", "max_times_sampled": None, "priority_epsilon": 0.01},
+        checkpoint={"checkpoint_dir": str(tmp_path / "ckpt"), "checkpoint_every": 2},
+        priorities={"update": True},
+    )  # fmt: skip
+    groups = flat_and_varied(behaviour, "VVVV")
+    ids = [g.group_id for g in groups]
+    with ReplayBuffer(cfg.redis_url, cfg.run_id, cfg.buffer) as buf:
+        buf.insert_many(groups)
+    learner = Learner(cfg)
+    try:
+        learner.step()
+        learner.step()  # checkpoint v2 queued with its 4 leases and their groups' new priorities
+        learner.persist.flush()  # durable; its ack would come with the next step, which never runs
+        written = dict(learner.delivery.priorities)  # lease id -> the priority the ack should carry
+        assert len(written) == 4 and learner.buffer.priorities(ids) == [1.0] * 4
+        restarted = Learner(cfg)  # the same run: acks the resumed checkpoint's leases
+        try:
+            now = restarted.buffer.priorities(ids)
+            assert sorted(now) == pytest.approx(sorted(written.values())) and 1.0 not in now
+            assert restarted.buffer.stats().leases_outstanding == 0
+        finally:
+            restarted.close()
+    finally:
+        learner.delivery.unacked = []  # the "crashed" process: nothing of its own to give back
+        learner.close()

@@ -69,10 +69,11 @@ def base_meta(
     buffer_position: dict[str, Any],
     lease_ids: list[str] | None = None,
     config_version: int = 0,
+    lease_priorities: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """What every checkpoint's `meta.json` holds, whatever its layout: identity, counters, the config the
     learner trains with and its version (reapplied at resume: learner/config/resume.py), buffer position,
-    the leases it holds, the scheduler and the Python RNG."""
+    the leases it holds (and their groups' new priorities), the scheduler and the Python RNG."""
     return {
         "identity": identity(parts, run_id),
         "version": version,
@@ -82,6 +83,7 @@ def base_meta(
         "config_version": config_version,
         "buffer_position": buffer_position,
         "lease_ids": list(lease_ids or []),
+        "lease_priorities": dict(lease_priorities or {}),
         "scheduler": parts.scheduler.state_dict(),
         "python_rng": random.getstate(),
     }

@@ -249,9 +249,11 @@ class Persistence:
         buffer_position: dict[str, Any],
         lease_ids: list[str] | None = None,
         config_version: int = 0,
+        lease_priorities: dict[str, float] | None = None,
     ) -> Path:
         """Snapshot everything a checkpoint holds and queue the write; return the folder it will have.
-        `lease_ids`: the leases whose updates it holds (acked once it is durable: learner/delivery.py).
+        `lease_ids`: the leases whose updates it holds (acked once it is durable: learner/delivery.py), with
+        `lease_priorities` to write with their acks.
         `self.config` is the config the learner trains with (the learner keeps it current), saved with
         `config_version` so that a resume reapplies it.
         Raises `CheckpointsDisabled` without a checkpoint folder."""
@@ -265,6 +267,7 @@ class Persistence:
             buffer_position=buffer_position,
             lease_ids=lease_ids,
             config_version=config_version,
+            lease_priorities=lease_priorities,
         )
         path = self.checkpoints.save(parts, version, meta)
         self._need["checkpoint"] = self.checkpoints.snapshot_bytes()
