@@ -235,6 +235,7 @@ def learner_run(args: argparse.Namespace) -> dict:
         "learner_phases_s": res["phases_s"],
         "publish_share": publish / step,
         "sync_publish_s": sync_s,
+        "sync_publish_runs_s": res["sync_publish_runs_s"],
         "sync_publish_share": sync_s / (step - publish + sync_s),
         "grad_reductions_per_minibatch": res["grad_reductions_per_minibatch"],
         "grad_sync": res["grad_sync"],
