@@ -67,7 +67,7 @@ class Intake:
             filled = fill(
                 groups, cfg.screening, lambda n: self.screened(self.lease_more(cfg, version, n), lease_of)
             )
-        self.drop(cfg, version, filled, lease_of)
+        self.drop(cfg, filled, lease_of)
         sifted = filled.metrics() if cfg.screening != ScreeningConfig() else {}
         return Taken(self.weighted(cfg, filled.groups), lease_of, len(filled.dropped), sifted)
 
@@ -105,7 +105,7 @@ class Intake:
                 continue
         return Leased(consumer=self.delivery.consumer, groups=[], lease_ids=[])
 
-    def drop(self, cfg: LearnerConfig, version: int, filled: Filled, lease_of: dict[str, str]) -> None:
+    def drop(self, cfg: LearnerConfig, filled: Filled, lease_of: dict[str, str]) -> None:
         """Dropped groups are consumed: their leases are held (and acked) like trained ones, never trained;
         with `priorities.update` each gets priority 0 (it teaches nothing as it is: drawn again only
         through `priority_epsilon`)."""
