@@ -43,7 +43,8 @@ from offpolicy.learner.distributed.gather import (
     part_sizes,
     unpack_rows,
 )
-from offpolicy.learner.persist.published import Entry, HostCopy, TensorStream
+from offpolicy.learner.persist.published import HostCopy
+from offpolicy.learner.persist.safetensors_io import Entry, TensorStream
 
 _END = object()
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}

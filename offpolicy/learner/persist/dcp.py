@@ -50,7 +50,8 @@ from offpolicy.learner.persist.checkpoint import (
     restore_rngs,
     rng_state,
 )
-from offpolicy.learner.persist.published import remove_folder, write_safetensors
+from offpolicy.learner.persist.published import remove_folder
+from offpolicy.learner.persist.safetensors_io import write_safetensors
 from offpolicy.learner.persist.writer import back_pressure
 
 if TYPE_CHECKING:

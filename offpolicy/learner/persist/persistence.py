@@ -37,12 +37,12 @@ from offpolicy.learner.persist.checkpoint import Checkpoints, NoCheckpoints, bas
 from offpolicy.learner.persist.dcp import ShardedCheckpoints
 from offpolicy.learner.persist.published import (
     HostCopy,
-    TensorStream,
     WeightsSnapshot,
     publish_snapshot,
     remove_leftovers,
     uri_folder,
 )
+from offpolicy.learner.persist.safetensors_io import TensorStream
 from offpolicy.learner.persist.single import FileCheckpoints
 from offpolicy.learner.persist.writer import BackgroundWriter, Kind, WeightsBuffers
 

@@ -26,16 +26,12 @@ next optimizer step. `write_version` runs on the background writer (persist/writ
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
-import math
-import os
 import re
 import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,6 +39,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from offpolicy.learner.model.load import unique_state
+from offpolicy.learner.persist.safetensors_io import (
+    Arrivals,
+    TensorStream,
+    fsync_dir,
+    shards_of,
+    write_small,
+    write_streamed,
+)
 from offpolicy.weights.manifest import MANIFEST, encode_manifest, manifest_doc, read_manifest
 from offpolicy.weights.record import PolicyRecord
 
@@ -52,16 +56,6 @@ if TYPE_CHECKING:
     from offpolicy.weights.record import PolicyStore
 
 VERSION_DIR = re.compile(r"^v(\d+)$")
-_ST_DTYPES = {
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float64: "F64",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
 
 
 def version_dir(weights_dir: str | Path, version: int) -> Path:
@@ -170,137 +164,6 @@ def snapshot_to_host(
 # --- writing (background)
 
 
-class _HashingFile:
-    """A binary file opened for writing whose bytes also feed its sha256."""
-
-    def __init__(self, path: Path) -> None:
-        self.fh = path.open("wb")
-        self.own = hashlib.sha256()
-        self.bytes = 0
-
-    def write(self, data: bytes | memoryview) -> None:
-        self.fh.write(data)
-        self.own.update(data)
-        self.bytes += len(data)
-
-    def close(self) -> dict[str, Any]:
-        self.fh.flush()
-        os.fsync(self.fh.fileno())
-        self.fh.close()
-        return {"bytes": self.bytes, "sha256": self.own.hexdigest()}
-
-
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The raw little-endian bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict:
-    """Write `tensors` in the safetensors format, hashing as it writes; return {"bytes", "sha256"}."""
-    entries = [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()]
-    return _write_streamed(path, entries, lambda e: tensors[e[0]])
-
-
-Entry = tuple[str, tuple[int, ...], torch.dtype]
-"""A tensor of a stream: (name, shape, dtype)."""
-
-
-@dataclass(frozen=True)
-class TensorStream:
-    """Tensors of a known layout (`entries`, in file order) arriving as dicts (`chunks`) in that order: the
-    N-rank gather's buckets (persist/background_gather.py) stream into the files as they arrive, so the
-    leader never holds a full set; `whole` wraps a snapshot held in memory."""
-
-    entries: list[Entry]
-    chunks: Iterable[dict[str, torch.Tensor]]
-
-    @classmethod
-    def whole(cls, tensors: dict[str, torch.Tensor]) -> TensorStream:
-        return cls([(k, tuple(t.shape), t.dtype) for k, t in tensors.items()], [tensors])
-
-
-def _nbytes(entry: Entry) -> int:
-    return math.prod(entry[1]) * entry[2].itemsize
-
-
-def _shards(entries: list[Entry], max_bytes: int) -> list[list[Entry]]:
-    shards: list[list[Entry]] = [[]]
-    size = 0
-    for entry in entries:
-        n = _nbytes(entry)
-        if shards[-1] and size + n > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(entry)
-        size += n
-    return shards
-
-
-def _safetensors_header(entries: list[Entry]) -> bytes:
-    header: dict[str, Any] = {}
-    offset = 0
-    for name, shape, dtype in entries:
-        n = _nbytes((name, shape, dtype))
-        header[name] = {
-            "dtype": _ST_DTYPES[dtype],
-            "shape": list(shape),
-            "data_offsets": [offset, offset + n],
-        }
-        offset += n
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # the data starts 8-aligned, as the reference writer does
-    return len(head).to_bytes(8, "little") + head
-
-
-def _write_streamed(path: Path, entries: list[Entry], take: Callable[[Entry], torch.Tensor]) -> dict:
-    """One safetensors file of `entries`, each tensor taken (`take`) in its turn; hashed as written."""
-    out = _HashingFile(path)
-    out.write(_safetensors_header(entries))
-    for entry in entries:
-        out.write(_tensor_bytes(take(entry)))
-    return out.close()
-
-
-class _Arrivals:
-    """Takes the tensors of a stream by name, reading its chunks as far as needed (in order)."""
-
-    def __init__(self, chunks: Iterable[dict[str, torch.Tensor]]) -> None:
-        self._chunks = iter(chunks)
-        self._held: dict[str, torch.Tensor] = {}
-
-    def take(self, entry: Entry) -> torch.Tensor:
-        name, shape, dtype = entry
-        while name not in self._held:
-            chunk = next(self._chunks, None)
-            if chunk is None:
-                raise RuntimeError(f"the weights stream ended before {name}")
-            self._held.update(chunk)
-        t = self._held.pop(name)
-        if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-            raise RuntimeError(f"{name}: streamed {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}")
-        return t
-
-    def drain(self) -> None:
-        """Read what is left (a failed write must not leave the producer blocked on a full queue)."""
-        self._held.clear()
-        for _ in self._chunks:
-            pass
-
-
-def _write_small(path: Path, data: bytes) -> dict[str, Any]:
-    out = _HashingFile(path)
-    out.write(data)
-    return out.close()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @dataclass(frozen=True, slots=True)
 class WeightsSnapshot:
     """Everything a version folder is written from, held in host memory."""
@@ -328,28 +191,28 @@ def write_version(snap: WeightsSnapshot, weights_dir: str | Path, max_shard_byte
     if final.exists():
         remove_folder(final)
     tmp.rename(final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     return final
 
 
 def _write_folder(snap: WeightsSnapshot, tmp: Path, max_shard_bytes: int) -> None:
     """Write the files of `snap` and their manifest into the new folder `tmp` (fsynced)."""
     stream = snap.tensors if isinstance(snap.tensors, TensorStream) else TensorStream.whole(snap.tensors)
-    arrivals = _Arrivals(stream.chunks)
+    arrivals = Arrivals(stream.chunks)
     try:
         tmp.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
         files: dict[str, dict[str, Any]] = {}
         # The record's checksum is combined from the files' own digests (combine_sha256): each byte hashed
         # once.
-        shards = _shards(stream.entries, max_shard_bytes)
+        shards = shards_of(stream.entries, max_shard_bytes)
         names = (
             ["model.safetensors"]
             if len(shards) == 1
             else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
         )
         for name, shard in zip(names, shards, strict=True):  # names sort in write order
-            files[name] = _write_streamed(tmp / name, shard, arrivals.take)
+            files[name] = write_streamed(tmp / name, shard, arrivals.take)
     finally:
         arrivals.drain()
     if len(shards) > 1:
@@ -357,22 +220,22 @@ def _write_folder(snap: WeightsSnapshot, tmp: Path, max_shard_bytes: int) -> Non
             "metadata": {"total_size": sum(f["bytes"] for f in files.values())},
             "weight_map": {t[0]: n for n, shard in zip(names, shards, strict=True) for t in shard},
         }
-        files["model.safetensors.index.json"] = _write_small(
+        files["model.safetensors.index.json"] = write_small(
             tmp / "model.safetensors.index.json", json.dumps(index, indent=1).encode()
         )
     config = copy.deepcopy(snap.config)
     config.dtype = snap.dtype
-    files["config.json"] = _write_small(tmp / "config.json", config.to_json_string(use_diff=False).encode())
+    files["config.json"] = write_small(tmp / "config.json", config.to_json_string(use_diff=False).encode())
     if snap.generation_config is not None:
         text = snap.generation_config.to_json_string(use_diff=True).encode()
-        files["generation_config.json"] = _write_small(tmp / "generation_config.json", text)
+        files["generation_config.json"] = write_small(tmp / "generation_config.json", text)
     if snap.tokenizer is not None:
         for saved in snap.tokenizer.save_pretrained(tmp):
             p = Path(saved)
             if p.is_file() and p.name not in files:
-                files[p.name] = _write_small(p, p.read_bytes())  # rewritten through the hasher, fsynced
-    _write_small(tmp / MANIFEST, encode_manifest(manifest_doc(snap.version, files)))
-    _fsync_dir(tmp)
+                files[p.name] = write_small(p, p.read_bytes())  # rewritten through the hasher, fsynced
+    write_small(tmp / MANIFEST, encode_manifest(manifest_doc(snap.version, files)))
+    fsync_dir(tmp)
 
 
 def prune_versions(weights_dir: str | Path, keep: int, protect: int | None = None) -> list[int]:

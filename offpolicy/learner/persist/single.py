@@ -37,7 +37,8 @@ from offpolicy.learner.persist.checkpoint import (
     restore_rngs,
     rng_state,
 )
-from offpolicy.learner.persist.published import HostCopy, remove_folder, write_safetensors
+from offpolicy.learner.persist.published import HostCopy, remove_folder
+from offpolicy.learner.persist.safetensors_io import write_safetensors
 from offpolicy.learner.persist.writer import BackgroundWriter
 
 if TYPE_CHECKING:

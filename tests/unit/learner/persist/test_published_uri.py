@@ -21,7 +21,7 @@ from offpolicy.actors.transport.follow import WeightSync
 from offpolicy.learner.config import LearnerConfig
 from offpolicy.learner.model import make_tiny_model
 from offpolicy.learner.model.load import unique_state
-from offpolicy.learner.persist import published as weights_mod
+from offpolicy.learner.persist import safetensors_io
 from offpolicy.learner.persist.published import (
     WeightsSnapshot,
     publish_weights,
@@ -71,7 +71,7 @@ class _Counting:
 def test_writing_a_version_hashes_each_byte_once(model, tmp_path, monkeypatch, max_shard_bytes):
     """Every byte written (weights, index, config, manifest) goes through exactly one hasher: with shards
     the record's checksum is combined from their digests, not hashed over the shards again."""
-    monkeypatch.setattr(weights_mod, "hashlib", types.SimpleNamespace(sha256=_Counting))
+    monkeypatch.setattr(safetensors_io, "hashlib", types.SimpleNamespace(sha256=_Counting))
     _Counting.fed = 0
     snap = WeightsSnapshot(2, snapshot_to_host(unique_state(model), None), model.config, None, torch.float32)
     out = write_version(snap, tmp_path, max_shard_bytes=max_shard_bytes)

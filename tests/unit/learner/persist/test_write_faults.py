@@ -12,6 +12,7 @@ import torch
 
 from offpolicy.learner.errors import WriteFailed
 from offpolicy.learner.persist import published as published_mod
+from offpolicy.learner.persist import safetensors_io
 from offpolicy.learner.persist import single as single_mod
 from offpolicy.learner.persist.published import WeightsSnapshot, published_versions, write_version
 from offpolicy.learner.persist.single import CheckpointSnapshot, write_checkpoint
@@ -137,7 +138,7 @@ def _snapshot(version: int) -> WeightsSnapshot:
 
 def test_a_version_write_that_meets_a_full_disk_leaves_no_partial_folder(tmp_path, monkeypatch):
     write_version(_snapshot(1), tmp_path)
-    real, calls = published_mod._HashingFile.write, []
+    real, calls = safetensors_io.HashingFile.write, []
 
     def fill_up(self, data):
         calls.append(1)
@@ -145,7 +146,7 @@ def test_a_version_write_that_meets_a_full_disk_leaves_no_partial_folder(tmp_pat
             _enospc()
         real(self, data)
 
-    monkeypatch.setattr(published_mod._HashingFile, "write", fill_up)
+    monkeypatch.setattr(safetensors_io.HashingFile, "write", fill_up)
     with pytest.raises(OSError) as err:
         write_version(_snapshot(2), tmp_path)
     assert err.value.errno == errno.ENOSPC
