@@ -14,7 +14,7 @@ import pytest
 
 from offpolicy.buffer.replay_buffer import ReplayBuffer
 from offpolicy.learner.model import load_model
-from offpolicy.learner.persist import published as published_mod
+from offpolicy.learner.persist import safetensors_io
 from offpolicy.learner.persist.published import published_versions
 from offpolicy.learner.trainer import Learner
 from offpolicy.weights.manifest import read_manifest
@@ -29,7 +29,7 @@ class Disk:
 
     def __init__(self, monkeypatch) -> None:
         self.full: set[Path] = set()
-        real_init, real_write = published_mod._HashingFile.__init__, published_mod._HashingFile.write
+        real_init, real_write = safetensors_io.HashingFile.__init__, safetensors_io.HashingFile.write
 
         def init(file, path: Path) -> None:
             real_init(file, path)
@@ -40,8 +40,8 @@ class Disk:
                 raise OSError(errno.ENOSPC, "No space left on device")
             real_write(file, data)
 
-        monkeypatch.setattr(published_mod._HashingFile, "__init__", init)
-        monkeypatch.setattr(published_mod._HashingFile, "write", write)
+        monkeypatch.setattr(safetensors_io.HashingFile, "__init__", init)
+        monkeypatch.setattr(safetensors_io.HashingFile, "write", write)
 
 
 def _wait(predicate, timeout_s: float = 20.0) -> None:
