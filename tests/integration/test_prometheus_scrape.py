@@ -133,7 +133,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheus
     from offpolicy.buffer.embedded import EmbeddedRedis
     from offpolicy.learner.model import make_tiny_model
     from offpolicy.services.children import start_service
-    from offpolicy.services.quickstart import actor_config, learner_config
+    from offpolicy.services.quickstart_configs import actor_config, learner_config
 
     tmp = tmp_path_factory.mktemp("prometheus-run")
     stoppable: list = []

@@ -11,12 +11,8 @@ from offpolicy.actors.data.prompts import Prompt, encode, render, uses_chat_temp
 from offpolicy.actors.errors import DatasetError
 from offpolicy.learner.model.tiny import build_char_tokenizer, make_tiny_model
 from offpolicy.services.cli import main
-from offpolicy.services.quickstart import (
-    QUICKSTART_MAX_MODEL_LEN,
-    QuickstartOptions,
-    _model_len,
-    actor_config,
-)
+from offpolicy.services.quickstart import QuickstartOptions
+from offpolicy.services.quickstart_configs import QUICKSTART_MAX_MODEL_LEN, actor_config, model_len
 
 
 def _refusal(exc: pytest.ExceptionInfo[ValidationError]) -> str:
@@ -93,9 +89,9 @@ def test_the_quickstart_refuses_a_dataset_without_its_reward(tmp_path, capsys):
 
 def test_the_quickstart_honours_a_users_model_and_reward(tmp_path):
     model = make_tiny_model(tmp_path / "m", max_position_embeddings=1024)
-    assert _model_len(str(model)) == 1024
+    assert model_len(str(model)) == 1024
     long = make_tiny_model(tmp_path / "long", max_position_embeddings=32768)
-    assert _model_len(str(long)) == QUICKSTART_MAX_MODEL_LEN
+    assert model_len(str(long)) == QUICKSTART_MAX_MODEL_LEN
     cfg = ActorConfig.model_validate(
         actor_config(
             str(model), tmp_path / "p.jsonl", "redis://h:1/0", "r", reward="math_answer", max_model_len=1024
@@ -109,7 +105,7 @@ def test_the_quickstart_honours_a_users_model_and_reward(tmp_path):
 
 def test_the_quickstart_gloo_variant_sends_versions_over_the_transfer_engine(tmp_path):
     from offpolicy.learner.config import LearnerConfig
-    from offpolicy.services.quickstart import learner_config
+    from offpolicy.services.quickstart_configs import learner_config
 
     learner = LearnerConfig.model_validate(learner_config(tmp_path, "/m", "redis://h:1/0", "r", "gloo"))
     assert learner.publish.transport == "vllm" and learner.publish.transfer.backend == "gloo"
