@@ -45,6 +45,25 @@ def recording(learner: Learner) -> list[list]:
     return steps
 
 
+def started(cfg, groups: list) -> tuple[Learner, list[list]]:
+    """`groups` inserted into the run's buffer, its learner started, recording what each step trains."""
+    with ReplayBuffer(cfg.redis_url, cfg.run_id, cfg.buffer) as buf:
+        buf.insert_many(groups)
+    learner = Learner(cfg)
+    return learner, recording(learner)
+
+
+def durable_replay(tiny_dir, redis_url, tmp_path):  # noqa: F811
+    """Prioritized replay with learner-written priorities, 2 groups per step, a checkpoint every 2 steps
+    (`delivery: checkpoint`: acks and their priorities go once a checkpoint is durable)."""
+    return config(
+        tiny_dir, redis_url, tmp_path, groups_per_step=2, sample_timeout_s=2.0,
+        buffer={"sampler": "prioritized", "max_times_sampled": None, "priority_epsilon": 0.01},
+        checkpoint={"checkpoint_dir": str(tmp_path / "ckpt"), "checkpoint_every": 2},
+        priorities={"update": True},
+    )  # fmt: skip
+
+
 def test_the_learner_writes_priorities_and_the_sampler_follows(behaviour, tiny_dir, redis_url, tmp_path):  # noqa: F811
     cfg = config(
         tiny_dir, redis_url, tmp_path, groups_per_step=2, sample_timeout_s=2.0,
@@ -53,10 +72,7 @@ def test_the_learner_writes_priorities_and_the_sampler_follows(behaviour, tiny_d
     )  # fmt: skip
     groups = flat_and_varied(behaviour, "FFFVVV")
     by_id = {g.group_id: g for g in groups}
-    with ReplayBuffer(cfg.redis_url, cfg.run_id, cfg.buffer) as buf:
-        buf.insert_many(groups)
-    learner = Learner(cfg)
-    steps = recording(learner)
+    learner, steps = started(cfg, groups)
     try:
         learner.step()
         written = learner.buffer.priorities([g.group_id for g in steps[0]])
@@ -92,10 +108,7 @@ def test_beta_puts_importance_weights_on_the_trained_groups(behaviour, tiny_dir,
     )  # fmt: skip
     pair = flat_and_varied(behaviour, "VV")
     groups = [replace(g, priority=p) for g, p in zip(pair, [1.0, 4.0], strict=True)]
-    with ReplayBuffer(cfg.redis_url, cfg.run_id, cfg.buffer) as buf:
-        buf.insert_many(groups)
-    learner = Learner(cfg)
-    steps = recording(learner)
+    learner, steps = started(cfg, groups)
     try:
         learner.step()
         weights = {g.priority: float(g.metadata[WEIGHT_KEY]) for g in steps[0]}
@@ -107,12 +120,7 @@ def test_beta_puts_importance_weights_on_the_trained_groups(behaviour, tiny_dir,
 
 
 def test_priorities_go_with_the_durable_ack_and_die_with_a_crash(behaviour, tiny_dir, redis_url, tmp_path):  # noqa: F811
-    cfg = config(
-        tiny_dir, redis_url, tmp_path, groups_per_step=2, sample_timeout_s=2.0,
-        buffer={"sampler": "prioritized", "max_times_sampled": None, "priority_epsilon": 0.01},
-        checkpoint={"checkpoint_dir": str(tmp_path / "ckpt"), "checkpoint_every": 2},
-        priorities={"update": True},
-    )  # fmt: skip
+    cfg = durable_replay(tiny_dir, redis_url, tmp_path)
     assert cfg.delivery_mode == "checkpoint"
     groups = flat_and_varied(behaviour, "VVFF")
     ids = [g.group_id for g in groups]
@@ -215,18 +223,10 @@ def test_a_crash_between_the_durable_checkpoint_and_its_ack_keeps_the_priorities
 ):
     """The checkpoint of step 2 is durable, but the learner dies before its next step acks it: the restart
     acks the checkpoint's leases with the priorities the checkpoint recorded (its meta), not without."""
-    cfg = config(
-        tiny_dir, redis_url, tmp_path, groups_per_step=2, sample_timeout_s=2.0,
-        buffer={"sampler": "prioritized", "max_times_sampled": None, "priority_epsilon": 0.01},
-        checkpoint={"checkpoint_dir": str(tmp_path / "ckpt"), "checkpoint_every": 2},
-        priorities={"update": True},
-    )  # fmt: skip
+    cfg = durable_replay(tiny_dir, redis_url, tmp_path)
     groups = flat_and_varied(behaviour, "VVVV")
     ids = [g.group_id for g in groups]
-    with ReplayBuffer(cfg.redis_url, cfg.run_id, cfg.buffer) as buf:
-        buf.insert_many(groups)
-    learner = Learner(cfg)
-    steps = recording(learner)
+    learner, steps = started(cfg, groups)
     try:
         learner.step()
         learner.step()  # checkpoint v2 queued with its 4 leases and their groups' new priorities
