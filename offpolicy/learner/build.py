@@ -33,7 +33,6 @@ from offpolicy.learner.distributed.lean import (
     unique_names,
 )
 from offpolicy.learner.distributed.ranks import Ranks, current, local_device
-from offpolicy.learner.errors import TokenizerMismatch
 from offpolicy.learner.memory_plan import (
     GIB,
     MemoryPlan,
@@ -46,10 +45,10 @@ from offpolicy.learner.memory_plan import (
 from offpolicy.learner.model import attention
 from offpolicy.learner.model.compile import compile_layers
 from offpolicy.learner.model.critic import ValueModel
-from offpolicy.learner.model.load import load_model, load_tokenizer, unique_state
+from offpolicy.learner.model.load import load_model, unique_state
 from offpolicy.learner.model.policy import LogProbs
 from offpolicy.learner.model.precision import Precision, pick_device
-from offpolicy.learner.model.reference import freeze, stream_layers, tokenizer_differences
+from offpolicy.learner.model.reference import freeze, stream_layers
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +158,7 @@ def build_teacher(
     config: LearnerConfig, device: torch.device, precision: Precision, sharded: bool
 ) -> torch.nn.Module | None:
     """The frozen teacher of on-policy distillation, or None without `teacher.model_path`: `build_frozen`
-    of its path (the tokenizers are compared before, by the trainer: `check_teacher_tokenizer`)."""
+    of its path (the trainer compares the tokenizers first: model/reference.py `check_teacher_tokenizer`)."""
     tc = config.teacher
     if tc.model_path is None:
         return None
@@ -387,18 +386,3 @@ def build_models(config: LearnerConfig, ranks: Ranks) -> Built:
         host,
         teacher,
     )
-
-
-def check_teacher_tokenizer(config: LearnerConfig) -> None:
-    """Refuse a distillation teacher whose tokenizer is not the policy's (`TokenizerMismatch`, naming both
-    models and what differs): its log-probs of the sampled ids would score other tokens."""
-    teacher = config.teacher.model_path
-    if teacher is None:
-        return
-    diff = tokenizer_differences(load_tokenizer(config.model_path), load_tokenizer(teacher))
-    if diff:
-        raise TokenizerMismatch(
-            f"teacher.model_path={str(teacher)!r} has another tokenizer than model_path="
-            f"{str(config.model_path)!r}: {'; '.join(diff)}. On-policy distillation scores the student's "
-            "token ids with the teacher: both must share the vocabulary and special tokens"
-        )

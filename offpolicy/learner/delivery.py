@@ -27,7 +27,7 @@ import logging
 import re
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from offpolicy.buffer.errors import StorageUnavailable
 
@@ -68,12 +68,8 @@ class Delivery:
         between the write and the ack loses none), give every other lease of this consumer back to the
         buffer (counted `redelivered`), then start renewing."""
         if checkpoint_lease_ids:
-            ids, given = list(checkpoint_lease_ids), checkpoint_priorities or {}
-            priorities = [given.get(i) for i in ids]
-            if any(p is not None for p in priorities):
-                acked = self.buffer.ack(self.consumer, ids, priorities)
-            else:
-                acked = self.buffer.ack(self.consumer, ids)
+            given = checkpoint_priorities or {}
+            acked = self._ack_call(list(checkpoint_lease_ids), given)
             log.info("acked %d lease(s) of the resumed checkpoint", acked.acked)
         released = self.buffer.release(self.consumer)
         if released:
@@ -118,11 +114,7 @@ class Delivery:
     def _ack(self, ids: list[str]) -> None:
         if not ids:
             return
-        priorities = [self.priorities.get(i) for i in ids]
-        if any(p is not None for p in priorities):
-            result = self.buffer.ack(self.consumer, ids, priorities)
-        else:
-            result = self.buffer.ack(self.consumer, ids)
+        result = self._ack_call(ids, self.priorities)
         for i in ids:
             self.priorities.pop(i, None)
         if result.unknown:  # expired while Redis was unreachable: the groups went back and may train again
@@ -132,6 +124,13 @@ class Delivery:
             self.metrics.leases_lost.inc(len(result.unknown))
         done = set(ids)
         self.unacked = [i for i in self.unacked if i not in done]
+
+    def _ack_call(self, ids: list[str], priorities: dict[str, float]) -> Any:
+        """One ack script call for `ids`, with the priorities `priorities` holds for them (if any)."""
+        each = [priorities.get(i) for i in ids]
+        if any(p is not None for p in each):
+            return self.buffer.ack(self.consumer, ids, each)
+        return self.buffer.ack(self.consumer, ids)
 
     # --- the renewal thread, and stop
 

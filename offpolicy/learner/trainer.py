@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry
 from offpolicy.buffer.codec import decode_group, encode_group
 from offpolicy.buffer.evaluations import EvalStore
 from offpolicy.buffer.replay_buffer import ReplayBuffer
-from offpolicy.learner.build import Trainables, build_models, check_teacher_tokenizer, set_optimizer_hparams
+from offpolicy.learner.build import Trainables, build_models, set_optimizer_hparams
 from offpolicy.learner.config import LearnerConfig, frozen_field_changes
 from offpolicy.learner.config.resume import ResumedConfig, resumed_config
 from offpolicy.learner.delivery import Delivery
@@ -54,6 +54,7 @@ from offpolicy.learner.intake import Intake
 from offpolicy.learner.loop import run_loop
 from offpolicy.learner.metrics import LearnerMetrics, timed
 from offpolicy.learner.model import checkpoint_dtype, load_tokenizer
+from offpolicy.learner.model.reference import check_teacher_tokenizer
 from offpolicy.learner.persist import BackgroundWriter, Persistence
 from offpolicy.learner.rl import ModelLimits, StepContext, StepResult, train_on
 from offpolicy.learner.tracking import StepLog, build_tracker

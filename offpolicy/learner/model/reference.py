@@ -12,10 +12,17 @@ own forward: one layer of weights on the GPU at a time, plus the embeddings, fin
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
+
+from offpolicy.learner.errors import TokenizerMismatch
+from offpolicy.learner.model.load import load_tokenizer
+
+if TYPE_CHECKING:
+    from offpolicy.learner.config import LearnerConfig
 
 
 def freeze(module: nn.Module) -> nn.Module:
@@ -69,3 +76,18 @@ def tokenizer_differences(student: PreTrainedTokenizerBase, teacher: PreTrainedT
     if sorted(student.all_special_tokens) != sorted(teacher.all_special_tokens):
         out.append(f"special tokens ({student.all_special_tokens} vs {teacher.all_special_tokens})")
     return out
+
+
+def check_teacher_tokenizer(config: LearnerConfig) -> None:
+    """Refuse a distillation teacher whose tokenizer is not the policy's (`TokenizerMismatch`, naming both
+    models and what differs): its log-probs of the sampled ids would score other tokens."""
+    teacher = config.teacher.model_path
+    if teacher is None:
+        return
+    diff = tokenizer_differences(load_tokenizer(config.model_path), load_tokenizer(teacher))
+    if diff:
+        raise TokenizerMismatch(
+            f"teacher.model_path={str(teacher)!r} has another tokenizer than model_path="
+            f"{str(config.model_path)!r}: {'; '.join(diff)}. On-policy distillation scores the student's "
+            "token ids with the teacher: both must share the vocabulary and special tokens"
+        )

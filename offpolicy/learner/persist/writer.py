@@ -37,10 +37,10 @@ import torch
 
 from offpolicy.learner.errors import WriteFailed
 
-BACK_PRESSURE_ERRNOS = frozenset(
-    {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS, errno.ESTALE, errno.ETIMEDOUT}
-    | {errno.EAGAIN}
-)
+BACK_PRESSURE_ERRNOS = frozenset({
+    errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO,
+    errno.EROFS, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN,
+})  # fmt: skip
 """The `OSError`s a write is retried after (a full or failing volume, a network filesystem's hiccup): they
 heal when space or the volume comes back. Any other (a file where the folder should be, a permission)
 is a misconfiguration, which ends the loop as a bug does."""

@@ -44,7 +44,7 @@ class StepContext:
 class StepResult:
     """What one learner step did: its metrics (host floats), how many optimizer steps it took, and per group
     (in the order of the groups it trained) the mean |log pi_old - log mu| over its kept tokens (0 in bypass
-    mode; rl/priorities.py `group_is_deviation`)."""
+    mode; rl/priorities.py `group_is_deviation`), computed under `priorities.update` alone (else empty)."""
 
     metrics: dict[str, float]
     optimizer_steps: int

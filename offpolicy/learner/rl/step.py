@@ -97,9 +97,10 @@ def train_on(ctx: StepContext, groups: list, phases: dict[str, float]) -> StepRe
         "optimizer_steps_skipped": float(skipped),
         "lr": ctx.trainables.scheduler.get_last_lr()[0],
     }
-    # per group, for the priority the learner writes back (rl/priorities.py): mean |log pi_old - log mu|
-    log_ratio = batch.old_log_probs - batch.rollout_log_probs  # (B, R); 0 in bypass mode
-    deviation = tuple(group_is_deviation(log_ratio, batch.response_mask, batch.group_index))
+    deviation: tuple[float, ...] = ()  # per group, for the priority written back (`priorities.update`)
+    if cfg.priorities.update:  # mean |log pi_old - log mu| (rl/priorities.py); 0 in bypass mode
+        log_ratio = batch.old_log_probs - batch.rollout_log_probs  # (B, R)
+        deviation = tuple(group_is_deviation(log_ratio, batch.response_mask, batch.group_index))
     return StepResult(host, steps, deviation)
 
 
