@@ -25,6 +25,7 @@ from offpolicy.buffer.errors import BufferNotReady
 from offpolicy.buffer.keys import BufferKeys
 from offpolicy.buffer.replay_buffer import ReplayBuffer
 from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup
+from offpolicy.learner.errors import IntakeStopped
 from offpolicy.learner.persist.checkpoint import checkpoint_versions
 from offpolicy.learner.trainer import Learner
 from tests.integration.test_learner_fixes import covering_groups
@@ -51,6 +52,8 @@ def train_to_the_end(cfg, steps: Path) -> dict:
                 learner.step()
             except BufferNotReady:
                 break
+            except IntakeStopped:  # checkpoints slower than steps (a loaded machine): the loop waits too
+                time.sleep(0.2)
         learner.checkpoint()
         return learner.status()
     finally:
