@@ -30,7 +30,23 @@ class WeightLoadError(ActorError):
     def __init__(self, version: int, reason: str, message: str) -> None:
         super().__init__(f"policy v{version}: {reason}: {message}")
         self.version = version
-        self.reason = reason  # bounded label: "checksum", "missing", "timeout", "engine"
+        self.reason = reason  # bounded label: "checksum", "missing", "timeout", "engine", "kind", ...
+
+
+class PolicyKindMismatch(WeightLoadError):
+    """A published record's kind does not match the engine: a `lora` adapter for an actor serving full
+    weights, or `full` weights for one serving adapters (`engine.lora`). Refused, never loaded: the
+    learner's `lora` section and the actors' `engine.lora` must agree."""
+
+    def __init__(self, version: int, record_kind: str, engine_kind: str) -> None:
+        want = "set engine.lora" if record_kind == "lora" else "remove engine.lora"
+        super().__init__(
+            version,
+            "kind",
+            f"the record holds {record_kind} weights, this actor's engine serves {engine_kind} weights: "
+            f"not loaded ({want} on the actors, or change the learner's `lora` section)",
+        )
+        self.record_kind, self.engine_kind = record_kind, engine_kind
 
 
 class EngineError(ActorError):

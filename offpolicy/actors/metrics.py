@@ -27,7 +27,7 @@ REWARD_FAILURE_REASONS = (  # why a group's reward failed (RewardError.reason); 
     "remote",  # the verifier was unreachable or answered badly after its retries
     "environment",  # an environment's episode failed
 )
-RELOAD_FAILURE_REASONS = ("missing", "checksum", "timeout", "engine", "restore")
+RELOAD_FAILURE_REASONS = ("missing", "checksum", "timeout", "engine", "restore", "kind")
 WAIT_REASONS = ("pacing", "rate_limited", "redis_unavailable", "buffer_full")
 EPISODE_EVENTS = (
     "opened",  # POST /v1/episodes
@@ -95,6 +95,16 @@ class ActorMetrics:
             registry=r,
         )  # fmt: skip
         self.reloads = Counter("offpolicy_actor_reloads_total", "Successful weight reloads", registry=r)
+        self.adapter_loads = Counter(
+            "offpolicy_actor_adapter_loads_total",
+            "LoRA adapters registered with the engine (engine.lora; the base model is not reloaded)",
+            registry=r,
+        )
+        self.adapters = Gauge(
+            "offpolicy_actor_adapters_loaded",
+            "LoRA adapters the engine holds now: the newest and those of requests still in flight",
+            registry=r,
+        )
         self.reload_seconds = Histogram(
             "offpolicy_actor_reload_seconds",
             "Engine paused for one successful weight load (the load into the engine; checks and prefetch "

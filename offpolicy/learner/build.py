@@ -9,6 +9,13 @@ a step trains and a checkpoint saves; `set_optimizer_hparams` applies a new opti
 `build_reference` and `build_teacher` load the frozen reference policy of the KL loss and the teacher of
 on-policy distillation, both by `build_frozen` (never checkpointed: reloaded from their `model_path` on
 resume).
+
+With `lora` the policy gets a LoRA adapter (learner/model/lora.py) right after it is built, before
+checkpointing, compile and sharding: only the adapter is trainable, held by AdamW and published; the base
+weights stay frozen in the masters' dtype. A lean start reads the base under its checkpoint names
+(`.base_layer.` dropped) and each rank copies its rows of the factors drawn from `seed` (the same whole
+tensors on every rank). The KL loss's reference is then the policy itself with its adapter disabled
+(`AdapterOff`) unless `reference.model_path` names another model.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -26,6 +34,7 @@ from offpolicy.learner.config import LearnerConfig, OptimizerConfig
 from offpolicy.learner.distributed.fsdp import decoder_layers, fsdp_mesh, shard
 from offpolicy.learner.distributed.lean import (
     broadcast_from_rank0,
+    copy_block,
     load_shards,
     local_checkpoint,
     materialize,
@@ -42,13 +51,13 @@ from offpolicy.learner.memory_plan import (
     device_limit,
     settings_for,
 )
-from offpolicy.learner.model import attention
+from offpolicy.learner.model import attention, lora
 from offpolicy.learner.model.compile import compile_layers
 from offpolicy.learner.model.critic import ValueModel
 from offpolicy.learner.model.load import load_model, unique_state
 from offpolicy.learner.model.policy import LogProbs
 from offpolicy.learner.model.precision import Precision, pick_device
-from offpolicy.learner.model.reference import freeze, stream_layers
+from offpolicy.learner.model.reference import AdapterOff, freeze, stream_layers
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +83,8 @@ def build_trainables(
 ) -> tuple[Trainables, set[str], str]:
     """The policy, optimizer, scheduler and (GAE) critic of `config` on `device` (`sharded`: FSDP2), the
     names of the weights to publish (the state dict's, tied names dropped as `save_pretrained` does;
-    taken before sharding, which hides the ties), and how the policy's weights were read (`start_way`)."""
+    taken before sharding, which hides the ties; under LoRA the adapter's alone), and how the policy's
+    weights were read (`start_way`)."""
     if checkpointing is None:
         checkpointing = gradient_checkpointing(config, device)
     attn = attention.resolve(config.attn_implementation, device)
@@ -83,18 +93,16 @@ def build_trainables(
     dtype, offload = precision.param_dtype, config.fsdp.cpu_offload
     if lean:
         model = meta_model(config.model_path, dtype, attn_implementation=attn)
-        if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        publish_keys = set(unique_names(model))
     else:
-        model = load_model(
-            config.model_path,
-            "cpu" if sharded else device,
-            dtype,
-            gradient_checkpointing=checkpointing,
-            attn_implementation=attn,
-        )
-        publish_keys = set(unique_state(model))
+        model = load_model(config.model_path, "cpu" if sharded else device, dtype, attn_implementation=attn)
+    if config.lora is not None:  # before the checkpointing, compile and FSDP wrappers see the layers
+        lora.inject(model, config.lora, config.seed)  # lean: the factors on meta, drawn again by `fill`
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if config.lora is not None:  # only the adapter is published (the actors hold the base model)
+        publish_keys = set(lora.adapter_names(model))
+    else:
+        publish_keys = set(unique_names(model) if lean else unique_state(model))
     policy = LogProbs(model, config.logprob_head)  # what the loop calls for log-probs
     if config.compile_layers:
         compile_layers(decoder_layers(model, model.config.num_hidden_layers))
@@ -102,11 +110,15 @@ def build_trainables(
         shard(policy, model.config.num_hidden_layers, precision, offload, mesh)
     way = ("whole, sharded" if sharded else "whole") if not lean else ""
     if lean:
-        way = fill(policy, "lm", model, config.model_path, dtype, _init_device(offload, device))
+        way = fill(
+            policy, "lm", model, config.model_path, dtype, _init_device(offload, device),
+            lora_seed=None if config.lora is None else config.seed,
+        )  # fmt: skip
     oc = config.optimizer
-    # fused: one kernel over all parameters (5x faster than foreach for 160M fp32 parameters on CPU)
+    # fused: one kernel over all parameters (5x faster than foreach for 160M fp32 parameters on CPU);
+    # under LoRA the adapter's alone (the frozen base has no gradients and no moments)
     optimizer = torch.optim.AdamW(
-        policy.parameters(),
+        [p for p in policy.parameters() if p.requires_grad],
         lr=oc.lr,
         betas=oc.betas,
         eps=oc.eps,
@@ -144,12 +156,22 @@ def build_trainables(
 
 
 def build_reference(
-    config: LearnerConfig, device: torch.device, precision: Precision, sharded: bool
+    config: LearnerConfig,
+    device: torch.device,
+    precision: Precision,
+    sharded: bool,
+    policy: torch.nn.Module | None = None,
 ) -> torch.nn.Module | None:
-    """The frozen reference policy of the KL loss, or None when `kl_loss_coef` is 0: `build_frozen` of
-    `reference.model_path` or the policy's `model_path`."""
+    """The frozen reference policy of the KL loss, or None when `kl_loss_coef` is 0: under LoRA without
+    `reference.model_path` the `policy` (its `LogProbs`, the sharded root on N ranks) with its adapter
+    disabled (`AdapterOff`: the base model, no second copy); else `build_frozen` of `reference.model_path`
+    or the policy's `model_path`."""
     if config.kl_loss_coef == 0:
         return None
+    if config.adapter_reference:
+        if policy is None:
+            raise ValueError("lora: the KL loss's reference is the policy, its adapter off: pass `policy`")
+        return AdapterOff(policy)
     rc, path = config.reference, config.reference.model_path or config.model_path
     return build_frozen(config, path, rc.cpu_offload, device, precision, sharded)
 
@@ -206,16 +228,48 @@ def fill(
     dtype: torch.dtype,
     device: torch.device,
     causal: bool = True,
+    lora_seed: int | None = None,
 ) -> str:
     """Lean start: allocate the sharded `root`'s shards on `device` and load `model`'s (= `root.<prefix>`)
     weights from `path` (a folder, or a hub id resolved to its local snapshot first) into them: each rank
     its slices, or rank 0 reads and broadcasts when the checkpoint does not map one to one
-    (learner/distributed/lean.py), said in a warning. Returns the way taken: `slices` | `broadcast`."""
+    (learner/distributed/lean.py), said in a warning. Returns the way taken: `slices` | `broadcast`.
+
+    `lora_seed` (a LoRA adapter injected into `model`): the base weights are read under their checkpoint
+    names (`lora.base_name`), and each rank copies its rows of the factors drawn from the seed
+    (`lora.initial_factor`: the same whole tensors on every rank, no collective)."""
     materialize(root, device)
     path = local_checkpoint(path)
-    if load_shards(model, path):
+    names = None if lora_seed is None else _base_names
+    if load_shards(model, path, names):
         log.info("lean start: %s read from %s, each rank its own slices", type(root).__name__, path)
-        return "slices"
+        way = "slices"
+    else:
+        _broadcast_whole(root, prefix, model, path, dtype, causal, names)
+        way = "broadcast"
+    if lora_seed is not None:
+        for name, p in model.named_parameters():
+            if lora.is_factor(name):
+                copy_block(p, lora.initial_factor(name, p.shape, lora_seed))
+    return way
+
+
+def _base_names(name: str) -> str | None:
+    """A LoRA model's tensor name in the base checkpoint; None for a factor (not there: drawn)."""
+    return None if lora.is_factor(name) else lora.base_name(name)
+
+
+def _broadcast_whole(
+    root: torch.nn.Module,
+    prefix: str,
+    model: torch.nn.Module,
+    path: Path,
+    dtype: torch.dtype,
+    causal: bool,
+    names: Callable[[str], str | None] | None,
+) -> None:
+    """Rank 0 loads the whole checkpoint and broadcasts it into every rank's shards (under `model`'s names:
+    `names` maps them to the checkpoint's; a tensor it maps to None is left as it is)."""
     full = None
     if current().is_leader:  # the one full copy, on rank 0
         from transformers import AutoModel
@@ -223,12 +277,13 @@ def fill(
         full = (
             load_model(path, "cpu", dtype) if causal else AutoModel.from_pretrained(path, dtype=dtype)
         ).state_dict()
+        if names is not None:
+            full = {n: full[c] for n in unique_names(model) if (c := names(n)) is not None and c in full}
     broadcast_from_rank0(root, prefix, full)
     log.warning(
         "lean start: the safetensors in %s do not map one to one onto %s: rank 0 read the whole model and "
         "broadcast it (host memory on rank 0: the whole checkpoint)", path, type(root).__name__,
     )  # fmt: skip
-    return "broadcast"
 
 
 def _init_device(cpu_offload: bool, device: torch.device) -> torch.device:
@@ -315,8 +370,9 @@ def resolve_grad_sync(
     mode = config.fsdp.grad_sync
     if config.fsdp.cpu_offload and mode == "auto":
         mode = "micro_batch"  # the gradients live in host memory: holding them whole would undo that
-    # unsharded gradients are in the masters' dtype, like the plan's weights: those x the shard ranks
-    deferred = replace(plan, gradients=plan.weights * shard_ranks)
+    # unsharded gradients are in the masters' dtype: the plan's (sharded) gradients x the shard ranks (the
+    # weights' size, or under LoRA the adapter's)
+    deferred = replace(plan, gradients=plan.gradients * shard_ranks)
     if mode == "auto":
         mode = "mini_batch" if limit is None or deferred.total <= limit else "micro_batch"
     log.info(
@@ -331,16 +387,21 @@ def plan_host(config: LearnerConfig, ranks: Ranks, shard_ranks: int) -> dict[str
     limit (`MemoryPlanError` naming the knobs); learner/host_plan.py."""
     from transformers import AutoConfig
 
-    params = ModelShape.of(AutoConfig.from_pretrained(str(config.model_path))).params
+    shape = ModelShape.of(AutoConfig.from_pretrained(str(config.model_path)), config.lora)
+    params, adapter = shape.params, shape.adapter
     teacher = config.teacher.model_path
     taught = ModelShape.of(AutoConfig.from_pretrained(str(teacher))).params if teacher else None
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if ranks.distributed else 1
     leader_node = ranks.rank < per_node
     limit = host_plan.cgroup_limit()
-    need = host_plan.check(config, params, shard_ranks, per_node, leader_node, limit, teacher_params=taught)
+    need = host_plan.check(
+        config, params, shard_ranks, per_node, leader_node, limit, teacher_params=taught,
+        adapter_params=adapter,
+    )  # fmt: skip
     mine = host_plan.host_plan(
-        config, params, shard_ranks, ranks.distributed, ranks.is_leader, teacher_params=taught
-    )
+        config, params, shard_ranks, ranks.distributed, ranks.is_leader, teacher_params=taught,
+        adapter_params=adapter,
+    )  # fmt: skip
     return mine.as_dict() | {"node_total": need / GIB}
 
 
@@ -364,7 +425,7 @@ def build_models(config: LearnerConfig, ranks: Ranks) -> Built:
         parts, publish_keys, start_way = build_trainables(
             config, device, precision, ranks.distributed, checkpointing
         )
-        reference = build_reference(config, device, precision, ranks.distributed)
+        reference = build_reference(config, device, precision, ranks.distributed, parts.policy)
         teacher = build_teacher(config, device, precision, ranks.distributed)
     log.info(
         "start-up host memory: rank %d peak %d bytes above the %d before the models were built "

@@ -19,7 +19,12 @@ Per rank, for P parameters sharded over S ranks (FSDP2; S = 1 on one process):
   otherwise: the gather streams into the version's files, (`STREAM_DEPTH` + 2) buckets of
   `publish.gather_bucket_mb` (persist/background_gather.py).
 - `cpu_offload`: `fsdp.cpu_offload`: the rank's fp32 masters, gradients and AdamW state, 16 B x P / S.
-- `reference`: `reference.cpu_offload`: the KL reference's weights in the compute dtype (2 B x P / S).
+- `reference`: `reference.cpu_offload`: the KL reference's weights in the compute dtype (2 B x P / S);
+  none under LoRA without `reference.model_path` (the policy with its adapter off, no second copy).
+
+Under LoRA (`lora`, an adapter of A parameters) the checkpoint stager, the publish snapshot and sets hold
+the adapter alone (A in place of P), and `cpu_offload` the base's masters (4 B x P / S) with the adapter's
+masters, gradients and moments (16 B x A / S).
 - `teacher`: `teacher.cpu_offload`: the distillation teacher's weights in the compute dtype (2 B x P_teacher
   / S, P_teacher its own parameters).
 
@@ -94,10 +99,15 @@ def host_plan(
     distributed: bool,
     leader: bool,
     teacher_params: int | None = None,
+    adapter_params: int = 0,
 ) -> HostPlan:
     """The host plan of one rank training `params` parameters sharded over `shard_ranks` ranks (the
-    distillation teacher's `teacher_params`; None = `params`)."""
+    distillation teacher's `teacher_params`; None = `params`); under LoRA its adapter has `adapter_params`
+    (memory_plan.py `adapter_params`): what is trained, checkpointed and published."""
     share = shard_ranks if distributed else 1
+    lora = config.lora is not None
+    weights = params + (adapter_params if lora else 0)  # a LoRA adapter's weights beside the frozen base
+    trained = adapter_params if lora else params  # what AdamW holds, a checkpoint saves, a version publishes
     compute = 4 if config.precision == "fp32" else 2
     publish = 2  # the checkpoint's dtype, bf16 for the models this plans for
     # N ranks: the leader keeps the gathered weights for a transport that sends them (publisher.py)
@@ -106,22 +116,21 @@ def host_plan(
     bucket = config.publish.gather_bucket_mb * 2**20
     lean = distributed and config.fsdp.lean_start
     stager = (
-        12 * params // share
+        12 * trained // share
         if (config.checkpoint_path is not None and (config.checkpoint.async_staging or not distributed))
         else 0
     )
+    own_reference = config.kl_loss_coef > 0 and not config.adapter_reference  # a second copy is loaded
     return HostPlan(
         process=PROCESS_BYTES,
-        startup=4 * params // share if lean else 4 * params,
+        startup=4 * weights // share if lean else 4 * weights,
         checkpoint_stager=stager,
-        publish_snapshot=(2 if streamed else 1) * publish * params // share if distributed else 0,
+        publish_snapshot=(2 if streamed else 1) * publish * trained // share if distributed else 0,
         published_sets=(
-            0 if not leader else (STREAM_DEPTH + 2) * bucket if streamed else 2 * publish * params
+            0 if not leader else (STREAM_DEPTH + 2) * bucket if streamed else 2 * publish * trained
         ),
-        cpu_offload=16 * params // share if distributed and config.fsdp.cpu_offload else 0,
-        reference=compute * params // share
-        if config.kl_loss_coef > 0 and config.reference.cpu_offload
-        else 0,
+        cpu_offload=(4 * weights + 12 * trained) // share if distributed and config.fsdp.cpu_offload else 0,
+        reference=compute * params // share if own_reference and config.reference.cpu_offload else 0,
         teacher=compute * (teacher_params or params) // share
         if config.teacher.model_path is not None and config.teacher.cpu_offload
         else 0,
@@ -135,13 +144,14 @@ def node_bytes(
     ranks_per_node: int,
     leader_node: bool,
     teacher_params: int | None = None,
+    adapter_params: int = 0,
 ) -> int:
     """Host bytes of one node's ranks (the leader's node: one leader and `ranks_per_node - 1` others)."""
     distributed = shard_ranks > 1 or ranks_per_node > 1
-    other = host_plan(config, params, shard_ranks, distributed, False, teacher_params).total
+    other = host_plan(config, params, shard_ranks, distributed, False, teacher_params, adapter_params).total
     if not leader_node:
         return ranks_per_node * other
-    leader = host_plan(config, params, shard_ranks, distributed, True, teacher_params).total
+    leader = host_plan(config, params, shard_ranks, distributed, True, teacher_params, adapter_params).total
     return leader + (ranks_per_node - 1) * other
 
 
@@ -165,13 +175,16 @@ def check(
     leader_node: bool,
     limit: int | None,
     teacher_params: int | None = None,
+    adapter_params: int = 0,
 ) -> int:
     """The node's planned host bytes; `MemoryPlanError` when they exceed `limit` (None: no limit)."""
-    need = node_bytes(config, params, shard_ranks, ranks_per_node, leader_node, teacher_params)
+    need = node_bytes(
+        config, params, shard_ranks, ranks_per_node, leader_node, teacher_params, adapter_params
+    )
     if limit is None or need <= limit:
         return need
     distributed = shard_ranks > 1 or ranks_per_node > 1
-    plan = host_plan(config, params, shard_ranks, distributed, leader_node, teacher_params)
+    plan = host_plan(config, params, shard_ranks, distributed, leader_node, teacher_params, adapter_params)
     parts = ", ".join(f"{k} {v:.1f}" for k, v in plan.as_dict().items() if k != "total")
     raise MemoryPlanError(
         f"the host memory plan of this node needs ~{need / GIB:.1f} GiB ({ranks_per_node} rank(s); the "

@@ -4,7 +4,9 @@ Per rank, in bytes (P = the policy's parameters, plus the critic's under GAE; N 
 under FSDP, 1 on one process):
 
 - weights: P x the master dtype (4 B fp32 under `bf16_mixed` and `fp32`, 2 B under `bf16_pure`) / N;
-- gradients: the same; AdamW: two moments, 2 x that. With `fsdp.cpu_offload` all three live in host memory;
+- gradients: the same; AdamW: two moments, 2 x that. With `fsdp.cpu_offload` all three live in host memory.
+  Under LoRA (`lora`) the weights are the frozen base's and the adapter's (A = rank x (in + out) per
+  targeted layer, `adapter_params`), gradients and moments the adapter's alone (A, not P);
 - compute copies under `bf16_mixed`: on one process autocast caches a bf16 copy of every weight for the
   forward (2 P); under FSDP only the layers being gathered are whole (two decoder layers, prefetch, plus the
   root: embeddings and LM head);
@@ -24,7 +26,8 @@ under FSDP, 1 on one process):
 - the reference policy of the KL loss (`kl_loss_coef > 0`): P_ref x the compute dtype (2 B under
   `bf16_mixed` and `bf16_pure`, 4 B under `fp32`) / N; with `reference.cpu_offload` in host memory (on one
   process its embeddings and LM head stay on the device; the layers it gathers or streams exist only during
-  its own no-grad pass, when no training activations are alive);
+  its own no-grad pass, when no training activations are alive); none under LoRA without
+  `reference.model_path` (the policy with its adapter off);
 - the teacher of on-policy distillation (`teacher.model_path` set): counted as the reference is, with its
   own shape and `teacher.cpu_offload`.
 
@@ -44,6 +47,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from offpolicy.learner.config import LearnerConfig
+from offpolicy.learner.config.lora import LoraConfig
 from offpolicy.learner.errors import MemoryPlanError
 
 HEADROOM = 0.9
@@ -70,12 +74,15 @@ class ModelShape:
     q_width: int = 0  # query heads x head_dim; 0 = hidden
     kv_width: int = 0  # key/value heads x head_dim; 0 = hidden
     qk_norm: bool = False  # per-head RMSNorm of queries and keys (Qwen3)
+    adapter: int = 0  # the LoRA adapter's parameters (`lora` set; `adapter_params`); 0 = none
 
     @classmethod
-    def of(cls, hf: PretrainedConfig) -> ModelShape:
-        """The shape of a Hugging Face config; the parameters counted on the meta device (nothing loaded)."""
+    def of(cls, hf: PretrainedConfig, lora: LoraConfig | None = None) -> ModelShape:
+        """The shape of a Hugging Face config; the parameters counted on the meta device (nothing loaded),
+        with `lora` those of its adapter too."""
         with torch.device("meta"):
-            named = dict(AutoModelForCausalLM.from_config(hf).named_parameters())
+            model = AutoModelForCausalLM.from_config(hf)
+        named = dict(model.named_parameters())
         params, names = sum(p.numel() for p in named.values()), list(named)
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
@@ -83,6 +90,7 @@ class ModelShape:
             params, hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers, hf.vocab_size,
             hf.max_position_embeddings, hf.num_attention_heads * head_dim, kv_heads * head_dim,
             any(n.endswith("q_norm.weight") for n in names),
+            0 if lora is None else adapter_params(model, lora),
         )  # fmt: skip
 
     def layer_bytes(self, precision: str) -> int:
@@ -100,6 +108,19 @@ class ModelShape:
         """Bytes per token of the layer whose backward runs: its saved tensors (recomputed under activation
         checkpointing) and the gradients it makes on the way (the residual's, the MLP's)."""
         return self.layer_bytes(precision) + 8 * self.hidden + 4 * self.intermediate
+
+
+def adapter_params(model: torch.nn.Module, lora: LoraConfig) -> int:
+    """The parameters a LoRA adapter adds to `model` (on the meta device; injected there by peft, its own
+    choice of layers): rank x (in + out) for each targeted linear layer (`all-linear` on a Llama- or
+    Qwen-shaped model: q, k, v, o, gate, up and down of every decoder layer), rank x (rows + width) for an
+    embedding, plus a whole copy of each module of `modules_to_save`. What AdamW holds under LoRA."""
+    from peft import inject_adapter_in_model
+
+    with torch.device("meta"):
+        inject_adapter_in_model(lora.peft(), model, low_cpu_mem_usage=True)
+    # peft marks the adapter (factors and `modules_to_save` copies) trainable, everything else frozen
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,9 +168,14 @@ def estimate(
     precision = config.precision or ("bf16_mixed" if cuda else "fp32")
     master = 2 if precision == "bf16_pure" else 4
     compute = 4 if precision == "fp32" else 2
-    params = shape.params * (2 if config.adv_estimator == "gae" else 1)  # the critic: a second backbone
+    critic = shape.params if config.adv_estimator == "gae" else 0  # the critic: a second backbone
+    params = shape.params + critic
+    # under LoRA the frozen base stays in the masters' dtype beside its adapter; only the adapter (and the
+    # critic) has gradients and AdamW moments
+    lora = config.lora is not None
     share = ranks if sharded else 1
-    state = params * master // share
+    state = (params + (shape.adapter if lora else 0)) * master // share
+    trained = ((shape.adapter if lora else shape.params) + critic) * master // share
     offload = sharded and config.fsdp.cpu_offload
     if precision != "bf16_mixed":
         copies = 0
@@ -169,12 +195,12 @@ def estimate(
     stream = activation_precision(precision, sharded)
     return MemoryPlan(
         weights=0 if offload else state,
-        gradients=0 if offload else state,
-        optimizer=0 if offload else 2 * state,
+        gradients=0 if offload else trained,
+        optimizer=0 if offload else 2 * trained,
         compute_copies=copies,
         activations=tokens * token_bytes(shape, stream, checkpointing),
         lm_head_chunk=head_bytes(config, shape, compute, cuda),
-        host_offloaded=(4 * state if offload else 0) + ref_host + teacher_host,
+        host_offloaded=(state + 3 * trained if offload else 0) + ref_host + teacher_host,
         reference=ref_device,
         layer_in_flight=tokens * shape.in_flight_bytes(stream),
         teacher=teacher_device,
@@ -214,8 +240,9 @@ def reference_bytes(
     config: LearnerConfig, shape: ModelShape, share: int, sharded: bool, compute: int
 ) -> tuple[int, int]:
     """(device, host) bytes of the KL loss's reference policy on one rank (in the compute dtype, sharded
-    over `share` ranks); (0, 0) when `kl_loss_coef` is 0."""
-    on = config.kl_loss_coef > 0
+    over `share` ranks); (0, 0) when `kl_loss_coef` is 0, or when the reference is the policy's base model
+    with its adapter off (`adapter_reference`: no second copy)."""
+    on = config.kl_loss_coef > 0 and not config.adapter_reference
     return frozen_bytes(on, config.reference.cpu_offload, shape, share, sharded, compute)
 
 
@@ -317,7 +344,7 @@ def choose(
 def shapes_of(config: LearnerConfig) -> tuple[ModelShape, ModelShape | None]:
     """The shapes of the policy `config.model_path` names and of the KL loss's reference when it is
     another model (their configs read, no weight loaded)."""
-    shape = ModelShape.of(AutoConfig.from_pretrained(str(config.model_path)))
+    shape = ModelShape.of(AutoConfig.from_pretrained(str(config.model_path)), config.lora)
     ref_path = config.reference.model_path
     if config.kl_loss_coef > 0 and ref_path is not None:
         return shape, ModelShape.of(AutoConfig.from_pretrained(str(ref_path)))

@@ -149,6 +149,7 @@ def _quickstart(args: argparse.Namespace) -> int:
         transport=args.transport,
         preset=args.preset,
         gpus=None if args.gpus is None else tuple(int(g) for g in args.gpus.split(",")),
+        lora=args.lora,
     )
     return run_quickstart(options)
 
@@ -236,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="IDS",
         help="GPUs by index, e.g. 0,1: the learner on the first half, the actor on the rest (vLLM on GPU, "
         "bfloat16), no Docker; default: the CPU engine",
+    )
+    quick.add_argument(
+        "--lora",
+        action="store_true",
+        help="train a LoRA adapter (rank 8, every linear layer) on the frozen model; the actor's vLLM serves "
+        "each published adapter without reloading the base",
     )
     quick.add_argument("--redis-url", help="use this Redis instead of starting the embedded one")
     quick.add_argument("--max-steps", type=int, default=60, help="stop after this many learner steps")

@@ -108,13 +108,14 @@ def _dataset(dataset: Any, field: str, where: str, report: Report) -> None:
     )
 
 
-def _model_shape(path: str) -> Any:
-    """The `ModelShape` of a local model folder (or one in the Hugging Face cache); no download."""
+def _model_shape(path: str, lora: Any = None) -> Any:
+    """The `ModelShape` of a local model folder (or one in the Hugging Face cache), with the LoRA adapter
+    of `lora` counted; no download."""
     from transformers import AutoConfig
 
     from offpolicy.learner.memory_plan import ModelShape
 
-    return ModelShape.of(AutoConfig.from_pretrained(path, local_files_only=True))
+    return ModelShape.of(AutoConfig.from_pretrained(path, local_files_only=True), lora)
 
 
 def _plan(learner: Any, where: str, gpus: int, gpu_memory_gib: float | None, report: Report) -> None:
@@ -123,7 +124,7 @@ def _plan(learner: Any, where: str, gpus: int, gpu_memory_gib: float | None, rep
     from offpolicy.learner.memory_plan import GIB, HEADROOM, check, estimate
 
     try:
-        shape = _model_shape(str(learner.model_path))
+        shape = _model_shape(str(learner.model_path), learner.lora)
         ref_path = learner.reference.model_path
         reference = _model_shape(str(ref_path)) if learner.kl_loss_coef > 0 and ref_path else None
         teacher_path = learner.teacher.model_path

@@ -73,6 +73,8 @@ class QuickstartOptions:
     gpus: tuple[int, ...] | None = None
     """GPUs by index (`--gpus 0,1`): the learner on the first half, the actor on the rest (each child's
     CUDA_VISIBLE_DEVICES), with GPU engine settings; None = vLLM on CPU."""
+    lora: bool = False
+    """Train a LoRA adapter on the frozen model and serve it with vLLM's LoRA support (`--lora`)."""
 
     def refusal(self) -> str | None:
         """Why these options cannot run as asked (a flag the quickstart would otherwise ignore), or None."""
@@ -87,6 +89,8 @@ class QuickstartOptions:
             return "--reward is not used with --environment: the environment scores its episodes"
         if self.preset is not None and self.dataset is None:
             return "--preset names the layout of --dataset: pass --dataset too"
+        if self.lora and self.transport != "files":
+            return "--lora publishes adapters as files (megabytes): leave --transport at files"
         if self.gpus is not None and (len(self.gpus) < 2 or len(set(self.gpus)) != len(self.gpus)):
             return "--gpus needs two or more distinct GPUs: the learner and the actor never share one"
         return None
@@ -220,8 +224,12 @@ def _start_services(
     split = options.gpu_split()
     learner_env, actor_env = options.child_env()
     lr = 3e-3 if options.model is None else 1e-6  # the toy model's, or a real model's fine-tuning rate
+    if options.lora:  # an adapter learns at about 10x the full weights' rate
+        lr *= 10
     learner_yaml = run_dir / "learner.yaml"
-    learner_yaml.write_text(yaml.safe_dump(learner_config(run_dir, model, redis_url, run_id, transport, lr)))
+    learner_yaml.write_text(
+        yaml.safe_dump(learner_config(run_dir, model, redis_url, run_id, transport, lr, lora=options.lora))
+    )
     actor_yaml = run_dir / "actor.yaml"
     held_out = _write_held_out(run_dir, environment) if eval_dataset else None
     actor_yaml.write_text(
@@ -238,6 +246,7 @@ def _start_services(
                 transport=transport,
                 preset=options.preset,
                 gpus=None if split is None else len(split[1]),
+                lora=options.lora,
             )
         )
     )

@@ -40,12 +40,22 @@ def _transfer(transport: str) -> dict[str, Any]:
     return {"backend": transport, "timeout_s": 30.0}
 
 
+QUICKSTART_LORA = {"rank": 8, "alpha": 16.0}
+"""`--lora`: the adapter the quickstart trains (every linear layer of the decoder, rank 8)."""
+
+
 def learner_config(
-    run_dir: Path, model: str, redis_url: str, run_id: str, transport: str = "files", lr: float = 3e-3
+    run_dir: Path,
+    model: str,
+    redis_url: str,
+    run_id: str,
+    transport: str = "files",
+    lr: float = 3e-3,
+    lora: bool = False,
 ) -> dict[str, Any]:
     """The learner's config for the toy task: small batches, a high learning rate, staleness bound 2;
     `transport` `gloo` / `gloo_m2n`: every version sent over vLLM's weight-transfer engine (that backend),
-    files every 10."""
+    files every 10. `lora`: a LoRA adapter (`QUICKSTART_LORA`) on the frozen model, published alone."""
     import os
     from importlib.util import find_spec
 
@@ -72,6 +82,7 @@ def learner_config(
                 else {}
             ),
             "checkpoint": {"checkpoint_dir": str(run_dir / "checkpoints"), "checkpoint_every": None},
+            "lora": QUICKSTART_LORA if lora else None,
             "metrics_jsonl": str(run_dir / "learner_steps.jsonl"),
             # TensorBoard event files beside it when the package is installed (`make quickstart` installs it)
             "tracking": {
@@ -97,6 +108,7 @@ def actor_config(
     transport: str = "files",
     preset: str | None = None,
     gpus: int | None = None,
+    lora: bool = False,
 ) -> dict[str, Any]:
     """The actor's config for the toy task: vLLM on CPU (float32, eager, 1 GiB KV cache), 4 completions
     of up to 32 tokens per prompt at temperature 0.7, reward = share of the target character (or
@@ -105,7 +117,7 @@ def actor_config(
     environment's). With `eval_dataset`, the held-out prompts are evaluated every 3 versions (inline).
     A user's dataset (`reward` given) is read with `preset`'s keys and the model's chat template when it
     has one. `gpus`: vLLM on that many GPUs (bfloat16, CUDA graphs, tensor parallel over them) instead of
-    the CPU engine."""
+    the CPU engine. `lora`: the engine serves the learner's adapters (`engine.lora`) on the base model."""
     from offpolicy.actors.config import ActorConfig, DatasetConfig, EngineConfig, RewardConfig
 
     extra: dict[str, Any] = {}
@@ -120,6 +132,10 @@ def actor_config(
         )
     elif max_model_len is not None:
         extra["engine"] = EngineConfig.cpu_tiny(max_model_len=max_model_len)
+    if lora:  # the base model once; each version an adapter registered while it generates
+        engine = (extra.get("engine") or EngineConfig.cpu_tiny()).model_dump()
+        served = {"lora": {"max_rank": QUICKSTART_LORA["rank"]}}
+        extra["engine"] = EngineConfig.model_validate(engine | served)
     if transport in TRANSPORTS:  # receives every version in place (reload.mode inflight, the default)
         extra["reload"] = {"transport": "vllm", "transfer": _transfer(transport)}
     config = ActorConfig.cpu_tiny(

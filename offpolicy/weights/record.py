@@ -6,6 +6,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import redis
 
@@ -14,16 +15,22 @@ from offpolicy.buffer.keys import PolicyKeys
 from offpolicy.buffer.storage import async_client, call_async, call_sync, script_source, sync_client
 
 POLICY_SCHEMA_VERSION = 1
+PolicyKind = Literal["full", "lora"]
+POLICY_KINDS: tuple[PolicyKind, ...] = ("full", "lora")
 
 
 @dataclass(frozen=True, slots=True)
 class PolicyRecord:
-    """A published policy: its version (optimizer steps), where its weights are, and their checksum."""
+    """A published policy: its version (optimizer steps), where its weights are, their checksum, and what
+    the folder holds: `full` weights (safetensors + config + tokenizer, loaded in place of the engine's) or
+    a `lora` adapter (`adapter_model.safetensors` + `adapter_config.json`, served on the unchanged base
+    model). A record without `kind` (an older learner's) is `full`; the schema version stays 1."""
 
     version: int
     weights_uri: str  # e.g. file:///weights/v12 or a path; what actors pass to their weight loader
     sha256: str  # hex sha256 of the safetensors files (`combine_sha256`)
     published_at: float  # unix seconds
+    kind: PolicyKind = "full"
 
     def encode(self) -> str:
         """JSON with a schema version (no pickle)."""
@@ -46,7 +53,10 @@ class PolicyRecord:
         ):
             if not isinstance(doc.get(name), types) or isinstance(doc.get(name), bool):
                 raise InvalidTrajectory(f"policy.{name}", f"missing or wrong type: {doc.get(name)!r}")
-        return cls(doc["version"], doc["weights_uri"], doc["sha256"], float(doc["published_at"]))
+        kind = doc.get("kind", "full")
+        if kind not in POLICY_KINDS:
+            raise InvalidTrajectory("policy.kind", f"{kind!r} is not one of {', '.join(POLICY_KINDS)}")
+        return cls(doc["version"], doc["weights_uri"], doc["sha256"], float(doc["published_at"]), kind)
 
 
 def _noop() -> None:

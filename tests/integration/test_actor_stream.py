@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from offpolicy.actors.config import ActorConfig
 from offpolicy.actors.data.toy import write_target_token_dataset
+from offpolicy.actors.engine.adapters import Adapters
 from offpolicy.actors.engine.vllm import Completion
 from offpolicy.actors.errors import PromptFailed
 from offpolicy.actors.rollout.loop import Actor
@@ -35,6 +37,8 @@ LONG = "toy-0"  # this prompt's completions are 20x longer than the others
 
 
 class FakeEngine:
+    kind, adapters = "full", None  # full weights (no engine.lora)
+
     def __init__(self, fail_prompt_len: int | None = None):
         self.tokenizer = lambda text, add_special_tokens=True: {"input_ids": [ord(c) % 97 for c in text]}
         self.loaded_version, self.loaded_path = 0, "/initial"
@@ -208,6 +212,59 @@ async def test_reload_modes(mode, dataset, redis_url, run_id, tmp_path):
         assert aborted > 0
     if mode == "drain":
         assert aborted == 0 and pause > 10 * STEP_S  # waited for the long prompt to finish
+
+
+class AdapterEngine(FakeEngine):
+    """Serves LoRA adapters: a new one is registered without a pause; a request keeps its adapter."""
+
+    kind = "lora"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.adapters = Adapters()
+        self.running_at_load: list[set[str]] = []
+
+    async def generate_group(self, request_id, prompt_ids, params):
+        version = self.loaded_version  # the adapter the request carries, to its end
+        out = await super().generate_group(request_id, prompt_ids, params)
+        return [dataclasses.replace(c, versions=np.full(len(c.token_ids), version, np.int32)) for c in out]
+
+    @contextlib.asynccontextmanager
+    async def paused(self):
+        raise AssertionError("an adapter is loaded without pausing the engine")
+        yield
+
+    async def load_adapter(self, path, version, timeout_s=None):
+        self.running_at_load.append(set(self.running))
+        self.loaded_version, self.loaded_path = version, path
+
+
+async def test_an_adapter_is_taken_at_once_without_a_drain(dataset, redis_url, run_id, tmp_path):
+    """`engine.lora` with `reload.mode: drain`: the adapter is registered while the long prompt still runs
+    (no drain, no pause, nothing aborted); every group is one version, the versions of its requests."""
+    engine = AdapterEngine()
+    actor = _actor(dataset, redis_url, run_id, engine, reload={"poll_interval_s": 0.05, "mode": "drain"})
+    stop = threading.Event()
+    task = asyncio.create_task(actor.arun(stop))
+    while len(engine.finished) < 2:  # the long prompt is mid-way
+        await asyncio.sleep(0.005)
+    folder = tmp_path / "v1"
+    folder.mkdir()
+    (folder / "adapter_model.safetensors").write_bytes(b"a" * 64)
+    (folder / "adapter_config.json").write_text("{}")
+    write_manifest(folder, 1)
+    store = PolicyStore(redis_url, run_id)
+    store.publish(PolicyRecord(1, f"file://{folder}", weights_sha256(folder), time.time(), "lora"))
+    store.close()
+    await asyncio.wait_for(task, 60)
+    groups = _groups(redis_url, run_id)
+    assert sorted(g.prompt_id for g in groups) == sorted(p.prompt_id for p in actor.prompts)
+    assert engine.loaded_version == 1 and engine.long_requests <= engine.running_at_load[0]
+    assert actor.registry.get_sample_value("offpolicy_actor_aborted_tokens_total") == 0
+    assert actor.registry.get_sample_value("offpolicy_actor_adapter_loads_total") == 1
+    assert all(t.versions is None for g in groups for t in g.trajectories)  # each group: one version
+    assert {g.policy_version for g in groups} == {0, 1}
+    assert actor.status()["policy_kind"] == "lora"
 
 
 async def test_groups_are_kept_while_redis_refuses_inserts(dataset, redis_url, run_id, monkeypatch):

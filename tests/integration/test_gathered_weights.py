@@ -51,3 +51,22 @@ def test_rank0_streams_the_gather_into_the_files_and_a_slow_writer_coalesces(tmp
     assert result["buckets_total"] >= 2 * (result["stream_depth"] + 1)
     assert result["buckets_held"] <= result["stream_depth"] + 1  # blocked on the full queue
     assert result["kept"] == 0  # nothing kept in rank 0's host memory
+
+
+def test_a_lora_learner_gathers_and_publishes_its_adapter_alone(tmp_path):
+    """`lora:` on N ranks: of the names to publish only the adapter's are gathered (its A factors shard
+    unevenly: rank 3 over 2 ranks), streamed into rank 0's adapter folder under peft's names."""
+    model = make_tiny_model(
+        tmp_path / "model", hidden_size=64, num_heads=1, num_layers=2, intermediate_size=96
+    )
+    out = tmp_path / "result.json"
+    run_script("lora_publish_ranks.py", str(model), str(tmp_path / "weights"), str(out))
+    result = json.loads(out.read_text())
+    assert result["files"] == ["adapter_config.json", "adapter_model.safetensors", "manifest.json"]
+    assert result["names_match"] and result["dtypes"] == ["torch.bfloat16"]
+    assert result["max_abs_diff"] == 0.0
+    assert result["config"]["r"] == 3 and result["config"]["target_modules"] == [
+        "q_proj",
+        "up_proj",
+        "v_proj",
+    ]

@@ -1,11 +1,11 @@
 """The actor's configuration as data: one frozen model per concern, loaded from YAML + `OFFPOLICY_` env.
 
-`ActorConfig` nests `EngineConfig` (vLLM), `SamplingConfig`, `DatasetConfig`, `RewardConfig`,
-`ReloadConfig` (actors/config/reload.py: `mode`: drain | abort | inflight, `verify`, `prefetch`, `transport`)
-and
-`RetryConfig`, plus `max_inflight_prompts`, the run's Redis URL, run id and `BufferConfig` (the same one the
-learner uses: the insert script applies its `max_size` and rate limiter). Nothing reads the environment
-at import time: `load_config(path, environ)` reads only the mapping it is given.
+`ActorConfig` nests `EngineConfig` (vLLM; its `lora`: `LoraEngineConfig`), `SamplingConfig`,
+`DatasetConfig`, `RewardConfig`, `ReloadConfig` (actors/config/reload.py: `mode`: drain | abort | inflight,
+`verify`, `prefetch`, `transport`) and `RetryConfig`, plus `max_inflight_prompts`, the run's Redis URL, run
+id and `BufferConfig` (the same one the learner uses: the insert script applies its `max_size` and rate
+limiter). Nothing reads the environment at import time: `load_config(path, environ)` reads only the
+mapping it is given.
 """
 
 from __future__ import annotations
@@ -21,6 +21,38 @@ from offpolicy.actors.config.reload import ReloadConfig
 from offpolicy.buffer.config import BufferConfig
 from offpolicy.config.base import ConfigModel, IdStr, PathStr
 from offpolicy.config.loader import load_layered
+
+
+class LoraEngineConfig(ConfigModel):
+    """Serve the learner's LoRA adapters (its `lora:` section) with vLLM's LoRA support: the base model
+    (`model_path`) is loaded once and never reloaded; each published version is an adapter registered
+    with the engine while it generates (no pause). Requests submitted after it carry it; requests in flight
+    finish on the adapter they started with, and every token is stamped with its request's adapter
+    version. An adapter no request uses any more is removed from the engine."""
+
+    max_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = 16
+    """vLLM's `max_lora_rank`: the largest adapter rank served (at least the learner's `lora.rank`; the
+    values vLLM accepts)."""
+    max_loras: int = Field(2, ge=1, le=64)
+    """vLLM's `max_loras`: adapters in one batch. While a new version's requests start, older ones finish
+    on theirs: with 1, the new version's requests wait until the older adapter's requests are done."""
+    max_cpu_loras: int = Field(4, ge=1, le=256)
+    """vLLM's `max_cpu_loras`: adapters the engine holds (the newest one and those of requests in flight);
+    at least `max_loras`. Past it vLLM evicts the least recently used one and reads it again from its
+    folder if a request still needs it (which the learner may have pruned), so the engine never holds
+    more: before one more, the requests of the oldest superseded adapters are aborted (generated again)."""
+    fully_sharded: bool = False
+    """vLLM's `fully_sharded_loras`: shard the whole LoRA computation over `tensor_parallel_size` GPUs
+    (by default half of it is); faster at high rank or tensor parallelism."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"engine.lora.max_cpu_loras={self.max_cpu_loras} < max_loras={self.max_loras}: the engine "
+                "must hold at least the adapters of one batch"
+            )
+        return self
 
 
 class EngineConfig(ConfigModel):
@@ -49,6 +81,10 @@ class EngineConfig(ConfigModel):
     """Sequences scheduled together; None = vLLM's default."""
     seed: int = Field(0, ge=0, lt=2**31)
     """Seed of vLLM's sampler (each actor adds its `actor_index`, so actors do not repeat each other)."""
+    lora: LoraEngineConfig | None = None
+    """Serve the learner's published LoRA adapters (records of kind `lora`) on the base model `model_path`;
+    None = full weights (records of kind `full`). A record of the other kind is refused (logged, counted
+    as `reload_failures{reason="kind"}`), and the actor keeps what it holds."""
 
     @classmethod
     def cpu_tiny(cls, **overrides: Any) -> EngineConfig:
@@ -268,6 +304,11 @@ class ActorConfig(ConfigModel):
             raise ValueError("mode 'eval' needs an eval section (the held-out set)")
         if self.dataset is None and not self.gateway.enabled and self.mode == "train":
             raise ValueError("dataset is required unless gateway.enabled (an actor needs prompts or callers)")
+        if self.engine.lora is not None and self.reload.transport != "files":
+            raise ValueError(
+                "engine.lora: adapters are loaded from the published folders (reload.transport: files), "
+                f"but reload.transport={self.reload.transport!r}"
+            )
         if self.actor_index >= self.num_actors:
             raise ValueError(f"actor_index={self.actor_index} must be < num_actors={self.num_actors}")
         if self.sampling.max_tokens >= self.engine.max_model_len:

@@ -14,6 +14,14 @@ that their KV cache is recomputed under the new weights when the scheduler resum
 sampled by exactly one policy version, conditioned on a KV cache computed by that same version: the
 learner's log-prob under the token's recorded version equals its behaviour log-prob.
 
+With `engine.lora` the engine serves the learner's LoRA adapters instead (vLLM's LoRA support, built with
+`enable_lora`): the base weights are never reloaded, and a new version is registered with `add_lora` while
+the engine generates (no pause, no cache reset). Each request carries the newest adapter's `LoRARequest` at
+its submission and keeps it to its end, so all its tokens are sampled by that one version, on a KV cache
+that adapter computed (vLLM's prefix cache is keyed by adapter); its `versions` are that version (vLLM's
+weight-version label stays at the base's). Superseded adapters are removed once their requests have ended
+(actors/engine/adapters.py).
+
 The `AsyncLLM` lives on a private event-loop thread, so any thread or event loop can use the engine
 (`engine.generate(...)` from plain code, `await engine.acall(coro)` from any loop). The actor runs its
 whole loop on that thread (`acall`), so requests go to the engine without a thread hop.
@@ -34,6 +42,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from offpolicy.actors.config import EngineConfig, SamplingConfig
+from offpolicy.actors.engine.adapters import Adapter, Adapters
 from offpolicy.actors.errors import EngineError, InvalidSampling, PromptFailed, WeightLoadError
 
 log = logging.getLogger(__name__)
@@ -58,7 +67,8 @@ class Completion:
 
 
 class VLLMEngine:
-    """One `AsyncLLM` configured from `EngineConfig`; `loaded_version` is the policy version it holds.
+    """One `AsyncLLM` configured from `EngineConfig`; `loaded_version` is the policy version it holds (with
+    `engine.lora`: the newest adapter's, or the base's before any), `kind` what it loads (`full` | `lora`).
 
     Construct it in the main thread of a process whose entry point is guarded by
     `if __name__ == "__main__":` (vLLM spawns worker processes). `shutdown()` stops it by handle.
@@ -86,7 +96,19 @@ class VLLMEngine:
                 "weight_transfer_config": {"backend": transfer_backend},
                 "worker_extension_cls": "offpolicy.weights.engines.worker_ext.TransferWorkerExtension",
             }
+        lora: dict[str, Any] = {}
+        if config.lora is not None:  # vLLM's LoRA support: adapters registered while it generates
+            lora = {
+                "enable_lora": True,
+                "max_lora_rank": config.lora.max_rank,
+                "max_loras": config.lora.max_loras,
+                "max_cpu_loras": config.lora.max_cpu_loras,
+                "fully_sharded_loras": config.lora.fully_sharded,
+            }
         self.config = config
+        self.kind = "full" if config.lora is None else "lora"
+        self.adapters: Adapters | None = None if config.lora is None else Adapters()
+        self.base_loads = 0  # weight loads into the base model (files or transfers) since start
         args = AsyncEngineArgs(
             model=model_path,
             dtype=config.dtype,
@@ -100,6 +122,7 @@ class VLLMEngine:
             disable_log_stats=True,
             **({} if config.max_num_seqs is None else {"max_num_seqs": config.max_num_seqs}),
             **transfer,
+            **lora,
         )
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-async", daemon=True)
@@ -156,16 +179,25 @@ class VLLMEngine:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         final = None
+        adapters = self.adapters  # engine.lora: the request carries the newest adapter to its end
+        adapter = adapters.acquire(request_id) if adapters is not None else None
+        version = self.loaded_version if adapter is None else adapter.version
+        lora_request = None if adapter is None else adapter.request
         try:
-            async for out in self.llm.generate({"prompt_token_ids": prompt_ids}, params, request_id):
+            async for out in self.llm.generate(
+                {"prompt_token_ids": prompt_ids}, params, request_id, lora_request=lora_request
+            ):
                 final = out
         except EngineDeadError as e:
             raise EngineError(f"vLLM's engine is dead: {e}") from e
         except (VLLMError, ValueError) as e:  # this request only: validation or a request-level failure
             raise PromptFailed(f"request {request_id}: {type(e).__name__}: {e}") from e
+        finally:
+            if adapters is not None and adapter is not None and adapters.release(adapter, request_id):
+                self._retire(adapter)
         if final is None:
             raise EngineError(f"request {request_id}: vLLM returned no output")
-        return [_completion(c) for c in final.outputs]
+        return [_completion(c, version if adapters is not None else None) for c in final.outputs]
 
     async def generate_group(self, request_id: str, prompt_ids: Sequence[int], params) -> list[Completion]:
         """The completions of one request (`params.n` of them, `finish_reason="abort"` when aborted)."""
@@ -243,6 +275,57 @@ class VLLMEngine:
             raise WeightLoadError(version, "engine", "vLLM refused to reset the prefix cache")
         self.loaded_version = version
         self.loaded_path = source or path
+        self.base_loads += 1
+
+    # --- LoRA adapters (engine.lora)
+
+    async def load_adapter(self, path: str, version: int, timeout_s: float | None = None) -> None:
+        """Register the LoRA adapter in folder `path` (peft's layout) as `version` while the engine
+        generates; requests submitted from now on carry it, and `loaded_version = version`. Superseded
+        adapters no request uses are removed; past `engine.lora.max_cpu_loras` adapters, the requests of
+        the oldest are aborted first (their prompts are generated again). Raises `WeightLoadError`
+        (`timeout`, or `engine`: vLLM refused the adapter, e.g. a rank above `engine.lora.max_rank`); the
+        engine then serves what it did."""
+        from vllm.lora.request import LoRARequest
+
+        if self.adapters is None or self.config.lora is None:
+            raise WeightLoadError(version, "kind", "this engine serves full weights (engine.lora is unset)")
+        if stale := self.adapters.stale(self.config.lora.max_cpu_loras):
+            log.warning(
+                "v%d: the engine holds %d adapters (engine.lora.max_cpu_loras): aborting the requests of "
+                "v%s, generated again", version, len(self.adapters.held),
+                ", v".join(str(a.version) for a in stale),
+            )  # fmt: skip
+            await self.abort(sorted({rid for a in stale for rid in a.users}))
+        lora_id = self.adapters.next_id()
+        request = LoRARequest(lora_name=f"v{version}-{lora_id}", lora_int_id=lora_id, lora_path=path)
+        try:
+            async with asyncio.timeout(timeout_s):
+                added = await self.acall(self.llm.add_lora(request))
+        except TimeoutError as e:
+            self._spawn(self._remove(lora_id))  # in case vLLM registers it after all
+            raise WeightLoadError(version, "timeout", f"no answer from the engine in {timeout_s} s") from e
+        except Exception as e:  # translated: vLLM refuses adapters in many ways (files, rank, modules)
+            raise WeightLoadError(version, "engine", f"{type(e).__name__}: {e}") from e
+        if not added:
+            raise WeightLoadError(version, "engine", f"vLLM did not register adapter {request.lora_name}")
+        for old in self.adapters.add(version, request):
+            self._retire(old)
+        self.loaded_version, self.loaded_path = version, path
+
+    def _retire(self, adapter: Adapter) -> None:
+        """Remove a superseded adapter that no request uses from the engine (in the background)."""
+        self._spawn(self._remove(adapter.lora_id))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run `coro` on the engine's loop without waiting for it (its failure is logged by itself)."""
+        asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    async def _remove(self, lora_id: int) -> None:
+        try:
+            await self.llm.remove_lora(lora_id)
+        except Exception as e:  # translated: an engine shutting down takes its adapters with it
+            log.warning("LoRA adapter %d not removed from the engine: %s: %s", lora_id, type(e).__name__, e)
 
     @property
     def alive(self) -> bool:
@@ -310,6 +393,7 @@ class VLLMEngine:
             raise WeightLoadError(version, "engine", "vLLM refused to reset the prefix cache")
         self.loaded_version = version
         self.loaded_path = ""  # no folder holds exactly these weights (a restore must read a generation)
+        self.base_loads += 1
 
     def shutdown(self) -> None:
         """Stop the engine-core process (and its workers) by handle, then the engine's loop thread."""
@@ -343,17 +427,22 @@ def _versions(c, n_tokens: int) -> np.ndarray | None:
     return out
 
 
-def _completion(c) -> Completion:
+def _completion(c, version: int | None = None) -> Completion:
+    """Our `Completion` of vLLM's output `c`. `version` (LoRA: the request's adapter) stamps every token;
+    None = vLLM's weight-version spans do."""
     ids = np.asarray(c.token_ids, dtype=np.int32)  # (R,)
     flat = c.logprobs  # FlatLogprobs: with logprobs=0, exactly the sampled token at each position
     if len(ids) and (
         flat is None or len(flat.logprobs) != len(ids) or not np.array_equal(flat.token_ids, ids)
     ):
         raise EngineError(f"vLLM returned no or mismatched log-probs for {len(ids)} sampled tokens")
+    versions = None
+    if len(ids):
+        versions = _versions(c, len(ids)) if version is None else np.full(len(ids), version, np.int32)
     return Completion(
         token_ids=ids,
         logprobs=np.asarray([] if flat is None else flat.logprobs, dtype=np.float32),  # (R,)
         finish_reason=str(c.finish_reason),
         text=c.text,
-        versions=_versions(c, len(ids)) if len(ids) else None,
+        versions=versions,  # (R,) or None
     )

@@ -7,8 +7,9 @@ the reward function or a remote verifier at once), then stamped and handed to th
 stays full, and neither a long completion nor a slow verifier holds the others back. Before each admission
 the loop applies a newer published version (`reload.mode`: `drain`, `abort` or `inflight`), waits while
 the buffer holds `max_ahead` fresh groups (pacing), and waits while the pusher is behind (Redis down or
-the rate limiter saying no: groups are kept, never dropped). The service hosts `Actor.run(stop_event)` in
-a thread and reads `Actor.status()`.
+the rate limiter saying no: groups are kept, never dropped). An engine serving LoRA adapters
+(`engine.lora`) takes a new adapter without draining: requests in flight finish on theirs. The service
+hosts `Actor.run(stop_event)` in a thread and reads `Actor.status()`.
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ class Actor:
             config.actor_index,
             transfer_backend=transfer,
         )
+        if self.engine.adapters is not None:
+            adapters = self.engine.adapters
+            self.metrics.adapters.set_function(lambda: len(adapters.held))
         self.sync: WeightSync | None = None
         self.transfer = None  # the TransferReceiver (reload.transport: vllm)
         self._receiver: asyncio.Task | None = None
@@ -103,13 +107,18 @@ class Actor:
     # --- the service's view
 
     def status(self) -> dict[str, Any]:
-        """Loaded policy version, the learner's newest, recent tokens/s, groups pushed, reloads, reward
+        """Loaded policy version (with `engine.lora`: the newest adapter's, and the adapters held), the
+        learner's newest, a record refused for its kind, recent tokens/s, groups pushed, reloads, reward
         failures by reason and the alarm when most groups fail."""
         latest = None if self.sync is None or self.sync.latest is None else self.sync.latest.version
+        refused = None if self.sync is None or self.sync.refused is None else str(self.sync.refused)
         return {
             "state": self.state,
             "actor_id": self.actor_id,
             "loaded_policy_version": self.engine.loaded_version,
+            "policy_kind": self.engine.kind,
+            **({} if self.engine.adapters is None else self.engine.adapters.status()),
+            "refused_record": refused,
             "learner_policy_version": latest,
             "tokens_per_s": self.tokens_per_s,
             "groups_pushed": self.groups_pushed,
@@ -244,7 +253,7 @@ class Actor:
         mode, t0 = self.config.reload.mode, time.perf_counter()
         if mode == "abort":
             await self.engine.abort(list(self._inflight))
-        if mode in ("drain", "abort"):
+        if mode == "abort" or (mode == "drain" and self.engine.adapters is None):  # adapters: no drain
             while self._inflight and not stop.is_set():
                 await self._sleep_until_woken()
             if stop.is_set():

@@ -11,6 +11,11 @@ load into the engine), and only then moves `loaded_version`. A `weights_uri` rel
 A failed load is logged and counted by reason, tried again later up to `max_attempts` per version, and
 the engine keeps the version it really holds. After an engine-side failure (the weights may be half
 loaded) the last good folder is loaded back before the engine resumes.
+
+A record of kind `lora` (a LoRA learner's adapter) is loaded by an engine serving adapters (`engine.lora`)
+as a new adapter, without a pause: requests in flight finish on theirs (actors/engine/vllm.py). A record
+whose kind is not the engine's is refused, never loaded (`PolicyKindMismatch`, logged once per version and
+counted as `reload_failures{reason="kind"}`): the engine keeps what it holds.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from offpolicy.actors.errors import WeightLoadError
+from offpolicy.actors.errors import PolicyKindMismatch, WeightLoadError
 from offpolicy.actors.transport.prefetch import Cancelled, Prefetched, prefetch_folder
 from offpolicy.buffer.errors import InvalidTrajectory, StorageUnavailable
 
@@ -41,11 +46,13 @@ class ReloadableEngine(Protocol):
 
     loaded_version: int
     loaded_path: str
+    kind: str  # what the engine loads: "full" weights, or "lora" adapters (engine.lora)
 
     def paused(self) -> AbstractAsyncContextManager[None]: ...
     async def reload_weights(
         self, path: str, version: int, timeout_s: float | None = None, source: str | None = None
     ) -> None: ...
+    async def load_adapter(self, path: str, version: int, timeout_s: float | None = None) -> None: ...
 
 
 def weights_path(uri: str, weights_root: str | None = None) -> Path:
@@ -83,6 +90,7 @@ class WeightSync:
         self._preparing: tuple[PolicyRecord, asyncio.Task[bool]] | None = None  # `ready`'s background prepare
         self._cancel = threading.Event()  # set by `close`: a prefetch under way stops at its next chunk
         self._failed: dict[int, int] = {}  # version -> failed attempts
+        self.refused: PolicyKindMismatch | None = None  # the newest record refused for its kind
         metrics.policy_version.set(engine.loaded_version)
 
     # --- watching
@@ -132,11 +140,24 @@ class WeightSync:
         """The record to load (its version differs from the engine's: newer, or older after a learner's
         rollback), or None (nothing to load, or given up on this version)."""
         record = self.latest
-        if record is None or record.version == self.engine.loaded_version:
+        if record is None:
+            return None
+        if record.kind != self.engine.kind:
+            self._refuse(record)
+            return None
+        if record.version == self.engine.loaded_version:
             return None
         if self._failed.get(record.version, 0) >= self.config.max_attempts:
             return None  # given up on this version (logged); a newer one is tried as it comes
         return record
+
+    def _refuse(self, record: PolicyRecord) -> None:
+        """A record of the other kind than the engine's: logged and counted once per record, not loaded."""
+        if self.refused is not None and self.refused.version == record.version:
+            return
+        self.refused = PolicyKindMismatch(record.version, record.kind, self.engine.kind)
+        self.metrics.reload_failures.labels("kind").inc()
+        log.error("%s; still generating with v%d", self.refused, self.engine.loaded_version)
 
     def _fail(self, record: PolicyRecord, e: WeightLoadError) -> None:
         attempts = self._failed[record.version] = self._failed.get(record.version, 0) + 1
@@ -152,6 +173,9 @@ class WeightSync:
         """Check `record`'s folder (`reload.verify`) and read it ahead (`reload.prefetch`) in a thread while
         the engine generates; False (counted) when it fails."""
         self._discard()
+        if record.kind != self.engine.kind:
+            self._refuse(record)
+            return False
         try:
             try:
                 folder = weights_path(record.weights_uri, self.config.weights_root)
@@ -160,9 +184,12 @@ class WeightSync:
             if not folder.is_dir() or not any(folder.glob("*.safetensors")):
                 hint = " (the learner's own path: see publish.weights_root)" if folder.is_absolute() else ""
                 raise WeightLoadError(record.version, "missing", f"no *.safetensors in {folder}{hint}")
+            config = self.config
+            if record.kind == "lora" and config.prefetch == "memory":  # vLLM reads the published folder
+                config = config.model_copy(update={"prefetch": "page_cache"})
             try:
                 got = await asyncio.to_thread(
-                    prefetch_folder, folder, record.sha256, record.version, self.config, self._cancel
+                    prefetch_folder, folder, record.sha256, record.version, config, self._cancel
                 )
             except OSError as e:  # e.g. the learner pruned the folder while it was read
                 raise WeightLoadError(record.version, "missing", f"reading {folder}: {e}") from e
@@ -223,6 +250,8 @@ class WeightSync:
         got = self._prefetched
         if got is None or got.version != record.version:
             raise RuntimeError(f"load(v{record.version}) without a prepare of it")  # a caller's bug
+        if record.kind == "lora":
+            return await self._load_adapter(record, got)
         t0 = time.perf_counter()
         try:
             async with self.engine.paused():
@@ -245,6 +274,30 @@ class WeightSync:
         log.info(
             "loaded policy v%d: engine paused %.3f s; %.1f MB read ahead (%s) in %.3f s before the pause",
             record.version, self.last_pause_s, got.bytes / 1e6, got.where, got.seconds,
+        )  # fmt: skip
+        return True
+
+    async def _load_adapter(self, record: PolicyRecord, got: Prefetched) -> bool:
+        """Register a prepared adapter with the engine while it generates (no pause); True when it did.
+        The engine reads the published folder, not a staged copy: requests name the adapter's folder, and
+        vLLM reads it again whenever the adapter is not in its cache."""
+        t0 = time.perf_counter()
+        try:
+            await self.engine.load_adapter(str(got.folder), record.version, self.config.timeout_s)
+        except WeightLoadError as e:
+            self._fail(record, e)  # nothing changed in the engine: no restore
+            return False
+        finally:
+            self._discard()
+        seconds, self.last_pause_s = time.perf_counter() - t0, 0.0
+        self.reloads += 1
+        self.metrics.reloads.inc()
+        self.metrics.adapter_loads.inc()
+        self.metrics.policy_version.set(self.engine.loaded_version)
+        self._update_lag()
+        log.info(
+            "loaded LoRA adapter v%d in %.3f s without pausing the engine; %.1f MB read ahead (%s) in %.3f s",
+            record.version, seconds, got.bytes / 1e6, got.where, got.seconds,
         )  # fmt: skip
         return True
 

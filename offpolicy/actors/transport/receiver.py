@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from offpolicy.actors.errors import EngineError, WeightLoadError
+from offpolicy.actors.errors import EngineError, PolicyKindMismatch, WeightLoadError
 from offpolicy.actors.transport.follow import weights_path
 from offpolicy.actors.transport.verify import verify_folder
 
@@ -186,6 +186,8 @@ class TransferReceiver:
         return True
 
     async def _load(self, record: PolicyRecord) -> None:
+        if record.kind != "full":  # a LoRA learner's adapter: served by engine.lora actors, over files only
+            raise PolicyKindMismatch(record.version, record.kind, "full")
         folder = weights_path(record.weights_uri, self.weights_root)
         await asyncio.to_thread(verify_folder, folder, record.sha256, record.version, self.verify)
         await self.engine.reload_weights(str(folder), record.version, self.config.timeout_s)

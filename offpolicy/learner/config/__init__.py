@@ -18,6 +18,7 @@ from offpolicy.config.base import FROZEN, ConfigModel, IdStr, PathStr
 from offpolicy.config.loader import env_overrides as env_overrides
 from offpolicy.config.loader import load_layered
 from offpolicy.config.loader import merge as merge
+from offpolicy.learner.config.lora import LoraConfig
 from offpolicy.learner.config.models import (
     CriticConfig,
     FsdpConfig,
@@ -167,6 +168,9 @@ class LearnerConfig(ConfigModel):
     """The reference policy of the KL loss (used only with `kl_loss_coef > 0`)."""
     teacher: TeacherConfig = TeacherConfig()
     """On-policy distillation from a frozen teacher (used only with `teacher.model_path` set)."""
+    lora: LoraConfig | None = Field(None, json_schema_extra=FROZEN)
+    """Train a LoRA adapter on the frozen base model instead of the full weights, and publish only the
+    adapter (docs/lora.md); None = full weights."""
     entropy_coeff: float = Field(0.0, ge=0.0)
     """Weight of the entropy bonus subtracted from the policy loss (`pg_loss - entropy_coeff * entropy`,
     the entropy of the policy's distribution at each trained token, at its temperature, aggregated with
@@ -248,6 +252,11 @@ class LearnerConfig(ConfigModel):
                 f"{self.checkpoint.checkpoint_dir!r}, checkpoint_every={self.checkpoint.checkpoint_every!r}: "
                 "set both, or use delivery='step'"
             )
+        if self.lora is not None and self.publish.transport != "files":
+            raise ValueError(
+                "lora: an adapter is published as files (megabytes, loaded by the actors' LoRA support), "
+                f"but publish.transport={self.publish.transport!r}: set publish.transport: files"
+            )
         distilling = self.teacher.model_path is not None and self.teacher.task_reward_weight == 0
         if distilling and self.screening.drop_zero_variance:
             raise ValueError(
@@ -275,6 +284,12 @@ class LearnerConfig(ConfigModel):
         """`checkpoint.checkpoint_dir` with `{run_id}` filled in; None = checkpoints disabled."""
         cdir = self.checkpoint.checkpoint_dir
         return None if cdir is None else Path(cdir.replace("{run_id}", self.run_id))
+
+    @property
+    def adapter_reference(self) -> bool:
+        """The KL loss's reference is the policy's own base model, its LoRA adapter disabled (`lora` set,
+        `reference.model_path` None): no second copy of the weights is loaded, planned or offloaded."""
+        return self.lora is not None and self.reference.model_path is None
 
     @property
     def optimizer_steps_per_step(self) -> int:

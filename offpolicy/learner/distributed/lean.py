@@ -25,7 +25,7 @@ import contextlib
 import json
 import logging
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -151,15 +151,21 @@ class _Index:
         return None
 
 
-def _plan(model: nn.Module, index: _Index) -> dict[str, tuple[str, torch.Tensor]] | None:
+def _plan(
+    model: nn.Module, index: _Index, names: Callable[[str], str | None] | None = None
+) -> dict[str, tuple[str, torch.Tensor]] | None:
     """model tensor name -> (checkpoint name, the model's tensor), for every parameter and persistent
-    buffer; None when the checkpoint does not map one to one (another name, shape, or a tensor missing)."""
+    buffer that `names` maps to a checkpoint name (None = all, under their own names); None when the
+    checkpoint does not map one to one (another name, shape, or a tensor missing)."""
     prefix = getattr(model, "base_model_prefix", "model")
     plan = {}
     state = model.state_dict(keep_vars=True)
     for name in unique_names(model):
         t = state[name]
-        key = index.find(name, prefix)
+        wanted = name if names is None else names(name)
+        if wanted is None:  # not in the checkpoint (a LoRA factor): the caller fills it
+            continue
+        key = index.find(wanted, prefix)
         if key is None or index.entries[key][3] != tuple(t.shape):
             log.info("lean start: %s has no tensor of shape %s in the checkpoint", name, tuple(t.shape))
             return None
@@ -192,12 +198,16 @@ def _read_rows(
         out.copy_(buf.view(out.shape))
 
 
-def load_shards(model: nn.Module, folder: str | Path) -> bool:
+def load_shards(
+    model: nn.Module, folder: str | Path, names: Callable[[str], str | None] | None = None
+) -> bool:
     """Fill the materialised, sharded `model`'s shards from the safetensors files in `folder`, each rank
-    reading the rows of its own shards only. False (nothing read) when the checkpoint does not map one to
-    one onto the model: use `broadcast_from_rank0` then (every rank decides the same: same files)."""
+    reading the rows of its own shards only. `names`: a model tensor's name in the checkpoint, None for a
+    tensor the checkpoint does not hold (left as it is); default: the model's own names. False (nothing
+    read) when the checkpoint does not map one to one onto the model: use `broadcast_from_rank0` then
+    (every rank decides the same: same files)."""
     index = _Index(Path(folder))
-    plan = _plan(model, index) if index.entries else None
+    plan = _plan(model, index, names) if index.entries else None
     if plan is None:
         return False
     with torch.no_grad():
@@ -213,9 +223,20 @@ def load_shards(model: nn.Module, folder: str | Path) -> bool:
             else:  # another layout: the whole tensor, then this rank's block
                 whole = torch.empty(t.shape, dtype=entry[2])
                 _read_rows(entry, 0, t.shape[0], whole)
-                block = whole[tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
-                local.copy_(block)
+                copy_block(t, whole)
     return True
+
+
+def copy_block(t: torch.Tensor, whole: torch.Tensor) -> None:
+    """Copy this rank's block of `whole` (the full tensor, the same on every rank) into `t`: a sharded
+    DTensor's local shard (cast to its dtype and device on the way), or all of a plain tensor. No
+    collective: each rank slices its own rows (a lean start's LoRA factors, drawn alike on every rank)."""
+    with torch.no_grad():
+        if not isinstance(t, DTensor):
+            t.copy_(whole)
+            return
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        t.to_local().copy_(whole[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))])
 
 
 def broadcast_from_rank0(root: nn.Module, prefix: str, full: dict[str, torch.Tensor] | None) -> None:

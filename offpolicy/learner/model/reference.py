@@ -4,9 +4,11 @@ loaded once, never trained, optionally kept in host memory (one machinery, two r
 
 A frozen scorer is a `LogProbs` like the policy (the same log-probs at each row's temperature, packed or
 padded), with every parameter frozen and in eval mode; the learner calls it under no_grad once per step on
-the same micro-batches as pi_old. On N ranks it is sharded like the policy (learner/build.py). On one CUDA
-process `stream_layers` keeps its decoder layers in pinned host memory and copies each to the GPU for its
-own forward: one layer of weights on the GPU at a time, plus the embeddings, final norm and LM head.
+the same micro-batches as pi_old. Under LoRA the reference is by default the policy itself with its adapter
+disabled (`AdapterOff`): the base model, never loaded twice. On N ranks it is sharded like the policy
+(learner/build.py). On one CUDA process `stream_layers` keeps its decoder layers in pinned host memory and
+copies each to the GPU for its own forward: one layer of weights on the GPU at a time, plus the
+embeddings, final norm and LM head.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from offpolicy.learner.errors import TokenizerMismatch
+from offpolicy.learner.model import lora
 from offpolicy.learner.model.load import load_tokenizer
 
 if TYPE_CHECKING:
+    from offpolicy.learner.batch import Batch
     from offpolicy.learner.config import LearnerConfig
 
 
@@ -29,6 +33,25 @@ def freeze(module: nn.Module) -> nn.Module:
     """No gradients, eval mode (no dropout): a reference that never changes."""
     module.requires_grad_(False)
     return module.eval()
+
+
+class AdapterOff(nn.Module):
+    """The KL loss's reference under LoRA without `reference.model_path`: the policy's own `LogProbs` (on N
+    ranks its FSDP2-sharded root, whose hooks gather the shards) run under no_grad with its adapter disabled
+    (`lora.adapters_disabled`): the base model's log-probs with no second copy of the weights. Called as
+    the policy is, `(batch, chunk_tokens, packed, entropy)` -> (log-probs, entropy or None). The policy is
+    held outside this module's children, so that `freeze`, `eval` or `parameters()` on the reference never
+    reach the policy's weights."""
+
+    def __init__(self, policy: nn.Module) -> None:
+        super().__init__()
+        self.__dict__["policy"] = policy  # not a submodule (class docstring)
+
+    def forward(
+        self, batch: Batch, chunk_tokens: int, packed: bool = False, entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        with torch.no_grad(), lora.adapters_disabled(self.policy):
+            return self.policy(batch, chunk_tokens, packed, entropy)
 
 
 def stream_layers(model: nn.Module, layers: Iterable[nn.Module], device: torch.device) -> None:

@@ -4,7 +4,10 @@ A checkpoint is a folder `ckpt-<version>/` under `checkpoint.checkpoint_dir`: it
 everything else in `meta.json` (version, step, config, buffer position, the leases it holds, scheduler
 state, Python RNG, and the identity it was written for: run id and model fingerprint), written under a
 temporary name, fsynced and renamed, so a learner killed mid-write leaves the previous checkpoint intact.
-No pickle anywhere. A checkpoint of another run or model is refused (`CheckpointMismatch`).
+No pickle anywhere. A checkpoint of another run or model is refused (`CheckpointMismatch`). Under LoRA
+the policy's tensors are its adapter's alone (`saved_names`; meta `lora: true`) with its AdamW state: the
+frozen base is reloaded from `model_path`; a LoRA checkpoint is refused by a full-weight learner and the
+other way round.
 
 Two layouts, one backend each behind `Checkpoints` (save / staged / poll / finish / close / latest / load),
 chosen once when the learner starts:
@@ -22,6 +25,7 @@ import random
 import re
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +33,7 @@ import torch
 from safetensors.torch import load_file
 
 from offpolicy.learner.errors import CheckpointMismatch, CheckpointsDisabled
+from offpolicy.learner.model import lora
 
 if TYPE_CHECKING:
     from offpolicy.learner.build import Trainables
@@ -59,6 +64,19 @@ def identity(parts: Trainables, run_id: str) -> dict[str, str]:
     return {"run_id": run_id, "model": hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:16]}
 
 
+def holds_adapter(module: torch.nn.Module) -> bool:
+    """Whether `module` trains a LoRA adapter on a frozen base (learner/model/lora.py)."""
+    return any(lora.is_adapter_name(n) for n, _ in module.named_parameters())
+
+
+def saved_names(module: torch.nn.Module) -> Callable[[str], bool]:
+    """Which of `module`'s state dict entries a checkpoint holds: all of them, or under LoRA the adapter's
+    alone (the frozen base is reloaded from `model_path` on resume: GBs not written at every checkpoint)."""
+    if holds_adapter(module):
+        return lora.is_adapter_name
+    return lambda _name: True
+
+
 def base_meta(
     parts: Trainables,
     *,
@@ -76,6 +94,7 @@ def base_meta(
     the leases it holds (and their groups' new priorities), the scheduler and the Python RNG."""
     return {
         "identity": identity(parts, run_id),
+        "lora": holds_adapter(parts.model),  # the policy's tensors are its adapter's alone
         "version": version,
         "step": step,
         "saved_at": time.time(),
@@ -98,6 +117,14 @@ def read_meta(path: str | Path, parts: Trainables, run_id: str = "default") -> d
         raise CheckpointMismatch(
             f"{path}: checkpoint format {meta.get('format')!r}, this learner reads {FILE_FORMAT} and "
             f"{SHARDED_FORMAT}"
+        )
+    saved, mine = bool(meta.get("lora", False)), holds_adapter(parts.model)
+    if saved != mine:
+        kinds = {True: "a LoRA adapter (the base model reloaded from model_path)", False: "full weights"}
+        raise CheckpointMismatch(
+            f"{path} holds {kinds[saved]}, but this learner trains {kinds[mine]}: resume it with the `lora` "
+            f"section it was written with (now {'set' if mine else 'unset'}), or point "
+            "checkpoint.checkpoint_dir elsewhere"
         )
     want, got = identity(parts, run_id), meta["identity"]
     if got != want:

@@ -1,10 +1,11 @@
 """Checkpoints of a learner on N ranks: torch.distributed.checkpoint (sharded, asynchronous), no pickle.
 
-A sharded checkpoint is a folder `ckpt-<version>/` holding `state/` (each rank's shards of the model,
-AdamW moments and, with GAE, the critic and its optimizer, written by DCP's `HuggingFaceStorageWriter`:
-safetensors files whose headers carry DCP's sharding metadata as JSON; DCP's default writer would pickle
-its metadata) and rank 0's `meta.json` (format 3: everything of a single-process checkpoint's meta but the
-tensors) and `rng.safetensors`. `ShardedCheckpoints` is the backend of a learner on N ranks.
+A sharded checkpoint is a folder `ckpt-<version>/` holding `state/` (each rank's shards of the model (under
+LoRA its adapter alone), AdamW moments and, with GAE, the critic and its optimizer, written by DCP's
+`HuggingFaceStorageWriter`: safetensors files whose headers carry DCP's sharding metadata as JSON; DCP's
+default writer would pickle its metadata) and rank 0's `meta.json` (format 3: everything of a single-process
+checkpoint's meta but the tensors) and `rng.safetensors`. `ShardedCheckpoints` is the backend of a learner
+on N ranks.
 
 `save` runs on every rank at the same step boundary: `dcp.async_save` copies this rank's shards to host
 memory, then writes them on a background thread, collectives on a process group of their own. With
@@ -36,7 +37,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from offpolicy.learner.errors import CheckpointMismatch
@@ -45,10 +46,12 @@ from offpolicy.learner.persist.checkpoint import (
     SHARDED_FORMAT,
     Checkpoints,
     checkpoint_versions,
+    holds_adapter,
     latest_checkpoint,
     read_meta,
     restore_rngs,
     rng_state,
+    saved_names,
 )
 from offpolicy.learner.persist.published import remove_folder
 from offpolicy.learner.persist.safetensors_io import write_safetensors
@@ -77,7 +80,8 @@ def flat_state(parts: Trainables) -> tuple[dict[str, torch.Tensor], dict[str, An
     groups: dict[str, Any] = {}
     for prefix, module, opt in _pairs(parts):
         model_sd, optim_sd = get_state_dict(module, opt)  # initialises AdamW's state if it has none yet
-        tensors |= {f"{prefix}.model.{k}": v for k, v in model_sd.items()}
+        saved = saved_names(module)  # under LoRA the adapter alone: the base is reloaded from model_path
+        tensors |= {f"{prefix}.model.{k}": v for k, v in model_sd.items() if saved(k)}
         for fqn, state in optim_sd["state"].items():
             tensors |= {f"{prefix}.optim.{fqn}.{name}": v for name, v in state.items()}
         groups[prefix] = optim_sd["param_groups"]
@@ -99,6 +103,9 @@ def _restore(parts: Trainables, tensors: dict[str, torch.Tensor], groups: dict[s
             opt,
             model_state_dict=model_sd,
             optim_state_dict={"state": state, "param_groups": param_groups},
+            # under LoRA the frozen base is not in the checkpoint; every saved tensor was read (`dcp.load`
+            # fails on one missing from the files), so the names left out here are the base's alone
+            options=StateDictOptions(strict=not holds_adapter(module)),
         )
 
 

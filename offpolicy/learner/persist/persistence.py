@@ -7,7 +7,8 @@ overlap the next step's forward and backward passes and queue their writes; `fen
 the next optimizer step changes the weights) waits for the copies. `on_durable(kind, version)` tells the
 learner when a write is durable: weights announced to the actors, or a checkpoint on disk (what delivery
 acknowledgements wait for). `restore_latest` loads the newest checkpoint of this run and refuses another
-run's or model's.
+run's or model's. A LoRA learner (`lora:` set) publishes the adapter alone, on one process and on N ranks
+alike (persist/published.py: the adapter folder, a record of kind `lora`).
 
 A write that fails with an `OSError` (a full disk, an I/O error) is back-pressure, not an outage: counted
 (`offpolicy_learner_write_failures_total{kind,reason}`), logged once per spell with the path and the bytes
@@ -32,12 +33,14 @@ from offpolicy.config.secrets import redact_url
 from offpolicy.learner.distributed.ranks import SINGLE, Ranks
 from offpolicy.learner.metrics import timed
 from offpolicy.learner.model.load import unique_state
+from offpolicy.learner.model.lora import adapter_config, is_adapter_name
 from offpolicy.learner.persist.background_gather import BackgroundGather, close_publish_groups
 from offpolicy.learner.persist.checkpoint import Checkpoints, NoCheckpoints, base_meta
 from offpolicy.learner.persist.dcp import ShardedCheckpoints
 from offpolicy.learner.persist.published import (
     HostCopy,
     WeightsSnapshot,
+    adapter_state,
     publish_snapshot,
     remove_leftovers,
     uri_folder,
@@ -104,6 +107,10 @@ class Persistence:
         self.troubles: dict[Kind, dict[str, Any]] = {}  # kinds whose writes fail now (OSError), for status
         self._need: dict[Kind, int | None] = {}  # bytes the newest job of each kind writes (about)
         self.published_at = self.checkpointed_at = time.time()  # the ages' gauges count from the start
+        # a LoRA learner's adapter_config.json, the same for every version (peft's config of `lora`)
+        self._adapter = (
+            adapter_config(config.lora, model, config.model_path) if config.lora is not None else None
+        )
         metrics.published_age.set_function(lambda: time.time() - self.published_at)
         metrics.checkpoint_age.set_function(lambda: time.time() - self.checkpointed_at)
         for folder in (config.weights_path, config.checkpoint_path) if ranks.is_leader else ():
@@ -124,8 +131,11 @@ class Persistence:
         `gather`: on N ranks every rank calls this (a collective) with the names to publish, and the full
         weights are gathered from every rank's shards to the leader (persist/background_gather.py): streamed
         into the version's files as they arrive, or, with `keep_gathered` (a transport sends the version from
-        the leader's host memory), into its host buffers."""
+        the leader's host memory), into its host buffers. A LoRA learner publishes the adapter's tensors
+        alone (of `gather`: those that are the adapter's)."""
         self.fence()  # the buffers about to be reused must not be mid-copy (normally long finished)
+        if gather is not None and self._adapter is not None:
+            gather = {name for name in gather if is_adapter_name(name)}
         if gather is not None and not self.keep_gathered:
             self._publish_streamed(version, gather)
             return
@@ -145,7 +155,7 @@ class Persistence:
                 self.model, gather, self.publish_dtype, leader=True, into=into, bucket_bytes=bucket
             )
             if gather is not None
-            else HostCopy(unique_state(self.model), self.publish_dtype, into=into)
+            else HostCopy(self._published_state(), self.publish_dtype, into=into)
         )
         if isinstance(copy, BackgroundGather):
             copy.start()
@@ -156,12 +166,16 @@ class Persistence:
         self.writer.submit("weights", version, self._write(version, copy.wait), buffers=copy.tensors)
         self._count_coalesced()
 
+    def _published_state(self) -> dict[str, torch.Tensor]:
+        """One process: the tensors a version publishes (the adapter's alone for a LoRA learner)."""
+        return unique_state(self.model) if self._adapter is None else adapter_state(self.model)
+
     def _write(
         self, version: int, tensors: Callable[[], dict[str, torch.Tensor] | TensorStream]
     ) -> Callable[[], object]:
         """The writer's job for `version`: the folder from `tensors()` (read on the writer thread)."""
         pc, store, wdir = self.config.publish, self.store, self.config.weights_path
-        model, tokenizer, dtype = self.model, self.tokenizer, self.publish_dtype
+        model, tokenizer, dtype, adapter = self.model, self.tokenizer, self.publish_dtype, self._adapter
 
         def write() -> object:
             snap = WeightsSnapshot(
@@ -171,6 +185,7 @@ class Persistence:
                 tokenizer=tokenizer,
                 dtype=dtype,
                 generation_config=getattr(model, "generation_config", None),
+                adapter=adapter,
             )
             return publish_snapshot(
                 snap, wdir, store=store, keep_versions=pc.keep_versions, weights_root=pc.weights_root
@@ -227,10 +242,11 @@ class Persistence:
 
     def needs_publish(self, version: int) -> bool:
         """At start: whether `version` must be published (the policy record does not name it, in our
-        folder); actors start from it. When it need not, it counts as published."""
+        folder, of our kind); actors start from it. When it need not, it counts as published."""
         record = self.store.read() if self.store is not None else None
         ours = (
             record is not None
+            and record.kind == ("full" if self._adapter is None else "lora")
             and uri_folder(record.weights_uri, self.config.publish.weights_root).parent.resolve()
             == self.config.weights_path.resolve()
         )

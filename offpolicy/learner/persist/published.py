@@ -18,6 +18,12 @@ learner resumed after `kill -9`, never sees half a version. `weights_uri` is the
 `publish.weights_root` when one is set (`weights_uri`; the actors resolve it under their own
 `reload.weights_root`, so pods may mount the volume anywhere), else its absolute path.
 
+A LoRA learner (`lora:` set) publishes the adapter alone (`kind: lora` in the policy record): the folder
+holds `adapter_model.safetensors` (the adapter's tensors under their peft names, `model.lora.published_name`,
+in the publish dtype; one file, as vLLM's LoRA loader reads it), `adapter_config.json`
+(`model.lora.adapter_config`) and `manifest.json`, written the same way. No model config or tokenizer: the
+actors serve the adapter on the base model they already hold.
+
 `HostCopy` takes the snapshot (device -> host copy, cast to the publish dtype, into reused pinned buffers on
 CUDA) on a helper thread that overlaps the next forward/backward; the learner waits for it only before its
 next optimizer step. `write_version` runs on the background writer (persist/writer.py).
@@ -32,6 +38,7 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,8 +46,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from offpolicy.learner.model.load import unique_state
+from offpolicy.learner.model.lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    adapter_config,
+    is_adapter_name,
+    published_name,
+)
 from offpolicy.learner.persist.safetensors_io import (
     Arrivals,
+    Entry,
     TensorStream,
     fsync_dir,
     shards_of,
@@ -53,6 +68,7 @@ from offpolicy.weights.record import PolicyRecord
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
+    from offpolicy.learner.config.lora import LoraConfig
     from offpolicy.weights.record import PolicyStore
 
 VERSION_DIR = re.compile(r"^v(\d+)$")
@@ -152,6 +168,12 @@ class HostCopy:
         return self.tensors
 
 
+def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The LoRA adapter's tensors of `model` under their model names (A, B, `modules_to_save` copies): what
+    a LoRA learner publishes, in place of `unique_state`."""
+    return {name: t for name, t in unique_state(model).items() if is_adapter_name(name)}
+
+
 def snapshot_to_host(
     tensors: dict[str, torch.Tensor],
     dtype: torch.dtype | None,
@@ -174,6 +196,14 @@ class WeightsSnapshot:
     tokenizer: PreTrainedTokenizerBase | None
     dtype: torch.dtype
     generation_config: GenerationConfig | None = None
+    adapter: dict[str, Any] | None = None
+    """A LoRA adapter's `adapter_config.json`: `tensors` are the adapter's (model names), and the folder is
+    written in the adapter format (`config`, `tokenizer`, `generation_config` unused). None = full weights."""
+
+    @property
+    def kind(self) -> str:
+        """The policy record's `kind` of this snapshot: `lora` or `full`."""
+        return "full" if self.adapter is None else "lora"
 
 
 def write_version(snap: WeightsSnapshot, weights_dir: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
@@ -202,19 +232,33 @@ def _write_folder(snap: WeightsSnapshot, tmp: Path, max_shard_bytes: int) -> Non
     try:
         tmp.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
-        files: dict[str, dict[str, Any]] = {}
         # The record's checksum is combined from the files' own digests (combine_sha256): each byte hashed
         # once.
-        shards = shards_of(stream.entries, max_shard_bytes)
-        names = (
-            ["model.safetensors"]
-            if len(shards) == 1
-            else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-        )
-        for name, shard in zip(names, shards, strict=True):  # names sort in write order
-            files[name] = write_streamed(tmp / name, shard, arrivals.take)
+        if snap.adapter is not None:
+            files = _write_adapter(tmp, stream.entries, arrivals.take, snap.adapter)
+        else:
+            files = _write_weights(tmp, stream.entries, arrivals.take, max_shard_bytes)
     finally:
         arrivals.drain()
+    if snap.adapter is None:
+        files |= _write_model_files(tmp, snap, files)
+    write_small(tmp / MANIFEST, encode_manifest(manifest_doc(snap.version, files)))
+    fsync_dir(tmp)
+
+
+def _write_weights(
+    tmp: Path, entries: list[Entry], take: Callable[[Entry], torch.Tensor], max_shard_bytes: int
+) -> dict[str, dict[str, Any]]:
+    """The weights as `model.safetensors`, or shards + their index past `max_shard_bytes`."""
+    files: dict[str, dict[str, Any]] = {}
+    shards = shards_of(entries, max_shard_bytes)
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    for name, shard in zip(names, shards, strict=True):  # names sort in write order
+        files[name] = write_streamed(tmp / name, shard, take)
     if len(shards) > 1:
         index = {
             "metadata": {"total_size": sum(f["bytes"] for f in files.values())},
@@ -223,19 +267,43 @@ def _write_folder(snap: WeightsSnapshot, tmp: Path, max_shard_bytes: int) -> Non
         files["model.safetensors.index.json"] = write_small(
             tmp / "model.safetensors.index.json", json.dumps(index, indent=1).encode()
         )
+    return files
+
+
+def _write_model_files(tmp: Path, snap: WeightsSnapshot, files: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """`config.json` (its dtype the publish dtype), `generation_config.json`, the tokenizer's files."""
+    out: dict[str, dict[str, Any]] = {}
     config = copy.deepcopy(snap.config)
     config.dtype = snap.dtype
-    files["config.json"] = write_small(tmp / "config.json", config.to_json_string(use_diff=False).encode())
+    out["config.json"] = write_small(tmp / "config.json", config.to_json_string(use_diff=False).encode())
     if snap.generation_config is not None:
         text = snap.generation_config.to_json_string(use_diff=True).encode()
-        files["generation_config.json"] = write_small(tmp / "generation_config.json", text)
+        out["generation_config.json"] = write_small(tmp / "generation_config.json", text)
     if snap.tokenizer is not None:
         for saved in snap.tokenizer.save_pretrained(tmp):
             p = Path(saved)
-            if p.is_file() and p.name not in files:
-                files[p.name] = write_small(p, p.read_bytes())  # rewritten through the hasher, fsynced
-    write_small(tmp / MANIFEST, encode_manifest(manifest_doc(snap.version, files)))
-    fsync_dir(tmp)
+            if p.is_file() and p.name not in files and p.name not in out:
+                out[p.name] = write_small(p, p.read_bytes())  # rewritten through the hasher, fsynced
+    return out
+
+
+def _write_adapter(
+    tmp: Path, entries: list[Entry], take: Callable[[Entry], torch.Tensor], adapter: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """A LoRA adapter as peft saves it and vLLM loads it: `adapter_model.safetensors` (one file, the tensors
+    under their published names) and `adapter_config.json`. A tensor that is not the adapter's is refused
+    (the base weights never go out as an adapter)."""
+    stray = [name for name, _, _ in entries if not is_adapter_name(name)]
+    if stray:
+        raise ValueError(f"an adapter is published with {len(stray)} tensor(s) not its own: {stray[0]!r}")
+    source = {published_name(name): (name, shape, dtype) for name, shape, dtype in entries}
+    if len(source) != len(entries):
+        raise ValueError("two adapter tensors have the same published name")
+    named = [(published, shape, dtype) for published, (_, shape, dtype) in source.items()]
+    files = {ADAPTER_WEIGHTS: write_streamed(tmp / ADAPTER_WEIGHTS, named, lambda e: take(source[e[0]]))}
+    doc = json.dumps(adapter, indent=2, sort_keys=True).encode()
+    files[ADAPTER_CONFIG] = write_small(tmp / ADAPTER_CONFIG, doc)
+    return files
 
 
 def prune_versions(weights_dir: str | Path, keep: int, protect: int | None = None) -> list[int]:
@@ -290,6 +358,7 @@ def publish_snapshot(
         weights_uri=uri_of,
         sha256=_manifest_sha256(folder),
         published_at=time.time(),
+        kind=snap.kind,
     )
     if store is not None:
         store.publish(record)
@@ -308,16 +377,23 @@ def publish_weights(
     keep_versions: int | None = None,
     dtype: torch.dtype | None = None,
     weights_root: str | Path | None = None,
+    lora: LoraConfig | None = None,
+    base_model: str | Path | None = None,
 ) -> PolicyRecord:
     """Snapshot `model` (cast to `dtype`, None = as it is) and publish it in the calling thread: the
-    synchronous path (tests, tools, the benchmark's baseline); the learner uses the background writer."""
+    synchronous path (tests, tools, the benchmark's baseline); the learner uses the background writer.
+    `lora`: `model` carries that adapter (`model.lora.inject`), and only the adapter is published (a record
+    of kind `lora`; `base_model` = its `base_model_name_or_path`, default the model's own)."""
     snap = WeightsSnapshot(
         version=version,
-        tensors=snapshot_to_host(unique_state(model), dtype),
+        tensors=snapshot_to_host(unique_state(model) if lora is None else adapter_state(model), dtype),
         config=model.config,
         tokenizer=tokenizer,
         dtype=dtype or next(model.parameters()).dtype,
         generation_config=getattr(model, "generation_config", None),
+        adapter=None
+        if lora is None
+        else adapter_config(lora, model, str(base_model or model.config.name_or_path)),
     )
     return publish_snapshot(
         snap, weights_dir, store=store, keep_versions=keep_versions, weights_root=weights_root

@@ -1,6 +1,7 @@
 """Checkpoints of a one-process learner: whole tensors in safetensors, written by the background writer.
 
-A checkpoint folder (`FILE_FORMAT`) holds `model.safetensors` (+ `critic.safetensors`),
+A checkpoint folder (`FILE_FORMAT`) holds `model.safetensors` (under LoRA the adapter's tensors alone;
++ `critic.safetensors`),
 `optimizer.safetensors` (+ `critic_optimizer.safetensors`: AdamW moments flattened as `state.<i>.<name>`),
 `rng.safetensors` (torch CPU / CUDA generator states) and `meta.json`.
 
@@ -36,6 +37,7 @@ from offpolicy.learner.persist.checkpoint import (
     read_meta,
     restore_rngs,
     rng_state,
+    saved_names,
 )
 from offpolicy.learner.persist.published import HostCopy, remove_folder
 from offpolicy.learner.persist.safetensors_io import write_safetensors
@@ -139,7 +141,8 @@ def _host(tensors: dict[str, torch.Tensor]) -> HostCopy:
 def snapshot_checkpoint(parts: Trainables, meta: dict[str, Any]) -> CheckpointSnapshot:
     """Copy everything a checkpoint holds to host memory (the critical-path part of a checkpoint); `meta`
     is `base_meta(...)`."""
-    files = {"model": _host(unique_state(parts.model))}
+    saved = saved_names(parts.model)  # under LoRA the adapter alone
+    files = {"model": _host({k: v for k, v in unique_state(parts.model).items() if saved(k)})}
     opt_tensors, opt_meta = _optimizer_to_files(parts.optimizer)
     files["optimizer"] = _host(opt_tensors)
     meta = meta | {"format": FILE_FORMAT, "optimizer": opt_meta}
@@ -181,12 +184,14 @@ def write_checkpoint(checkpoint_dir: str | Path, snap: CheckpointSnapshot, keep:
 
 
 def _load_module(module: torch.nn.Module, file: Path, device: torch.device) -> None:
-    """Load a module's tensors; only the second names of tied tensors may be absent from the file."""
+    """Load a module's tensors; only the second names of tied tensors may be absent from the file, and
+    under LoRA the frozen base's (`saved_names`: reloaded from `model_path`, never checkpointed)."""
     state = load_file(str(file), device=str(device))
     missing, unexpected = module.load_state_dict(state, strict=False)
-    tied = set(module.state_dict()) - set(unique_state(module))
-    if unexpected or set(missing) - tied:
-        raise CheckpointMismatch(f"{file}: missing {sorted(set(missing) - tied)}, unexpected {unexpected}")
+    names, saved = set(module.state_dict()), saved_names(module)
+    absent = (names - set(unique_state(module))) | {k for k in names if not saved(k)}
+    if unexpected or set(missing) - absent:
+        raise CheckpointMismatch(f"{file}: missing {sorted(set(missing) - absent)}, unexpected {unexpected}")
 
 
 def load_checkpoint(path: str | Path, parts: Trainables, run_id: str = "default") -> dict[str, Any]:

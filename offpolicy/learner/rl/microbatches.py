@@ -30,6 +30,7 @@ from offpolicy.learner.batch import Batch
 from offpolicy.learner.config import LearnerConfig
 from offpolicy.learner.distributed.ranks import SINGLE, Ranks, all_reduce_sum
 from offpolicy.learner.distributed.split import shares
+from offpolicy.learner.model import lora
 from offpolicy.learner.model.precision import Precision
 
 
@@ -135,8 +136,8 @@ def no_grad_logprobs(
     policy: torch.nn.Module, batch: Batch, cfg: LearnerConfig, precision: Precision, ranks: Ranks = SINGLE
 ) -> torch.Tensor:
     """pi_old (or the reference's log-probs): log-probs of the whole batch under `policy` (a `LogProbs`),
-    micro-batched, (B, R)."""
-    with precision.autocast():
+    micro-batched, (B, R). A LoRA adapter's dropout is off (`lora.dropout`: the training passes alone)."""
+    with precision.autocast(), lora.dropout_off(policy):
         return rows_forward(
             lambda mb: policy(mb, cfg.logprob_chunk_tokens, cfg.packing)[0], batch, cfg, ranks
         )

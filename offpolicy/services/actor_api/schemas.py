@@ -19,7 +19,18 @@ class ActorStatus(BaseModel):
     actor_id: str
     """This actor's id, as stamped on its groups."""
     loaded_policy_version: int | None
-    """Policy version of the weights in the engine; null before the first load."""
+    """Policy version of the weights in the engine (`engine.lora`: of the newest adapter, or the base's
+    before any); null before the first load."""
+    policy_kind: str = "full"
+    """What the engine loads: `full` weights, or `lora` adapters on the base model (`engine.lora`)."""
+    adapter_version: int | None = None
+    """`engine.lora`: the newest adapter's version (what new requests carry); null before any."""
+    adapters_loaded: list[int] | None = None
+    """`engine.lora`: the versions of the adapters the engine holds (the newest and those of requests still
+    in flight); null for full weights."""
+    refused_record: str | None = None
+    """Why the newest refused policy record was not loaded: its kind is not the engine's (`lora` for a
+    full-weight actor, or `full` for one with `engine.lora`); null when none was refused."""
     learner_policy_version: int | None
     """Newest version the learner published (from the policy record); null when none yet."""
     tokens_per_s: float | None

@@ -77,3 +77,17 @@ def test_presets():
     assert cfg.reward.name == "target_token_share" and cfg.sampling == SamplingConfig(
         temperature=0.7, max_tokens=32, n=4
     )
+
+
+def test_engine_lora_is_checked_at_construction():
+    cfg = ActorConfig.model_validate(_base() | {"engine": {"lora": {}}})
+    assert (cfg.engine.lora.max_rank, cfg.engine.lora.max_loras, cfg.engine.lora.max_cpu_loras) == (16, 2, 4)
+    assert ActorConfig.model_validate(_base()).engine.lora is None  # full weights by default
+    with pytest.raises(pydantic.ValidationError, match="max_rank"):  # the ranks vLLM accepts
+        ActorConfig.model_validate(_base() | {"engine": {"lora": {"max_rank": 24}}})
+    with pytest.raises(pydantic.ValidationError, match="max_cpu_loras=2 < max_loras=3"):
+        ActorConfig.model_validate(_base() | {"engine": {"lora": {"max_loras": 3, "max_cpu_loras": 2}}})
+    with pytest.raises(pydantic.ValidationError, match=r"reload\.transport='vllm'"):
+        ActorConfig.model_validate(
+            _base() | {"engine": {"lora": {}}, "reload": {"transport": "vllm", "mode": "inflight"}}
+        )

@@ -38,6 +38,8 @@ class ScriptedEngine:
     """Answers each request with the next scripted text (one token per character) and log-probs -0.5. Its
     sampling parameters are the real engine's (vLLM's `SamplingParams` and its own checks)."""
 
+    kind, adapters = "full", None  # full weights (no engine.lora)
+
     def __init__(self, tokenizer: Any, script: list[str]) -> None:
         self.tokenizer, self.script, self.loaded_version = tokenizer, list(script), 7
         self.requests: list[list[int]] = []

@@ -19,6 +19,8 @@ from offpolicy.weights.record import PolicyRecord
 class FakeEngine:
     """Records reload calls; fails the next `fail` loads with `reason`."""
 
+    kind = "full"
+
     def __init__(self, fail: int = 0, reason: str = "engine"):
         self.loaded_version, self.loaded_path = 0, "/initial"
         self.calls: list[tuple[str, int]] = []
@@ -227,3 +229,74 @@ async def test_verify_none_loads_without_checking(tmp_path):
     record = _publish(tmp_path, 1)
     sync.see(PolicyRecord(1, record.weights_uri, "0" * 64, 0.0))
     assert await sync.maybe_reload() is True and engine.loaded_version == 1
+
+
+# --- LoRA adapters (engine.lora) and records of the other kind
+
+
+class AdapterEngine(FakeEngine):
+    """Serves adapters: registers them without a pause (never reloads the base)."""
+
+    kind = "lora"
+
+    def __init__(self, refuse: bool = False):
+        super().__init__()
+        self.adapters: list[tuple[str, int]] = []
+        self.refuse = refuse
+
+    async def load_adapter(self, path, version, timeout_s=None):
+        assert not self.is_paused, "an adapter is registered while the engine generates"
+        if self.refuse:
+            raise WeightLoadError(version, "engine", "LoRA rank 64 is greater than max_lora_rank 16")
+        self.adapters.append((path, version))
+        self.loaded_version, self.loaded_path = version, path
+
+
+def _adapter(tmp_path, version: int) -> PolicyRecord:
+    record = _publish(tmp_path, version, b"adapter-" + bytes([version]) * 100)
+    folder = weights_path(record.weights_uri)
+    (folder / "model.safetensors").rename(folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text("{}")
+    return PolicyRecord(version, record.weights_uri, record.sha256, float(version), "lora")
+
+
+async def test_an_adapter_is_registered_without_a_pause_or_a_base_reload(tmp_path):
+    engine = AdapterEngine()
+    sync, reg = _sync(engine, verify="full", prefetch="memory")
+    for version in (1, 2):
+        sync.see(_adapter(tmp_path, version))
+        assert await sync.maybe_reload() is True
+    folder = weights_path(sync.latest.weights_uri)
+    assert engine.adapters[-1] == (str(folder), 2)  # the published folder: vLLM may read it again later
+    assert engine.pauses == 0 and engine.calls == [] and engine.loaded_version == 2
+    assert _value(reg, "offpolicy_actor_adapter_loads_total") == 2
+    assert _value(reg, "offpolicy_actor_reloads_total") == 2
+    assert _value(reg, "offpolicy_actor_policy_version") == 2 and sync.last_pause_s == 0.0
+
+
+async def test_a_refused_adapter_is_counted_and_changes_nothing(tmp_path):
+    engine = AdapterEngine(refuse=True)
+    sync, reg = _sync(engine, max_attempts=2)
+    sync.see(_adapter(tmp_path, 1))
+    for _ in range(3):
+        assert await sync.maybe_reload() is False
+    assert engine.calls == [] and engine.loaded_version == 0  # no restore: the engine held on to its own
+    assert _value(reg, "offpolicy_actor_reload_failures_total", reason="engine") == 2
+
+
+@pytest.mark.parametrize("engine_kind", ["full", "lora"])
+async def test_a_record_of_the_other_kind_is_refused_and_counted_once(tmp_path, engine_kind):
+    engine = FakeEngine() if engine_kind == "full" else AdapterEngine()
+    sync, reg = _sync(engine)
+    wrong = _adapter(tmp_path, 1) if engine_kind == "full" else _publish(tmp_path, 1)
+    sync.see(wrong)
+    for _ in range(3):
+        assert sync.pending() is None and await sync.maybe_reload() is False
+    assert await sync.prepare(wrong) is False
+    assert engine.calls == [] and engine.loaded_version == 0 and engine.pauses == 0
+    assert _value(reg, "offpolicy_actor_reload_failures_total", reason="kind") == 1
+    assert sync.refused is not None and sync.refused.reason == "kind"
+    assert f"holds {wrong.kind} weights" in str(sync.refused) and "engine.lora" in str(sync.refused)
+    right = _publish(tmp_path, 2) if engine_kind == "full" else _adapter(tmp_path, 2)
+    sync.see(PolicyRecord(2, right.weights_uri, right.sha256, 10.0, right.kind))
+    assert await sync.maybe_reload() is True and engine.loaded_version == 2  # the right kind loads as ever

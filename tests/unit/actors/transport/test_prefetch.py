@@ -26,6 +26,8 @@ from offpolicy.weights.record import PolicyRecord
 class Engine:
     """Records the order of pauses and loads, and the bytes of the folder it loads, read in the pause."""
 
+    kind = "full"
+
     def __init__(self):
         self.loaded_version, self.loaded_path = 0, "/initial"
         self.events: list[str] = []

@@ -66,3 +66,22 @@ def test_catch_up_resolves_a_relative_uri_under_the_actors_weights_root(model, t
         assert engine.loaded_path == str(tmp_path / "actor-mnt" / "run" / "weights" / "v4")
     else:  # a relative URI without a root is refused (counted, retried later), never loaded from cwd
         assert engine.loaded_version == 0
+
+
+def test_catch_up_refuses_a_lora_adapter(model, tmp_path):
+    """A LoRA learner's adapter is never loaded as full weights (a transfer group serves full weights)."""
+    from offpolicy.learner.config.lora import LoraConfig
+    from offpolicy.learner.model import lora
+
+    adapted = lora.inject(
+        AutoModelForCausalLM.from_pretrained(model.config.name_or_path), LoraConfig(rank=8), 0
+    )
+    record = publish_weights(adapted, tmp_path / "weights", 4, lora=LoraConfig(rank=8))
+    engine = _Engine()
+    registry = CollectorRegistry()
+    receiver = TransferReceiver(
+        None, engine, _Store(record), TransferConfig(backend="gloo"), registry, verify="full"
+    )
+    assert asyncio.run(receiver._catch_up()) is False
+    assert receiver.caught_up is False and engine.loaded_version == 0
+    assert registry.get_sample_value("offpolicy_actor_transfer_failures_total", {"op": "catch_up"}) == 1

@@ -39,7 +39,7 @@ def model(tmp_path_factory):
 
 
 class _Engine:
-    loaded_version, loaded_path = 0, "/init"
+    loaded_version, loaded_path, kind = 0, "/init", "full"
 
     @contextlib.asynccontextmanager
     async def paused(self):
