@@ -6,10 +6,12 @@ chunks of 4,096 tokens), with and without `fsdp.cpu_offload`. Model shapes are L
 Qwen2.5-1.5B, Qwen2.5-7B and Llama-3.1-70B, parameters counted on the meta device (nothing downloaded).
 An H100 has 79.6 GiB; a plan may use 90 % of it.
 
-    python benchmarks/memory_plan.py [--json] [--smoke]
+    python benchmarks/memory_plan.py [--json] [--smoke] [--lora RANK]
 
 `--json`: one object, `{"h100_gib", "headroom", "rows": [one per model, GPU count and offload]}`.
-`--smoke`: the 1.5B model only (the same estimate, CI).
+`--smoke`: the 1.5B model only (the same estimate, CI). `--lora RANK`: the learner trains a LoRA adapter of
+that rank on every linear layer (`lora.target_modules: all-linear`) of the frozen model: gradients and AdamW
+only for the adapter (docs/lora.md).
 """
 
 from __future__ import annotations
@@ -44,18 +46,21 @@ MODELS = {
 }
 
 
-def rows(models: list[str]) -> list[dict]:
+def rows(models: list[str], lora_rank: int | None = None) -> list[dict]:
     out = []
+    lora = None if lora_rank is None else {"rank": lora_rank}
     for name in models:
         hf = MODELS[name]
-        shape = ModelShape.of(hf)
         for gpus, offload in ((1, False), (8, False), (8, True)):
-            cfg = LearnerConfig(model_path="unused", fsdp={"cpu_offload": offload})
+            cfg = LearnerConfig(model_path="unused", fsdp={"cpu_offload": offload}, lora=lora)
+            shape = ModelShape.of(hf, cfg.lora)
             plan = estimate(cfg, shape, gpus, sharded=gpus > 1, checkpointing=True, cuda=True)
             out.append(
                 {
                     "model": name,
                     "params_b": shape.params / 1e9,
+                    "lora_rank": lora_rank,
+                    "adapter_params_m": shape.adapter / 1e6 if lora_rank else 0.0,
                     "gpus": gpus,
                     "cpu_offload": offload,
                     **{f"{k}_gib": round(v, 1) for k, v in plan.as_dict().items()},
@@ -69,8 +74,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="the 1.5B model only (CI)")
+    ap.add_argument("--lora", type=int, metavar="RANK", help="a LoRA adapter of this rank, the model frozen")
     args = ap.parse_args()
-    table = rows(["1.5B"] if args.smoke else list(MODELS))
+    table = rows(["1.5B"] if args.smoke else list(MODELS), args.lora)
     if args.json:
         print(json.dumps({"h100_gib": H100_GIB, "headroom": HEADROOM, "rows": table}))
         return

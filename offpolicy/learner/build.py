@@ -12,7 +12,8 @@ resume).
 
 With `lora` the policy gets a LoRA adapter (learner/model/lora.py) right after it is built, before
 checkpointing, compile and sharding: only the adapter is trainable, held by AdamW and published; the base
-weights stay frozen in the masters' dtype. A lean start reads the base under its checkpoint names
+weights stay frozen in the compute dtype (bf16 under `bf16_mixed`), the adapter in the masters' (fp32).
+A lean start reads the base under its checkpoint names
 (`.base_layer.` dropped) and each rank copies its rows of the factors drawn from `seed` (the same whole
 tensors on every rank). The KL loss's reference is then the policy itself with its adapter disabled
 (`AdapterOff`) unless `reference.model_path` names another model.
@@ -91,12 +92,15 @@ def build_trainables(
     lean = sharded and config.fsdp.lean_start
     mesh = fsdp_mesh(config.fsdp.replicate, device) if sharded else None
     dtype, offload = precision.param_dtype, config.fsdp.cpu_offload
+    # under LoRA the frozen base needs no masters: it is kept in the compute dtype (bf16 under bf16_mixed,
+    # half the bytes), the adapter in the masters' (fp32); FSDP2 wants one dtype among trainable tensors only
+    base = precision.compute_dtype or dtype if config.lora is not None else dtype
     if lean:
-        model = meta_model(config.model_path, dtype, attn_implementation=attn)
+        model = meta_model(config.model_path, base, attn_implementation=attn)
     else:
-        model = load_model(config.model_path, "cpu" if sharded else device, dtype, attn_implementation=attn)
+        model = load_model(config.model_path, "cpu" if sharded else device, base, attn_implementation=attn)
     if config.lora is not None:  # before the checkpointing, compile and FSDP wrappers see the layers
-        lora.inject(model, config.lora, config.seed)  # lean: the factors on meta, drawn again by `fill`
+        lora.inject(model, config.lora, config.seed, masters=dtype)  # lean: factors on meta, drawn by `fill`
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if config.lora is not None:  # only the adapter is published (the actors hold the base model)
@@ -111,7 +115,7 @@ def build_trainables(
     way = ("whole, sharded" if sharded else "whole") if not lean else ""
     if lean:
         way = fill(
-            policy, "lm", model, config.model_path, dtype, _init_device(offload, device),
+            policy, "lm", model, config.model_path, base, _init_device(offload, device),
             lora_seed=None if config.lora is None else config.seed,
         )  # fmt: skip
     oc = config.optimizer

@@ -23,8 +23,8 @@ Per rank, for P parameters sharded over S ranks (FSDP2; S = 1 on one process):
   none under LoRA without `reference.model_path` (the policy with its adapter off, no second copy).
 
 Under LoRA (`lora`, an adapter of A parameters) the checkpoint stager, the publish snapshot and sets hold
-the adapter alone (A in place of P), and `cpu_offload` the base's masters (4 B x P / S) with the adapter's
-masters, gradients and moments (16 B x A / S).
+the adapter alone (A in place of P); the frozen base is in the compute dtype (2 B x P under `bf16_mixed`,
+in `startup` and `cpu_offload`) beside the adapter's masters, gradients and moments (16 B x A / S).
 - `teacher`: `teacher.cpu_offload`: the distillation teacher's weights in the compute dtype (2 B x P_teacher
   / S, P_teacher its own parameters).
 
@@ -106,9 +106,10 @@ def host_plan(
     (memory_plan.py `adapter_params`): what is trained, checkpointed and published."""
     share = shard_ranks if distributed else 1
     lora = config.lora is not None
-    weights = params + (adapter_params if lora else 0)  # a LoRA adapter's weights beside the frozen base
     trained = adapter_params if lora else params  # what AdamW holds, a checkpoint saves, a version publishes
     compute = 4 if config.precision == "fp32" else 2
+    # the weights' bytes: fp32 masters, or under LoRA the frozen base in the compute dtype + the adapter's
+    weights = compute * params + 4 * adapter_params if lora else 4 * params
     publish = 2  # the checkpoint's dtype, bf16 for the models this plans for
     # N ranks: the leader keeps the gathered weights for a transport that sends them (publisher.py)
     keep = config.publish.transport == "vllm" and not config.publish.transfer.sharded
@@ -123,13 +124,13 @@ def host_plan(
     own_reference = config.kl_loss_coef > 0 and not config.adapter_reference  # a second copy is loaded
     return HostPlan(
         process=PROCESS_BYTES,
-        startup=4 * weights // share if lean else 4 * weights,
+        startup=weights // share if lean else weights,
         checkpoint_stager=stager,
         publish_snapshot=(2 if streamed else 1) * publish * trained // share if distributed else 0,
         published_sets=(
             0 if not leader else (STREAM_DEPTH + 2) * bucket if streamed else 2 * publish * trained
         ),
-        cpu_offload=(4 * weights + 12 * trained) // share if distributed and config.fsdp.cpu_offload else 0,
+        cpu_offload=(weights + 12 * trained) // share if distributed and config.fsdp.cpu_offload else 0,
         reference=compute * params // share if own_reference and config.reference.cpu_offload else 0,
         teacher=compute * (teacher_params or params) // share
         if config.teacher.model_path is not None and config.teacher.cpu_offload

@@ -170,11 +170,12 @@ def estimate(
     compute = 4 if precision == "fp32" else 2
     critic = shape.params if config.adv_estimator == "gae" else 0  # the critic: a second backbone
     params = shape.params + critic
-    # under LoRA the frozen base stays in the masters' dtype beside its adapter; only the adapter (and the
-    # critic) has gradients and AdamW moments
+    # under LoRA the frozen base is kept in the compute dtype (no masters), its adapter in the masters';
+    # only the adapter (and the critic) has gradients and AdamW moments
     lora = config.lora is not None
     share = ranks if sharded else 1
-    state = (params + (shape.adapter if lora else 0)) * master // share
+    base = compute if lora else master
+    state = (shape.params * base + (critic + (shape.adapter if lora else 0)) * master) // share
     trained = ((shape.adapter if lora else shape.params) + critic) * master // share
     offload = sharded and config.fsdp.cpu_offload
     if precision != "bf16_mixed":
@@ -182,8 +183,8 @@ def estimate(
     elif sharded:
         layer = (shape.params - 2 * shape.vocab * shape.hidden) // shape.layers
         copies = 2 * (2 * layer + 2 * shape.vocab * shape.hidden)
-    else:
-        copies = 2 * params
+    else:  # autocast's bf16 copies of the fp32 weights (under LoRA: of the adapter and the critic alone)
+        copies = 2 * (critic + shape.adapter if lora else params)
     if tokens is None:
         budget = config.micro_batch_tokens
         tokens = (budget if isinstance(budget, int) else DEFAULT_TOKENS) if config.packing else (
@@ -192,7 +193,7 @@ def estimate(
     ref_device, ref_host = reference_bytes(config, reference or shape, share, sharded, compute)
     on, offloaded = config.teacher.model_path is not None, config.teacher.cpu_offload
     teacher_device, teacher_host = frozen_bytes(on, offloaded, teacher or shape, share, sharded, compute)
-    stream = activation_precision(precision, sharded)
+    stream = activation_precision(precision, sharded or lora)
     return MemoryPlan(
         weights=0 if offload else state,
         gradients=0 if offload else trained,
@@ -207,10 +208,11 @@ def estimate(
     )
 
 
-def activation_precision(precision: str, sharded: bool) -> str:
-    """The precision the activations follow: FSDP's bf16 parameters make `bf16_mixed`'s residual stream
-    bf16, as `bf16_pure`'s (one process: fp32, from the fp32 embeddings)."""
-    return "bf16_pure" if sharded and precision == "bf16_mixed" else precision
+def activation_precision(precision: str, bf16_weights: bool) -> str:
+    """The precision the activations follow: bf16 weights (FSDP's bf16 parameters; under LoRA the frozen
+    base's own) make `bf16_mixed`'s residual stream bf16, as `bf16_pure`'s (one process with fp32 weights:
+    fp32, from the fp32 embeddings)."""
+    return "bf16_pure" if bf16_weights and precision == "bf16_mixed" else precision
 
 
 def token_bytes(shape: ModelShape, stream: str, checkpointing: bool | None) -> int:
@@ -308,7 +310,8 @@ def choose(
     is the largest that fits (a multiple of 1,024, at most `MAX_TOKENS`; `DEFAULT_TOKENS` or the training
     budget without a limit). The plan is that of the chosen settings (`check` refuses it if it does not
     fit)."""
-    stream = activation_precision(config.precision or ("bf16_mixed" if cuda else "fp32"), sharded)
+    precision = config.precision or ("bf16_mixed" if cuda else "fp32")
+    stream = activation_precision(precision, sharded or config.lora is not None)
 
     def largest(checkpointing: bool | None) -> int:  # tokens that fit beside the fixed parts
         if limit is None:

@@ -1,4 +1,4 @@
-"""The `offpolicy` command line: quickstart, learner, actor, the control verbs, data preview, bench, ..."""
+"""The `offpolicy` command line: quickstart, learner, actor, control verbs, runs, data preview, bench, ..."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from offpolicy.services.cli_control import add_control_parsers
+from offpolicy.services.cli_runs import add_runs_parser
 
 if TYPE_CHECKING:
     from offpolicy.learner.distributed.layout import Layout
@@ -19,7 +20,7 @@ LAYOUT_FLAGS = ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "nproc_per_no
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = (
     "correction", "buffer", "learner", "learner_fsdp", "publish_gather", "actor", "reward_latency", "e2e",
-    "staleness", "weight_sync", "agent", "memory_plan",
+    "staleness", "weight_sync", "agent", "memory_plan", "lora",
 )  # fmt: skip
 
 
@@ -318,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     add_control_parsers(sub)  # status, config get/set/apply/validate/history, pause, ... (cli_control.py)
+    add_runs_parser(sub)  # runs list/add/update/remove: an actor pool's runs (cli_runs.py)
 
     data = sub.add_parser("data", help="check a prompt dataset before training on it")
     data_sub = data.add_subparsers(dest="data_command", required=True)

@@ -86,6 +86,30 @@ def main(model_dir: str, out: str) -> None:
                 if lora.is_factor(n)
             ),
         }
+    # bf16_mixed (the CUDA default), lean: the frozen base's shards in bf16 (no masters) beside the adapter's
+    # fp32 masters in the same FSDP units; two steps train the adapter alone, the base stays as read
+    mixed = Precision.resolve("bf16_mixed", CPU)
+    cfg = LearnerConfig.model_validate({
+        "model_path": model_dir, "device": "cpu", "seed": 5, "optimizer": {"lr": 1e-3},
+        "precision": "bf16_mixed", "lora": {"rank": 4},
+    })  # fmt: skip
+    two, _, _ = build_trainables(cfg, CPU, mixed, sharded=True, checkpointing=False)
+    base_before = {
+        n: whole(p.detach()).clone() for n, p in two.model.named_parameters() if not p.requires_grad
+    }
+    with mixed.autocast():
+        steps(two, batch, 2, float(dist.get_world_size()))
+    params = dict(two.model.named_parameters())
+    result["bf16_mixed"] = {
+        "base_dtypes": sorted({str(p.dtype) for p in params.values() if not p.requires_grad}),
+        "adapter_dtypes": sorted({str(p.dtype) for p in params.values() if p.requires_grad}),
+        "base_unchanged": all(torch.equal(whole(params[n].detach()), t) for n, t in base_before.items()),
+        "adapter_moved": max(
+            float((whole(p.detach()) - lora.initial_factor(n, p.shape, 5)).abs().max())
+            for n, p in params.items()
+            if lora.is_factor(n)
+        ),
+    }
     with open(f"{out}.{dist.get_rank()}", "w") as fh:
         json.dump(result, fh)
     dist.barrier()

@@ -134,6 +134,20 @@ CASES: dict[str, Case] = {
         VLLM,
         timeout_s=600,
     ),
+    "lora.py": Case(
+        _keys(
+            "adapter_publish_bytes full_publish_bytes adapter_swap_pause_s full_reload_pause_s "
+            "logprob_max_abs_diff pool_tokens_per_s_ratio"
+        ),
+        lambda o: (
+            o["adapter_publish_bytes"] < o["full_publish_bytes"]
+            and o["logprob_max_abs_diff"] <= 1e-4 < o["logprob_base_max_abs_diff"]
+            and o["adapter_swap_pause_s"] > 0
+            and o["pool_tokens_per_s_ratio"] > 0
+        ),
+        VLLM,
+        timeout_s=600,
+    ),
     "e2e.py": Case(
         _keys("steps async sync speedup"),
         lambda o: o["steps"] == 2 and o["async"]["wall_s"] > 0 and o["sync"]["wall_s"] > 0,

@@ -104,6 +104,9 @@ def test_lora_ranks_hold_the_one_process_tensors_lean_or_not(tiny2):  # noqa: F8
             assert r["trained_diff"] <= TOLERANCE, r["top"]
             assert r["adapter_moved"] > 100 * TOLERANCE
             assert r["ref_vs_base"] <= 1e-6 and r["policy_vs_base"] > 1e-2  # the reference is the base
+        mixed = got["bf16_mixed"]  # the CUDA default: a bf16 frozen base beside fp32 adapter masters
+        assert mixed["base_dtypes"] == ["torch.bfloat16"] and mixed["adapter_dtypes"] == ["torch.float32"]
+        assert mixed["base_unchanged"] and mixed["adapter_moved"] > 100 * TOLERANCE
     assert results[0] == {**results[1], "rank": 0}  # every rank the same numbers
 
 

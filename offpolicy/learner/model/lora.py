@@ -35,11 +35,14 @@ def peft_config(cfg: LoraConfig) -> Any:
     return cfg.peft()
 
 
-def inject(model: torch.nn.Module, cfg: LoraConfig, seed: int) -> torch.nn.Module:
+def inject(
+    model: torch.nn.Module, cfg: LoraConfig, seed: int, masters: torch.dtype | None = None
+) -> torch.nn.Module:
     """Inject the adapter into `model` in place (A drawn from `seed`, the same on every rank; B zero:
     `initial_factor`) and freeze everything else; returns `model`. The adapter's tensors take the base
-    layers' dtype and device (on the meta device for a lean start: learner/build.py fills them after
-    sharding, from `initial_factor` too)."""
+    layers' device (on the meta device for a lean start: learner/build.py fills them after sharding, from
+    `initial_factor` too) and `masters`' dtype (None: the base layers'): a frozen base in bf16 beside
+    fp32 adapter masters."""
     from peft import inject_adapter_in_model
 
     with torch.random.fork_rng(devices=[]):  # peft's own draws are replaced below: the caller's RNG untouched
@@ -47,6 +50,8 @@ def inject(model: torch.nn.Module, cfg: LoraConfig, seed: int) -> torch.nn.Modul
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.requires_grad_(is_adapter_name(name))
+            if p.requires_grad and masters is not None and p.dtype != masters:
+                p.data = p.data.to(masters)
             if is_factor(name) and not p.is_meta:
                 p.copy_(initial_factor(name, p.shape, seed))
     return model

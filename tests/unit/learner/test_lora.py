@@ -120,6 +120,24 @@ def test_version_0_is_the_base_model_and_a_step_moves_the_adapter_alone(tiny, ba
     assert not torch.equal(parts.policy(batch, 64, True)[0], want)
 
 
+def test_under_bf16_mixed_the_frozen_base_is_bf16_and_the_adapter_keeps_fp32_masters(tiny, batch):
+    mixed = Precision.resolve("bf16_mixed", CPU)
+    cfg = lora_config(tiny, precision="bf16_mixed")
+    parts, _, _ = build_trainables(cfg, CPU, mixed, sharded=False, checkpointing=False)
+    dtypes = {n: p.dtype for n, p in parts.model.named_parameters()}
+    assert {dtypes[n] for n in lora.adapter_names(parts.model)} == {torch.float32}
+    assert {d for n, d in dtypes.items() if not lora.is_adapter_name(n)} == {torch.bfloat16}  # no masters
+    base = load_model(tiny, "cpu", torch.bfloat16).state_dict()
+    with mixed.autocast():
+        train_steps(parts, batch, 2)
+    for name, t in parts.model.state_dict().items():  # the base untouched (bf16 as read), the adapter moved
+        if lora.is_adapter_name(name):
+            assert ".lora_A." in name or t.abs().sum() > 0, name
+        else:
+            assert torch.equal(t, base[lora.base_name(name)]), name
+    assert all(s["exp_avg"].dtype == torch.float32 for s in parts.optimizer.state.values())
+
+
 def test_the_reference_is_the_base_model_with_the_adapter_disabled(tiny, batch):
     cfg = lora_config(tiny, kl_loss_coef=0.1)
     parts, _, _ = build_trainables(cfg, CPU, FP32, sharded=False, checkpointing=False)
@@ -274,8 +292,12 @@ def test_the_plans_of_a_7b_model_are_much_smaller_under_lora():
     )  # fmt: skip
     assert host.checkpoint_stager == 12 * shape.adapter // 8
     assert host.publish_snapshot * 500 < whole.publish_snapshot
-    assert host.cpu_offload == (4 * (shape.params + shape.adapter) + 12 * shape.adapter) // 8
-    assert host.reference == 0 < whole.reference and host.startup > whole.startup  # the base is still read
+    # the frozen base in bf16 (no masters) beside the adapter's fp32 masters, gradients and moments
+    assert host.cpu_offload == (2 * shape.params + 16 * shape.adapter) // 8
+    assert host.reference == 0 < whole.reference
+    assert host.startup == (2 * shape.params + 4 * shape.adapter) // 8  # the base read in bf16
+    assert plan.weights == (2 * shape.params + 4 * shape.adapter) // 8
+    assert full.weights == 4 * shape.params // 8
 
 
 def test_adapter_params_count_a_qwen_shaped_model_with_grouped_kv_heads():
