@@ -64,10 +64,13 @@ def strip_tags(value: Any) -> Any:
 # reservations (`deploy.resources.reservations.devices`) are appended: an override or an `extends` that
 # names other GPUs adds them to the base's unless it says `!override`.
 _REPLACED = {"command", "entrypoint", "test"}
+_BRACED_VAR = re.compile(r"\$\{[^}]*\}")
 
 
 def _volume_target(entry: Any) -> str:
-    return entry["target"] if isinstance(entry, Mapping) else str(entry).split(":")[1]
+    """A volume's container path; a `${VAR:-default}` source (its `:` included) is skipped whole, as compose
+    merges after interpolating."""
+    return entry["target"] if isinstance(entry, Mapping) else _BRACED_VAR.sub("", str(entry)).split(":")[1]
 
 
 def merge_compose(base: Any, over: Any, key: str = "") -> Any:

@@ -96,3 +96,22 @@ class TooManyEpisodes(ActorError):
 
 class ActorNotRunning(ActorError):
     """The actor's loop is not running (starting, stopping or stopped): the gateway cannot serve or push."""
+
+
+class RunNotFound(ActorError):
+    """An actor pool serves no run of this id (never added, or removed)."""
+
+
+class RunConflict(ActorError):
+    """A run cannot join (or change on) this actor pool as asked: a duplicate run id, another base model,
+    a full-weight run beside others (several runs need `engine.lora`), no room for its adapters. The
+    message names the fix."""
+
+
+class RunFieldFrozen(RunConflict):
+    """A change to a running run touches fields that cannot change while it runs (`fields`): remove the run
+    and add it again with them."""
+
+    def __init__(self, message: str, fields: list[str]) -> None:
+        super().__init__(message)
+        self.fields = fields

@@ -169,16 +169,22 @@ def run_check(
     actor = _load("actor", actor_path, report, environ)
     if actor is None:
         return report
-    _imports(actor, str(actor_path), report)
-    if actor.dataset is not None:
-        _dataset(actor.dataset, "dataset", str(actor_path), report)
-    if actor.eval is not None:
-        _dataset(actor.eval.dataset, "eval.dataset", str(actor_path), report)
+    # an actor pool: each of its runs (`runs`) checked as the file's own
+    runs = [(str(actor_path), actor), *((f"{actor_path} runs.{i}", r) for i, r in enumerate(actor.runs))]
+    for where, run in runs:
+        _imports(run, where, report)
+        if run.dataset is not None:
+            _dataset(run.dataset, "dataset", where, report)
+        if run.eval is not None:
+            _dataset(run.eval.dataset, "eval.dataset", where, report)
     if learner is not None:
-        for field in ("run_id", "model_path"):
-            ours, theirs = str(getattr(learner, field)), str(getattr(actor, field))
-            if ours != theirs:
-                report.fail(str(actor_path), f"{field}: {theirs!r} differs from the learner's {ours!r}")
+        served = [run.run_id for _, run in runs]
+        if str(learner.model_path) != str(actor.model_path):
+            theirs, ours = actor.model_path, learner.model_path
+            report.fail(str(actor_path), f"model_path: {theirs!r} differs from the learner's {ours!r}")
+        if learner.run_id not in served:
+            theirs = repr(served[0]) if len(served) == 1 else f"none of the pool's runs {served}"
+            report.fail(str(actor_path), f"run_id: {theirs} differs from the learner's {learner.run_id!r}")
     return report
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from offpolicy.services.cli_check import add_check_parser
-from offpolicy.services.client import ClientError, LearnerClient, Unreachable
+from offpolicy.services.client import ClientError, LearnerClient, ServiceClient, Unreachable
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 REFUSED, UNREACHABLE = 2, 1
@@ -213,21 +213,27 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 # --- running a verb
 
 
-Verb = Callable[[LearnerClient, argparse.Namespace], tuple[Any, list[str]]]
+Verb = Callable[[Any, argparse.Namespace], tuple[Any, list[str]]]
 
 
-def run_verb(verb: Verb, args: argparse.Namespace) -> int:
-    """Call the learner, print the answer; the exit code (see the module docstring)."""
-    url = args.url or os.environ.get("OFFPOLICY_URL") or DEFAULT_URL
+def run_verb(
+    verb: Verb,
+    args: argparse.Namespace,
+    client_cls: type[ServiceClient] = LearnerClient,
+    url: str | None = None,
+) -> int:
+    """Call the service (`client_cls` at `url`; the learner at `--url` by default), print the answer; the
+    exit code (see the module docstring)."""
+    url = url or args.url or os.environ.get("OFFPOLICY_URL") or DEFAULT_URL
     token = args.token or os.environ.get("OFFPOLICY_TOKEN") or os.environ.get("OFFPOLICY_API_TOKEN")
     try:
-        with LearnerClient(url, token=token or None) as client:
+        with client_cls(url, token=token or None) as client:
             out, lines = verb(client, args)
     except UsageError as e:
         print(e, file=sys.stderr)
         return REFUSED
     except Unreachable as e:
-        print(f"error: the learner at {url} cannot be reached ({e})", file=sys.stderr)
+        print(f"error: {client_cls.what} at {url} cannot be reached ({e})", file=sys.stderr)
         return UNREACHABLE
     except ClientError as e:
         if args.json:

@@ -1,10 +1,13 @@
-"""A Python client of the learner service: its control API and the ingest of groups, with typed errors.
+"""Python clients of the services, with typed errors: the learner's control API and the ingest of groups
+(`LearnerClient`), an actor pool's runs (`ActorClient`).
 
     from offpolicy.services.client import LearnerClient
     with LearnerClient("http://learner:8000", token=os.environ["OFFPOLICY_API_TOKEN"]) as learner:
         learner.push_groups(groups)       # TrajectoryGroup objects, or JSON documents
         learner.patch_config({"optimizer": {"lr": 5e-7}})
         print(learner.status()["policy_version"])
+    with ActorClient("http://actor:8001", token=...) as actor:
+        actor.add_run(yaml.safe_load(open("run-b.yaml")))
 
 Every error the service answers (`{"error": {"code", "message", "detail"}}`) is raised as a `ClientError`
 subclass chosen by its status: `Unauthorized` (401), `NotFound` (404), `Conflict` (409), `Invalid` (422),
@@ -15,7 +18,8 @@ header and never appears in an error's text.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
+from urllib.parse import quote
 
 import httpx
 
@@ -69,8 +73,12 @@ _BY_STATUS = {
 }
 
 
-class LearnerClient:
-    """The learner service at `base_url`; `http` replaces the HTTP client (a test's `TestClient`)."""
+class ServiceClient:
+    """A service at `base_url` (its error envelope as typed errors); `http` replaces the HTTP client (a
+    test's `TestClient`)."""
+
+    what = "the service"
+    """How messages name it."""
 
     def __init__(
         self,
@@ -82,10 +90,43 @@ class LearnerClient:
         self._http = http if http is not None else httpx.Client(base_url=base_url, timeout=timeout_s)
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
 
-    # --- control
-
     def status(self) -> dict[str, Any]:
         return self._call("GET", "/v1/status")
+
+    # --- plumbing
+
+    def _call(self, method: str, path: str, json: Any = None, params: Any = None) -> dict[str, Any]:
+        try:
+            response = self._http.request(method, path, json=json, params=params, headers=self._headers)
+        except httpx.TransportError as exc:  # the request text never holds the token: headers are not shown
+            raise Unreachable(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+        if response.status_code >= 400:
+            try:
+                error = response.json()["error"]
+            except (ValueError, KeyError, TypeError):
+                error = {"code": "http_error", "message": response.text[:500]}
+            cls = _BY_STATUS.get(response.status_code, ClientError)
+            raise cls(
+                response.status_code, error.get("code", ""), error.get("message", ""), error.get("detail")
+            )
+        return response.json()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class LearnerClient(ServiceClient):
+    """The learner service: its control API and the ingest of groups."""
+
+    what = "the learner"
+
+    # --- control
 
     def pause(self) -> dict[str, Any]:
         return self._call("POST", "/v1/pause")
@@ -127,29 +168,22 @@ class LearnerClient:
         out = self._call("POST", "/v1/groups", json={"groups": docs})
         return InsertResult(tuple(out["inserted"]), tuple(out["duplicates"]), dict(out["rejected"]))
 
-    # --- plumbing
 
-    def _call(self, method: str, path: str, json: Any = None, params: Any = None) -> dict[str, Any]:
-        try:
-            response = self._http.request(method, path, json=json, params=params, headers=self._headers)
-        except httpx.TransportError as exc:  # the request text never holds the token: headers are not shown
-            raise Unreachable(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
-        if response.status_code >= 400:
-            try:
-                error = response.json()["error"]
-            except (ValueError, KeyError, TypeError):
-                error = {"code": "http_error", "message": response.text[:500]}
-            cls = _BY_STATUS.get(response.status_code, ClientError)
-            raise cls(
-                response.status_code, error.get("code", ""), error.get("message", ""), error.get("detail")
-            )
-        return response.json()
+class ActorClient(ServiceClient):
+    """An actor service: the runs of its pool (`/v1/runs`)."""
 
-    def close(self) -> None:
-        self._http.close()
+    what = "the actor"
 
-    def __enter__(self) -> LearnerClient:
-        return self
+    def runs(self) -> dict[str, Any]:
+        return self._call("GET", "/v1/runs")
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def add_run(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Add a run (its config; `model_path` and `engine` may be left out: the pool's)."""
+        return self._call("POST", "/v1/runs", json=config)
+
+    def update_run(self, run_id: str, changes: dict[str, Any]) -> dict[str, Any]:
+        """Merge `changes` (`max_inflight_prompts`, `sampling`) into a run's config."""
+        return self._call("PATCH", f"/v1/runs/{quote(run_id, safe='')}", json=changes)
+
+    def remove_run(self, run_id: str) -> dict[str, Any]:
+        return self._call("DELETE", f"/v1/runs/{quote(run_id, safe='')}")

@@ -84,7 +84,7 @@ def test_the_gateway_records_an_openai_clients_tool_episode_exactly(
         sampling=SamplingConfig(temperature=TEMPERATURE, max_tokens=120, n=2),
     )
     settings = ActorServiceSettings(api_token="s3cret")
-    app = create_app(settings, config=cfg, actor_factory=lambda c, r: Actor(c, r, engine=original_engine))
+    app = create_app(settings, config=cfg, engine=original_engine)  # the pool's engine: the module's
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
     tok, auth = original_engine.tokenizer, {"Authorization": "Bearer s3cret"}
     with TestClient(app) as http:

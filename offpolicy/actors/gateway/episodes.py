@@ -354,6 +354,10 @@ class Gateway:
         self.actor.submit(record)
         return True
 
+    def holds(self, episode_id: str | None) -> bool:
+        """Whether episode `episode_id` is open on this gateway (an actor pool's runs each have theirs)."""
+        return episode_id in self._episodes
+
     # --- helpers
 
     def _new_group(self, group_id: str, size: int, prompt: Prompt) -> _Group:

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from offpolicy.actors.config import ActorConfig
+from offpolicy.actors.config import ActorConfig, SamplingConfig
 from offpolicy.actors.data.evaluation import Evaluator
 from offpolicy.actors.data.prompts import Prompt, encode, epoch_batches, load_prompts, shard
 from offpolicy.actors.engine.vllm import VLLMEngine
@@ -146,6 +146,17 @@ class Actor:
         """The vLLM sampling parameters of `prompt`'s request (benchmarks override this)."""
         return self._params
 
+    def reconfigure(self, config: ActorConfig) -> None:
+        """Take `config`'s `max_inflight_prompts` and `sampling` from the next admission on (a pool's run
+        updated while it runs; the other fields must be this config's). Requests in flight keep the
+        sampling they were admitted with, and their groups are stamped with it. `InvalidSampling` when vLLM
+        refuses the sampling (nothing changed then)."""
+        self.engine.call(self._reconfigure(config))
+
+    async def _reconfigure(self, config: ActorConfig) -> None:  # on the engine's loop, between admissions
+        params = self.engine.sampling_params(config.sampling)
+        self.config, self.stamp, self._params = config, stamped_sampling(config.sampling), params
+
     # --- the loop
 
     async def arun(self, stop: threading.Event) -> None:
@@ -197,14 +208,14 @@ class Actor:
             self.state = "stopped"
 
     async def _admit_loop(self, buffer: AsyncReplayBuffer, stop: threading.Event) -> None:
-        cfg = self.config
         source = self._prompt_source()
         while not stop.is_set():
+            cfg = self.config  # read at each admission: a pool's run may be reconfigured (`reconfigure`)
             # --- 1. a slot: fewer than max_inflight_prompts in the engine, the pusher keeping up
             while (
-                len(self._inflight) >= cfg.max_inflight_prompts
-                or len(self._scoring) >= _SCORING_PER_SLOT * cfg.max_inflight_prompts
-                or len(self._pending) >= cfg.max_inflight_prompts
+                len(self._inflight) >= (slots := self.config.max_inflight_prompts)
+                or len(self._scoring) >= _SCORING_PER_SLOT * slots
+                or len(self._pending) >= slots
             ):
                 await self._sleep_until_woken()
                 if stop.is_set():
@@ -291,7 +302,11 @@ class Actor:
 
     def _admit(self, prompt: Prompt, ids: np.ndarray) -> None:
         request_id = uuid.uuid4().hex
-        task = asyncio.create_task(self._run_prompt(request_id, prompt, ids, self.engine.loaded_version))
+        # the sampling of the admission: a request keeps it, and its group is stamped with it
+        sampling, params = self.config.sampling, self.request_params(prompt)
+        task = asyncio.create_task(
+            self._run_prompt(request_id, prompt, ids, self.engine.loaded_version, sampling, params)
+        )
         self._inflight[request_id] = task
         self.metrics.inflight.set(len(self._inflight))
         task.add_done_callback(lambda t, rid=request_id: self._done(rid, t))
@@ -304,14 +319,16 @@ class Actor:
             self._fatal = task.exception()  # raised by the admission loop
         self._wake.set()
 
-    async def _run_prompt(self, request_id: str, prompt: Prompt, ids: np.ndarray, version: int) -> None:
+    async def _run_prompt(
+        self, request_id: str, prompt: Prompt, ids: np.ndarray, version: int, sampling: SamplingConfig, params
+    ) -> None:
         """Generate one prompt's group, score and stamp it, hand it to the pusher (or re-admit it)."""
         t0 = time.perf_counter()
         if self.environment is not None:
-            await self._run_episodes(prompt, ids, version, t0)
+            await self._run_episodes(prompt, ids, version, t0, sampling)
             return
         try:
-            completions = await self.engine.generate_group(request_id, ids, self.request_params(prompt))
+            completions = await self.engine.generate_group(request_id, ids, params)
         except PromptFailed as e:  # this prompt only: counted and skipped, the loop goes on
             self.metrics.failures.labels("engine_error").inc()
             log.warning("prompt %s skipped: %s", prompt.prompt_id, e)
@@ -330,20 +347,20 @@ class Actor:
             log.warning("prompt %s: reward failed (%s), group dropped: %s", prompt.prompt_id, e.reason, e)
             return
         self.reward_failures.scored()
-        self.submit(stamp_group(prompt, ids, completions, rewards, version, self.actor_id, self.stamp))
+        stamp = stamped_sampling(sampling)
+        self.submit(stamp_group(prompt, ids, completions, rewards, version, self.actor_id, stamp))
 
-    async def _run_episodes(self, prompt: Prompt, ids: np.ndarray, version: int, t0: float) -> None:
+    async def _run_episodes(
+        self, prompt: Prompt, ids: np.ndarray, version: int, t0: float, sampling: SamplingConfig
+    ) -> None:
         """`sampling.n` episodes of the environment on one prompt, run concurrently: one group."""
-        cfg = self.config
 
         def params_for(max_tokens: int, **overrides: Any) -> Any:  # overrides: an episode's `stop`, ...
-            return self.engine.sampling_params(cfg.sampling, n=1, max_tokens=max_tokens, **overrides)
+            return self.engine.sampling_params(sampling, n=1, max_tokens=max_tokens, **overrides)
 
         episodes = [
-            Episode(
-                prompt, ids, self.engine, self.engine.tokenizer, params_for, cfg.sampling.max_tokens, version
-            )
-            for _ in range(cfg.sampling.n)
+            Episode(prompt, ids, self.engine, self.engine.tokenizer, params_for, sampling.max_tokens, version)
+            for _ in range(sampling.n)
         ]
         assert self.environment is not None
         try:
@@ -369,7 +386,8 @@ class Actor:
             log.warning("prompt %s: %s; group dropped", prompt.prompt_id, e)
             return
         self.reward_failures.scored()
-        self.submit(stamp_group(prompt, ids, completions, rewards, version, self.actor_id, self.stamp))
+        stamp = stamped_sampling(sampling)
+        self.submit(stamp_group(prompt, ids, completions, rewards, version, self.actor_id, stamp))
 
     # --- pushing
 

@@ -1,4 +1,5 @@
-"""Request and response models of the actor service: `GET /v1/status` and the gateway's episodes."""
+"""Request and response models of the actor service: its status, its runs (`/v1/runs`), the gateway's
+episodes."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ class ActorStatus(BaseModel):
     """What the actor is doing: its loaded weights, throughput and output."""
 
     state: str
-    """`starting` (engine loading), `running`, `stopped` or `failed`."""
+    """`starting` (engine loading), `running`, `stopped` or `failed`; `idle`: a pool serving no run (all
+    removed); `removed`: a run's last status (`DELETE /v1/runs/{run_id}`)."""
     actor_id: str
     """This actor's id, as stamped on its groups."""
     loaded_policy_version: int | None
@@ -52,6 +54,27 @@ class ActorStatus(BaseModel):
     """`train` (generates into the buffer) or `eval` (an evaluation actor: pushes nothing)."""
     last_eval: dict[str, float | None] | None = None
     """The last evaluation's `eval/...` metrics (reward mean, pass@k, version); null before the first."""
+    runs: dict[str, str] = Field(default_factory=dict)
+    """Every run the actor serves (an actor pool: `GET /v1/runs`) and its state: `running`, `stopped` or
+    `failed`; the status above is the first run's."""
+
+
+# --- the runs of an actor pool (actors/rollout/pool.py)
+
+
+class RunStatus(ActorStatus):
+    """One run of the actor's pool: its status, id and share of the engine."""
+
+    run_id: str
+    """The run's id (its keys in Redis, its learner's)."""
+    max_inflight_prompts: int
+    """Its share of the engine: the prompts it keeps in it."""
+
+
+class RunList(BaseModel):
+    """`GET /v1/runs`: every run the actor serves, in the order they were added."""
+
+    runs: list[RunStatus]
 
 
 # --- the gateway (actors/gateway/episodes.py)
@@ -74,6 +97,9 @@ class OpenEpisode(BaseModel):
         default_factory=dict, max_length=64
     )
     """Stored with the group (strings)."""
+    run_id: IdStr | None = None
+    """The run of the actor's pool whose gateway records the episode (its chat calls and finish find it by
+    its id); null = the first run."""
 
 
 class EpisodeOpened(BaseModel):

@@ -31,6 +31,9 @@ from offpolicy.actors.errors import (
     PolicyKindMismatch,
     PromptFailed,
     RewardError,
+    RunConflict,
+    RunFieldFrozen,
+    RunNotFound,
     TooManyEpisodes,
     WeightLoadError,
 )
@@ -198,12 +201,16 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
     InvalidSampling: (422, "validation_error"),
     TooManyEpisodes: (429, "too_many_episodes"),
     ActorNotRunning: (503, "actor_not_running"),
+    RunNotFound: (404, "run_not_found"),
+    RunConflict: (409, "run_conflict"),
+    RunFieldFrozen: (409, "field_frozen"),
 }
 """(status, code) per error class; a subclass without a row inherits its nearest parent's (MRO order)."""
 
 ERROR_DETAIL: dict[type[BaseException], Callable[[Any], Any]] = {
     ServiceError: lambda exc: exc.detail,
     FrozenFieldChange: lambda exc: {"fields": list(exc.fields)},
+    RunFieldFrozen: lambda exc: {"fields": list(exc.fields)},
     InvalidTrajectory: lambda exc: {"field": exc.field},
     ChatRequestError: lambda exc: [
         {"field": f"body.{exc.field}", "message": str(exc), "type": "unsupported"}

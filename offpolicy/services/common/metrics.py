@@ -4,12 +4,15 @@ Every sample a service exports carries its `constant_labels` (the run's `run_id`
 collection time by `LabelledView`, so no metric declares them and no call site passes them. A sample that
 already has a label of that name keeps its own value. Code that reads the registry directly
 (`registry.get_sample_value`) sees the samples as declared, without the constant labels.
+
+An actor pool's runs each have a registry of their own (labelled with their run id); `MergedRegistries`,
+registered on the service's registry, exports them all with it, one family per metric name.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -46,14 +49,38 @@ class LabelledView:
         return {k: v for k, v in self.labels.items() if k not in labels}
 
 
-def make_registry(constant_labels: Mapping[str, str] | None = None) -> ServiceRegistry:
-    """A fresh registry for one service process, with the standard process / platform / GC collectors;
-    `constant_labels` (the run's `{"run_id": ...}`) go on every sample `/metrics` exports."""
+def make_registry(
+    constant_labels: Mapping[str, str] | None = None, process_collectors: bool = True
+) -> ServiceRegistry:
+    """A fresh registry for one service process, with the standard process / platform / GC collectors
+    (`process_collectors`; False for the registry of one run of an actor pool, exported beside the
+    process's); `constant_labels` (the run's `{"run_id": ...}`) go on every sample `/metrics` exports."""
     registry = ServiceRegistry(constant_labels)
-    ProcessCollector(registry=registry)
-    PlatformCollector(registry=registry)
-    GCCollector(registry=registry)
+    if process_collectors:
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
+        GCCollector(registry=registry)
     return registry
+
+
+class MergedRegistries:
+    """A collector of the families of several registries (`registries()`, read at each collection), each
+    sample with its registry's constant labels, families of one name merged into one (an actor pool's runs
+    declare the same metrics, each with its own `run_id`). Registered on the service's registry."""
+
+    def __init__(self, registries: Callable[[], Iterable[CollectorRegistry]]) -> None:
+        self.registries = registries
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for registry in self.registries():
+            for family in LabelledView(registry, getattr(registry, "constant_labels", {})).collect():
+                if family.name in merged:
+                    merged[family.name].samples.extend(family.samples)
+                else:
+                    merged[family.name] = copy.copy(family)
+                    merged[family.name].samples = list(family.samples)  # extended here, not the collector's
+        yield from merged.values()
 
 
 def exposition(registry: CollectorRegistry) -> bytes:

@@ -91,3 +91,82 @@ def test_engine_lora_is_checked_at_construction():
         ActorConfig.model_validate(
             _base() | {"engine": {"lora": {}}, "reload": {"transport": "vllm", "mode": "inflight"}}
         )
+
+
+# --- runs: several runs on one engine (an actor pool)
+
+_LORA = {"lora": {"max_rank": 8, "max_loras": 4, "max_cpu_loras": 8}}
+
+
+def _pool(*runs: dict, engine: dict | None = None) -> dict:
+    return _base() | {"run_id": "a", "engine": _LORA if engine is None else engine, "runs": list(runs)}
+
+
+def test_a_runs_model_path_and_engine_are_the_pools(tmp_path):
+    path = tmp_path / "actor.yaml"
+    path.write_text(yaml.safe_dump(_pool({"run_id": "b", "dataset": {"path": "/b.jsonl"}})))
+    cfg = load_config(path, {})
+    (b,) = cfg.runs
+    assert (b.run_id, b.model_path, b.engine, b.dataset.path) == ("b", "/m", cfg.engine, "/b.jsonl")
+    assert b.sampling == SamplingConfig()  # its own defaults, not the first run's
+    assert cfg.run_config.runs == () and cfg.run_config.run_id == "a"
+
+
+def test_a_run_reads_the_pools_redis_unless_it_names_its_own(tmp_path):
+    """OFFPOLICY_REDIS_URL (the password is in it) sets the pool's first run; the runs take it."""
+    path = tmp_path / "actor.yaml"
+    runs = ({"run_id": "b", "dataset": {"path": "/b"}}, {"run_id": "c", "dataset": {"path": "/c"},
+                                                         "redis_url": "redis://other:6379/2"})  # fmt: skip
+    path.write_text(yaml.safe_dump(_pool(*runs)))
+    cfg = load_config(path, {"OFFPOLICY_REDIS_URL": "redis://:s3cret@redis:6379/1"})
+    assert [r.redis_url for r in (cfg, *cfg.runs)] == [
+        "redis://:s3cret@redis:6379/1", "redis://:s3cret@redis:6379/1", "redis://other:6379/2",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("runs", "engine", "match"),
+    [
+        ([{"run_id": "b", "dataset": {"path": "/b"}}], {}, r"runs\.0: this actor pool serves full weights"),
+        ([{"run_id": "a", "dataset": {"path": "/b"}}], None, r"runs\.0: run 'a' is already served"),
+        ([{"run_id": "b", "dataset": {"path": "/b"}, "model_path": "/other"}], None, "not this pool's base"),
+        (
+            [{"run_id": "b", "dataset": {"path": "/b"}, "engine": {}}],
+            None,
+            "full-weight and adapter runs cannot share a pool",
+        ),
+        (
+            [{"run_id": "b", "dataset": {"path": "/b"}, "engine": {**_LORA, "seed": 3}}],
+            None,
+            r"engine\.seed differ from this pool's engine",
+        ),
+        (
+            [{"run_id": r, "dataset": {"path": "/b"}} for r in "bcde"],
+            None,
+            r"runs\.3: 5 runs need 2 adapters each .*max_cpu_loras=8: set max_cpu_loras >= 10",
+        ),
+        (
+            [{"run_id": r, "dataset": {"path": "/b"}} for r in "bc"],
+            {"lora": {"max_loras": 2, "max_cpu_loras": 8}},
+            r"3 runs, but engine.lora.max_loras=2 .* set max_loras >= 3",
+        ),
+        (
+            [{"run_id": "b", "dataset": {"path": "/b"}, "reload": {"transport": "vllm"}}],
+            None,
+            r"runs\.0\n.*reload.transport: files",
+        ),
+        (
+            [{"run_id": "b", "dataset": {"path": "/b"}, "runs": [{"run_id": "c", "dataset": {"path": "/"}}]}],
+            None,
+            "has no `runs` of its own",
+        ),
+    ],
+)
+def test_runs_that_cannot_share_the_pool_are_refused_with_the_fix(runs, engine, match):
+    with pytest.raises(pydantic.ValidationError, match=match):
+        ActorConfig.model_validate(_pool(*runs, engine=engine))
+
+
+def test_a_full_weight_actor_is_one_run_as_before():
+    cfg = ActorConfig.model_validate(_base() | {"reload": {"transport": "vllm"}})
+    assert cfg.runs == () and cfg.run_config == cfg

@@ -13,7 +13,7 @@ from kubernetes_validate import utils as kv
 
 from deploy.checks import ALERTS_FILE, ROOT, nproc_per_node
 
-OVERLAYS = ("dev", "gpu")
+OVERLAYS = ("dev", "gpu", "lora-pool")
 K8S_VERSION = kv.latest_version()  # the newest Kubernetes the installed kubernetes-validate knows
 
 

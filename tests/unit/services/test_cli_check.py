@@ -74,3 +74,20 @@ def test_a_model_that_is_not_here_is_a_reason_not_a_download(here: Path, capsys:
     (here / "learner.yaml").write_text(yaml.safe_dump(learner))
     assert main(["config", "check", "learner.yaml"]) == 1
     assert "model_path: its config.json cannot be read here" in capsys.readouterr().err
+
+
+def test_each_run_of_an_actor_pool_is_checked_and_the_learner_may_be_any_of_its_runs(
+    here: Path, capsys: pytest.CaptureFixture[str]
+):
+    actor = yaml.safe_load((CONFIGS / "actor.yaml").read_text())
+    actor["engine"]["lora"] = {"max_rank": 8, "max_loras": 2, "max_cpu_loras": 4}
+    second = {"run_id": "second", "dataset": {"path": "missing.jsonl"}, "reward": {"name": "nope.fn"}}
+    actor["runs"] = [second]
+    learner = yaml.safe_load((CONFIGS / "learner.yaml").read_text()) | {"run_id": "second"}
+    (here / "actor.yaml").write_text(yaml.safe_dump(actor))
+    (here / "learner.yaml").write_text(yaml.safe_dump(learner))
+    assert main(["config", "check", "learner.yaml", "actor.yaml"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("2 problem(s):"), err  # run 'second''s reward and dataset; its run_id is served
+    assert "actor.yaml runs.0: reward.name: reward 'nope.fn': cannot import" in err
+    assert "actor.yaml runs.0: dataset" in err and "run_id" not in err

@@ -49,7 +49,7 @@ def actor_with(environment) -> tuple[Actor, StandInEngine, CollectorRegistry, li
 
 
 def run(actor: Actor) -> None:
-    asyncio.run(actor._run_episodes(Prompt(0, "p0", "hi"), np.array([5, 6]), 3, 0.0))
+    asyncio.run(actor._run_episodes(Prompt(0, "p0", "hi"), np.array([5, 6]), 3, 0.0, actor.config.sampling))
 
 
 def failures(registry: CollectorRegistry, reason: str) -> float:

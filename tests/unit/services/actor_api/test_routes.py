@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from offpolicy.services.actor_api.main import create_app
 from offpolicy.services.common.settings import ActorServiceSettings
 from tests.unit.actors.gateway.test_episodes import StubActor
+from tests.unit.actors.rollout.fakes import StubEngine
 
 AUTH = {"Authorization": "Bearer tok"}
 
@@ -45,7 +46,8 @@ def app_for(enabled: bool, script: list[str], token: str = "tok") -> Any:
     return create_app(
         ActorServiceSettings(api_token=token),
         config=config,
-        actor_factory=lambda c, r: ServedActor(c, r, script),
+        actor_factory=lambda c, r, e: ServedActor(c, r, script),
+        engine=StubEngine(),
     )
 
 
@@ -84,7 +86,9 @@ def test_the_gateway_has_its_own_token_and_refuses_the_admin_one() -> None:
     config = StubActor([], group_size=1).config
     config = config.model_copy(update={"gateway": config.gateway.model_copy(update={"enabled": True})})
     settings = ActorServiceSettings(api_token="admin-secret", gateway_token="agent-secret")
-    app = create_app(settings, config=config, actor_factory=lambda c, r: ServedActor(c, r, ["hi"]))
+    app = create_app(
+        settings, config=config, actor_factory=lambda c, r, e: ServedActor(c, r, ["hi"]), engine=StubEngine()
+    )
     with TestClient(app) as http:
         admin = {"Authorization": "Bearer admin-secret"}
         r = http.post("/v1/episodes", json={"prompt_id": "p"}, headers=admin)

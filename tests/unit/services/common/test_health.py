@@ -18,6 +18,7 @@ from offpolicy.services.actor_api.main import create_app as create_actor_app
 from offpolicy.services.common.loop import EXIT_LOOP_FAILED, BackgroundLoop, ExitAfterGrace
 from offpolicy.services.common.settings import ActorServiceSettings, LearnerServiceSettings
 from offpolicy.services.learner_api.main import create_app
+from tests.unit.actors.rollout.fakes import StubEngine
 from tests.unit.services.learner_api.test_routes import FakeLearner
 
 
@@ -110,7 +111,7 @@ def test_exit_after_grace_without_a_hook_only_logs(caplog: pytest.LogCaptureFixt
 
 
 class DyingActor:
-    def __init__(self, config: Any, registry: CollectorRegistry) -> None:
+    def __init__(self, config: Any, registry: CollectorRegistry, engine: Any) -> None:
         self.closed = False
 
     def run(self, stop_event: Any) -> None:
@@ -134,12 +135,15 @@ class DyingActor:
 def test_the_actor_service_honours_the_same_contract() -> None:
     config = ActorConfig(model_path="/m", dataset={"path": "/d.jsonl"}, redis_url="redis://:pw-actor@h:1/0")
     app = create_actor_app(
-        ActorServiceSettings(fatal_exit_grace_s=0.2), config=config, actor_factory=DyingActor
+        ActorServiceSettings(fatal_exit_grace_s=0.2),
+        config=config,
+        actor_factory=DyingActor,
+        engine=StubEngine(),
     )
     exits = _record_exits(app.state.fatal_exit)
     started = time.monotonic()
     with TestClient(app) as client:
-        wait_for(lambda: app.state.runtime.loop.error is not None)
+        wait_for(lambda: app.state.runtime.liveness() is not None)
         r = client.get("/healthz")
         assert r.status_code == 503
         assert (

@@ -22,6 +22,7 @@ from offpolicy.services.actor_api.main import create_app as create_actor_app
 from offpolicy.services.common.metrics import exposition, make_registry
 from offpolicy.services.common.settings import ActorServiceSettings, LearnerServiceSettings
 from offpolicy.services.learner_api.main import create_app
+from tests.unit.actors.rollout.fakes import StubEngine
 from tests.unit.services.learner_api.test_routes import AUTH, TOKEN, FakeLearner
 
 
@@ -51,7 +52,7 @@ class MetricsOnlyActor:
     """Declares what a real actor declares on the service's registry (its own metrics and its buffer's),
     then idles."""
 
-    def __init__(self, config: Any, registry: CollectorRegistry) -> None:
+    def __init__(self, config: Any, registry: CollectorRegistry, engine: Any) -> None:
         self.metrics, self.buffer_metrics = ActorMetrics(registry), BufferMetrics(registry)
         self.metrics.groups_pushed.inc(2)
 
@@ -85,7 +86,9 @@ def test_every_sample_the_learner_exports_carries_its_run_id() -> None:
 
 def test_every_sample_an_actor_exports_carries_its_run_id() -> None:
     config = ActorConfig(model_path="/m", dataset={"path": "/d.jsonl"}, run_id="exp-8")
-    app = create_actor_app(ActorServiceSettings(), config=config, actor_factory=MetricsOnlyActor)
+    app = create_actor_app(
+        ActorServiceSettings(), config=config, actor_factory=MetricsOnlyActor, engine=StubEngine()
+    )
     with TestClient(app) as client:
         exported = samples(client.get("/metrics").text)
     names = {name for name, _, _ in exported}
