@@ -26,23 +26,14 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
 from offpolicy.learner import host_plan
 from offpolicy.learner.config import LearnerConfig, OptimizerConfig
 from offpolicy.learner.distributed.fsdp import decoder_layers, fsdp_mesh, shard
-from offpolicy.learner.distributed.lean import (
-    broadcast_from_rank0,
-    copy_block,
-    load_shards,
-    local_checkpoint,
-    materialize,
-    meta_model,
-    unique_names,
-)
-from offpolicy.learner.distributed.ranks import Ranks, current, local_device
+from offpolicy.learner.distributed.lean import fill, meta_model, unique_names
+from offpolicy.learner.distributed.ranks import Ranks, local_device
 from offpolicy.learner.memory_plan import (
     GIB,
     MemoryPlan,
@@ -222,72 +213,6 @@ def build_frozen(
     elif offload:
         stream_layers(model, decoder_layers(model, layers), device)
     return frozen
-
-
-def fill(
-    root: torch.nn.Module,
-    prefix: str,
-    model: torch.nn.Module,
-    path: str,
-    dtype: torch.dtype,
-    device: torch.device,
-    causal: bool = True,
-    lora_seed: int | None = None,
-) -> str:
-    """Lean start: allocate the sharded `root`'s shards on `device` and load `model`'s (= `root.<prefix>`)
-    weights from `path` (a folder, or a hub id resolved to its local snapshot first) into them: each rank
-    its slices, or rank 0 reads and broadcasts when the checkpoint does not map one to one
-    (learner/distributed/lean.py), said in a warning. Returns the way taken: `slices` | `broadcast`.
-
-    `lora_seed` (a LoRA adapter injected into `model`): the base weights are read under their checkpoint
-    names (`lora.base_name`), and each rank copies its rows of the factors drawn from the seed
-    (`lora.initial_factor`: the same whole tensors on every rank, no collective)."""
-    materialize(root, device)
-    path = local_checkpoint(path)
-    names = None if lora_seed is None else _base_names
-    if load_shards(model, path, names):
-        log.info("lean start: %s read from %s, each rank its own slices", type(root).__name__, path)
-        way = "slices"
-    else:
-        _broadcast_whole(root, prefix, model, path, dtype, causal, names)
-        way = "broadcast"
-    if lora_seed is not None:
-        for name, p in model.named_parameters():
-            if lora.is_factor(name):
-                copy_block(p, lora.initial_factor(name, p.shape, lora_seed))
-    return way
-
-
-def _base_names(name: str) -> str | None:
-    """A LoRA model's tensor name in the base checkpoint; None for a factor (not there: drawn)."""
-    return None if lora.is_factor(name) else lora.base_name(name)
-
-
-def _broadcast_whole(
-    root: torch.nn.Module,
-    prefix: str,
-    model: torch.nn.Module,
-    path: Path,
-    dtype: torch.dtype,
-    causal: bool,
-    names: Callable[[str], str | None] | None,
-) -> None:
-    """Rank 0 loads the whole checkpoint and broadcasts it into every rank's shards (under `model`'s names:
-    `names` maps them to the checkpoint's; a tensor it maps to None is left as it is)."""
-    full = None
-    if current().is_leader:  # the one full copy, on rank 0
-        from transformers import AutoModel
-
-        full = (
-            load_model(path, "cpu", dtype) if causal else AutoModel.from_pretrained(path, dtype=dtype)
-        ).state_dict()
-        if names is not None:
-            full = {n: full[c] for n in unique_names(model) if (c := names(n)) is not None and c in full}
-    broadcast_from_rank0(root, prefix, full)
-    log.warning(
-        "lean start: the safetensors in %s do not map one to one onto %s: rank 0 read the whole model and "
-        "broadcast it (host memory on rank 0: the whole checkpoint)", path, type(root).__name__,
-    )  # fmt: skip
 
 
 def _init_device(cpu_offload: bool, device: torch.device) -> torch.device:

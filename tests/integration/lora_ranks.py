@@ -14,10 +14,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from offpolicy.learner import build
 from offpolicy.learner.batch import collate
 from offpolicy.learner.build import build_reference, build_trainables
 from offpolicy.learner.config import LearnerConfig
+from offpolicy.learner.distributed import lean
 from offpolicy.learner.model import Precision, lora
 from tests.unit.learner.rl.test_microbatches import ragged_groups
 
@@ -44,7 +44,7 @@ def main(model_dir: str, out: str) -> None:
     torch.set_num_threads(1)
     batch = collate(ragged_groups(2, 2, seed=7), pad_token_id=0)
     result: dict[str, object] = {"rank": dist.get_rank()}
-    read_slices = build.load_shards
+    read_slices = lean.load_shards
     for case in ("lean", "lean, broadcast", "eager"):
         cfg = LearnerConfig.model_validate({
             "model_path": model_dir, "device": "cpu", "seed": 5, "optimizer": {"lr": 1e-3},
@@ -54,7 +54,7 @@ def main(model_dir: str, out: str) -> None:
         one, _, _ = build_trainables(cfg, CPU, FP32, sharded=False, checkpointing=False)
         # "lean, broadcast": the slice reader refuses (as for a checkpoint that does not map one to one),
         # so rank 0 reads the whole base and broadcasts it under the model's names
-        build.load_shards = (lambda *_a, **_k: False) if case == "lean, broadcast" else read_slices
+        lean.load_shards = (lambda *_a, **_k: False) if case == "lean, broadcast" else read_slices
         two, keys, way = build_trainables(cfg, CPU, FP32, sharded=True, checkpointing=False)
         want = one.model.state_dict()
         start = max(float((whole(t) - want[n]).abs().max()) for n, t in two.model.state_dict().items())

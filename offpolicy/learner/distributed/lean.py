@@ -35,6 +35,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from offpolicy.learner.distributed.ranks import current
+from offpolicy.learner.model import lora
+from offpolicy.learner.model.load import load_model
+
 log = logging.getLogger(__name__)
 
 _DTYPES = {
@@ -246,3 +250,72 @@ def broadcast_from_rank0(root: nn.Module, prefix: str, full: dict[str, torch.Ten
     state = {f"{prefix}.{k}": v for k, v in full.items()} if full is not None else {}
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
     set_model_state_dict(root, state, options=opts)
+
+
+# --- the lean start of one model (learner/build.py)
+
+
+def fill(
+    root: torch.nn.Module,
+    prefix: str,
+    model: torch.nn.Module,
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    causal: bool = True,
+    lora_seed: int | None = None,
+) -> str:
+    """Lean start: allocate the sharded `root`'s shards on `device` and load `model`'s (= `root.<prefix>`)
+    weights from `path` (a folder, or a hub id resolved to its local snapshot first) into them: each rank
+    its slices, or rank 0 reads and broadcasts when the checkpoint does not map one to one
+    (learner/distributed/lean.py), said in a warning. Returns the way taken: `slices` | `broadcast`.
+
+    `lora_seed` (a LoRA adapter injected into `model`): the base weights are read under their checkpoint
+    names (`lora.base_name`), and each rank copies its rows of the factors drawn from the seed
+    (`lora.initial_factor`: the same whole tensors on every rank, no collective)."""
+    materialize(root, device)
+    path = local_checkpoint(path)
+    names = None if lora_seed is None else lora_base_names
+    if load_shards(model, path, names):
+        log.info("lean start: %s read from %s, each rank its own slices", type(root).__name__, path)
+        way = "slices"
+    else:
+        _broadcast_whole(root, prefix, model, path, dtype, causal, names)
+        way = "broadcast"
+    if lora_seed is not None:
+        for name, p in model.named_parameters():
+            if lora.is_factor(name):
+                copy_block(p, lora.initial_factor(name, p.shape, lora_seed))
+    return way
+
+
+def lora_base_names(name: str) -> str | None:
+    """A LoRA model's tensor name in the base checkpoint; None for a factor (not there: drawn)."""
+    return None if lora.is_factor(name) else lora.base_name(name)
+
+
+def _broadcast_whole(
+    root: torch.nn.Module,
+    prefix: str,
+    model: torch.nn.Module,
+    path: Path,
+    dtype: torch.dtype,
+    causal: bool,
+    names: Callable[[str], str | None] | None,
+) -> None:
+    """Rank 0 loads the whole checkpoint and broadcasts it into every rank's shards (under `model`'s names:
+    `names` maps them to the checkpoint's; a tensor it maps to None is left as it is)."""
+    full = None
+    if current().is_leader:  # the one full copy, on rank 0
+        from transformers import AutoModel
+
+        full = (
+            load_model(path, "cpu", dtype) if causal else AutoModel.from_pretrained(path, dtype=dtype)
+        ).state_dict()
+        if names is not None:
+            full = {n: full[c] for n in unique_names(model) if (c := names(n)) is not None and c in full}
+    broadcast_from_rank0(root, prefix, full)
+    log.warning(
+        "lean start: the safetensors in %s do not map one to one onto %s: rank 0 read the whole model and "
+        "broadcast it (host memory on rank 0: the whole checkpoint)", path, type(root).__name__,
+    )  # fmt: skip

@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, LlamaConfig
 
 from offpolicy.learner.batch import collate
-from offpolicy.learner.build import _base_names, build_reference, build_trainables
+from offpolicy.learner.build import build_reference, build_trainables
 from offpolicy.learner.config import LearnerConfig
-from offpolicy.learner.distributed.lean import load_shards, materialize, meta_model
+from offpolicy.learner.distributed.lean import load_shards, lora_base_names, materialize, meta_model
 from offpolicy.learner.errors import CheckpointMismatch
 from offpolicy.learner.host_plan import host_plan
 from offpolicy.learner.memory_plan import ModelShape, estimate
@@ -196,7 +196,7 @@ def test_a_lean_start_reads_the_base_under_its_names_and_draws_the_factors_injec
     lean = lora.inject(meta_model(tiny, torch.float32), cfg, seed=3)
     assert all(p.is_meta for p in lean.parameters())  # nothing drawn or read yet
     materialize(lean, CPU)
-    assert load_shards(lean, tiny, _base_names)  # the base by its checkpoint names, the factors skipped
+    assert load_shards(lean, tiny, lora_base_names)  # the base by its checkpoint names, the factors skipped
     for name, p in lean.named_parameters():
         if lora.is_factor(name):
             p.data.copy_(lora.initial_factor(name, p.shape, 3))
