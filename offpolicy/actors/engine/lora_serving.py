@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any
 
 from offpolicy.actors.engine.adapters import Adapter, Adapters, AdapterTable
 from offpolicy.actors.engine.run_view import RunView
 from offpolicy.actors.errors import RunNotFound, WeightLoadError
-
-if TYPE_CHECKING:
-    from collections.abc import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +26,8 @@ class LoraServing:
     _loop: asyncio.AbstractEventLoop
     loaded_version: int
     loaded_path: str
-
-    async def acall(self, coro: Coroutine[Any, Any, Any]) -> Any:  # pragma: no cover (VLLMEngine's)
-        raise NotImplementedError
-
-    async def abort(self, request_ids: Sequence[str]) -> None:  # pragma: no cover (VLLMEngine's)
-        raise NotImplementedError
+    acall: Callable[[Coroutine[Any, Any, Any]], Awaitable[Any]]
+    abort: Callable[[Sequence[str]], Awaitable[None]]
 
     async def load_adapter(
         self, path: str, version: int, timeout_s: float | None = None, run_id: str | None = None
