@@ -15,10 +15,11 @@ One Llama of >= 100M parameters (float32), a rank-16 adapter on every linear lay
   medians of `--repeats`. Target: `adapter_swap_ratio` <= 0.1.
 - `logprob_max_abs_diff`: the largest |behaviour log-prob - the learner's log-prob| over every token the
   engine sampled with the adapter (the learner's `token_logprobs` on the adapter-injected model).
-- `pool_tokens_per_s_ratio`: `--prompts` requests (n=4, `--max-tokens` each, `ignore_eos`) on one adapter
-  alone give that run's tokens/s; then as many requests of each of two adapters at once give each run's
-  tokens/s; the ratio is the smaller of the two over the single run's. Target >= 0.8 while the engine is
-  not saturated (a GPU engine far from its batch limit); on a CPU engine every sequence costs compute,
+- `pool_tokens_per_s_ratio`: two runs added to the engine as an actor pool adds them (`add_run`, each its
+  own adapter); `--prompts` requests (n=4, `--max-tokens` each, `ignore_eos`) of one run alone give its
+  tokens/s; then as many requests of each run at once give each run's tokens/s; the ratio is the smaller
+  of the two over the single run's. Target >= 0.8 while the engine is not saturated (a GPU engine far
+  from its batch limit); on a CPU engine every sequence costs compute,
   so the figure there says how the pair shares a saturated engine.
 
 `python benchmarks/lora.py [--json] [--repeats N]` (~3-5 min on 2 cores); `--smoke`: the tiny Llama's
@@ -166,34 +167,36 @@ def figures(model_dir: Path, work: Path, repeats: int, prompts: int, max_tokens:
 
 
 def _pool_figures(engine, published: dict[int, str], prompts: int, max_tokens: int) -> dict:
-    """Tokens/s of one adapter's requests alone, then of two adapters' requests at once (vLLM's
-    `LoRARequest` per request, as the pool's runs carry theirs)."""
-    from vllm import SamplingParams
-    from vllm.lora.request import LoRARequest
+    """Tokens/s of one run's requests alone, then of two runs' requests at once, through the pool's own
+    path: each run added to the engine (`add_run`), its adapter registered as its own (`load_adapter(...,
+    run_id=)`), its requests carrying it (`generate_group(..., run_id=)`)."""
+    from offpolicy.actors.config import SamplingConfig
 
-    params = SamplingParams(n=4, temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
-    runs = {
-        name: LoRARequest(lora_name=f"pool-{name}", lora_int_id=9000 + i, lora_path=published[i + 1])
-        for i, name in enumerate(("a", "b"))
-    }
+    params = engine.sampling_params(
+        SamplingConfig(temperature=1.0, max_tokens=max_tokens, n=4), ignore_eos=True
+    )
+    names = ("a", "b")
 
-    async def one(tag: str, i: int, lora) -> int:
-        final = None
-        prompt = {"prompt_token_ids": PROMPTS[i % len(PROMPTS)]}
-        async for out in engine.llm.generate(prompt, params, f"{tag}-{i}", lora_request=lora):
-            final = out
-        return sum(len(c.token_ids) for c in final.outputs)
+    async def add() -> None:
+        for i, name in enumerate(names):
+            await engine.add_run(name)
+            await engine.load_adapter(published[i + 1], 1, run_id=name)
 
-    async def run(names: tuple[str, ...], tag: str) -> tuple[float, dict[str, int]]:
+    async def one(tag: str, i: int, name: str) -> int:
+        outs = await engine.generate_group(f"{tag}-{i}", PROMPTS[i % len(PROMPTS)], params, run_id=name)
+        return sum(len(c.token_ids) for c in outs)
+
+    async def run(runs: tuple[str, ...], tag: str) -> tuple[float, dict[str, int]]:
         t0 = time.perf_counter()
-        counts = await asyncio.gather(*(one(f"{tag}-{n}", i, runs[n]) for n in names for i in range(prompts)))
+        counts = await asyncio.gather(*(one(f"{tag}-{n}", i, n) for n in runs for i in range(prompts)))
         wall = time.perf_counter() - t0
-        per = {n: sum(counts[k * prompts : (k + 1) * prompts]) for k, n in enumerate(names)}
+        per = {n: sum(counts[k * prompts : (k + 1) * prompts]) for k, n in enumerate(runs)}
         return wall, per
 
-    engine.call(run(("a", "b"), "warm"))  # both adapters loaded into the engine's slots once
+    engine.call(add())
+    engine.call(run(names, "warm"))  # both adapters in the engine's batch slots once
     alone_s, alone = engine.call(run(("a",), "alone"))
-    pair_s, pair = engine.call(run(("a", "b"), "pair"))
+    pair_s, pair = engine.call(run(names, "pair"))
     single = alone["a"] / alone_s
     each = {n: pair[n] / pair_s for n in pair}
     return {
