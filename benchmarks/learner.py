@@ -23,11 +23,15 @@ MFU (CUDA only) counts 6 N flops per trained token and 2 N per pi_old token (att
     python benchmarks/learner.py [--shape cpu-ref] [--device cpu] [--steps 3] [--precision P]
                                  [--packing on|off|both] [--json] [--smoke]
                                  [--attention K] [--logprob-head fused|chunked]
-                                 [--gradient-checkpointing [on|off|auto]] [--micro-batch-tokens N|auto]
-                                 [--no-grad-micro-batch-tokens N|auto] [--model-dir DIR]
+                                 [--gradient-checkpointing [on|off|auto]] [--checkpoint-layers K]
+                                 [--micro-batch-tokens N|auto] [--no-grad-micro-batch-tokens N|auto]
+                                 [--compile-layers] [--model-dir DIR] [--levers]
 
 The lever flags apply to every shape; unset, each keeps the learner's default (`--gradient-checkpointing`
-alone means on). `--smoke`: tiny sizes, one measured step, the same code path (seconds on CPU).
+alone means on). `--levers` (longtail-1.3b, longtail-4b): one run per lever, each adding one lever to the
+row before, from a baseline of `sdpa_varlen`, the chunked head, every layer checkpointed and 16,384
+tokens; prints the table of docs/benchmarks.md (`--json`: `{"levers": [rows], "mfu", ...}`).
+`--smoke`: tiny sizes, one measured step, the same code path (seconds on CPU).
 """
 
 from __future__ import annotations
@@ -247,6 +251,20 @@ def main() -> None:
         help="no_grad_micro_batch_tokens: pi_old's budget (default: micro_batch_tokens)",
     )
     ap.add_argument(
+        "--checkpoint-layers",
+        type=int,
+        default=None,
+        metavar="K",
+        help="checkpoint_layers: how many decoder layers checkpointing recomputes (default: all under on, "
+        "the plan's choice under auto)",
+    )
+    ap.add_argument(
+        "--levers",
+        action="store_true",
+        help="longtail-1.3b|longtail-4b: one run per lever, each adding one to the row before (baseline: "
+        "sdpa_varlen, chunked head, every layer checkpointed, 16,384 tokens), and the table of them",
+    )
+    ap.add_argument(
         "--compile-layers",
         action="store_true",
         help="compile_layers: torch.compile each decoder layer (default: off, the learner's)",
@@ -268,6 +286,10 @@ def main() -> None:
         args.steps, args.sync_reps = 1, 1
     if args.shape.startswith("longtail"):
         full_scale = args.shape in learner_longtail.SHAPES
+        if args.levers and full_scale:
+            out = learner_longtail.run_levers(args)
+            print(json.dumps(out) if args.json else learner_longtail.levers_table(out))
+            return
         out = learner_longtail.run_shape(args) if full_scale else learner_longtail.run(args)
         print(json.dumps(out) if args.json else "\n".join(f"  {k:<28} {v}" for k, v in out.items()))
         return

@@ -1,4 +1,4 @@
-"""The learner's memory plan per GPU for 1.5B, 7B and 70B models on 1 and 8 H100s (learner/memory_plan.py).
+"""The learner's memory plan per GPU for 1.5B, 7B and 70B models on 1 and 8 H100s (learner/plan/memory.py).
 
 Not a measurement: the estimate the learner makes at start and refuses to run past, for the default
 config on CUDA (bf16_mixed, packed micro-batches of 16,384 tokens, activation checkpointing on, LM-head
@@ -27,7 +27,7 @@ import json  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 
 from offpolicy.learner.config import LearnerConfig  # noqa: E402
-from offpolicy.learner.memory_plan import GIB, HEADROOM, ModelShape, estimate  # noqa: E402
+from offpolicy.learner.plan.memory import GIB, HEADROOM, ModelShape, estimate  # noqa: E402
 
 H100_GIB = 79.6
 

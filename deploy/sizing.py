@@ -4,13 +4,13 @@ The arithmetic of docs/deploy.md "Sizing", as code, so that the table there and 
 defaults (the 7B row) are checked against it (tests/unit/deploy/test_sizing.py):
 
 - learner GPUs: the fewest ranks (1, 2, 4, 8, then whole 8-GPU nodes) whose memory plan per rank
-  (`offpolicy.learner.memory_plan.estimate`, the same the learner refuses to start above) fits 90 % of an 80
+  (`offpolicy.learner.plan.memory.estimate`, the same the learner refuses to start above) fits 90 % of an 80
   GiB GPU,
   with configs/learner.yaml's settings (bf16_mixed, packing, `micro_batch_tokens`, checkpointing on);
 - actor GPUs: vLLM's tensor-parallel size, the fewest GPUs holding the bf16 weights (2 B x P) in half of
   each GPU (the other half for the KV cache);
 - host memory of the learner's first node (the leader's; the others hold less): the learner's own host plan
-  (`offpolicy.learner.host_plan.node_bytes`, the plan it refuses to start above: DCP's pinned checkpoint
+  (`offpolicy.learner.plan.host.node_bytes`, the plan it refuses to start above: DCP's pinned checkpoint
   stager, the background gather's snapshot, the leader's published sets, the lean start's reads, 4 GiB of
   process per rank); the pod adds its /dev/shm;
 - weights volume: (`publish.keep_versions` + 1 being written) x 2 B x P (published in bf16);
@@ -36,8 +36,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from offpolicy.learner.config import LearnerConfig
-from offpolicy.learner.host_plan import node_bytes
-from offpolicy.learner.memory_plan import GIB, HEADROOM, ModelShape, estimate
+from offpolicy.learner.plan.host import node_bytes
+from offpolicy.learner.plan.memory import GIB, HEADROOM, ModelShape, estimate
 
 GPU_GIB = 80  # H100 / A100 80 GB
 GROUP_OVERHEAD = 1024  # bytes: the frame's header and the entry's keys (checked against the codec)

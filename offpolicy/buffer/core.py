@@ -19,10 +19,7 @@ from offpolicy.buffer.keys import BufferKeys
 from offpolicy.buffer.metrics import BufferMetrics
 from offpolicy.buffer.rate_limiter import Backoff, check_sample_size
 from offpolicy.buffer.samplers import group_priority
-from offpolicy.buffer.storage import (
-    InsertReply,
-    SampleReply,
-)
+from offpolicy.buffer.script_io import InsertReply, SampleReply
 from offpolicy.buffer.types import BufferStats, InsertResult, TrajectoryGroup
 
 _INDEX = re.compile(r"\[\d+\]")
@@ -304,3 +301,17 @@ def insert_limited(cfg: BufferConfig, inserted: int) -> RateLimited:
 
 def make_result(inserted: list[str], dups: list[str], rejected: dict[str, InvalidTrajectory]) -> InsertResult:
     return InsertResult(tuple(inserted), tuple(dups), {k: e.field for k, e in rejected.items()})
+
+
+def merge_priorities(indexed: list, held: list) -> list[float | None]:
+    """Per group: its score in the priority index, else the priority of its `held` record ("seq pv pr",
+    "-" = none), else None."""
+    out: list[float | None] = []
+    for score, meta in zip(indexed, held, strict=True):
+        if score is not None:
+            out.append(float(score))
+        elif meta is not None and meta.split()[2] != b"-":
+            out.append(float(meta.split()[2]))
+        else:
+            out.append(None)
+    return out

@@ -10,7 +10,8 @@ while acked uses + outstanding leases < `max_times_sampled`, and its payload sta
 use is acked. `dead_letter` sets aside a group that cannot be trained; `dead_letters` lists them.
 
 `LeaseOps` (sync) and `AsyncLeaseOps` are mixed into `ReplayBuffer` / `AsyncReplayBuffer`
-(buffer/replay_buffer.py), which provide `_core`, `_call`, `_client`, `_lease_script` and `_take`.
+(buffer/replay_buffer.py, buffer/async_replay_buffer.py), which provide `_core`, `_call`, `_client`,
+`_lease_script` and `_take`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 from offpolicy.buffer.config import BufferConfig
 from offpolicy.buffer.core import Core, Taken, strip_field
 from offpolicy.buffer.keys import BufferKeys
-from offpolicy.buffer.storage import LeaseArgs
+from offpolicy.buffer.script_io import LeaseArgs
 from offpolicy.buffer.types import Acked, Leased
 
 _CONSUMER = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")

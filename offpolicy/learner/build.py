@@ -29,27 +29,21 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from offpolicy.learner import host_plan
 from offpolicy.learner.config import LearnerConfig, OptimizerConfig
 from offpolicy.learner.distributed.fsdp import decoder_layers, fsdp_mesh, shard
 from offpolicy.learner.distributed.lean import fill, meta_model, unique_names
 from offpolicy.learner.distributed.ranks import Ranks, local_device
-from offpolicy.learner.memory_plan import (
-    GIB,
-    MemoryPlan,
-    ModelShape,
-    Settings,
-    check,
-    device_limit,
-    settings_for,
-)
 from offpolicy.learner.model import attention, lora
 from offpolicy.learner.model.compile import compile_layers
 from offpolicy.learner.model.critic import ValueModel
 from offpolicy.learner.model.load import load_model, unique_state
 from offpolicy.learner.model.policy import LogProbs
 from offpolicy.learner.model.precision import Precision, pick_device
+from offpolicy.learner.model.recompute import checkpoint_layers
 from offpolicy.learner.model.reference import AdapterOff, freeze, stream_layers
+from offpolicy.learner.plan import host as host_plan
+from offpolicy.learner.plan.auto import Settings, settings_for
+from offpolicy.learner.plan.memory import GIB, MemoryPlan, ModelShape, check, device_limit
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +65,13 @@ def build_trainables(
     device: torch.device,
     precision: Precision,
     sharded: bool,
-    checkpointing: bool | None = None,
+    checkpointing: bool | int | None = None,
 ) -> tuple[Trainables, set[str], str]:
     """The policy, optimizer, scheduler and (GAE) critic of `config` on `device` (`sharded`: FSDP2), the
     names of the weights to publish (the state dict's, tied names dropped as `save_pretrained` does;
     taken before sharding, which hides the ties; under LoRA the adapter's alone), and how the policy's
-    weights were read (`start_way`)."""
+    weights were read (`start_way`). `checkpointing`: the decoder layers checkpointed (a count, or
+    True: `checkpoint_layers`, else all); None = `gradient_checkpointing` without a memory plan."""
     if checkpointing is None:
         checkpointing = gradient_checkpointing(config, device)
     attn = attention.resolve(config.attn_implementation, device)
@@ -92,8 +87,10 @@ def build_trainables(
         model = load_model(config.model_path, "cpu" if sharded else device, base, attn_implementation=attn)
     if config.lora is not None:  # before the checkpointing, compile and FSDP wrappers see the layers
         lora.inject(model, config.lora, config.seed, masters=dtype)  # lean: factors on meta, drawn by `fill`
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = model.config.num_hidden_layers
+    if isinstance(checkpointing, bool):  # True: `checkpoint_layers`, else every layer
+        checkpointing = (config.checkpoint_layers or layers) if checkpointing else 0
+    checkpoint_layers(model, decoder_layers(model, layers), checkpointing)
     if config.lora is not None:  # only the adapter is published (the actors hold the base model)
         publish_keys = set(lora.adapter_names(model))
     else:
@@ -133,7 +130,7 @@ def build_trainables(
             path,
             "cpu" if sharded else device,
             dtype,
-            gradient_checkpointing=checkpointing,
+            gradient_checkpointing=checkpointing > 0,  # the critic's layers: all or none
             attn_implementation=attn,
             backbone=backbone,
         )
@@ -222,7 +219,7 @@ def _init_device(cpu_offload: bool, device: torch.device) -> torch.device:
 
 def gradient_checkpointing(config: LearnerConfig, device: torch.device) -> bool:
     """`config.gradient_checkpointing` without a memory plan: None and `auto` on with CUDA, off elsewhere
-    (`build_models` resolves them from the plan: memory_plan.py `choose`)."""
+    (`build_models` resolves them from the plan: plan/auto.py `choose`)."""
     if config.gradient_checkpointing in (None, "auto"):
         return device.type == "cuda"
     return bool(config.gradient_checkpointing)
@@ -281,9 +278,9 @@ class Built:
     """How the policy's weights were read: `slices` (lean start, each rank its own), `broadcast` (lean start,
     rank 0 read the whole checkpoint), `whole` (one process) or `whole, sharded` (every rank read it all)."""
     settings: Settings | None = None
-    """The memory plan's choices: checkpointing and the `auto` token budgets resolved (memory_plan.py)."""
+    """The memory plan's choices: checkpointing and the `auto` token budgets resolved (plan/auto.py)."""
     host_plan: dict[str, float] | None = None
-    """This rank's host memory plan in GiB by part, and its node's total (learner/host_plan.py)."""
+    """This rank's host memory plan in GiB by part, and its node's total (learner/plan/host.py)."""
     teacher: torch.nn.Module | None = None
     """The frozen teacher of on-policy distillation; None without `teacher.model_path`."""
 
@@ -313,7 +310,7 @@ def resolve_grad_sync(
 
 def plan_host(config: LearnerConfig, ranks: Ranks, shard_ranks: int) -> dict[str, float]:
     """This rank's host memory plan (GiB by part) and its node's total, checked against the container's
-    limit (`MemoryPlanError` naming the knobs); learner/host_plan.py."""
+    limit (`MemoryPlanError` naming the knobs); learner/plan/host.py."""
     from transformers import AutoConfig
 
     shape = ModelShape.of(AutoConfig.from_pretrained(str(config.model_path)), config.lora)
@@ -345,7 +342,7 @@ def build_models(config: LearnerConfig, ranks: Ranks) -> Built:
     limit = device_limit(config, device)
     # the `auto` settings, the same on every rank (ranks with the same device memory)
     settings = settings_for(config, shard_ranks, ranks.distributed, device.type == "cuda", limit)
-    checkpointing = settings.checkpointing
+    checkpointing = settings.checkpointed_layers
     plan, grad_sync = resolve_grad_sync(config, settings.plan, shard_ranks, limit, ranks)
     check(plan, limit, config, shard_ranks, checkpointing)
     log.info("memory plan %.1f GiB per rank with %s", plan.total / GIB, settings.as_dict())

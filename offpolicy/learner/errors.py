@@ -65,6 +65,6 @@ class CheckpointMismatch(LearnerError):
 
 
 class MemoryPlanError(LearnerError, ValueError):
-    """The learner's memory plan per rank does not fit the device (learner/memory_plan.py); the message names
+    """The learner's memory plan per rank does not fit the device (learner/plan/memory.py); the message names
     the
     parts and the knobs that lower them."""

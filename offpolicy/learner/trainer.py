@@ -261,6 +261,7 @@ class Learner:
             "buffer": self.buffer.stats() if self.buffer is not None else None,
             "last_step": dict(self.metrics.last),
             "memory_plan": self.memory_plan.as_dict(),
+            "settings": self.settings.as_dict() if self.settings is not None else None,
             "grad_sync": self.grad_sync,
             "start_way": self.start_way,
             "host_memory_plan": self.host_plan,

@@ -3,7 +3,7 @@
 Nothing is started and no service is called: each file is validated (field paths), the actor's reward,
 environment and evaluation reward are imported by their dotted paths, the dataset's first records are read
 with the configured keys (a known layout read with the wrong keys is named: `dataset.preset: verl`), and
-the learner's memory plan per rank is estimated for `--gpus` (`offpolicy.learner.memory_plan.estimate`,
+the learner's memory plan per rank is estimated for `--gpus` (`offpolicy.learner.plan.memory.estimate`,
 the plan the learner refuses to start above), against `--gpu-memory-gib` when given. Only local files are
 read: a model or dataset that is not on this machine (a hub id not in the cache) is a reason, not a
 download. Exit codes: 0 every check passed, 1 at least one failed (each reason on stderr), 2 bad usage.
@@ -113,7 +113,7 @@ def _model_shape(path: str, lora: Any = None) -> Any:
     of `lora` counted; no download."""
     from transformers import AutoConfig
 
-    from offpolicy.learner.memory_plan import ModelShape
+    from offpolicy.learner.plan.memory import ModelShape
 
     return ModelShape.of(AutoConfig.from_pretrained(path, local_files_only=True), lora)
 
@@ -121,7 +121,8 @@ def _model_shape(path: str, lora: Any = None) -> Any:
 def _plan(learner: Any, where: str, gpus: int, gpu_memory_gib: float | None, report: Report) -> None:
     """The learner's memory plan per rank on `gpus` GPUs (bf16 on CUDA), against the GPU's memory."""
     from offpolicy.learner.errors import MemoryPlanError
-    from offpolicy.learner.memory_plan import GIB, HEADROOM, check, estimate
+    from offpolicy.learner.plan.auto import choose
+    from offpolicy.learner.plan.memory import GIB, HEADROOM, check, estimate
 
     try:
         shape = _model_shape(str(learner.model_path), learner.lora)
@@ -132,17 +133,22 @@ def _plan(learner: Any, where: str, gpus: int, gpu_memory_gib: float | None, rep
     except (OSError, ValueError) as e:
         report.fail(where, f"model_path: its config.json cannot be read here, so no memory plan: {e}")
         return
-    checkpointing = learner.gradient_checkpointing is not False
-    plan = estimate(
-        learner, shape, gpus, gpus > 1, checkpointing, cuda=True, reference=reference, teacher=teacher
-    )
+    limit = None if gpu_memory_gib is None else int(HEADROOM * gpu_memory_gib * GIB)
+    if limit is None:
+        checkpointing: bool | int = learner.gradient_checkpointing is not False
+        plan = estimate(
+            learner, shape, gpus, gpus > 1, checkpointing, cuda=True, reference=reference, teacher=teacher
+        )
+    else:  # the `auto` settings as the learner will resolve them on this GPU
+        settings = choose(learner, shape, gpus, gpus > 1, True, limit, reference, teacher)
+        plan, checkpointing = settings.plan, settings.checkpointed_layers
+        report.lines.append(f"settings the memory plan chooses: {settings.as_dict()}")
     parts = ", ".join(f"{k} {v:.1f}" for k, v in plan.as_dict().items() if k != "total")
     report.lines.append(
         f"memory plan: {plan.total / GIB:.1f} GiB per rank on {gpus} GPU(s) "
         f"({'FSDP2' if gpus > 1 else 'one process'}, {shape.params:,} parameters; {parts} GiB)"
     )
-    if gpu_memory_gib is not None:
-        limit = int(HEADROOM * gpu_memory_gib * GIB)
+    if gpu_memory_gib is not None and limit is not None:
         try:
             check(plan, limit, learner, gpus, checkpointing)
         except MemoryPlanError as e:

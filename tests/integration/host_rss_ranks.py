@@ -1,6 +1,6 @@
 """Run by torchrun from tests/gpu/test_cluster_cuda.py: the learner on this rank trains `STEPS` steps,
 publishing and checkpointing (DCP's pinned stager) every step, then rank 0 writes its peak resident set
-(`ru_maxrss`) and the host memory plan the learner computed for it at start (learner/host_plan.py).
+(`ru_maxrss`) and the host memory plan the learner computed for it at start (learner/plan/host.py).
 Arguments: CONFIG STEPS OUT."""
 
 from __future__ import annotations

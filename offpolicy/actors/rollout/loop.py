@@ -9,7 +9,8 @@ the loop applies a newer published version (`reload.mode`: `drain`, `abort` or `
 the buffer holds `max_ahead` fresh groups (pacing), and waits while the pusher is behind (Redis down or
 the rate limiter saying no: groups are kept, never dropped). An engine serving LoRA adapters
 (`engine.lora`) takes a new adapter without draining: requests in flight finish on theirs. The service
-hosts `Actor.run(stop_event)` in a thread and reads `Actor.status()`.
+hosts `Actor.run(stop_event)` in a thread and reads `Actor.status()`. What happens to one admitted prompt
+(its request, scoring, stamping) is rollout/generation.py, mixed into `Actor`.
 """
 
 from __future__ import annotations
@@ -22,23 +23,22 @@ import logging
 import math
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 from prometheus_client import CollectorRegistry
 
-from offpolicy.actors.config import ActorConfig, SamplingConfig
+from offpolicy.actors.config import ActorConfig
 from offpolicy.actors.data.evaluation import Evaluator
-from offpolicy.actors.data.prompts import Prompt, encode, epoch_batches, load_prompts, shard
+from offpolicy.actors.data.prompts import Prompt, epoch_batches, load_prompts, shard
 from offpolicy.actors.engine.vllm import VLLMEngine
-from offpolicy.actors.errors import ActorNotRunning, DatasetError, EngineError, PromptFailed, RewardError
+from offpolicy.actors.errors import ActorNotRunning, DatasetError
 from offpolicy.actors.gateway.episodes import Gateway
 from offpolicy.actors.metrics import ActorMetrics
-from offpolicy.actors.rollout.episodes import Episode, as_result, resolve_environment
+from offpolicy.actors.rollout.episodes import resolve_environment
+from offpolicy.actors.rollout.generation import PromptGeneration
 from offpolicy.actors.rollout.scoring import RewardFailures, Scorer
-from offpolicy.actors.rollout.submit import push_groups, stamp_group, stamped_sampling, wait_for_room
+from offpolicy.actors.rollout.submit import push_groups, stamped_sampling, wait_for_room
 from offpolicy.actors.transport.follow import WeightSync
 from offpolicy.actors.transport.receiver import start_receiver
 from offpolicy.buffer.errors import StorageUnavailable
@@ -49,12 +49,11 @@ from offpolicy.weights.record import AsyncPolicyStore
 
 log = logging.getLogger(__name__)
 _WAKE_S = 0.05  # longest the admission loop sleeps without re-checking stop and the policy record
-_RATE_WINDOW_S = 2.0  # tokens/s is measured over windows at least this long
 _SCORING_PER_SLOT = 4  # groups being scored per engine slot before admission waits (a slow verifier)
 _PUSH_LINGER_S = 0.05  # a group waits at most this long for others to share its insert (Redis round trip)
 
 
-class Actor:
+class Actor(PromptGeneration):
     """One actor: an engine, this actor's prompt shard and a reward function, feeding one buffer."""
 
     def __init__(
@@ -298,97 +297,6 @@ class Actor:
             self._eval_task = None
             self._wake.set()
 
-    # --- one prompt's request
-
-    def _admit(self, prompt: Prompt, ids: np.ndarray) -> None:
-        request_id = uuid.uuid4().hex
-        # the sampling of the admission: a request keeps it, and its group is stamped with it
-        sampling, params = self.config.sampling, self.request_params(prompt)
-        task = asyncio.create_task(
-            self._run_prompt(request_id, prompt, ids, self.engine.loaded_version, sampling, params)
-        )
-        self._inflight[request_id] = task
-        self.metrics.inflight.set(len(self._inflight))
-        task.add_done_callback(lambda t, rid=request_id: self._done(rid, t))
-
-    def _done(self, request_id: str, task: asyncio.Task) -> None:
-        self._inflight.pop(request_id, None)
-        self._scoring.pop(request_id, None)
-        self.metrics.inflight.set(len(self._inflight))
-        if not task.cancelled() and task.exception() is not None and self._fatal is None:
-            self._fatal = task.exception()  # raised by the admission loop
-        self._wake.set()
-
-    async def _run_prompt(
-        self, request_id: str, prompt: Prompt, ids: np.ndarray, version: int, sampling: SamplingConfig, params
-    ) -> None:
-        """Generate one prompt's group, score and stamp it, hand it to the pusher (or re-admit it)."""
-        t0 = time.perf_counter()
-        if self.environment is not None:
-            await self._run_episodes(prompt, ids, version, t0, sampling)
-            return
-        try:
-            completions = await self.engine.generate_group(request_id, ids, params)
-        except PromptFailed as e:  # this prompt only: counted and skipped, the loop goes on
-            self.metrics.failures.labels("engine_error").inc()
-            log.warning("prompt %s skipped: %s", prompt.prompt_id, e)
-            return
-        tokens = sum(len(c.token_ids) for c in completions)
-        if any(c.finish_reason == "abort" for c in completions):  # reload.mode=abort: generate it again
-            self.metrics.aborted_tokens.inc(tokens)
-            self._readmit.append(prompt)
-            return
-        self._count_tokens(tokens, time.perf_counter() - t0)
-        self._release_slot(request_id)  # the engine takes the next prompt while this group is scored
-        try:  # off this loop (the engine's): the engine goes on generating meanwhile
-            rewards = await self.scorer.score(prompt, [c.text for c in completions])
-        except RewardError as e:
-            self.reward_failures.failed(e.reason)
-            log.warning("prompt %s: reward failed (%s), group dropped: %s", prompt.prompt_id, e.reason, e)
-            return
-        self.reward_failures.scored()
-        stamp = stamped_sampling(sampling)
-        self.submit(stamp_group(prompt, ids, completions, rewards, version, self.actor_id, stamp))
-
-    async def _run_episodes(
-        self, prompt: Prompt, ids: np.ndarray, version: int, t0: float, sampling: SamplingConfig
-    ) -> None:
-        """`sampling.n` episodes of the environment on one prompt, run concurrently: one group."""
-
-        def params_for(max_tokens: int, **overrides: Any) -> Any:  # overrides: an episode's `stop`, ...
-            return self.engine.sampling_params(sampling, n=1, max_tokens=max_tokens, **overrides)
-
-        episodes = [
-            Episode(prompt, ids, self.engine, self.engine.tokenizer, params_for, sampling.max_tokens, version)
-            for _ in range(sampling.n)
-        ]
-        assert self.environment is not None
-        try:
-            results = await asyncio.gather(*(self.environment(ep) for ep in episodes))
-        except PromptFailed as e:
-            self.metrics.failures.labels("engine_error").inc()
-            log.warning("prompt %s skipped: %s", prompt.prompt_id, e)
-            return
-        except EngineError:
-            raise  # the engine itself is gone: the actor's fatal error, not one group's
-        except Exception as e:  # translated: a user's environment may raise anything; its group is set aside
-            self.reward_failures.failed("environment")
-            log.warning(
-                "prompt %s: an episode failed, group dropped: %s: %s", prompt.prompt_id, type(e).__name__, e
-            )
-            return
-        completions = [ep.completion() for ep in episodes]
-        self._count_tokens(sum(len(c.token_ids) for c in completions), time.perf_counter() - t0)
-        try:
-            rewards = [as_result(r).reward for r in results]
-        except RewardError as e:
-            self.reward_failures.failed("environment")
-            log.warning("prompt %s: %s; group dropped", prompt.prompt_id, e)
-            return
-        self.reward_failures.scored()
-        stamp = stamped_sampling(sampling)
-        self.submit(stamp_group(prompt, ids, completions, rewards, version, self.actor_id, stamp))
-
     # --- pushing
 
     def submit(self, group: TrajectoryGroup) -> None:
@@ -428,29 +336,6 @@ class Actor:
             for batch in epoch_batches(self.prompts, len(self.prompts), epoch, d.seed, d.shuffle):
                 yield from batch
 
-    def _encode(self, prompt: Prompt) -> np.ndarray | None:
-        """Token ids of a prompt; None (counted) when it leaves no room for `max_tokens`."""
-        cfg = self.config
-        assert cfg.dataset is not None  # prompts come from the dataset
-        room = cfg.engine.max_model_len - cfg.sampling.max_tokens
-        tokens = encode(self.engine.tokenizer, prompt, cfg.dataset.chat_template, cfg.dataset.system_prompt)
-        if len(tokens) > room:
-            self.metrics.failures.labels("prompt_too_long").inc()
-            log.warning("prompt %s: %d tokens > %d available; skipped", prompt.prompt_id, len(tokens), room)
-            return None
-        return np.asarray(tokens, dtype=np.int32)
-
-    def _count_tokens(self, tokens: int, seconds: float) -> None:
-        self.metrics.tokens.inc(tokens)
-        self.metrics.batch_seconds.observe(seconds)
-        start, count = self._window
-        now, count = time.perf_counter(), count + tokens
-        if now - start >= _RATE_WINDOW_S:
-            self.tokens_per_s = count / (now - start)
-            self.metrics.tokens_per_s.set(self.tokens_per_s)
-            start, count = now, 0
-        self._window = (start, count)
-
     async def _sleep_until_woken(self) -> None:
         """Until a request finishes, the pusher takes groups, or `_WAKE_S` passes."""
         self._wake.clear()
@@ -461,14 +346,6 @@ class Actor:
     def _raise_fatal(self) -> None:
         if self._fatal is not None:
             raise self._fatal
-
-    def _release_slot(self, request_id: str) -> None:
-        """A prompt's request left the engine: its task moves to the scoring set, the loop may admit."""
-        task = self._inflight.pop(request_id, None)
-        if task is not None:
-            self._scoring[request_id] = task
-            self.metrics.inflight.set(len(self._inflight))
-            self._wake.set()
 
     async def _cancel_inflight(self) -> None:
         """Stop every in-flight request (cancelling a request aborts it in the engine) and every scoring."""

@@ -42,7 +42,7 @@ AttnImplementation = Literal[
     "flex_attention", "eager",
 ]  # fmt: skip
 TokenBudget = Annotated[int, Field(ge=1)] | Literal["auto"]
-"""Tokens per micro-batch, or `auto`: the largest the memory plan admits (learner/memory_plan.py)."""
+"""Tokens per micro-batch, or `auto`: the largest the memory plan admits (learner/plan/memory.py)."""
 LogprobHead = Literal["fused", "chunked"]
 """How the LM head gives the sampled tokens' log-probs (learner/model/head.py)."""
 AdvEstimator = Literal["grpo", "rloo", "reinforce", "gae"]
@@ -71,9 +71,15 @@ class LearnerConfig(ConfigModel):
     (bf16 weights and optimizer state: loses updates below bf16's rounding step, e.g. most of lr 1e-6;
     opt-in only). None = `bf16_mixed` on CUDA, `fp32` on CPU (learner/model/precision.py)."""
     gradient_checkpointing: bool | Literal["auto"] | None = Field(None, json_schema_extra=FROZEN)
-    """Recompute each decoder layer's activations in the backward pass (less memory, ~30 % more compute).
-    `auto` = off when the memory plan fits the device without it (learner/memory_plan.py `choose`), else
-    on; on CPU (no device limit unless `memory_limit_gib`) off. None = `auto` on CUDA, off on CPU."""
+    """Recompute decoder layers' activations in the backward pass (less memory; each checkpointed layer
+    costs its forward again, ~1/3 more of its compute). `true`: `checkpoint_layers` layers (all when unset).
+    `auto` = none when the memory plan fits the device without it, else the fewest layers that let the
+    micro-batch fit (learner/plan/auto.py); on CPU (no device limit unless `memory_limit_gib`) none.
+    None = `auto` on CUDA, off on CPU."""
+    checkpoint_layers: int | None = Field(None, ge=1, json_schema_extra=FROZEN)
+    """How many decoder layers are checkpointed when checkpointing is on, spread evenly through the stack
+    (torchtitan's per-layer selective checkpointing); None = all under `true`, the plan's choice under
+    `auto`. Above the model's layer count: all."""
     attn_implementation: AttnImplementation = Field("auto", json_schema_extra=FROZEN)
     """The attention kernel of the policy and critic (learner/model/attention.py). `auto` = on CUDA
     `flash_attention_3` or `flash_attention_2` where that package is installed, else `torch_varlen` where
@@ -88,7 +94,7 @@ class LearnerConfig(ConfigModel):
     Off by default: the first steps pay the compilation; measure it with `benchmarks/learner.py
     --compile-layers` on your GPU."""
     memory_limit_gib: float | None = Field(None, gt=0.0, json_schema_extra=FROZEN)
-    """The memory one rank may plan for, GiB (learner/memory_plan.py: the learner refuses to start with a plan
+    """The memory one rank may plan for, GiB (learner/plan/memory.py: the learner refuses to start with a plan
     above it, naming the knobs). None = 90 % of the CUDA device's memory; no check on CPU."""
     fsdp: FsdpConfig = FsdpConfig()
     """Sharding across the ranks of a multi-GPU learner (learner/distributed/fsdp.py)."""
@@ -124,7 +130,7 @@ class LearnerConfig(ConfigModel):
     bin-packed within each mini-batch (largest first onto the lightest micro-batch); every rank runs the
     same number of micro-batches, the k-th balanced across ranks. A sequence longer than this gets a
     micro-batch of its own (never an error). `auto` = the largest budget the memory plan admits on the
-    device (learner/memory_plan.py `choose`; 16384 where there is no device limit, as on CPU)."""
+    device (learner/plan/memory.py `choose`; 16384 where there is no device limit, as on CPU)."""
     no_grad_micro_batch_tokens: TokenBudget | None = None
     """With `packing`: the most tokens in one pass without gradients (pi_old, the KL reference's
     log-probs, the critic's values), which keeps no activations. None = `micro_batch_tokens`; `auto` = the

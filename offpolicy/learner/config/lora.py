@@ -42,7 +42,7 @@ class LoraConfig(ConfigModel):
 
     def peft(self) -> Any:
         """peft's `LoraConfig` of this section (bias none, the causal-LM task): what the learner injects
-        (learner/model/lora.py) and the memory plan counts (learner/memory_plan.py)."""
+        (learner/model/lora.py) and the memory plan counts (learner/plan/memory.py)."""
         from peft import LoraConfig as PeftLoraConfig
 
         targets = self.target_modules

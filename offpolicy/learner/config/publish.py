@@ -11,7 +11,7 @@ from offpolicy.weights.config import TransferConfig
 
 STREAM_DEPTH = 2
 """N ranks: buckets of a version's gather queued between rank 0's gather thread and its writer
-(persist/background_gather.py; counted by the host plan, learner/host_plan.py)."""
+(persist/background_gather.py; counted by the host plan, learner/plan/host.py)."""
 
 
 class PublishConfig(ConfigModel):

@@ -14,11 +14,16 @@ pass each) in one of two ways:
 On N ranks FSDP pairs every rank's k-th pass layer by layer, so every rank must run as many passes, in the
 same order: a rank with fewer passes pads its list with idle passes (`None`, run on `idle_rows`), which
 contribute nothing. `rows_forward` runs a no-grad forward (pi_old, the critic's values) over the whole
-batch that way.
+batch that way: in `torch.inference_mode` on one process (no version counters, no view tracking), under
+`torch.no_grad` on N ranks. FSDP2 keeps each layer's all-gather buffers for the life of the model: the
+first gathered in inference mode (pi_old runs before any training pass) are inference tensors, which the
+training pass may not update ("Inplace update to inference tensor outside InferenceMode", seen on 2 gloo
+ranks, torch 2.13).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import heapq
 import math
@@ -112,7 +117,11 @@ def idle_rows(batch: Batch, rows: torch.Tensor) -> Batch:
     return dataclasses.replace(mb, response_mask=mb.response_mask * 0, sampled_mask=mb.sampled_mask * 0)
 
 
-@torch.no_grad()
+def grad_off(ranks: Ranks) -> contextlib.AbstractContextManager:
+    """The no-grad mode of `rows_forward` on `ranks` (module docstring): inference mode on one process."""
+    return torch.no_grad() if ranks.distributed else torch.inference_mode()
+
+
 def rows_forward(
     fn: Callable[[Batch], torch.Tensor], batch: Batch, cfg: LearnerConfig, ranks: Ranks = SINGLE
 ) -> torch.Tensor:
@@ -121,15 +130,17 @@ def rows_forward(
     micro-batches hold `no_grad_micro_batch_tokens` (no activations are kept: larger than training's)."""
     width = batch.response_ids.shape[1]
     rows = torch.arange(batch.num_rows, device=batch.response_ids.device)
-    out = torch.zeros(batch.num_rows, width, device=rows.device)
+    out = torch.zeros(batch.num_rows, width, device=rows.device)  # a normal tensor: the loss reads it
     budget = cfg.no_grad_micro_batch_tokens
     for mb_rows in rank_micro_batches(batch, rows, cfg, ranks, budget if isinstance(budget, int) else None):
-        if mb_rows is None:
-            fn(idle_rows(batch, rows))  # lock-step: the other ranks' collectives need this pass
-            continue
-        part = fn(batch.select(mb_rows))
+        with grad_off(ranks):
+            if mb_rows is None:
+                fn(idle_rows(batch, rows))  # lock-step: the other ranks' collectives need this pass
+                continue
+            part = fn(batch.select(mb_rows))
         out[mb_rows, : part.shape[1]] = part
-    return all_reduce_sum(ranks, out)
+    with torch.no_grad():
+        return all_reduce_sum(ranks, out)
 
 
 def no_grad_logprobs(

@@ -1,4 +1,5 @@
-"""Codec: round trip (property test) and every rejection `decode_group` / `validate_group` must make."""
+"""Codec: round trip (property test), the frame's layout, and every rejection on the way in (`validate_group`,
+`encode_group`); the rejections of bytes from the wire (`decode_group`) are test_codec_decode.py."""
 
 from __future__ import annotations
 
@@ -189,7 +190,17 @@ def test_limits(limits: CodecLimits, group_kw: dict, field: str) -> None:
     assert e.value.field == field
 
 
-# --- rejections of bytes from the wire (decode_group)
+def test_validate_group_is_the_decode_check() -> None:
+    g = build_group()
+    validate_group(g)  # no error
+    g.trajectories[0].behavior_logprobs[2] = 1.0
+    with pytest.raises(
+        InvalidTrajectory, match=r"trajectories\[0\].behavior_logprobs: log-probs must be <= 0"
+    ):
+        validate_group(g)
+
+
+# --- frames by hand (also test_codec_decode.py's and test_codec_batch.py's)
 
 _KEYS = ("lens", "prompt", "ids", "ver", "lp")
 
@@ -212,150 +223,6 @@ def _frame(head: dict, arrays: dict[str, bytes], magic: bytes = b"OPTG", version
     return (
         struct.pack("<4sHI", magic, version, len(packed)) + packed + pad + b"".join(arrays[k] for k in _KEYS)
     )
-
-
-def _parts() -> tuple[dict, dict[str, bytes]]:
-    return _split(encode_group(build_group(n=2, tokens=4)))
-
-
-def _decode_field(head: dict, arrays: dict[str, bytes], **kw) -> str:
-    with pytest.raises(InvalidTrajectory) as e:
-        decode_group(_frame(head, arrays, **kw))
-    return e.value.field
-
-
-def test_decode_rejects_unknown_schema_version() -> None:
-    assert _decode_field(*_parts(), version=99) == "schema_version"
-    assert _decode_field(*_parts(), version=1) == "schema_version"
-
-
-def test_decode_rejects_bad_magic_and_v1_payloads() -> None:
-    assert _decode_field(*_parts(), magic=b"NOPE") == "payload"
-    v1 = msgpack.packb({"v": 1, "gid": "g", "tr": {"n": b"", "ids": b"", "lp": b""}}, use_bin_type=True)
-    with pytest.raises(InvalidTrajectory, match="bad magic") as e:
-        decode_group(v1)
-    assert e.value.field == "payload"
-
-
-def test_decode_rejects_truncated_payloads() -> None:
-    data = encode_group(build_group(n=2, tokens=4))
-    for cut in (0, 3, 9, 20, len(data) - 4, len(data) - 1):  # in the prefix, the header, the arrays
-        with pytest.raises(InvalidTrajectory) as e:
-            decode_group(data[:cut])
-        assert e.value.field == "payload", cut
-    with pytest.raises(InvalidTrajectory) as e:
-        decode_group(data + b"\0\0\0\0")  # extra bytes after the arrays the header describes
-    assert e.value.field == "payload"
-
-
-def test_decode_rejects_a_header_that_is_not_a_msgpack_map() -> None:
-    for packed in (b"\xc1", msgpack.packb([1, 2])):
-        data = struct.pack("<4sHI", b"OPTG", 2, len(packed)) + packed
-        data += bytes(-len(data) % 8)
-        with pytest.raises(InvalidTrajectory) as e:
-            decode_group(data)
-        assert e.value.field == "payload"
-
-
-def test_decode_rejects_offsets_that_disagree_with_the_arrays() -> None:
-    head, arrays = _parts()
-    assert head["a"] == [8, 40, 72, 72, 104]  # 2 lengths, 8 prompt ids, 8 ids, no versions, 8 log-probs
-    for bad in (
-        [8, 40, 72, 72, 108],  # past the end of the array section
-        [8, 40, 72, 72, 100],  # short of it
-        [8, 40, 70, 72, 104],  # not a multiple of 4
-        [8, 40, 72, 36, 104],  # decreasing
-        [-8, 40, 72, 72, 104],  # negative
-        [8, 40, 72, 104],  # not 5 offsets
-        [8, 40, 72.0, 72, 104],  # not ints
-    ):
-        assert _decode_field({**head, "a_override": bad}, arrays) == "payload", bad
-    # inside the section and consistent, but 1 length for 2 trajectories
-    assert _decode_field({**head, "a_override": [4, 40, 72, 72, 104]}, arrays) == "trajectories"
-
-
-def test_decode_rejects_a_lengths_array_that_disagrees_with_the_header() -> None:
-    head, arrays = _parts()
-    arrays["lens"] = np.array([4, 4, 0], "<i4").tobytes()  # 3 lengths, 2 trajectories
-    assert _decode_field(head, arrays) == "trajectories"
-    head, arrays = _parts()
-    arrays["lens"] = np.array([9, -1], "<i4").tobytes()
-    assert _decode_field(head, arrays) == "trajectories"
-
-
-def test_decode_rejects_length_mismatch() -> None:
-    head, arrays = _parts()  # 2 trajectories of 4 tokens: one log-prob short lands in trajectory 1
-    arrays["lp"] = arrays["lp"][:-4]
-    assert _decode_field(head, arrays) == "trajectories[1].behavior_logprobs"
-    head, arrays = _parts()
-    arrays["ids"] = arrays["ids"][:-20]  # 3 of 8 ids: trajectory 0 is the first one short
-    assert _decode_field(head, arrays) == "trajectories[0].response_ids"
-    head, arrays = _parts()
-    head["hv"] = [False, True]  # trajectory 1 claims versions the frame does not hold
-    assert _decode_field(head, arrays) == "trajectories[1].versions"
-    head, arrays = _parts()
-    arrays["ver"] = np.zeros(4, "<i4").tobytes()  # versions nobody claims
-    assert _decode_field(head, arrays) == "trajectories[1].versions"
-
-
-def test_decode_rejects_positive_and_nonfinite_logprobs() -> None:
-    for bad in (0.25, float("nan"), float("inf"), float("-inf")):
-        head, arrays = _parts()
-        arrays["lp"] = np.array([-1.0, -1.0, -1.0, -1.0, -1.0, bad, -0.5, -0.1], "<f4").tobytes()
-        assert _decode_field(head, arrays) == "trajectories[1].behavior_logprobs"
-
-
-def test_decode_rejects_negative_ids_and_versions_and_empty_group() -> None:
-    head, arrays = _parts()
-    arrays["prompt"] = np.array([1, -5], "<i4").tobytes()
-    assert _decode_field(head, arrays) == "prompt_ids"
-    head, arrays = _parts()
-    head.update(rw=[], fr=[], hv=[])
-    arrays.update(lens=b"", ids=b"", lp=b"")
-    assert _decode_field(head, arrays) == "trajectories"
-    head, arrays = _parts()
-    arrays["ids"] = np.array([1, 2, 3, 4, 5, -6, 7, 8], "<i4").tobytes()
-    assert _decode_field(head, arrays) == "trajectories[1].response_ids"
-    head, arrays = _parts()
-    head["hv"] = [False, True]
-    arrays["ver"] = np.array([0, 1, -1, 1], "<i4").tobytes()
-    assert _decode_field(head, arrays) == "trajectories[1].versions"
-
-
-def test_decode_rejects_missing_and_mistyped_fields() -> None:
-    for key, value, field in (
-        ("gid", None, "group_id"),
-        ("pv", "3", "policy_version"),
-        ("pv", -1, "policy_version"),
-        ("aid", "", "actor_id"),
-        ("t", float("nan"), "created_at"),
-        ("s", [1.0, 1.0, -1], "sampling"),
-        ("s", [0.0, 1.0, -1, 8], "sampling"),
-        ("m", {"k": 1}, "metadata"),
-        ("pr", -1.0, "priority"),
-        ("rw", [1.0, "1.0"], "trajectories[1].reward"),
-        ("rw", [1.0, float("inf")], "trajectories[1].reward"),
-        ("rw", [1.0], "trajectories.finish_reason"),  # 1 reward, 2 finish reasons
-        ("fr", ["stop"], "trajectories.finish_reason"),
-        ("fr", ["stop", 3], "trajectories[1].finish_reason"),
-        ("hv", [False, 0], "trajectories[1].versions"),
-    ):
-        head, arrays = _parts()
-        if value is None:
-            del head[key]
-        else:
-            head[key] = value
-        assert _decode_field(head, arrays) == field, (key, value)
-
-
-def test_validate_group_is_the_decode_check() -> None:
-    g = build_group()
-    validate_group(g)  # no error
-    g.trajectories[0].behavior_logprobs[2] = 1.0
-    with pytest.raises(
-        InvalidTrajectory, match=r"trajectories\[0\].behavior_logprobs: log-probs must be <= 0"
-    ):
-        validate_group(g)
 
 
 # --- environment tokens (schema 3)
@@ -404,14 +271,3 @@ def test_encode_rejects_bad_masks_naming_the_field(mask, why) -> None:
     with pytest.raises(InvalidTrajectory) as e:
         encode_group(g)
     assert e.value.field == "trajectories[1].policy_mask"
-
-
-@pytest.mark.parametrize(
-    "spans",
-    [[[], [1]], [[], [3, 2]], [[], [0, 9]], [[], [0, 6]], [[], [4, 5, 1, 2]], [[], "x"], [[]]],
-    ids=["odd", "reversed", "outside", "all-environment", "unordered", "type", "count"],
-)
-def test_decode_rejects_bad_spans_naming_the_field(spans) -> None:
-    head, arrays = _split(encode_group(build_group(n=2, tokens=6)))
-    field = _decode_field({**head, "env": spans}, arrays)
-    assert field in ("trajectories[1].policy_mask", "trajectories.policy_mask")

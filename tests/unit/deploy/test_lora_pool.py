@@ -34,8 +34,8 @@ from offpolicy.actors.config import load_config as load_actor_config
 from offpolicy.actors.config.pool import capacity_refusal
 from offpolicy.learner.config import LearnerConfig
 from offpolicy.learner.config import load_config as load_learner_config
-from offpolicy.learner.host_plan import node_bytes
-from offpolicy.learner.memory_plan import GIB
+from offpolicy.learner.plan.host import node_bytes
+from offpolicy.learner.plan.memory import GIB
 from tests.unit.deploy.test_compose import BASE, env, mounts, validate
 from tests.unit.deploy.test_dashboards import promtool
 from tests.unit.deploy.test_k8s import admits, build, by_kind, quantity_bytes
@@ -323,7 +323,7 @@ def test_k8s_both_learners_reach_redis_and_are_scraped_as_job_learner():
 
 def test_k8s_one_gpu_each_and_the_learners_memory_holds_their_host_plan(tmp_path):
     """Each learner's memory limit is its LoRA host plan for Qwen2.5-7B on one process (the frozen bf16
-    base, the adapter's checkpoint stager and published sets: offpolicy.learner.host_plan), in 16 GiB."""
+    base, the adapter's checkpoint stager and published sets: offpolicy.learner.plan.host), in 16 GiB."""
     shape = QWEN_7B_CONFIG
     layers, hidden, inter = shape["num_hidden_layers"], shape["hidden_size"], shape["intermediate_size"]
     kv = shape["num_key_value_heads"] * hidden // shape["num_attention_heads"]

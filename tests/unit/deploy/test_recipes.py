@@ -20,8 +20,8 @@ from deploy.sizing import ROWS, SHM_GIB, ceil_to, size
 from offpolicy.actors.config import ActorConfig
 from offpolicy.actors.config import load_config as load_actor_config
 from offpolicy.learner.config import load_config as load_learner_config
-from offpolicy.learner.host_plan import node_bytes
-from offpolicy.learner.memory_plan import GIB
+from offpolicy.learner.plan.host import node_bytes
+from offpolicy.learner.plan.memory import GIB
 from offpolicy.services.cli import build_parser, main
 from tests.data.gsm8k import verl_rows
 

@@ -9,10 +9,10 @@ import torch
 
 from offpolicy.learner.config import LearnerConfig
 from offpolicy.learner.errors import TokenizerMismatch
-from offpolicy.learner.host_plan import host_plan
-from offpolicy.learner.memory_plan import ModelShape, estimate
 from offpolicy.learner.model.reference import check_teacher_tokenizer
 from offpolicy.learner.model.tiny import build_char_tokenizer
+from offpolicy.learner.plan.host import host_plan
+from offpolicy.learner.plan.memory import ModelShape, estimate
 from offpolicy.learner.rl.advantages import distill
 from offpolicy.learner.trainer import Learner
 

@@ -8,7 +8,7 @@ import pytest
 from offpolicy.learner.config import LearnerConfig
 from offpolicy.learner.config.publish import STREAM_DEPTH
 from offpolicy.learner.errors import MemoryPlanError
-from offpolicy.learner.host_plan import GIB, PROCESS_BYTES, check, host_plan, node_bytes
+from offpolicy.learner.plan.host import GIB, PROCESS_BYTES, check, host_plan, node_bytes
 
 P = 7_000_000_000
 BUCKET = 256 * 2**20  # publish.gather_bucket_mb's default

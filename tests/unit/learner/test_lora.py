@@ -20,12 +20,12 @@ from offpolicy.learner.build import build_reference, build_trainables
 from offpolicy.learner.config import LearnerConfig
 from offpolicy.learner.distributed.lean import load_shards, lora_base_names, materialize, meta_model
 from offpolicy.learner.errors import CheckpointMismatch
-from offpolicy.learner.host_plan import host_plan
-from offpolicy.learner.memory_plan import ModelShape, estimate
 from offpolicy.learner.model import LogProbs, Precision, load_model, lora, make_tiny_model
 from offpolicy.learner.model.reference import AdapterOff
 from offpolicy.learner.persist.checkpoint import base_meta
 from offpolicy.learner.persist.single import load_checkpoint, snapshot_checkpoint, write_checkpoint
+from offpolicy.learner.plan.host import host_plan
+from offpolicy.learner.plan.memory import ModelShape, estimate
 from offpolicy.learner.rl.microbatches import no_grad_logprobs
 from tests.unit.learner.rl.test_microbatches import ragged_groups
 from tests.unit.learner.test_memory_plan import QWEN_7B

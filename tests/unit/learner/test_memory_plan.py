@@ -10,16 +10,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from offpolicy.learner.config import LearnerConfig
 from offpolicy.learner.errors import MemoryPlanError
-from offpolicy.learner.memory_plan import (
-    DEFAULT_TOKENS,
-    GIB,
-    MAX_TOKENS,
-    MIN_TOKENS,
-    ModelShape,
-    check,
-    choose,
-    estimate,
-)
+from offpolicy.learner.plan.auto import MAX_TOKENS, MIN_TOKENS, choose
+from offpolicy.learner.plan.memory import DEFAULT_TOKENS, GIB, ModelShape, check, estimate
 
 QWEN_7B = LlamaConfig(
     hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -102,7 +94,7 @@ def test_an_auto_budget_is_the_largest_that_fits(shape_1_8b):
         s = choose(cfg(micro_batch_tokens="auto"), shape_1_8b, 1, False, True, limit)
         assert s.plan.total <= limit
         more = estimate(
-            cfg(), shape_1_8b, 1, False, s.checkpointing, True, tokens=s.micro_batch_tokens + 1024
+            cfg(), shape_1_8b, 1, False, s.checkpointed_layers, True, tokens=s.micro_batch_tokens + 1024
         )
         assert more.total > limit or s.micro_batch_tokens == MAX_TOKENS
         assert s.micro_batch_tokens >= MIN_TOKENS
@@ -128,8 +120,8 @@ def test_the_chosen_budgets_replace_auto_in_the_steps_config(shape_1_8b):
 
 @pytest.mark.parametrize(
     ("model", "autocast"),
-    [("llama", True), ("qwen3", True), ("llama", False)],
-    ids=["llama", "qwen3", "fp32"],
+    [("llama", True), ("qwen3", True), ("llama", False), ("qwen3", False)],
+    ids=["llama", "qwen3", "fp32", "qwen3-fp32"],
 )
 def test_the_activation_bytes_are_what_autograd_saves(model, autocast):
     """A 2-layer and a 1-layer model on the same packed micro-batch: the bytes their forwards keep for the
@@ -168,3 +160,39 @@ def test_the_activation_bytes_are_what_autograd_saves(model, autocast):
     per_layer = (saved[1] - saved[0]) / tokens
     want = ModelShape.of(hf).layer_bytes("bf16_mixed" if autocast else "fp32")
     assert per_layer == pytest.approx(want, rel=0.03)
+
+
+QWEN3_4B = dict(
+    hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+    tie_word_embeddings=True,
+)  # fmt: skip
+
+
+def test_auto_checkpoints_the_fewest_layers_that_fit(shape_1_8b):
+    """Where 16,384 tokens do not fit without checkpointing, `auto` checkpoints the fewest layers with
+    which they do (one fewer does not fit), not all of them: the 1.78B on an H100 and the Qwen3-4B shape
+    on an H200, where recomputing every layer would cost a third more of the layers' compute for nothing.
+    `checkpoint_layers` fixes the count; `true` is every layer."""
+    from transformers import Qwen3Config
+
+    shape_4b = ModelShape.of(Qwen3Config(**QWEN3_4B))
+    for shape, limit in ((shape_1_8b, H100), (shape_4b, H200)):
+        s = choose(cfg(), shape, 1, False, True, limit)
+        k = s.checkpointed_layers
+        assert 0 < k < shape.layers and s.plan.total <= limit, (k, shape.layers)
+        fewer = estimate(cfg(), shape, 1, False, k - 1, True, tokens=16384)
+        assert fewer.total > limit
+        assert s.as_dict() == {
+            "gradient_checkpointing": True, "checkpointed_layers": k, "decoder_layers": shape.layers,
+            "micro_batch_tokens": 16384, "no_grad_micro_batch_tokens": 16384,
+        }  # fmt: skip
+    fixed = choose(cfg(checkpoint_layers=20), shape_4b, 1, False, True, H200)
+    assert fixed.checkpointed_layers == 20
+    assert choose(cfg(gradient_checkpointing=True), shape_4b, 1, False, True, H200).checkpointed_layers == 36
+    on = choose(cfg(gradient_checkpointing=True, checkpoint_layers=99), shape_4b, 1, False, True, H200)
+    assert on.checkpointed_layers == 36  # at most every layer
+    # an auto budget with the fewest layers: the largest that fits with them, at least 16,384
+    budget = choose(cfg(micro_batch_tokens="auto"), shape_4b, 1, False, True, H200)
+    assert budget.checkpointed_layers == choose(cfg(), shape_4b, 1, False, True, H200).checkpointed_layers
+    assert MIN_TOKENS <= budget.micro_batch_tokens < MIN_TOKENS + 1024 * 2

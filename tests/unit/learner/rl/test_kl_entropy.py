@@ -16,10 +16,10 @@ from benchmarks.verl_oracle import load_verl
 from offpolicy.learner.batch import collate
 from offpolicy.learner.config import LearnerConfig, frozen_field_changes
 from offpolicy.learner.errors import MemoryPlanError
-from offpolicy.learner.memory_plan import GIB, ModelShape, check, estimate
 from offpolicy.learner.model import make_tiny_model
 from offpolicy.learner.model.load import load_model
 from offpolicy.learner.model.policy import entropy_from_logits, token_stats
+from offpolicy.learner.plan.memory import GIB, ModelShape, check, estimate
 from offpolicy.learner.rl.losses import aggregate_loss, kl_penalty
 from offpolicy.learner.rl.update import policy_loss_terms
 from tests.unit.learner.rl.test_microbatches import ragged_groups

@@ -159,3 +159,29 @@ def test_an_idle_pass_packs_to_no_sampled_token_and_still_runs_backward(tiny):
     (lp.sum() * 0.0).backward()
     assert (lp == 0).all()
     assert all(p.grad is not None and (p.grad == 0).all() for p in model.parameters())
+
+
+def test_pi_old_runs_in_inference_mode_on_one_process_and_the_loss_can_use_it(tiny):
+    """`rows_forward` runs each pass in inference mode on one process, under no_grad on N ranks (FSDP2's
+    all-gather buffers), and returns a normal tensor: the loss may save it for its backward pass."""
+    from offpolicy.learner.config import LearnerConfig
+    from offpolicy.learner.distributed.ranks import SINGLE, Ranks
+    from offpolicy.learner.rl.microbatches import grad_off, rows_forward
+
+    batch = collate(ragged_groups(2, 2, seed=4), 0)
+    cfg = LearnerConfig(model_path="unused", micro_batch_tokens=256)
+    seen = []
+
+    def fn(mb):
+        seen.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+        return token_logprobs(model, mb, packed=True)
+
+    model = load_model(tiny, "cpu")
+    out = rows_forward(fn, batch, cfg, SINGLE)
+    assert seen and all(mode == (True, False) for mode in seen)
+    assert not out.is_inference() and not out.requires_grad
+    w = torch.ones((), requires_grad=True)
+    (w * out).sum().backward()  # `out` saved for the backward pass: an inference tensor could not be
+    assert w.grad is not None
+    with grad_off(Ranks(0, 2, 0, control=object())):
+        assert torch.is_grad_enabled() is False and not torch.is_inference_mode_enabled()

@@ -15,11 +15,12 @@ under FSDP, 1 on one process):
   the backward pass, h hidden, i MLP width, q and kv the query and key/value widths, attention without
   T x T scores: FlashAttention, `torch_varlen` or `sdpa_varlen`): under `bf16_mixed` 26 h + 8 i + 6 q
   + 4 kv (the residual stream stays fp32; 6 q + 6 kv more with per-head q/k norms, as Qwen3), under
-  `fp32` 24 h + 16 i + 12 q + 8 kv, under `bf16_pure` and under FSDP's bf16 parameters 16 h + 8 i + 6 q
-  + 4 kv; and 11 h outside the layers. With activation checkpointing only each layer's input (h per token
-  and layer, fp32 or bf16 as the residual stream). One layer's worth and its gradients (8 h + 4 i more)
-  are in flight during the backward pass, never at the same time as the LM head's chunk (whose backward
-  comes first): the larger counts;
+  `fp32` 24 h + 16 i + 12 q + 8 kv (8 q + 8 kv more with the norms), under `bf16_pure` and under FSDP's
+  bf16 parameters 16 h + 8 i + 6 q + 4 kv; and 11 h outside the layers. With activation checkpointing
+  only each checkpointed layer's input (h per token and layer, fp32 or bf16 as the residual stream): all
+  L layers, or k of them (`checkpoint_layers`), the other L - k keeping their saved tensors. One layer's
+  worth and its gradients (8 h + 4 i more) are in flight during the backward pass, never at the same time
+  as the LM head's chunk (whose backward comes first): the larger counts;
 - the LM head's chunk of `logprob_chunk_tokens` x vocabulary logits: the `fused` head (model/head.py) holds
   the logits and their gradient in the compute dtype (compiled on CUDA; eagerly one fp32 copy and the
   softmax more), the `chunked` one three fp32 copies, four with the entropy bonus;
@@ -34,9 +35,9 @@ under FSDP, 1 on one process):
 Deliberately simple: an estimate for decoder-only transformers (coefficients measured with
 saved-tensor hooks on Llama and Qwen3 layers), not a measurement (no allocator fragmentation, no NCCL
 buffers beyond the 10 % headroom). `check` refuses a plan above 90 % of the device's memory (or
-`memory_limit_gib`) with the knobs that lower it. `choose` resolves the `auto` settings from it:
-activation checkpointing off when at least `MIN_TOKENS` tokens fit without it, and the largest token
-budgets that fit (at most `MAX_TOKENS`).
+`memory_limit_gib`) with the knobs that lower it. learner/plan/auto.py resolves the `auto` settings
+from it: the fewest checkpointed layers that let a micro-batch of at least `MIN_TOKENS` tokens fit, and the
+largest token budgets that fit (at most `MAX_TOKENS`).
 """
 
 from __future__ import annotations
@@ -53,10 +54,6 @@ from offpolicy.learner.errors import MemoryPlanError
 HEADROOM = 0.9
 """The share of the device's memory a plan may use (the rest: CUDA context, NCCL, fragmentation)."""
 GIB = 2**30
-MIN_TOKENS = 16384
-"""`auto` turns activation checkpointing off only when micro-batches of at least this many tokens fit."""
-MAX_TOKENS = 262144
-"""The largest budget `auto` picks (a micro-batch beyond a whole batch has no use)."""
 DEFAULT_TOKENS = 16384
 """What `micro_batch_tokens: auto` means where the device sets no limit (CPU without memory_limit_gib)."""
 
@@ -99,7 +96,7 @@ class ModelShape:
         q, kv = self.q_width or h, self.kv_width or h
         norm = self.qk_norm
         if precision == "fp32":
-            return 24 * h + 16 * i + (12 + 12 * norm) * q + (8 + 12 * norm) * kv
+            return 24 * h + 16 * i + (12 + 8 * norm) * q + (8 + 8 * norm) * kv
         if precision == "bf16_pure":
             return 16 * h + 8 * i + (6 + 6 * norm) * q + (4 + 6 * norm) * kv
         return 26 * h + 8 * i + (6 + 6 * norm) * q + (4 + 6 * norm) * kv
@@ -155,7 +152,7 @@ def estimate(
     shape: ModelShape,
     ranks: int,
     sharded: bool,
-    checkpointing: bool,
+    checkpointing: bool | int,
     cuda: bool,
     reference: ModelShape | None = None,
     tokens: int | None = None,
@@ -164,7 +161,9 @@ def estimate(
     """The memory plan of one of `ranks` ranks training `shape` (`sharded`: FSDP2 over the ranks) on
     micro-batches of `tokens` tokens (None = `micro_batch_tokens`, `DEFAULT_TOKENS` for `auto`; padded
     rows: `micro_batch_size` rows at the model's context length); the KL loss's reference is of shape
-    `reference` (None = `shape`), the distillation teacher of shape `teacher` (None = `shape`)."""
+    `reference` (None = `shape`), the distillation teacher of shape `teacher` (None = `shape`).
+    `checkpointing`: the number of checkpointed decoder layers, or True (`checkpoint_layers`, else all of
+    them) / False (none)."""
     precision = config.precision or ("bf16_mixed" if cuda else "fp32")
     master = 2 if precision == "bf16_pure" else 4
     compute = 4 if precision == "fp32" else 2
@@ -199,7 +198,7 @@ def estimate(
         gradients=0 if offload else trained,
         optimizer=0 if offload else 2 * trained,
         compute_copies=copies,
-        activations=tokens * token_bytes(shape, stream, checkpointing),
+        activations=tokens * token_bytes(shape, stream, checkpointed(config, shape, checkpointing)),
         lm_head_chunk=head_bytes(config, shape, compute, cuda),
         host_offloaded=(state + 3 * trained if offload else 0) + ref_host + teacher_host,
         reference=ref_device,
@@ -215,14 +214,25 @@ def activation_precision(precision: str, bf16_weights: bool) -> str:
     return "bf16_pure" if bf16_weights and precision == "bf16_mixed" else precision
 
 
-def token_bytes(shape: ModelShape, stream: str, checkpointing: bool | None) -> int:
+def checkpointed(config: LearnerConfig, shape: ModelShape, checkpointing: bool | int) -> int:
+    """How many of `shape`'s decoder layers recompute their activations: `checkpointing` as a count, or
+    True = `config.checkpoint_layers` (all layers when unset), False = none; at most every layer."""
+    if isinstance(checkpointing, bool):
+        count = (config.checkpoint_layers or shape.layers) if checkpointing else 0
+    else:
+        count = checkpointing
+    return max(0, min(count, shape.layers))
+
+
+def token_bytes(shape: ModelShape, stream: str, checkpointed: int | bool | None) -> int:
     """Activation bytes kept per token of a micro-batch under activation precision `stream`: every layer's
-    saved tensors (with `checkpointing` each layer's input instead; None: a pass without gradients, which
-    keeps one layer's working set alone) and the states outside the layers."""
-    if checkpointing is None:
+    saved tensors, but for the `checkpointed` layers (a count; True: all) only their input; None: a pass
+    without gradients, which keeps one layer's working set alone; and the states outside the layers."""
+    if checkpointed is None:
         return shape.layer_bytes(stream) + 11 * shape.hidden
-    layer = shape.hidden * (2 if stream == "bf16_pure" else 4) if checkpointing else shape.layer_bytes(stream)
-    return shape.layers * layer + 11 * shape.hidden
+    k = shape.layers if checkpointed is True else int(checkpointed)
+    layer_input = shape.hidden * (2 if stream == "bf16_pure" else 4)
+    return k * layer_input + (shape.layers - k) * shape.layer_bytes(stream) + 11 * shape.hidden
 
 
 def head_bytes(config: LearnerConfig, shape: ModelShape, compute: int, cuda: bool) -> int:
@@ -263,87 +273,6 @@ def frozen_bytes(
     return (0 if sharded else 2 * shape.vocab * shape.hidden * compute), full
 
 
-@dataclass(frozen=True, slots=True)
-class Settings:
-    """What the memory plan decides for a run: the `auto` settings resolved, and the plan they make."""
-
-    checkpointing: bool
-    micro_batch_tokens: int
-    no_grad_micro_batch_tokens: int
-    plan: MemoryPlan
-
-    def apply(self, config: LearnerConfig) -> LearnerConfig:
-        """`config` with its `auto` (and unset no-grad) token budgets replaced by the chosen numbers."""
-        update: dict[str, int] = {}
-        if config.micro_batch_tokens == "auto":
-            update["micro_batch_tokens"] = self.micro_batch_tokens
-        if not isinstance(config.no_grad_micro_batch_tokens, int):
-            update["no_grad_micro_batch_tokens"] = (
-                self.no_grad_micro_batch_tokens
-                if config.no_grad_micro_batch_tokens == "auto"
-                else update.get("micro_batch_tokens", config.micro_batch_tokens)
-            )
-        return config.model_copy(update=update) if update else config
-
-    def as_dict(self) -> dict[str, int | bool]:
-        """The chosen settings (logs, the benchmark's JSON)."""
-        return {
-            "gradient_checkpointing": self.checkpointing,
-            "micro_batch_tokens": self.micro_batch_tokens,
-            "no_grad_micro_batch_tokens": self.no_grad_micro_batch_tokens,
-        }
-
-
-def choose(
-    config: LearnerConfig,
-    shape: ModelShape,
-    ranks: int,
-    sharded: bool,
-    cuda: bool,
-    limit: int | None,
-    reference: ModelShape | None = None,
-    teacher: ModelShape | None = None,
-) -> Settings:
-    """Resolve `gradient_checkpointing` (None = `auto` on CUDA, off elsewhere), `micro_batch_tokens` and
-    `no_grad_micro_batch_tokens` against `limit` bytes (None: no limit, as on CPU): checkpointing `auto` is
-    off when the micro-batch (at least `MIN_TOKENS` tokens under `auto`) fits without it; a budget `auto`
-    is the largest that fits (a multiple of 1,024, at most `MAX_TOKENS`; `DEFAULT_TOKENS` or the training
-    budget without a limit). The plan is that of the chosen settings (`check` refuses it if it does not
-    fit)."""
-    precision = config.precision or ("bf16_mixed" if cuda else "fp32")
-    stream = activation_precision(precision, sharded or config.lora is not None)
-
-    def largest(checkpointing: bool | None) -> int:  # tokens that fit beside the fixed parts
-        if limit is None:
-            return DEFAULT_TOKENS
-        fixed = estimate(
-            config, shape, ranks, sharded, bool(checkpointing), cuda, reference, tokens=0, teacher=teacher
-        )
-        kept = token_bytes(shape, stream, checkpointing)
-        layer = 0 if checkpointing is None else shape.in_flight_bytes(stream)
-        room = limit - fixed.total + fixed.lm_head_chunk  # the head's chunk, or a layer in flight
-        tokens = min((room - fixed.lm_head_chunk) // kept, room // (kept + layer))
-        return min(MAX_TOKENS, max(1024, tokens // 1024 * 1024))
-
-    budget, setting = config.micro_batch_tokens, config.gradient_checkpointing
-    if setting is None:
-        setting = "auto" if cuda else False
-    if setting == "auto":
-        needed = budget if isinstance(budget, int) else MIN_TOKENS
-        if not config.packing:
-            needed = config.micro_batch_size * shape.context
-        setting = limit is not None and largest(False) < needed
-    tokens = budget if isinstance(budget, int) else largest(setting)
-    no_grad = config.no_grad_micro_batch_tokens
-    if no_grad is None:
-        no_grad = tokens
-    elif no_grad == "auto":
-        no_grad = tokens if limit is None else max(tokens, largest(None))
-    tokens_planned = tokens if config.packing else None
-    plan = estimate(config, shape, ranks, sharded, setting, cuda, reference, tokens_planned, teacher)
-    return Settings(setting, tokens, no_grad, plan)
-
-
 def shapes_of(config: LearnerConfig) -> tuple[ModelShape, ModelShape | None]:
     """The shapes of the policy `config.model_path` names and of the KL loss's reference when it is
     another model (their configs read, no weight loaded)."""
@@ -367,12 +296,6 @@ def plan_for(config: LearnerConfig, ranks: int, sharded: bool, checkpointing: bo
     return estimate(config, shape, ranks, sharded, checkpointing, cuda, reference, teacher=teacher)
 
 
-def settings_for(config: LearnerConfig, ranks: int, sharded: bool, cuda: bool, limit: int | None) -> Settings:
-    """`choose` for the model `config.model_path` names."""
-    shape, reference = shapes_of(config)
-    return choose(config, shape, ranks, sharded, cuda, limit, reference, teacher_shape(config))
-
-
 def device_limit(config: LearnerConfig, device: torch.device) -> int | None:
     """The bytes a rank may plan for: `memory_limit_gib`, else 90 % of the CUDA device; None on CPU."""
     if config.memory_limit_gib is not None:
@@ -383,7 +306,7 @@ def device_limit(config: LearnerConfig, device: torch.device) -> int | None:
 
 
 def check(
-    plan: MemoryPlan, limit: int | None, config: LearnerConfig, ranks: int, checkpointing: bool
+    plan: MemoryPlan, limit: int | None, config: LearnerConfig, ranks: int, checkpointing: bool | int
 ) -> None:
     """Refuse a plan above `limit` (`MemoryPlanError`), naming the parts and the knobs that lower them."""
     if limit is None or plan.total <= limit:
@@ -395,8 +318,8 @@ def check(
         f"the memory plan needs ~{plan.total / GIB:.1f} GiB per rank ({parts} GiB) but {limit / GIB:.1f} GiB "
         f"are available: lower micro_batch_tokens (now {config.micro_batch_tokens}), shard over more ranks "
         f"(--nproc-per-node, now {ranks}), set fsdp.cpu_offload: true (now {config.fsdp.cpu_offload}), "
-        f"turn gradient_checkpointing on (now {checkpointing}), or lower logprob_chunk_tokens (now "
-        f"{config.logprob_chunk_tokens})"
+        f"checkpoint more layers (gradient_checkpointing: true, now {checkpointing}), or lower "
+        f"logprob_chunk_tokens (now {config.logprob_chunk_tokens})"
         + (
             f"; the KL loss's reference takes {plan.reference / GIB:.1f}: set reference.cpu_offload: true"
             if plan.reference and not config.reference.cpu_offload

@@ -103,7 +103,7 @@ def host_plan(
 ) -> HostPlan:
     """The host plan of one rank training `params` parameters sharded over `shard_ranks` ranks (the
     distillation teacher's `teacher_params`; None = `params`); under LoRA its adapter has `adapter_params`
-    (memory_plan.py `adapter_params`): what is trained, checkpointed and published."""
+    (plan/memory.py `adapter_params`): what is trained, checkpointed and published."""
     share = shard_ranks if distributed else 1
     lora = config.lora is not None
     trained = adapter_params if lora else params  # what AdamW holds, a checkpoint saves, a version publishes

@@ -1,0 +1,200 @@
+"""`AsyncReplayBuffer`: the asyncio twin of `ReplayBuffer` (buffer/replay_buffer.py), for actors and services.
+
+Same scripts, same codec, same errors, same `Core` (buffer/core.py); it only awaits where the sync buffer
+blocks. Its methods' contracts are written once, on `ReplayBuffer`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+from offpolicy.buffer.core import Taken, file_statuses, insert_limited, make_result, merge_priorities
+from offpolicy.buffer.errors import BufferFull, RateLimited
+from offpolicy.buffer.handle import BufferHandle
+from offpolicy.buffer.leases import AsyncLeaseOps
+from offpolicy.buffer.rate_limiter import SampleStatus, sample_refused
+from offpolicy.buffer.script_io import InsertReply, LeaseArgs
+from offpolicy.buffer.storage import (
+    async_client,
+    call_async,
+    insert_transaction_async,
+    read_maxmemory_async,
+    sample_transaction_async,
+)
+from offpolicy.buffer.types import BufferStats, InsertResult, TrajectoryGroup
+
+
+class AsyncReplayBuffer(BufferHandle, AsyncLeaseOps):
+    """The asyncio twin of `ReplayBuffer` (actors and services); same scripts, same codec, same errors."""
+
+    _make_client = staticmethod(async_client)
+
+    async def _call(self, fn, what: str, full_on_oom: bool = False):
+        try:
+            return await call_async(
+                fn, self.config.storage_timeout_s, what, self._core.metrics.storage_retries.inc, full_on_oom
+            )
+        except BufferFull:
+            self._core.metrics.full_by["maxmemory"].inc()
+            raise
+
+    async def insert(self, group: TrajectoryGroup) -> bool:
+        """Insert one group; False when its group_id was already inserted. Invalid: `InvalidTrajectory`."""
+        inserted, _, rejected = await self._insert_many([group])
+        if rejected:
+            raise next(iter(rejected.values()))
+        return bool(inserted)
+
+    async def insert_many(self, groups: Sequence[TrajectoryGroup]) -> InsertResult:
+        """See `ReplayBuffer.insert_many`."""
+        return make_result(*(await self._insert_many(groups)))
+
+    async def _insert_many(self, groups: Sequence[TrajectoryGroup]):
+        t0 = time.perf_counter()
+        core = self._core
+        chunks, rejected = core.prepare(groups)
+        if rejected:
+            await self._call(lambda: self._count(core.rejected_counts(rejected)), "count rejected")
+        inserted: list[str] = []
+        dups: list[str] = []
+        backoff = None
+        if chunks and core.needs_maxmemory():
+            maxmemory = await self._call(lambda: read_maxmemory_async(self._client), "read maxmemory")
+            core.set_maxmemory(maxmemory)
+        for pending in chunks:
+            while pending:
+                raw, table = await self._call(
+                    lambda p=pending, t=core.table_due(): insert_transaction_async(
+                        self._client, self._insert, self.config, core.keys, p, core.max_bytes, t
+                    ),
+                    "insert",
+                    full_on_oom=True,
+                )
+                reply = InsertReply.parse(raw)
+                self._adopt(table)
+                core.on_insert(reply)
+                pending, full = file_statuses(pending, reply, inserted, dups)
+                if full:
+                    raise core.buffer_full(reply, inserted)
+                if pending:
+                    backoff = backoff or core.backoff(self.config.insert_timeout_s)
+                    delay = backoff.delay()
+                    if delay is None:
+                        raise insert_limited(self.config, len(inserted))
+                    core.metrics.waits["insert"].inc()
+                    await asyncio.sleep(delay)
+        core.metrics.insert_latency.observe(time.perf_counter() - t0)
+        return inserted, dups, rejected
+
+    async def _count(self, counts: dict[str, int]) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        for name, n in counts.items():
+            pipe.hincrby(self._core.keys.counters, name, n)
+        await pipe.execute()
+
+    async def sample(
+        self, num_groups: int, consumer_version: int, timeout_s: float = 10.0
+    ) -> list[TrajectoryGroup]:
+        """See `ReplayBuffer.sample`."""
+        return (await self._take(num_groups, consumer_version, timeout_s, None)).groups
+
+    async def _take(
+        self, num_groups: int, consumer_version: int, timeout_s: float, lease: LeaseArgs | None
+    ) -> Taken:
+        """See `ReplayBuffer._take`."""
+        t0 = time.perf_counter()
+        core = self._core
+        core.check_sample(num_groups)
+        backoff = core.backoff(timeout_s)
+        while True:
+            reply = await self._call(
+                lambda: sample_transaction_async(
+                    self._client, self._sample, self.config, core.keys, num_groups, consumer_version, lease
+                ),
+                "sample",
+            )
+            core.on_sample(reply)
+            if reply.status is SampleStatus.DRAINING:
+                continue
+            if reply.status is SampleStatus.OK and core.missing(reply.payloads) < len(reply.payloads):
+                taken = core.take(reply, consumer_version)
+                if taken.bad:
+                    await self._set_aside(lease and lease.consumer, taken)
+                if taken.groups:
+                    break
+            delay = backoff.delay()
+            if delay is None:
+                raise sample_refused(reply.status, num_groups, reply.size, timeout_s)
+            core.metrics.waits["sample"].inc()
+            await asyncio.sleep(delay)
+        core.metrics.sample_latency.observe(time.perf_counter() - t0)
+        return taken
+
+    async def wait_for_room(self, producer_version: int, timeout_s: float = 60.0) -> int:
+        """See `ReplayBuffer.wait_for_room`."""
+        k = self._core.keys
+        backoff = self._core.backoff(timeout_s)
+        while True:
+            floor = self._core.fresh_floor(producer_version)
+            fresh = await self._call(lambda f=floor: self._client.zcount(k.by_version, f, "+inf"), "pace")
+            if self.config.max_ahead is None or fresh < self.config.max_ahead:
+                return fresh
+            delay = backoff.delay()
+            if delay is None:
+                raise RateLimited(
+                    f"{fresh} fresh groups >= max_ahead={self.config.max_ahead} for {timeout_s} s"
+                )
+            self._core.metrics.waits["pace"].inc()
+            await asyncio.sleep(delay)
+
+    async def priorities(self, group_ids: Sequence[str]) -> list[float | None]:
+        """See `ReplayBuffer.priorities`."""
+        ids = list(group_ids)
+        if not ids:
+            return []
+        k = self._core.keys
+
+        async def read():
+            pipe = self._client.pipeline(transaction=True)
+            pipe.zmscore(k.priority, ids).hmget(k.held, ids)
+            return await pipe.execute()
+
+        return merge_priorities(*(await self._call(read, "priorities")))
+
+    async def stats(self) -> BufferStats:
+        """See `ReplayBuffer.stats`."""
+        k = self._core.keys
+
+        async def read():
+            pipe = self._client.pipeline(transaction=True)
+            pipe.hgetall(k.counters).zcard(k.order)
+            pipe.zrange(k.by_version, 0, 0, withscores=True).zrevrange(k.by_version, 0, 0, withscores=True)
+            pipe.hlen(k.held).hlen(k.leases)
+            return await pipe.execute()
+
+        return self._core.stats(*(await self._call(read, "stats")))
+
+    async def clear(self) -> None:
+        """See `ReplayBuffer.clear`."""
+        k = self._core.keys
+
+        async def clear() -> None:
+            await self._client.delete(*k.indexes())
+            for pattern in k.per_group_patterns():
+                names = [n async for n in self._client.scan_iter(match=pattern, count=1000)]
+                for i in range(0, len(names), 1000):
+                    await self._client.unlink(*names[i : i + 1000])
+
+        await self._call(clear, "clear")
+
+    async def close(self) -> None:
+        """Close the connection pool."""
+        await self._client.aclose()
+
+    async def __aenter__(self) -> AsyncReplayBuffer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
