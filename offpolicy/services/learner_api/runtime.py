@@ -162,6 +162,7 @@ class LearnerRuntime:
             buffer=dataclasses.asdict(buffer) if dataclasses.is_dataclass(buffer) else dict(buffer or {}),
             last_step={k: None if v is None else float(v) for k, v in (raw.get("last_step") or {}).items()},
             memory_plan=raw.get("memory_plan"),
+            settings=raw.get("settings"),
             grad_sync=raw.get("grad_sync"),
             start_way=raw.get("start_way"),
             host_memory_plan=raw.get("host_memory_plan"),
