@@ -25,7 +25,7 @@ MFU (CUDA only) counts 6 N flops per trained token and 2 N per pi_old token (att
                                  [--attention K] [--logprob-head fused|chunked]
                                  [--gradient-checkpointing [on|off|auto]] [--checkpoint-layers K]
                                  [--micro-batch-tokens N|auto] [--no-grad-micro-batch-tokens N|auto]
-                                 [--compile-layers] [--model-dir DIR] [--levers]
+                                 [--compile-layers] [--prefetch on|off] [--model-dir DIR] [--levers]
 
 The lever flags apply to every shape; unset, each keeps the learner's default (`--gradient-checkpointing`
 alone means on). `--levers` (longtail-1.3b, longtail-4b): one run per lever, each adding one lever to the
@@ -257,6 +257,13 @@ def main() -> None:
         metavar="K",
         help="checkpoint_layers: how many decoder layers checkpointing recomputes (default: all under on, "
         "the plan's choice under auto)",
+    )
+    ap.add_argument(
+        "--prefetch",
+        choices=["on", "off"],
+        default=None,
+        help="prefetch: lease the next step's groups while a step trains (default: the learner's, on with "
+        "CUDA)",
     )
     ap.add_argument(
         "--levers",

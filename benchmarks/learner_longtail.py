@@ -247,7 +247,8 @@ def lever_settings(args: argparse.Namespace) -> dict:
            "gradient_checkpointing": ckpt, "checkpoint_layers": getattr(args, "checkpoint_layers", None),
            "micro_batch_tokens": budget(args.micro_batch_tokens),
            "no_grad_micro_batch_tokens": budget(args.no_grad_micro_batch_tokens),
-           "compile_layers": True if getattr(args, "compile_layers", False) else None}  # fmt: skip
+           "compile_layers": True if getattr(args, "compile_layers", False) else None,
+           "prefetch": {"on": True, "off": False, None: None}[getattr(args, "prefetch", None)]}  # fmt: skip
     return {k: v for k, v in out.items() if v is not None}
 
 

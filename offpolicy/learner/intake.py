@@ -10,11 +10,21 @@ replay buffer, owned by the `Learner` (learner/trainer.py) on rank 0.
 Leases go through `Delivery` (learner/delivery.py): acked after the update (`delivery: step`) or once a
 checkpoint holding it is durable (`checkpoint`), so nothing is lost and nothing trained twice, dropped
 groups included.
+
+With `prefetch` the first lease of the next step (the sample script, the payloads' transfer, their decoding
+and validation: the part that waits on Redis and the codec) runs in a background thread while this step
+trains, at the policy version the next step will train at. `take` uses it when the version and the
+intake's settings are still those it was leased under; otherwise (a config change, a step that failed and
+did not advance the version) it is given back and the step leases anew. Everything else (screening,
+refills, drops, importance weights) stays on the step's thread. A lease taken ahead is renewed like every
+other (the consumer's renewal thread), and given back at `close`; a learner killed holding one loses
+nothing: its restart releases it, or it expires.
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +42,10 @@ from offpolicy.learner.rl.priorities import importance_weights, priority, weight
 
 log = logging.getLogger(__name__)
 
+PREFETCH_WAIT_S = 2.0
+"""The longest a lease taken ahead waits for enough groups (then the step leases itself, waiting
+`sample_timeout_s`): `close` never waits longer for one under way."""
+
 
 @dataclass(frozen=True, slots=True)
 class Taken:
@@ -44,6 +58,20 @@ class Taken:
     metrics: dict[str, float]
 
 
+@dataclass(frozen=True, slots=True)
+class Ahead:
+    """The next step's first lease, taken in the background (`Intake.prefetch`): what it was leased for
+    (the policy version and the intake's settings) and its outcome."""
+
+    key: tuple[Any, ...]
+    future: Future
+
+
+def lease_key(cfg: LearnerConfig, version: int) -> tuple[Any, ...]:
+    """What a step's first lease depends on: a lease taken ahead is used only when these are unchanged."""
+    return (version, cfg.groups_per_step, cfg.sample_timeout_s, cfg.lease_s, cfg.buffer)
+
+
 class Intake:
     """The leader's lease, screen, refill, drop and acknowledgement (module docstring)."""
 
@@ -52,15 +80,15 @@ class Intake:
     ) -> None:
         self.buffer, self.delivery, self.metrics, self.limits = buffer, delivery, metrics, limits
         self.groups_dropped: dict[str, int] = {}  # dynamic sampling: groups dropped since start, by reason
+        self._ahead: Ahead | None = None  # the next step's first lease, under way or done
+        self._pool: ThreadPoolExecutor | None = None  # its thread, started at the first prefetch
+        self.prefetched = 0  # steps whose first lease was taken ahead and used (tests, benchmarks)
 
     def take(self, cfg: LearnerConfig, version: int, phases: dict[str, float]) -> Taken:
         """Lease and screen `groups_per_step` groups for a step at policy `version`, refill what dynamic
         sampling drops, consume the drops, weight the rest (`BufferNotReady` / `RateLimited`: no data)."""
-        with timed(phases, "sample_wait"):
-            leased = self.buffer.lease(
-                cfg.groups_per_step, version, cfg.sample_timeout_s,
-                consumer=self.delivery.consumer, lease_s=cfg.lease_s,
-            )  # fmt: skip
+        with timed(phases, "sample_wait"):  # a lease taken ahead: only what is left of it
+            leased = self.first_lease(cfg, version)
         lease_of: dict[str, str] = {}  # group id -> lease id
         groups = self.screened(leased, lease_of)
         with timed(phases, "sample_wait"):  # dynamic sampling: dropped groups replaced by more leases
@@ -70,6 +98,58 @@ class Intake:
         self.drop(cfg, filled, lease_of)
         sifted = filled.metrics() if cfg.screening != ScreeningConfig() else {}
         return Taken(self.weighted(cfg, filled.groups), lease_of, len(filled.dropped), sifted)
+
+    def prefetch(self, cfg: LearnerConfig, version: int) -> None:
+        """Start the next step's first lease, for policy `version`, in the background (module docstring);
+        nothing when one is already under way."""
+        if self._ahead is not None:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="offpolicy-intake-prefetch")
+        wait = min(cfg.sample_timeout_s, PREFETCH_WAIT_S)
+        self._ahead = Ahead(lease_key(cfg, version), self._pool.submit(self._lease, cfg, version, wait))
+
+    def first_lease(self, cfg: LearnerConfig, version: int) -> Any:
+        """The step's first `groups_per_step` groups: the lease taken ahead when it was taken for this
+        `version` and these settings (its error, no data say, is this lease's), else a lease now (one taken
+        ahead for something else is given back)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.key == lease_key(cfg, version):
+            try:
+                leased = ahead.future.result()  # waits for what is left of it
+            except Exception as exc:  # no data then, Redis away: the lease now says what next
+                log.debug("the lease taken ahead failed, leasing now: %s", exc)
+            else:
+                self.prefetched += 1
+                return leased
+        elif ahead is not None:
+            self._give_back(ahead, "the version or the intake's settings changed")
+        return self._lease(cfg, version)
+
+    def close(self) -> None:
+        """Give back a lease taken ahead (never trained) and stop the prefetch thread."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            self._give_back(ahead, "the learner is closing")
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def _lease(self, cfg: LearnerConfig, version: int, wait_s: float | None = None) -> Any:
+        return self.buffer.lease(
+            cfg.groups_per_step, version, cfg.sample_timeout_s if wait_s is None else wait_s,
+            consumer=self.delivery.consumer, lease_s=cfg.lease_s,
+        )  # fmt: skip
+
+    def _give_back(self, ahead: Ahead, why: str) -> None:
+        """Release the leases of `ahead` (waiting for it to end); its failure, or Redis failing now, is
+        logged: such leases expire, or the next start releases them."""
+        try:
+            leased = ahead.future.result()
+            self.buffer.release(self.delivery.consumer, list(leased.lease_ids))
+        except Exception as exc:  # a lease that failed holds nothing
+            log.info("the next step's lease taken ahead is dropped (%s): %s", why, exc)
+            return
+        log.info("the next step's lease taken ahead is given back: %s", why)
 
     def screened(self, leased: Any, lease_of: dict[str, str]) -> list:
         """The leased groups the model can train (learner/rl/screening.py); the others set aside in the

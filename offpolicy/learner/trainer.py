@@ -25,6 +25,7 @@ leader keeps sending heartbeats, so its followers hear of a config change or a c
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 from collections.abc import Callable
@@ -303,6 +304,7 @@ class Learner:
             self.heartbeat()
             return {"groups_dropped": float(taken.dropped)}
         command = self._command("step", groups)
+        self._prefetch(cfg, len(groups))
         applied: dict[str, float] = {}  # the update's metrics, once it is applied
         sifted = taken.metrics  # dynamic sampling's
         with self._step_lock:
@@ -318,6 +320,15 @@ class Learner:
                     self._record(applied | sifted, phases, groups)
                 raise
         return self._record(applied | sifted, phases, groups)
+
+    def _prefetch(self, cfg: LearnerConfig, groups: int) -> None:
+        """`prefetch` on: lease the next step's groups while this one trains, at the version it will make
+        (its optimizer steps: `ppo_epochs` x its mini-batches); not after the last step (`max_steps`)."""
+        on = cfg.prefetch if cfg.prefetch is not None else self.device.type == "cuda"
+        last = cfg.max_steps is not None and self.step_count + 1 >= cfg.max_steps
+        if on and not last and self.intake is not None:
+            steps = cfg.ppo_epochs * math.ceil(groups / (cfg.mini_batch_groups or groups))
+            self.intake.prefetch(cfg, self.version + steps)
 
     def undurable_steps(self) -> int:
         """Learner steps not covered by a durable checkpoint (0 without checkpoints: nothing to cover)."""
@@ -543,6 +554,8 @@ class Learner:
         self.persist.close()
         self.tracker.close()
         if self.delivery is not None and self.buffer is not None and self.store is not None:
+            if self.intake is not None:
+                self.intake.close()  # a lease taken ahead goes back untrained
             self.delivery.ack_durable()
             self.delivery.close(release=True)
             self.buffer.close()

@@ -208,6 +208,13 @@ class LearnerConfig(ConfigModel):
     """Seconds a lease lasts unless renewed; the learner renews its leases every `lease_s / 4` while it
     lives, so only a dead learner's leases expire back into the buffer (a restarted one releases them at
     once)."""
+    prefetch: bool | None = None
+    """Lease the next step's groups (the sample script, the payloads' transfer and decoding) in a background
+    thread while this step trains, at the policy version that step will train at; a config change or a
+    failed step in between gives them back and leases again (learner/intake.py). Under the `prioritized`
+    sampler the next groups are drawn before this step's new priorities are written: one step behind, as
+    Ape-X's learner prefetches. None = on with CUDA (the host is idle while the device trains), off on CPU
+    (the step's own threads use the cores)."""
 
     # --- publishing, checkpoints, logs
     publish: PublishConfig = PublishConfig()
