@@ -19,8 +19,9 @@ under FSDP, 1 on one process):
   bf16 parameters 16 h + 8 i + 6 q + 4 kv; and 11 h outside the layers. With activation checkpointing
   only each checkpointed layer's input (h per token and layer, fp32 or bf16 as the residual stream): all
   L layers, or k of them (`checkpoint_layers`), the other L - k keeping their saved tensors. One layer's
-  worth and its gradients (8 h + 4 i more) are in flight during the backward pass, never at the same time
-  as the LM head's chunk (whose backward comes first): the larger counts;
+  gradients (8 h + 4 i) are in flight during the backward pass, and with checkpointing its saved tensors
+  made again (one layer's worth), never at the same time as the LM head's chunk (whose backward comes
+  first): the larger counts;
 - the LM head's chunk of `logprob_chunk_tokens` x vocabulary logits: the `fused` head (model/head.py) holds
   the logits and their gradient in the compute dtype (compiled on CUDA; eagerly one fp32 copy and the
   softmax more), the `chunked` one three fp32 copies, four with the entropy bonus;
@@ -101,10 +102,11 @@ class ModelShape:
             return 16 * h + 8 * i + (6 + 6 * norm) * q + (4 + 6 * norm) * kv
         return 26 * h + 8 * i + (6 + 6 * norm) * q + (4 + 6 * norm) * kv
 
-    def in_flight_bytes(self, precision: str) -> int:
-        """Bytes per token of the layer whose backward runs: its saved tensors (recomputed under activation
-        checkpointing) and the gradients it makes on the way (the residual's, the MLP's)."""
-        return self.layer_bytes(precision) + 8 * self.hidden + 4 * self.intermediate
+    def in_flight_bytes(self, precision: str, recomputed: bool = True) -> int:
+        """Bytes per token of the layer whose backward runs: the gradients it makes on the way (the
+        residual's, the MLP's) and, when it is checkpointed (`recomputed`), its saved tensors made again
+        (without checkpointing they are already counted in the activations)."""
+        return self.layer_bytes(precision) * recomputed + 8 * self.hidden + 4 * self.intermediate
 
 
 def adapter_params(model: torch.nn.Module, lora: LoraConfig) -> int:
@@ -193,16 +195,17 @@ def estimate(
     on, offloaded = config.teacher.model_path is not None, config.teacher.cpu_offload
     teacher_device, teacher_host = frozen_bytes(on, offloaded, teacher or shape, share, sharded, compute)
     stream = activation_precision(precision, sharded or lora)
+    layers = checkpointed(config, shape, checkpointing)
     return MemoryPlan(
         weights=0 if offload else state,
         gradients=0 if offload else trained,
         optimizer=0 if offload else 2 * trained,
         compute_copies=copies,
-        activations=tokens * token_bytes(shape, stream, checkpointed(config, shape, checkpointing)),
+        activations=tokens * token_bytes(shape, stream, layers),
         lm_head_chunk=head_bytes(config, shape, compute, cuda),
         host_offloaded=(state + 3 * trained if offload else 0) + ref_host + teacher_host,
         reference=ref_device,
-        layer_in_flight=tokens * shape.in_flight_bytes(stream),
+        layer_in_flight=tokens * shape.in_flight_bytes(stream, layers > 0),
         teacher=teacher_device,
     )
 
