@@ -18,7 +18,8 @@ a step it would take. Shapes:
 
 Targets: publish-heavy: sync_publish_share >= 0.3, publish_share <= 0.05, published_lag_max <= 2;
 cpu-ref: everything outside model work <= 5 % of the step; 1.3b with bf16_mixed: publish_share <= 0.05.
-MFU (CUDA only) counts 6 N flops per trained token and 2 N per pi_old token (attention not counted).
+MFU (CUDA only) counts 6 N flops per trained token and 2 N per pi_old token, N the parameters a token is
+multiplied by (the input embedding left out unless tied to the LM head; attention not counted).
 
     python benchmarks/learner.py [--shape cpu-ref] [--device cpu] [--steps 3] [--precision P]
                                  [--packing on|off|both] [--json] [--smoke]
@@ -184,6 +185,7 @@ def run(args: argparse.Namespace, packing: bool = True) -> dict:
             learner.writer.flush()
             sync_s = sync_publish_seconds(learner, Path(tmp) / "sync", args.sync_reps)
             params = sum(p.numel() for p in learner.model.parameters())
+            flops_params = learner_longtail.matmul_params(learner.model)
             precision = learner.precision.name
         finally:
             learner.close()
@@ -207,7 +209,7 @@ def run(args: argparse.Namespace, packing: bool = True) -> dict:
         "overhead_share": overhead / step,
         "peak_memory_gib": peak,
         "tokens_per_s": tokens / step,
-        "mfu": mfu(params, rows * seq, rows * seq, step, device),
+        "mfu": mfu(flops_params, rows * seq, rows * seq, step, device),
         "packing": packing,
     }
 
