@@ -64,6 +64,7 @@ def test_the_loop_trains_publishes_checkpoints_and_resumes_on_cuda(
         for _ in range(3):
             metrics = learner.step()
             assert torch.isfinite(torch.tensor(metrics["loss"]))
+        assert learner.intake.prefetched == 2  # `prefetch` is on with CUDA: steps 2 and 3 leased ahead
         learner.writer.flush()
         record = PolicyStore(redis_url, cfg.run_id).read()
         assert record.version == 3
