@@ -20,6 +20,9 @@ On N ranks (torchrun; learner/distributed/) the rank-0 `Learner` (leader) sample
 step boundary's `Command` to the others (followers), which run `follow()`; from there every rank runs the
 same `_execute`: the same config, the same batch, its own share of it, FSDP2. While paused or waiting the
 leader keeps sending heartbeats, so its followers hear of a config change or a checkpoint request.
+
+Two mixins hold the rest of `Learner`: its checkpoints, durability cap and resume (learner/durability.py),
+and the leader's commands and the followers' loop (learner/distributed/follow.py).
 """
 
 from __future__ import annotations
@@ -29,18 +32,16 @@ import math
 import random
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from prometheus_client import CollectorRegistry
 
-from offpolicy.buffer.codec import decode_group, encode_group
 from offpolicy.buffer.evaluations import EvalStore
 from offpolicy.buffer.replay_buffer import ReplayBuffer
 from offpolicy.learner.build import Trainables, build_models, set_optimizer_hparams
 from offpolicy.learner.config import LearnerConfig, frozen_field_changes
-from offpolicy.learner.config.resume import ResumedConfig, resumed_config
+from offpolicy.learner.config.resume import ResumedConfig
 from offpolicy.learner.delivery import Delivery
 from offpolicy.learner.distributed import (
     Command,
@@ -50,7 +51,9 @@ from offpolicy.learner.distributed import (
     broadcast_command,
     current,
 )
-from offpolicy.learner.errors import FrozenFieldChange, IntakeStopped
+from offpolicy.learner.distributed.follow import CommandLoop
+from offpolicy.learner.durability import Durability
+from offpolicy.learner.errors import FrozenFieldChange
 from offpolicy.learner.intake import Intake
 from offpolicy.learner.loop import run_loop
 from offpolicy.learner.metrics import LearnerMetrics, timed
@@ -72,7 +75,7 @@ ConfigApplied = Callable[[int, int], None]
 config took effect; `step` = learner steps completed before it (step + 1 is the first to run with it)."""
 
 
-class Learner:
+class Learner(Durability, CommandLoop):
     """One training process: holds model, optimizer, buffer and policy store; `run` loops `step`.
 
     `ranks`: this process's place among N (default `distributed.current()`: the only one without
@@ -227,20 +230,6 @@ class Learner:
         """Whether the learner is not paused, waiting up to `timeout_s` for a `resume()`."""
         return self._running.wait(timeout_s)
 
-    def checkpoint(self) -> tuple[Path, int]:
-        """Checkpoint now (after the running step, if any) and wait until it is durable; training goes on
-        meanwhile. Returns (folder, version). On N ranks the loop takes it at its next step boundary (every
-        rank checkpoints its shards) and this waits for that."""
-        if self.ranks.distributed:
-            if self.config.checkpoint_path is None:
-                self.persist.checkpoint(self.trainables(), 0, 0, {})  # raises CheckpointsDisabled
-            assert self.channel is not None, "checkpoint() is the leader's"
-            return self.channel.request_checkpoint()
-        with self._step_lock:
-            path, version = self._checkpoint(), self.version
-        self.persist.writer.flush(kind="checkpoint")  # a full disk: WriteFailed, the write retried
-        return path, version
-
     @property
     def writer(self) -> BackgroundWriter:
         """The background writer (`flush()` waits until every queued publish and checkpoint is durable)."""
@@ -330,29 +319,6 @@ class Learner:
             steps = cfg.ppo_epochs * math.ceil(groups / (cfg.mini_batch_groups or groups))
             self.intake.prefetch(cfg, self.version + steps)
 
-    def undurable_steps(self) -> int:
-        """Learner steps not covered by a durable checkpoint (0 without checkpoints: nothing to cover)."""
-        return self.step_count - self.durable_step if self.config.checkpoint_path is not None else 0
-
-    def _check_durability(self) -> None:
-        """Raise `IntakeStopped` while `checkpoint.max_undurable_steps` steps are not covered by a durable
-        checkpoint (checkpoints failing); one process: a checkpoint is queued if none waits for a retry."""
-        cap = self.config.checkpoint.undurable_cap if self.config.checkpoint_path is not None else None
-        undurable = self.undurable_steps()
-        self.metrics.undurable_steps.set(undurable)
-        self.metrics.intake_blocked.set(cap is not None and undurable >= cap)
-        if cap is None or undurable < cap:
-            return
-        if not self.ranks.distributed and not self.persist.checkpoint_pending():
-            with self._step_lock:
-                self._checkpoint()
-        failing = self.persist.troubles.get("checkpoint")
-        why = f"{failing['error']} on {failing['path']}" if failing else "the checkpoint is not durable yet"
-        raise IntakeStopped(
-            f"intake stopped: {undurable} learner steps are not covered by a durable checkpoint "
-            f"(checkpoint.max_undurable_steps = {cap}): {why}"
-        )
-
     def _record(self, metrics: dict[str, float], phases: dict[str, float], groups: list) -> dict[str, float]:
         """The metrics line (trackers) and Prometheus record of a step whose update was applied."""
         counters = {
@@ -361,43 +327,6 @@ class Learner:
             "published_lag": float(self.version - (self.persist.published_version or 0)),
         }
         return self.step_log.record(metrics, phases, groups, counters)
-
-    # --- N ranks: the leader's commands, the followers' loop
-
-    def _command(self, op: str, groups: list) -> Command:
-        """Leader: tell every rank what this step boundary does, with the config the leader applied since
-        the last command (a no-op on one process)."""
-        if self.channel is None:
-            return Command(op)
-        return self.channel.send(op, [encode_group(g, self.config.buffer.limits) for g in groups])
-
-    def heartbeat(self) -> None:
-        """Leader with nothing to train: N ranks hear from it (a config change, a checkpoint request)."""
-        if self.channel is None:
-            return
-        self._apply_pending()
-        self.persist.poll()
-        command = self._command("noop", [])
-        if command.checkpoint:
-            with self._step_lock:
-                self._execute(command, [], {})
-
-    def follow(self, stop_event: threading.Event | None = None) -> None:
-        """Follower: run the leader's commands until it sends `stop`."""
-        while stop_event is None or not stop_event.is_set():
-            command = broadcast_command(self.ranks, None)
-            if command.op == "stop":
-                return
-            if command.config is not None:
-                new = LearnerConfig.model_validate_json(command.config)
-                with self._lock:
-                    self._pending = (new, command.config_version)
-                self._apply_pending()
-            limits = self.config.buffer.limits
-            self.persist.poll()
-            self._execute(command, [decode_group(f, limits) for f in command.groups], {})
-            if command.op == "step":
-                self.state = "running"
 
     def _execute(
         self,
@@ -443,11 +372,6 @@ class Learner:
     def _publish(self) -> None:
         """Publish the current weights (N ranks: every rank joins the gather to rank 0's host memory)."""
         self.publisher.publish(self.version, self._publish_keys if self.ranks.distributed else None)
-
-    def _stop_followers(self) -> None:
-        """Leader: send `stop` once (the followers return from `follow`)."""
-        if self.channel is not None:
-            self.channel.stop()
 
     # --- plumbing
 
@@ -506,45 +430,6 @@ class Learner:
             metrics=self.metrics if self.ranks.is_leader else None,
             grad_sync=self.grad_sync,
         )
-
-    def _checkpoint(self) -> Path:
-        """Snapshot a checkpoint and queue its write; return the folder it will have."""
-        position, leases, priorities = {}, [], {}
-        if self.buffer is not None and self.delivery is not None:  # the leader's (its meta is the one kept)
-            stats = self.buffer.stats()
-            position = {"inserted_total": stats.inserted_total, "sampled_total": stats.sampled_total}
-            leases, priorities = self.delivery.checkpointed(self.version)
-        self.publisher.at_checkpoint(self.version, self._publish_keys if self.ranks.distributed else None)
-        self._checkpoint_steps[self.version] = self.step_count
-        return self.persist.checkpoint(
-            self.trainables(), self.version, self.step_count, position, leases, self.config_version,
-            lease_priorities=priorities,
-        )  # fmt: skip
-
-    def _on_durable(self, kind: str, version: int) -> None:
-        """Writer thread: a write became durable; a checkpoint's leases are acked by the next step."""
-        if kind == "checkpoint":
-            steps = [s for v, s in list(self._checkpoint_steps.items()) if v <= version]
-            self.durable_step = max([self.durable_step, *steps])
-            if self.delivery is not None:
-                self.delivery.durable(version)
-
-    def _resumed(self, meta: dict[str, Any]) -> None:
-        """Take the resumed checkpoint's counters. The version is always that of the weights we hold:
-        versions published after that checkpoint are superseded (`_start` re-publishes ours)."""
-        self.version, self.step_count = int(meta["version"]), int(meta["step"])
-        # the checkpoint's config or the file's (checkpoint.resume_config); the optimizer and scheduler
-        # restored from the checkpoint are re-aligned with it (learning rate and schedule included)
-        self.resumed = resumed_config(self.config, meta)
-        self._switch_config(self.resumed.config, force_optimizer=True)
-        self.config_version, self.config_applied_at_step = 1, self.step_count
-        self.metrics.record_config(1, self.config)
-        record = self.store.read() if self.store is not None else None
-        if record is not None and record.version > self.version:
-            log.warning(
-                "published v%d is newer than checkpoint v%d: its weights are lost; re-publishing v%d",
-                record.version, self.version, self.version,
-            )  # fmt: skip
 
     def close(self) -> None:
         """Finish the background writes and acknowledge what they made durable, give back the leases whose
