@@ -18,10 +18,10 @@ under FSDP, 1 on one process):
   `fp32` 24 h + 16 i + 12 q + 8 kv (8 q + 8 kv more with the norms), under `bf16_pure` and under FSDP's
   bf16 parameters 16 h + 8 i + 6 q + 4 kv; and 11 h outside the layers. With activation checkpointing
   only each checkpointed layer's input (h per token and layer, fp32 or bf16 as the residual stream): all
-  L layers, or k of them (`checkpoint_layers`), the other L - k keeping their saved tensors. One layer's
-  gradients (8 h + 4 i) are in flight during the backward pass, and with checkpointing its saved tensors
-  made again (one layer's worth), never at the same time as the LM head's chunk (whose backward comes
-  first): the larger counts;
+  L layers, or k of them (`checkpoint_layers`), the other L - k keeping their saved tensors. In the backward
+  pass one layer is in flight: its gradients (8 h + 4 i), or with checkpointing its saved tensors made
+  again (one layer's worth; the gradients are made as those are freed), never at the same time as the LM
+  head's chunk (whose backward comes first): the larger counts;
 - the LM head's chunk of `logprob_chunk_tokens` x vocabulary logits: the `fused` head (model/head.py) holds
   the logits and their gradient in the compute dtype (compiled on CUDA; eagerly one fp32 copy and the
   softmax more), the `chunked` one three fp32 copies, four with the entropy bonus;
@@ -103,10 +103,14 @@ class ModelShape:
         return 26 * h + 8 * i + (6 + 6 * norm) * q + (4 + 6 * norm) * kv
 
     def in_flight_bytes(self, precision: str, recomputed: bool = True) -> int:
-        """Bytes per token of the layer whose backward runs: the gradients it makes on the way (the
-        residual's, the MLP's) and, when it is checkpointed (`recomputed`), its saved tensors made again
-        (without checkpointing they are already counted in the activations)."""
-        return self.layer_bytes(precision) * recomputed + 8 * self.hidden + 4 * self.intermediate
+        """Bytes per token of the layer whose backward runs: when it is checkpointed (`recomputed`), its
+        saved tensors made again, which the backward frees as it consumes them while it makes the
+        gradients (measured: the pair peaks at about the saved tensors alone); without checkpointing (the
+        saved tensors already counted in the activations) the gradients it makes on the way, the
+        residual's and the MLP's."""
+        if recomputed:
+            return self.layer_bytes(precision)
+        return 8 * self.hidden + 4 * self.intermediate
 
 
 def adapter_params(model: torch.nn.Module, lora: LoraConfig) -> int:
