@@ -125,8 +125,14 @@ def serve_app(settings: S, create_app: Callable[[S], FastAPI]) -> int:
     """Build the app, configure logging from `settings` (scrubbing the app's secrets from every line) and
     run it under uvicorn until SIGTERM / Ctrl-C, or until a hosted loop died and its grace ran out.
 
+    The listening socket is bound first, before the app is built and its runtime started (an actor's vLLM
+    engine takes tens of seconds): uvicorn binds only after the lifespan's startup, and a port chosen free
+    by whoever started this process could meanwhile go to another socket (an engine's own ports, another
+    service's connections), which ended the service with "address already in use".
+
     Returns the process exit status: 0 after a requested stop, `EXIT_LOOP_FAILED` after a dead loop."""
     configure_logging(settings.log_level, settings.log_json)
+    sock = uvicorn.Config(None, host=settings.host, port=settings.port, log_config=None).bind_socket()
     app = create_app(settings)
     configure_logging(settings.log_level, settings.log_json, app.state.redactor)
     server = uvicorn.Server(
@@ -141,5 +147,5 @@ def serve_app(settings: S, create_app: Callable[[S], FastAPI]) -> int:
 
     if app.state.fatal_exit is not None:
         app.state.fatal_exit.request_exit = request_exit
-    server.run()
+    server.run(sockets=[sock])
     return status
