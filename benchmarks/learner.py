@@ -56,7 +56,7 @@ from typing import get_args  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks import learner_longtail  # noqa: E402
+from benchmarks import learner_levers, learner_longtail  # noqa: E402
 from offpolicy.buffer.embedded import EmbeddedRedis  # noqa: E402
 from offpolicy.buffer.replay_buffer import ReplayBuffer  # noqa: E402
 from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup  # noqa: E402
@@ -296,8 +296,8 @@ def main() -> None:
     if args.shape.startswith("longtail"):
         full_scale = args.shape in learner_longtail.SHAPES
         if args.levers and full_scale:
-            out = learner_longtail.run_levers(args)
-            print(json.dumps(out) if args.json else learner_longtail.levers_table(out))
+            out = learner_levers.run_levers(args)
+            print(json.dumps(out) if args.json else learner_levers.levers_table(out))
             return
         out = learner_longtail.run_shape(args) if full_scale else learner_longtail.run(args)
         print(json.dumps(out) if args.json else "\n".join(f"  {k:<28} {v}" for k, v in out.items()))

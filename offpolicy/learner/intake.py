@@ -24,6 +24,7 @@ nothing: its restart releases it, or it expires.
 from __future__ import annotations
 
 import logging
+import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -98,6 +99,18 @@ class Intake:
         self.drop(cfg, filled, lease_of)
         sifted = filled.metrics() if cfg.screening != ScreeningConfig() else {}
         return Taken(self.weighted(cfg, filled.groups), lease_of, len(filled.dropped), sifted)
+
+    def prefetch_after(
+        self, cfg: LearnerConfig, version: int, groups: int, step_count: int, cuda: bool
+    ) -> None:
+        """Before a step of `groups` groups at `version` (the `step_count`-th) trains: with `prefetch` (None:
+        on with CUDA) lease the next step's groups, at the version this step will make (its optimizer steps:
+        `ppo_epochs` x its mini-batches); not after the last step (`max_steps`)."""
+        on = cfg.prefetch if cfg.prefetch is not None else cuda
+        if on and not (cfg.max_steps is not None and step_count + 1 >= cfg.max_steps):
+            self.prefetch(
+                cfg, version + cfg.ppo_epochs * math.ceil(groups / (cfg.mini_batch_groups or groups))
+            )
 
     def prefetch(self, cfg: LearnerConfig, version: int) -> None:
         """Start the next step's first lease, for policy `version`, in the background (module docstring);

@@ -21,14 +21,14 @@ step boundary's `Command` to the others (followers), which run `follow()`; from 
 same `_execute`: the same config, the same batch, its own share of it, FSDP2. While paused or waiting the
 leader keeps sending heartbeats, so its followers hear of a config change or a checkpoint request.
 
-Two mixins hold the rest of `Learner`: its checkpoints, durability cap and resume (learner/durability.py),
-and the leader's commands and the followers' loop (learner/distributed/follow.py).
+Three mixins hold the rest of `Learner`: config changes at step boundaries (learner/reconfigure.py), its
+checkpoints, durability cap and resume (learner/durability.py), and the leader's commands and the
+followers' loop (learner/distributed/follow.py).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import random
 import threading
 from collections.abc import Callable
@@ -39,8 +39,8 @@ from prometheus_client import CollectorRegistry
 
 from offpolicy.buffer.evaluations import EvalStore
 from offpolicy.buffer.replay_buffer import ReplayBuffer
-from offpolicy.learner.build import Trainables, build_models, set_optimizer_hparams
-from offpolicy.learner.config import LearnerConfig, frozen_field_changes
+from offpolicy.learner.build import Trainables, build_models
+from offpolicy.learner.config import LearnerConfig
 from offpolicy.learner.config.resume import ResumedConfig
 from offpolicy.learner.delivery import Delivery
 from offpolicy.learner.distributed import (
@@ -53,13 +53,13 @@ from offpolicy.learner.distributed import (
 )
 from offpolicy.learner.distributed.follow import CommandLoop
 from offpolicy.learner.durability import Durability
-from offpolicy.learner.errors import FrozenFieldChange
 from offpolicy.learner.intake import Intake
 from offpolicy.learner.loop import run_loop
 from offpolicy.learner.metrics import LearnerMetrics, timed
 from offpolicy.learner.model import checkpoint_dtype, load_tokenizer
 from offpolicy.learner.model.reference import check_teacher_tokenizer
 from offpolicy.learner.persist import BackgroundWriter, Persistence
+from offpolicy.learner.reconfigure import Reconfiguring
 from offpolicy.learner.rl import ModelLimits, StepContext, StepResult, train_on
 from offpolicy.learner.tracking import StepLog, build_tracker
 from offpolicy.learner.transport.publisher import make_publisher
@@ -75,7 +75,7 @@ ConfigApplied = Callable[[int, int], None]
 config took effect; `step` = learner steps completed before it (step + 1 is the first to run with it)."""
 
 
-class Learner(Durability, CommandLoop):
+class Learner(Reconfiguring, Durability, CommandLoop):
     """One training process: holds model, optimizer, buffer and policy store; `run` loops `step`.
 
     `ranks`: this process's place among N (default `distributed.current()`: the only one without
@@ -203,20 +203,6 @@ class Learner(Durability, CommandLoop):
 
     # --- control (called from other threads)
 
-    def apply_config(self, new_config: LearnerConfig, config_version: int | None = None) -> None:
-        """Queue `new_config`; it takes effect at the next step boundary. Frozen fields raise at once.
-
-        When it takes effect, `status()` shows `config_version` and `config_applied_at_step`, the gauge
-        `offpolicy_learner_config_version` moves, and `on_config_applied(version, step)` is called."""
-        changed = frozen_field_changes(self.config, new_config)
-        if changed:
-            raise FrozenFieldChange(changed)
-        with self._lock:
-            self._pending = (
-                new_config,
-                self.config_version + 1 if config_version is None else config_version,
-            )
-
     def pause(self) -> None:
         """Stop after the running step (nothing is torn); `resume()` continues."""
         self._running.clear()
@@ -293,7 +279,9 @@ class Learner(Durability, CommandLoop):
             self.heartbeat()
             return {"groups_dropped": float(taken.dropped)}
         command = self._command("step", groups)
-        self._prefetch(cfg, len(groups))
+        self.intake.prefetch_after(
+            cfg, self.version, len(groups), self.step_count, self.device.type == "cuda"
+        )
         applied: dict[str, float] = {}  # the update's metrics, once it is applied
         sifted = taken.metrics  # dynamic sampling's
         with self._step_lock:
@@ -309,15 +297,6 @@ class Learner(Durability, CommandLoop):
                     self._record(applied | sifted, phases, groups)
                 raise
         return self._record(applied | sifted, phases, groups)
-
-    def _prefetch(self, cfg: LearnerConfig, groups: int) -> None:
-        """`prefetch` on: lease the next step's groups while this one trains, at the version it will make
-        (its optimizer steps: `ppo_epochs` x its mini-batches); not after the last step (`max_steps`)."""
-        on = cfg.prefetch if cfg.prefetch is not None else self.device.type == "cuda"
-        last = cfg.max_steps is not None and self.step_count + 1 >= cfg.max_steps
-        if on and not last and self.intake is not None:
-            steps = cfg.ppo_epochs * math.ceil(groups / (cfg.mini_batch_groups or groups))
-            self.intake.prefetch(cfg, self.version + steps)
 
     def _record(self, metrics: dict[str, float], phases: dict[str, float], groups: list) -> dict[str, float]:
         """The metrics line (trackers) and Prometheus record of a step whose update was applied."""
@@ -374,39 +353,6 @@ class Learner(Durability, CommandLoop):
         self.publisher.publish(self.version, self._publish_keys if self.ranks.distributed else None)
 
     # --- plumbing
-
-    def _apply_pending(self) -> None:
-        """Apply the queued config. It stays queued until applied whole: a Redis outage during the buffer's
-        reconfiguration raises, the loop retries, and the next attempt applies it again (idempotent)."""
-        with self._lock:
-            pending = self._pending
-        if pending is None:
-            return
-        new, version = pending
-        self._switch_config(new, force_optimizer=False)
-        self.config_version, self.config_applied_at_step = version, self.step_count
-        with self._lock:
-            if self._pending is pending:  # a newer config queued meanwhile stays queued
-                self._pending = None
-        self.metrics.record_config(version, new)
-        self.tracker.log_config(new, "api", version, self.step_count)
-        log.info("rank %d applied config version %d at step %d", self.ranks.rank, version, self.step_count)
-        if self._on_config_applied is not None:
-            self._on_config_applied(version, self.step_count)
-        if self.channel is not None:
-            self.channel.config_applied(*pending)  # the next command carries it to every rank
-
-    def _switch_config(self, new: LearnerConfig, force_optimizer: bool) -> None:
-        """Train with `new` from now on: the optimizer's and critic's hyper-parameters and the buffer's
-        table follow it, and the next checkpoint saves it."""
-        if force_optimizer or new.optimizer != self.config.optimizer:
-            set_optimizer_hparams(self.optimizer, self.scheduler, new.optimizer)
-        if self.critic_optimizer is not None and (force_optimizer or new.critic.lr != self.config.critic.lr):
-            for g in self.critic_optimizer.param_groups:
-                g["lr"] = new.critic.lr
-        if new.buffer != self.config.buffer and self.buffer is not None:
-            self.buffer.reconfigure(new.buffer)  # same buffer object, connections and metrics registry
-        self.config = self.persist.config = new
 
     def trainables(self) -> Trainables:
         return Trainables(

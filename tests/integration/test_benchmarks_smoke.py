@@ -4,7 +4,8 @@ external checks read and a sanity value or two.
 
 A script is a `benchmarks/*.py` with a `__main__` entry whose name does not start with `_`; helpers
 imported by the scripts have no entry (`verl_oracle.py`, `kv_sampler.py`, `buffer_scale.py`,
-`learner_longtail.py`) or a leading underscore (`_startup_rank.py`, torchrun's child entry).
+`learner_longtail.py`, `learner_levers.py`) or a leading underscore (`_startup_rank.py`, torchrun's child
+entry).
 `test_every_script_has_a_smoke_case` keeps `CASES` equal to what benchmarks/ holds, so a new script
 cannot skip its smoke run.
 """

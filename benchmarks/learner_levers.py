@@ -1,0 +1,85 @@
+"""`benchmarks/learner.py --shape longtail-1.3b|longtail-4b --levers`: each speed lever's share of a learner
+step, in one run on one device. `run_shape` (benchmarks/learner_longtail.py) runs once per row of `LEVERS`,
+each row adding one lever to the row before, from a baseline of `sdpa_varlen`, the chunked head, every layer
+checkpointed and 16,384 tokens; `levers_table` prints the rows as docs/benchmarks.md's table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.learner_longtail import run_shape
+
+LEVERS = (  # cumulative: each row adds one lever to the row before (the flags of `lever_settings`)
+    ("baseline", {"attention": "sdpa_varlen", "logprob_head": "chunked", "gradient_checkpointing": "on",
+                  "micro_batch_tokens": "16384", "no_grad_micro_batch_tokens": None}),
+    ("+ varlen attention (auto)", {"attention": None}),
+    ("+ fused log-prob head", {"logprob_head": None}),
+    ("+ checkpointing auto (per layer)", {"gradient_checkpointing": "auto"}),
+    ("+ budgets auto (training, pi_old)",
+     {"micro_batch_tokens": "auto", "no_grad_micro_batch_tokens": "auto"}),
+    ("+ compiled layers", {"compile_layers": True}),
+)  # fmt: skip
+"""`--levers`: the rows of the per-lever table (docs/benchmarks.md), in one run on one device."""
+
+
+def run_levers(args: argparse.Namespace) -> dict:
+    """`run_shape` once per row of `LEVERS`, each adding one lever to the row before, on the same model
+    and batch (the model written once, reused); a row that fails (out of memory) is reported, the next
+    runs. CPU: the compiled row is left out (inductor's CPU build takes minutes; the GPU is what it is
+    for)."""
+    flags = argparse.Namespace(**vars(args))
+    rows, device = [], args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        flags.model_dir = args.model_dir or str(Path(tmp) / "model")
+        for name, change in LEVERS:
+            for k, v in change.items():
+                setattr(flags, k.replace("-", "_"), v)
+            if name == "+ compiled layers" and not str(device).startswith("cuda"):
+                continue
+            try:
+                out = run_shape(flags)
+            except torch.OutOfMemoryError as e:
+                rows.append({"lever": name, "error": f"out of memory: {str(e)[:160]}"})
+                continue
+            finally:
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            rows.append({"lever": name} | {k: out[k] for k in LEVER_KEYS})
+    done = [r for r in rows if "error" not in r]
+    return {
+        "shape": args.shape + ("-smoke" if args.smoke else ""),
+        "device": done[0]["device"] if done else device,
+        "levers": rows,
+        "mfu": done[-1]["mfu"] if done else None,
+        "speedup_vs_baseline": done[0]["step_s"] / done[-1]["step_s"] if len(done) > 1 else None,
+    }
+
+
+LEVER_KEYS = ("device", "step_s", "tokens_per_s", "mfu", "pi_old_s", "forward_backward_s", "optimizer_s",
+              "peak_memory_gib", "plan_gib", "attention", "settings")  # fmt: skip
+
+
+def levers_table(out: dict) -> str:
+    """The `--levers` rows as a markdown table (docs/benchmarks.md)."""
+    lines = ["| lever | step s | real tokens/s | MFU | π_old s | fwd+bwd s | peak / plan GiB | settings |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for r in out["levers"]:
+        if "error" in r:
+            lines.append(f"| {r['lever']} | {r['error']} |  |  |  |  |  |  |")
+            continue
+        s = r["settings"]
+        mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"
+        peak = "n/a" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.1f}"
+        lines.append(
+            f"| {r['lever']} | {r['step_s']:.2f} | {r['tokens_per_s']:,.0f} | {mfu} | {r['pi_old_s']:.2f} | "
+            f"{r['forward_backward_s']:.2f} | {peak} / {r['plan_gib']:.1f} | {r['attention']}, "
+            f"{s['logprob_head']}, ckpt {s['checkpointed_layers']}/{s['decoder_layers']}, "
+            f"{s['micro_batch_tokens']} / {s['no_grad_micro_batch_tokens']} tokens"
+            f"{', compiled' if s['compile_layers'] else ''} |"
+        )
+    return "\n".join(lines)
