@@ -38,7 +38,7 @@ def run_levers(args: argparse.Namespace) -> dict:
         flags.model_dir = args.model_dir or str(Path(tmp) / "model")
         for name, change in LEVERS:
             for k, v in change.items():
-                setattr(flags, k.replace("-", "_"), v)
+                setattr(flags, k, v)
             if name == "+ compiled layers" and not str(device).startswith("cuda"):
                 continue
             try:

@@ -43,7 +43,7 @@ from offpolicy.learner.model.recompute import checkpoint_layers
 from offpolicy.learner.model.reference import AdapterOff, freeze, stream_layers
 from offpolicy.learner.plan import host as host_plan
 from offpolicy.learner.plan.auto import Settings, settings_for
-from offpolicy.learner.plan.memory import GIB, MemoryPlan, ModelShape, check, device_limit
+from offpolicy.learner.plan.memory import GIB, MemoryPlan, ModelShape, check, checkpointed, device_limit
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +88,7 @@ def build_trainables(
     if config.lora is not None:  # before the checkpointing, compile and FSDP wrappers see the layers
         lora.inject(model, config.lora, config.seed, masters=dtype)  # lean: factors on meta, drawn by `fill`
     layers = model.config.num_hidden_layers
-    if isinstance(checkpointing, bool):  # True: `checkpoint_layers`, else every layer
-        checkpointing = (config.checkpoint_layers or layers) if checkpointing else 0
+    checkpointing = checkpointed(config, layers, checkpointing)  # True: `checkpoint_layers`, else all
     checkpoint_layers(model, decoder_layers(model, layers), checkpointing)
     if config.lora is not None:  # only the adapter is published (the actors hold the base model)
         publish_keys = set(lora.adapter_names(model))

@@ -83,7 +83,7 @@ class Intake:
         self.groups_dropped: dict[str, int] = {}  # dynamic sampling: groups dropped since start, by reason
         self._ahead: Ahead | None = None  # the next step's first lease, under way or done
         self._pool: ThreadPoolExecutor | None = None  # its thread, started at the first prefetch
-        self.prefetched = 0  # steps whose first lease was taken ahead and used (tests, benchmarks)
+        self.prefetched = 0  # steps whose first lease was taken ahead and used (what tests check)
 
     def take(self, cfg: LearnerConfig, version: int, phases: dict[str, float]) -> Taken:
         """Lease and screen `groups_per_step` groups for a step at policy `version`, refill what dynamic

@@ -116,7 +116,7 @@ def choose(
             needed = config.micro_batch_size * shape.context
         layers = 0 if limit is None or largest(0) >= needed else fewest(config, shape, needed, largest)
     else:
-        layers = checkpointed(config, shape, setting)
+        layers = checkpointed(config, shape.layers, setting)
     tokens = budget if isinstance(budget, int) else largest(layers)
     no_grad = config.no_grad_micro_batch_tokens
     if no_grad is None:

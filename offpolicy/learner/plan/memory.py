@@ -199,7 +199,7 @@ def estimate(
     on, offloaded = config.teacher.model_path is not None, config.teacher.cpu_offload
     teacher_device, teacher_host = frozen_bytes(on, offloaded, teacher or shape, share, sharded, compute)
     stream = activation_precision(precision, sharded or lora)
-    layers = checkpointed(config, shape, checkpointing)
+    layers = checkpointed(config, shape.layers, checkpointing)
     return MemoryPlan(
         weights=0 if offload else state,
         gradients=0 if offload else trained,
@@ -221,14 +221,14 @@ def activation_precision(precision: str, bf16_weights: bool) -> str:
     return "bf16_pure" if bf16_weights and precision == "bf16_mixed" else precision
 
 
-def checkpointed(config: LearnerConfig, shape: ModelShape, checkpointing: bool | int) -> int:
-    """How many of `shape`'s decoder layers recompute their activations: `checkpointing` as a count, or
-    True = `config.checkpoint_layers` (all layers when unset), False = none; at most every layer."""
+def checkpointed(config: LearnerConfig, layers: int, checkpointing: bool | int) -> int:
+    """How many of a model's `layers` decoder layers recompute their activations: `checkpointing` as a
+    count, or True = `config.checkpoint_layers` (all layers when unset), False = none; at most every layer."""
     if isinstance(checkpointing, bool):
-        count = (config.checkpoint_layers or shape.layers) if checkpointing else 0
+        count = (config.checkpoint_layers or layers) if checkpointing else 0
     else:
         count = checkpointing
-    return max(0, min(count, shape.layers))
+    return max(0, min(count, layers))
 
 
 def token_bytes(shape: ModelShape, stream: str, checkpointed: int | bool | None) -> int:
