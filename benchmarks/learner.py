@@ -27,11 +27,14 @@ multiplied by (the input embedding left out unless tied to the LM head; attentio
                                  [--gradient-checkpointing [on|off|auto]] [--checkpoint-layers K]
                                  [--micro-batch-tokens N|auto] [--no-grad-micro-batch-tokens N|auto]
                                  [--compile-layers] [--prefetch on|off] [--model-dir DIR] [--levers]
+                                 [--profile]
 
 The lever flags apply to every shape; unset, each keeps the learner's default (`--gradient-checkpointing`
 alone means on). `--levers` (longtail-1.3b, longtail-4b): one run per lever, each adding one lever to the
 row before, from a baseline of `sdpa_varlen`, the chunked head, every layer checkpointed and 16,384
-tokens; prints the table of docs/benchmarks.md (`--json`: `{"levers": [rows], "mfu", ...}`).
+tokens; prints the table of docs/benchmarks.md (`--json`: `{"levers": [rows], "mfu", ...}`). `--profile`
+(the same shapes): one more step under torch.profiler, its kernels' time by kind and the device's busy
+share (`profile`; with `--levers`, the last row's; benchmarks/learner_profile.py).
 `--smoke`: tiny sizes, one measured step, the same code path (seconds on CPU).
 """
 
@@ -56,7 +59,7 @@ from typing import get_args  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks import learner_levers, learner_longtail  # noqa: E402
+from benchmarks import learner_levers, learner_longtail, learner_profile  # noqa: E402
 from offpolicy.buffer.embedded import EmbeddedRedis  # noqa: E402
 from offpolicy.buffer.replay_buffer import ReplayBuffer  # noqa: E402
 from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup  # noqa: E402
@@ -274,6 +277,12 @@ def main() -> None:
         "sdpa_varlen, chunked head, every layer checkpointed, 16,384 tokens), and the table of them",
     )
     ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="longtail-1.3b|longtail-4b: one more step under torch.profiler, its device time by kind of "
+        "kernel (with --levers: the last row's)",
+    )
+    ap.add_argument(
         "--compile-layers",
         action="store_true",
         help="compile_layers: torch.compile each decoder layer (default: off, the learner's)",
@@ -298,6 +307,8 @@ def main() -> None:
         if args.levers and full_scale:
             out = learner_levers.run_levers(args)
             print(json.dumps(out) if args.json else learner_levers.levers_table(out))
+            if "profile" in out and not args.json:
+                print(learner_profile.profile_lines(out["profile"]))
             return
         out = learner_longtail.run_shape(args) if full_scale else learner_longtail.run(args)
         print(json.dumps(out) if args.json else "\n".join(f"  {k:<28} {v}" for k, v in out.items()))

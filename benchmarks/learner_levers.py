@@ -34,13 +34,14 @@ def run_levers(args: argparse.Namespace) -> dict:
     for)."""
     flags = argparse.Namespace(**vars(args))
     rows, device = [], args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda, profile = str(device).startswith("cuda"), None
+    runs = [lv for lv in LEVERS if cuda or lv[0] != "+ compiled layers"]  # the last row's changes alone
     with tempfile.TemporaryDirectory() as tmp:
         flags.model_dir = args.model_dir or str(Path(tmp) / "model")
-        for name, change in LEVERS:
+        for i, (name, change) in enumerate(runs):
             for k, v in change.items():
                 setattr(flags, k, v)
-            if name == "+ compiled layers" and not str(device).startswith("cuda"):
-                continue
+            flags.profile = bool(getattr(args, "profile", False)) and i == len(runs) - 1  # the last row's
             try:
                 out = run_shape(flags)
             except torch.OutOfMemoryError as e:
@@ -50,6 +51,7 @@ def run_levers(args: argparse.Namespace) -> dict:
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
             rows.append({"lever": name} | {k: out[k] for k in LEVER_KEYS})
+            profile = out.get("profile", profile)
     done = [r for r in rows if "error" not in r]
     return {
         "shape": args.shape + ("-smoke" if args.smoke else ""),
@@ -57,7 +59,7 @@ def run_levers(args: argparse.Namespace) -> dict:
         "levers": rows,
         "mfu": done[-1]["mfu"] if done else None,
         "speedup_vs_baseline": done[0]["step_s"] / done[-1]["step_s"] if len(done) > 1 else None,
-    }
+    } | ({"profile": profile} if profile is not None else {})
 
 
 LEVER_KEYS = ("device", "step_s", "tokens_per_s", "mfu", "pi_old_s", "forward_backward_s", "optimizer_s",

@@ -25,7 +25,8 @@ N|auto`, `--no-grad-micro-batch-tokens N|auto` (their defaults: the learner's). 
 its phases (pi_old, forward+backward, optimizer), real tokens/s, MFU (8 N FLOPs per real token: forward,
 backward and the pi_old forward; no recompute, no attention; N = `matmul_params`, the input embedding left
 out unless tied to the LM head) against the dense bf16 peak, the peak device
-memory, the memory plan, the attention kernel and the settings the learner chose. `--smoke`: the same path
+memory, the memory plan, the attention kernel and the settings the learner chose; with `--profile`, one
+more step's device time by kind of kernel (benchmarks/learner_profile.py). `--smoke`: the same path
 on a hidden-64 model and the batch's lengths / 64 (seconds on CPU).
 """
 
@@ -42,6 +43,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
+from benchmarks.learner_profile import profile_step
 from offpolicy.buffer.embedded import EmbeddedRedis
 from offpolicy.buffer.replay_buffer import ReplayBuffer
 from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup
@@ -291,6 +293,7 @@ def run_shape(args: argparse.Namespace) -> dict:
                 torch.cuda.reset_peak_memory_stats(device)
             steps = [learner.step() for _ in range(args.steps)]
             peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+            profile = profile_step(learner.step, device) if getattr(args, "profile", False) else None
             params = sum(p.numel() for p in learner.model.parameters())
             flops_params = matmul_params(learner.model)
             attention = learner.model.config._attn_implementation
@@ -327,4 +330,4 @@ def run_shape(args: argparse.Namespace) -> dict:
             "packing": cfg.packing,
             "compile_layers": cfg.compile_layers,
         },
-    }
+    } | ({"profile": profile} if profile is not None else {})

@@ -108,3 +108,33 @@ def test_the_compiled_fused_head_equals_the_chunked_one_and_holds_less(entropy):
     torch.testing.assert_close(gh_f, gh_c, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(gw_f, gw_c, atol=1e-2, rtol=1e-2)
     assert peak_f < 0.6 * peak_c, (peak_f / 2**30, peak_c / 2**30)  # H200: 2.46 vs 4.78 GiB (0.51)
+
+
+@needs_varlen
+def test_compiled_layers_keep_one_graph_for_every_count_of_sequences():
+    """compile_layers (inductor) with torch_varlen on 12 packed micro-batches of 10 distinct numbers of
+    sequences (more than dynamo's recompile limit of 8): one graph for all (no count compiled anew, none
+    left eager), and the logits of the eager layers (tests/unit/learner/model/test_compile_shapes.py runs
+    the same on CPU with a stand-in kernel)."""
+    from torch._dynamo.utils import counters
+
+    from offpolicy.learner.model.compile import compile_layers
+    from tests.unit.learner.model.test_compile_shapes import micro_batches, qwen3
+
+    torch._dynamo.reset()
+    counters.clear()
+    runs = []
+    for compiled in (False, True):
+        model = qwen3(attention.TORCH_VARLEN).cuda()
+        if compiled:
+            compile_layers(model.model.layers)
+        out = []
+        for ids, pos, kwargs in micro_batches(model.config.vocab_size, torch.device("cuda")):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(input_ids=ids, position_ids=pos, use_cache=False, **kwargs).logits
+            logits.float().square().mean().backward()
+            out.append(logits.detach().float())
+        runs.append(out)
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])  # the first shape, then dynamic
+    for eager, compiled in zip(*runs, strict=True):
+        torch.testing.assert_close(compiled, eager, atol=2e-2, rtol=2e-2)

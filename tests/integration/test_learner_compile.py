@@ -1,6 +1,7 @@
 """`compile_layers`: the learner with each decoder layer's forward compiled (torch.compile, dynamic shapes)
 trains like the eager one on the same ragged packed micro-batches, with and without activation
-checkpointing, and its micro-batches of changing lengths reuse the graphs instead of compiling per length."""
+checkpointing, and its micro-batches of changing lengths reuse a bounded set of graphs instead of compiling
+per length."""
 
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ def test_compiled_layers_train_like_eager_ones_without_a_graph_per_length(
     moved = max((eager_weights[n] - first[n]).abs().max().item() for n in weights)
     assert diff <= 1e-4 and moved > 100 * diff, f"compiled vs eager weights differ by {diff} ({moved} moved)"
     # every decoder forward of both steps (ragged lengths, the pi_old and the training passes) ran through
-    # a handful of graphs: the first shape, its dynamic generalisation, and the backward's
+    # a bounded set of graphs: the CPU kernel's loop over the lengths runs outside them, cutting the layer
+    # in its frames before and after attention, each with its first shape, its dynamic generalisation and
+    # its no-grad (pi_old) variant; no graph per length or per number of sequences
+    # (tests/unit/learner/model/test_compile_shapes.py: none after the third micro-batch of 12)
     print(f"{calls} decoder forwards, {graphs} graphs, weights {diff:.1e} apart")
-    assert calls >= 6 and 1 <= graphs <= 4, (calls, graphs)
+    assert calls >= 6 and 1 <= graphs <= 12, (calls, graphs)

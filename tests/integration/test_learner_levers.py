@@ -1,6 +1,7 @@
 """`benchmarks/learner.py --levers`: the per-lever table's runs, on the smoke shape on CPU. Each row adds
 one lever to the row before, and the learner's reported settings show that lever, and only it, changed
-(the GPU figures come from the same command with `--device cuda` and no `--smoke`: docs/benchmarks.md)."""
+(the GPU figures come from the same command with `--device cuda` and no `--smoke`: docs/benchmarks.md).
+`--profile` adds the last row's step by kind of operator."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ pytestmark = [pytest.mark.redis, pytest.mark.slow]
 def test_each_row_adds_its_lever_to_the_row_before(tmp_path):
     run = subprocess.run(
         [sys.executable, "benchmarks/learner.py", "--shape", "longtail-4b", "--smoke", "--levers", "--json",
-         "--device", "cpu", "--model-dir", str(tmp_path / "model")],
+         "--profile", "--device", "cpu", "--model-dir", str(tmp_path / "model")],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
@@ -42,3 +43,8 @@ def test_each_row_adds_its_lever_to_the_row_before(tmp_path):
     changed = [{k for k in s[i] if s[i][k] != s[i - 1][k]} for i in range(1, len(s))]
     assert changed[1] == {"logprob_head"} and changed[2] == {"gradient_checkpointing", "checkpointed_layers"}
     assert out["speedup_vs_baseline"] > 0 and out["mfu"] is None  # MFU: CUDA only
+    # `--profile`: the last row's one more step, its operators by kind (kernels on CUDA)
+    prof = out["profile"]
+    assert prof["measured"] == "cpu_operators" and prof["device_busy_share"] is None
+    assert prof["kinds"]["matmul"]["s"] > 0 and prof["kinds"]["attention"]["s"] > 0
+    assert "profile" not in rows[-1]

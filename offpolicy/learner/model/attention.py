@@ -17,6 +17,11 @@ inside each sequence depends on the kernel:
 - `sdpa`, `eager`, `flex_attention`: the block-diagonal causal mask that transformers builds from the
   restarting `position_ids` (exact; `sdpa` and `eager` compute the whole row's T x T scores).
 
+The sequences' lengths reach the kernels as `packed_seq_lens`, a host (CPU) int64 tensor, not a tuple:
+under `compile_layers` a tuple is guarded by its length, and every micro-batch with another number of
+sequences compiled the layer again until dynamo's recompile limit (8) left the rest of the run eager; a
+tensor's length is a dynamic dimension. `sdpa_varlen`'s loop over them runs outside the compiled graph.
+
 Ours compute sliding-window attention (Mistral's, Qwen2/3's `sliding_window`, Gemma-2/3's local layers) and
 refuse attention-logit soft-capping (Gemma-2's `attn_logit_softcapping`) by name: `eager` computes it.
 With a padded batch (an attention mask) both are transformers' `sdpa`.
@@ -82,15 +87,17 @@ def resolve(name: AttnImplementation, device: torch.device) -> str:
 
 def packed_kwargs(seq_lens: Sequence[int], device: torch.device) -> dict[str, Any]:
     """What the model's forward takes for one packed row of sequences of `seq_lens` tokens: FlashAttention's
-    cumulative lengths and maxima, and the lengths as host ints for `sdpa_varlen` (no device sync)."""
-    cu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    longest = max(seq_lens)
+    cumulative lengths and maxima, and the lengths as a host int64 tensor for `sdpa_varlen` (no device
+    sync; a tensor, not a tuple, so that a compiled layer does not recompile per number of sequences)."""
+    lens = torch.tensor([int(n) for n in seq_lens], dtype=torch.int64)  # (n,) on the host
+    cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(device=device, dtype=torch.int32)  # (n + 1,)
+    longest = int(lens.max())
     return {
         "cu_seq_lens_q": cu,
         "cu_seq_lens_k": cu,
         "max_length_q": longest,
         "max_length_k": longest,
-        "packed_seq_lens": tuple(int(n) for n in seq_lens),
+        "packed_seq_lens": lens,
     }
 
 
@@ -114,7 +121,7 @@ def sdpa_varlen_attention(
     scaling: float | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
-    packed_seq_lens: tuple[int, ...] | None = None,
+    packed_seq_lens: torch.Tensor | Sequence[int] | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Causal attention on each packed sequence (query (1, H, T, D), key and value (1, Hkv, T, D)) -> (1, T,
@@ -122,9 +129,24 @@ def sdpa_varlen_attention(
     _refuse_softcap(module, softcap, SDPA_VARLEN)
     if packed_seq_lens is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    return _each_sequence(query, key, value, packed_seq_lens, dropout, scaling, sliding_window), None
+
+
+@torch.compiler.disable  # a loop over host lengths: traced, it would be a graph per list of lengths
+def _each_sequence(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    seq_lens: torch.Tensor | Sequence[int],
+    dropout: float,
+    scaling: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """`sdpa_varlen`'s loop: SDPA causally on each sequence of the row -> (1, T, H, D)."""
+    lens = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens
     gqa = query.shape[1] != key.shape[1]
     parts, start = [], 0
-    for n in packed_seq_lens:
+    for n in lens:
         q, k, v = (t[:, :, start : start + n] for t in (query, key, value))  # (1, H or Hkv, n, D)
         start += n
         if sliding_window is not None and n > sliding_window:
@@ -138,7 +160,7 @@ def sdpa_varlen_attention(
                 q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa
             )
         parts.append(out)  # (1, H, n, D)
-    return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None  # (1, T, H, D)
+    return torch.cat(parts, dim=2).transpose(1, 2).contiguous()  # (1, T, H, D)
 
 
 def torch_varlen_attention(
@@ -151,7 +173,7 @@ def torch_varlen_attention(
     scaling: float | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
-    packed_seq_lens: tuple[int, ...] | None = None,
+    packed_seq_lens: torch.Tensor | Sequence[int] | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
     max_length_q: int | None = None,
     **kwargs: Any,
