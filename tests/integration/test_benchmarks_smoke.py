@@ -4,8 +4,8 @@ external checks read and a sanity value or two.
 
 A script is a `benchmarks/*.py` with a `__main__` entry whose name does not start with `_`; helpers
 imported by the scripts have no entry (`verl_oracle.py`, `kv_sampler.py`, `buffer_scale.py`,
-`learner_longtail.py`, `learner_levers.py`) or a leading underscore (`_startup_rank.py`, torchrun's child
-entry).
+`learner_longtail.py`, `learner_levers.py`, `learner_profile.py`) or a leading underscore
+(`_startup_rank.py`, torchrun's child entry).
 `test_every_script_has_a_smoke_case` keeps `CASES` equal to what benchmarks/ holds, so a new script
 cannot skip its smoke run.
 """
@@ -88,6 +88,19 @@ CASES: dict[str, Case] = {
         _keys("shape step_s device"),
         lambda o: o["step_s"] > 0,
         (pytest.mark.redis, pytest.mark.slow),
+    ),
+    # one smoke layer's matrix products per token: 2 x its 36,864 weights forward, x3 with the backward,
+    # and the recompute's forward but the MLP's down projection (64 x 128), which checkpointing's early
+    # stop does not run again (its output is not needed by the backward)
+    "learner_traffic.py": Case(
+        _keys("shape gpu layers tokens pi_old train train_checkpointed estimate"),
+        lambda o: (
+            abs(o["pi_old"]["layer"]["matmul"]["flops"] / (2 * 36864) - 1) < 1e-6
+            and abs(o["train"]["layer"]["matmul"]["flops"] / (6 * 36864) - 1) < 1e-6
+            and o["train_checkpointed"]["layer"]["matmul"]["flops"] == 8 * 36864 - 2 * 64 * 128
+            and 0 < o["estimate"]["train"]["matmul_share"] < o["estimate"]["train"]["matmul_share_fused"] <= 1
+        ),
+        timeout_s=180,
     ),
     "learner_fsdp.py": Case(
         _keys(

@@ -142,13 +142,14 @@ def _each_sequence(
     scaling: float | None,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """`sdpa_varlen`'s loop: SDPA causally on each sequence of the row -> (1, T, H, D)."""
-    lens = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens
+    """`sdpa_varlen`'s loop: SDPA causally on each sequence of the row -> (1, T, H, D). The row is cut by
+    one `split` per tensor, whose backward is one concatenation: slicing each sequence out on its own made
+    a zero tensor of the whole row per sequence in the backward (bytes growing with sequences x tokens)."""
+    lens = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
     gqa = query.shape[1] != key.shape[1]
-    parts, start = [], 0
-    for n in lens:
-        q, k, v = (t[:, :, start : start + n] for t in (query, key, value))  # (1, H or Hkv, n, D)
-        start += n
+    parts = []
+    for q, k, v in zip(*(t.split(lens, dim=2) for t in (query, key, value)), strict=True):
+        n = q.shape[2]  # (1, H or Hkv, n, D) each
         if sliding_window is not None and n > sliding_window:
             i = torch.arange(n, device=q.device)
             band = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < sliding_window)  # (n, n)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM
 
 from offpolicy.learner.batch import collate
@@ -84,3 +86,33 @@ def test_torch_varlen_hands_what_it_cannot_take_to_the_per_sequence_kernel():
         model.set_attn_implementation(attention.SDPA_VARLEN)
         loop = token_logprobs(model, batch, packed=True)
     assert torch.equal(ours, loop)
+
+
+class _Written(TorchDispatchMode):
+    """Bytes of every operator's outputs (what it writes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        return out
+
+
+def test_the_per_sequence_kernel_backward_writes_bytes_of_the_row_not_of_sequences_times_the_row():
+    """512 tokens as 2 or as 64 sequences: the backward writes about the same bytes. Each sequence sliced
+    out on its own made a zero tensor of the whole row per sequence in the backward (64 sequences: ~20x
+    the bytes of 2); one split per tensor has a one-concatenation backward."""
+    written = {}
+    for n in (2, 64):
+        lens = [512 // n] * n
+        q, k, v = (torch.randn(1, h, 512, 32, requires_grad=True) for h in (8, 2, 2))
+        out, _ = attention.sdpa_varlen_attention(torch.nn.Module(), q, k, v, None, packed_seq_lens=lens)
+        grad = torch.randn_like(out)
+        with _Written() as mode:
+            torch.autograd.grad(out, (q, k, v), grad)
+        written[n] = mode.bytes
+    assert written[64] < 1.5 * written[2], written
