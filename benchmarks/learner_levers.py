@@ -62,24 +62,25 @@ def run_levers(args: argparse.Namespace) -> dict:
     } | ({"profile": profile} if profile is not None else {})
 
 
-LEVER_KEYS = ("device", "step_s", "tokens_per_s", "mfu", "pi_old_s", "forward_backward_s", "optimizer_s",
-              "peak_memory_gib", "plan_gib", "attention", "settings")  # fmt: skip
+LEVER_KEYS = ("device", "warmup_s", "step_s", "tokens_per_s", "mfu", "pi_old_s", "forward_backward_s",
+              "optimizer_s", "peak_memory_gib", "plan_gib", "attention", "settings")  # fmt: skip
 
 
 def levers_table(out: dict) -> str:
     """The `--levers` rows as a markdown table (docs/benchmarks.md)."""
-    lines = ["| lever | step s | real tokens/s | MFU | π_old s | fwd+bwd s | peak / plan GiB | settings |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = ["| lever | step s | real tokens/s | MFU | π_old s | fwd+bwd s | peak / plan GiB | first step s "
+             "| settings |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in out["levers"]:
         if "error" in r:
-            lines.append(f"| {r['lever']} | {r['error']} |  |  |  |  |  |  |")
+            lines.append(f"| {r['lever']} | {r['error']} |  |  |  |  |  |  |  |")
             continue
         s = r["settings"]
         mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"
         peak = "n/a" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.1f}"
         lines.append(
             f"| {r['lever']} | {r['step_s']:.2f} | {r['tokens_per_s']:,.0f} | {mfu} | {r['pi_old_s']:.2f} | "
-            f"{r['forward_backward_s']:.2f} | {peak} / {r['plan_gib']:.1f} | {r['attention']}, "
+            f"{r['forward_backward_s']:.2f} | {peak} / {r['plan_gib']:.1f} | {r['warmup_s']:.1f} | "
+            f"{r['attention']}, "
             f"{s['logprob_head']}, ckpt {s['checkpointed_layers']}/{s['decoder_layers']}, "
             f"{s['micro_batch_tokens']} / {s['no_grad_micro_batch_tokens']} tokens"
             f"{', compiled' if s['compile_layers'] else ''} |"

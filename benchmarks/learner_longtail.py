@@ -287,10 +287,12 @@ def run_shape(args: argparse.Namespace) -> dict:
             buf.insert_many(groups)
         learner = Learner(cfg)
         try:
-            learner.step()  # warm-up (and the fused head's compilation)
+            start = time.perf_counter()
+            learner.step()  # warm-up (and the fused head's and compiled layers' compilation)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
+            warmup_s = time.perf_counter() - start
             steps = [learner.step() for _ in range(args.steps)]
             peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
             profile = profile_step(learner.step, device) if getattr(args, "profile", False) else None
@@ -312,6 +314,7 @@ def run_shape(args: argparse.Namespace) -> dict:
         "rows_per_step": 16 * 8,
         "tokens_per_step": real,
         "steps": args.steps,
+        "warmup_s": warmup_s,
         "step_s": step_s,
         "tokens_per_s": real / step_s,
         "matmul_params": flops_params,

@@ -31,7 +31,7 @@ def test_each_row_adds_its_lever_to_the_row_before(tmp_path):
         "baseline", "+ varlen attention (auto)", "+ fused log-prob head", "+ checkpointing auto (per layer)",
         "+ budgets auto (training, pi_old)",
     ]  # fmt: skip
-    assert all("error" not in r and r["step_s"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    assert all("error" not in r and min(r["step_s"], r["tokens_per_s"], r["warmup_s"]) > 0 for r in rows)
     s = [r["settings"] | {"attention": r["attention"]} for r in rows]
     baseline = {"attention": "sdpa_varlen", "logprob_head": "chunked", "checkpointed_layers": 2,
                 "decoder_layers": 2, "micro_batch_tokens": 16384, "compile_layers": False}  # fmt: skip
