@@ -9,7 +9,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from offpolicy.buffer.replay_buffer import ReplayBuffer
 from offpolicy.learner.model import load_model
+from offpolicy.learner.trainer import Learner
 from tests.integration.test_learner_loop import config, tiny_dir  # noqa: F401
 from tests.integration.test_learner_packing import train
 from tests.unit.learner.rl.test_microbatches import ragged_groups
@@ -52,3 +54,52 @@ def test_compiled_layers_train_like_eager_ones_without_a_graph_per_length(
     # (tests/unit/learner/model/test_compile_shapes.py: none after the third micro-batch of 12)
     print(f"{calls} decoder forwards, {graphs} graphs, weights {diff:.1e} apart")
     assert calls >= 6 and 1 <= graphs <= 12, (calls, graphs)
+
+
+def test_the_learner_with_the_cuda_kernel_compiles_its_layers_once_for_a_whole_run(
+    tiny_dir,  # noqa: F811
+    redis_url,
+    tmp_path,
+    monkeypatch,
+):
+    """The GPU's configuration of the compiled row, on CPU: `torch_varlen` (a stand-in operator with
+    varlen_attn's signature, tests/unit/learner/model/test_compile_shapes.py), `bf16_mixed`, half the
+    layers checkpointed, pi_old and training passes on ragged micro-batches of changing numbers of
+    sequences. After the first step no graph is compiled again (dynamo's `eager` backend: the same guards
+    as inductor)."""
+    import functools
+
+    from offpolicy.learner.model import attention
+    from tests.unit.learner.model.test_compile_shapes import stand_in_varlen_attn
+
+    monkeypatch.setattr(attention, "varlen_attn", stand_in_varlen_attn)
+    monkeypatch.setattr(attention, "VARLEN_KEYWORDS", frozenset({"scale", "is_causal", "enable_gqa"}))
+    monkeypatch.setattr(attention, "resolve", lambda name, device: attention.TORCH_VARLEN)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    torch._dynamo.reset()
+    counters.clear()
+    groups = ragged_groups(12, 4, seed=8, prompt=(3, 20), response=(1, 100))
+    cfg = config(
+        tiny_dir, redis_url, tmp_path, groups_per_step=4, mini_batch_groups=2, micro_batch_tokens=300,
+        compile_layers=True, precision="bf16_mixed", gradient_checkpointing=True, checkpoint_layers=1,
+        buffer={"sampler": "fifo", "max_times_sampled": 1}, checkpoint={"checkpoint_dir": None},
+    )  # fmt: skip
+    with ReplayBuffer(cfg.redis_url, cfg.run_id, cfg.buffer) as buf:
+        buf.insert_many(groups)
+    learner = Learner(cfg)
+    counts: list[int] = []
+    learner.model.model.layers[0].register_forward_pre_hook(
+        lambda m, a, kw: counts.append(len(kw["packed_seq_lens"])), with_kwargs=True
+    )
+    graphs = []
+    try:
+        assert learner.model.config._attn_implementation == attention.TORCH_VARLEN
+        for _ in range(3):
+            learner.step()
+            graphs.append(counters["stats"]["unique_graphs"])
+    finally:
+        learner.close()
+        torch._dynamo.reset()
+    print(f"graphs after each step {graphs}; sequences per layer-0 forward {counts}")
+    assert len(set(counts)) >= 4  # many numbers of sequences went through the first layer
+    assert graphs[0] <= 3 and graphs[-1] == graphs[0], graphs  # grad, no-grad, inference-mode variants
