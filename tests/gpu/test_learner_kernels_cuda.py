@@ -138,3 +138,25 @@ def test_compiled_layers_keep_one_graph_for_every_count_of_sequences():
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])  # the first shape, then dynamic
     for eager, compiled in zip(*runs, strict=True):
         torch.testing.assert_close(compiled, eager, atol=2e-2, rtol=2e-2)
+
+
+def test_the_benchmark_profile_sorts_real_cuda_kernels():
+    """benchmarks/learner_profile.py on a CUDA step: a bf16 matrix product is `matmul`, SDPA is
+    `attention`, and the kernels' time is at most the step's wall time (busy share in (0, 1])."""
+    from benchmarks.learner_profile import profile_step
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(1, 8, 2048, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    def step():
+        for _ in range(4):
+            (a @ a).relu_()
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    step()  # the first calls pick their kernels
+    out = profile_step(step, torch.device("cuda"))
+    assert out["measured"] == "kernels" and 0 < out["device_busy_share"] <= 1.05, out
+    kinds = out["kinds"]
+    assert kinds["matmul"]["share"] > 0.3 and kinds["attention"]["s"] > 0, out
+    assert abs(sum(k["s"] for k in kinds.values()) - out["total_s"]) < 1e-9
