@@ -49,9 +49,16 @@ test-unit: install
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 # The CUDA tests (`@pytest.mark.gpu`: the learner loop, publishing, checkpoints, chunked log-probs on a GPU).
-# They skip with a reason where torch sees no GPU; CI runs on CPU. ../shared/gpu/README.md: the lent machine.
+# They skip with a reason where torch sees no GPU; CI runs on CPU. `SYSTEM=1`: with $(PYTHON) as it is,
+# installing nothing (an offline GPU machine or a cluster image whose python already has torch with CUDA
+# and the project's dependencies; ../shared/gpu/README.md: the lent machine).
+ifeq ($(SYSTEM),1)
+test-gpu:
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -m gpu tests/gpu $(PYTEST_ARGS)
+else
 test-gpu: install system-deps
 	$(PY) -m pytest -m gpu tests/gpu $(PYTEST_ARGS)
+endif
 
 lint: install
 	$(PY) -m ruff check .
