@@ -27,7 +27,7 @@ multiplied by (the input embedding left out unless tied to the LM head; attentio
                                  [--gradient-checkpointing [on|off|auto]] [--checkpoint-layers K]
                                  [--micro-batch-tokens N|auto] [--no-grad-micro-batch-tokens N|auto]
                                  [--compile-layers] [--prefetch on|off] [--model-dir DIR] [--levers]
-                                 [--profile]
+                                 [--lever-rows I,J,...] [--profile]
 
 The lever flags apply to every shape; unset, each keeps the learner's default (`--gradient-checkpointing`
 alone means on). `--levers` (longtail-1.3b, longtail-4b): one run per lever, each adding one lever to the
@@ -275,6 +275,13 @@ def main() -> None:
         action="store_true",
         help="longtail-1.3b|longtail-4b: one run per lever, each adding one to the row before (baseline: "
         "sdpa_varlen, chunked head, every layer checkpointed, 16,384 tokens), and the table of them",
+    )
+    ap.add_argument(
+        "--lever-rows",
+        type=lambda v: [int(i) for i in v.split(",")],
+        default=None,
+        metavar="I,J,...",
+        help="with --levers: these rows alone (0 = the baseline), each with the levers of the rows before",
     )
     ap.add_argument(
         "--profile",

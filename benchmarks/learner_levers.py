@@ -7,6 +7,8 @@ checkpointed and 16,384 tokens; `levers_table` prints the rows as docs/benchmark
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -31,17 +33,23 @@ def run_levers(args: argparse.Namespace) -> dict:
     """`run_shape` once per row of `LEVERS`, each adding one lever to the row before, on the same model
     and batch (the model written once, reused); a row that fails (out of memory) is reported, the next
     runs. CPU: the compiled row is left out (inductor's CPU build takes minutes; the GPU is what it is
-    for)."""
+    for). `args.lever_rows` (indices into `LEVERS`, None: all) runs some rows alone, each still with the
+    levers of the rows before it. Each finished row is also printed to stderr as it ends (`lever row: {...}`),
+    so a run stopped by a time limit keeps the rows it finished."""
     flags = argparse.Namespace(**vars(args))
     rows, device = [], args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda, profile = str(device).startswith("cuda"), None
-    runs = [lv for lv in LEVERS if cuda or lv[0] != "+ compiled layers"]  # the last row's changes alone
+    chosen = getattr(args, "lever_rows", None)
+    runs = [i for i, lv in enumerate(LEVERS) if (cuda or lv[0] != "+ compiled layers")
+            and (chosen is None or i in chosen)]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         flags.model_dir = args.model_dir or str(Path(tmp) / "model")
-        for i, (name, change) in enumerate(runs):
+        for i, (name, change) in enumerate(LEVERS):
             for k, v in change.items():
                 setattr(flags, k, v)
-            flags.profile = bool(getattr(args, "profile", False)) and i == len(runs) - 1  # the last row's
+            if i not in runs:
+                continue
+            flags.profile = bool(getattr(args, "profile", False)) and i == runs[-1]  # the last row's
             try:
                 out = run_shape(flags)
             except torch.OutOfMemoryError as e:
@@ -52,6 +60,7 @@ def run_levers(args: argparse.Namespace) -> dict:
                     torch.cuda.empty_cache()
             rows.append({"lever": name} | {k: out[k] for k in LEVER_KEYS})
             profile = out.get("profile", profile)
+            print(f"lever row: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
     done = [r for r in rows if "error" not in r]
     return {
         "shape": args.shape + ("-smoke" if args.smoke else ""),
