@@ -13,10 +13,11 @@ the 1-layer run less one layer. Three passes: `pi_old` (no grad), `train` (forwa
 
 From those counts, `estimate` gives each pass's time on a GPU as a roofline without overlap: matrix-product
 FLOPs at the measured bf16 matmul rate (790 TFLOP/s on the lent H100/H200) plus every other byte at the
-measured copy bandwidth (H200 4.3 TB/s, H100 3.0), attention's FLOPs apart. It is the eager model: what
-`compile_layers` (Inductor's fusion of the norms, RoPE, SwiGLU and casts) can save is the elementwise and
-copy bytes, an upper bound. The CPU's eager fused head moves more bytes than its compiled CUDA form (one
-fp32 copy of each chunk's logits more): the head's bytes are an upper bound too.
+measured copy bandwidth (H200 4.3 TB/s, H100 3.0); attention's FLOPs are not counted (the CPU's flash
+kernel has no FLOP formula), its bytes are. It is the eager model: what `compile_layers` (Inductor's fusion
+of the norms, RoPE, SwiGLU and casts) can save is the elementwise and copy bytes, an upper bound. The CPU
+runs the fused head's passes eagerly, each in-place step reading and writing the chunk's fp32 logits, where
+CUDA compiles each pass into one kernel: the head's bytes are an upper bound too.
 
 Figures: docs/benchmarks.md ("Bytes and FLOPs per token").
 """
@@ -68,8 +69,8 @@ class Traffic(TorchDispatchMode):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         if name in MATMULS:
-            meta = func(*(tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))[0]),
-                        **tree_map_only(torch.Tensor, lambda t: t.to("meta"), kwargs))  # fmt: skip
+            margs, mkwargs = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+            meta = func(*margs, **mkwargs)  # the output's shape and dtype, nothing computed
             out = torch.zeros(meta.shape, dtype=meta.dtype)
         else:
             out = func(*args, **kwargs)

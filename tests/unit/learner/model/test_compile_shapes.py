@@ -126,7 +126,6 @@ def test_torch_varlen_layers_compile_once_for_every_count_of_sequences(eager_bac
     # 4 layers x 12 micro-batches of 10 distinct counts (> dynamo's recompile limit of 8) ran through one
     # graph (the same code object serves every layer): no count compiled anew
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
-    assert not counters["recompiles"] if "recompiles" in counters else True
     for (lw, gw), (lg, gg) in zip(want, got, strict=True):
         torch.testing.assert_close(lg, lw, atol=2e-2, rtol=2e-2)  # bf16 matmuls, another attention order
         torch.testing.assert_close(gg, gw, atol=2e-3, rtol=5e-2)
