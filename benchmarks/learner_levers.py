@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 import torch
@@ -31,11 +32,12 @@ LEVERS = (  # cumulative: each row adds one lever to the row before (the flags o
 
 def run_levers(args: argparse.Namespace) -> dict:
     """`run_shape` once per row of `LEVERS`, each adding one lever to the row before, on the same model
-    and batch (the model written once, reused); a row that fails (out of memory) is reported, the next
-    runs. CPU: the compiled row is left out (inductor's CPU build takes minutes; the GPU is what it is
-    for). `args.lever_rows` (indices into `LEVERS`, None: all) runs some rows alone, each still with the
-    levers of the rows before it. Each finished row is also printed to stderr as it ends (`lever row: {...}`),
-    so a run stopped by a time limit keeps the rows it finished."""
+    and batch (the model written once, reused); a row that fails (out of memory, or any other error, its
+    traceback on stderr) is reported, the next runs. CPU: the compiled row is left out (inductor's CPU
+    build takes minutes; the GPU is what it is for). `args.lever_rows` (indices into `LEVERS`, None: all)
+    runs some rows alone, each still with the levers of the rows before it. Each finished row is also
+    printed to stderr as it ends (`lever row: {...}`), so a run stopped by a time limit keeps the rows it
+    finished."""
     flags = argparse.Namespace(**vars(args))
     rows, device = [], args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda, profile = str(device).startswith("cuda"), None
@@ -54,6 +56,11 @@ def run_levers(args: argparse.Namespace) -> dict:
                 out = run_shape(flags)
             except torch.OutOfMemoryError as e:
                 rows.append({"lever": name, "error": f"out of memory: {str(e)[:160]}"})
+                continue
+            except Exception as e:  # a row that breaks (a kernel, a compile) must not cost the rest
+                traceback.print_exc(file=sys.stderr)
+                rows.append({"lever": name, "error": f"{type(e).__name__}: {str(e)[:240]}"})
+                print(f"lever row: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
                 continue
             finally:
                 if torch.cuda.is_available():

@@ -23,14 +23,17 @@ def args(**kw) -> argparse.Namespace:
     return argparse.Namespace(**(base | kw))
 
 
-def fake_runs(monkeypatch, oom: bool = False) -> list[dict]:
-    """`run_shape` replaced: it records the lever flags of each run; with `oom` the first run fails."""
+def fake_runs(monkeypatch, oom: bool = False, broken: int | None = None) -> list[dict]:
+    """`run_shape` replaced: it records the lever flags of each run; with `oom` the first run fails; the
+    run numbered `broken` raises some other error."""
     seen: list[dict] = []
 
     def run_shape(flags):
         seen.append({k: getattr(flags, k) for k in (*FLAGS, "profile")})
         if len(seen) == 1 and oom:
             raise torch.OutOfMemoryError("CUDA out of memory")
+        if len(seen) == broken:
+            raise RuntimeError("inductor: a kernel failed to build")
         return (
             {k: 1.0 for k in learner_levers.LEVER_KEYS}
             | {"settings": {}, "device": "cuda"}
@@ -62,3 +65,14 @@ def test_every_row_by_default_and_an_out_of_memory_row_is_reported(monkeypatch):
     assert len(seen) == len(learner_levers.LEVERS)
     assert out["levers"][0]["error"].startswith("out of memory") and "error" not in out["levers"][1]
     assert [s["profile"] for s in seen] == [False] * (len(seen) - 1) + [True]
+
+
+def test_a_row_that_breaks_otherwise_is_reported_and_the_rest_still_run(monkeypatch, capsys):
+    seen = fake_runs(monkeypatch, broken=2)
+    out = learner_levers.run_levers(args())
+    assert len(seen) == len(learner_levers.LEVERS)
+    assert out["levers"][1]["error"] == "RuntimeError: inductor: a kernel failed to build"
+    assert all("error" not in r for i, r in enumerate(out["levers"]) if i != 1)
+    err = capsys.readouterr().err
+    assert "Traceback" in err and '"error": "RuntimeError: inductor' in err
+    assert out["mfu"] == 1.0 and out["profile"] == {"kinds": {}}
