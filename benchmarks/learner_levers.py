@@ -79,7 +79,8 @@ def run_levers(args: argparse.Namespace) -> dict:
 
 
 LEVER_KEYS = ("device", "warmup_s", "step_s", "tokens_per_s", "mfu", "pi_old_s", "forward_backward_s",
-              "optimizer_s", "peak_memory_gib", "plan_gib", "attention", "settings")  # fmt: skip
+              "optimizer_s", "peak_memory_gib", "resident_gib_at_start", "plan_gib", "attention",
+              "settings")  # fmt: skip
 
 
 def levers_table(out: dict) -> str:

@@ -33,6 +33,7 @@ on a hidden-64 model and the batch's lengths / 64 (seconds on CPU).
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import tempfile
 import time
@@ -266,6 +267,20 @@ def lever_settings(args: argparse.Namespace) -> dict:
     return {k: v for k, v in out.items() if v is not None}
 
 
+def release_device_memory(device: torch.device) -> float | None:
+    """Collect what earlier learners in this process left (a `Learner` is held by reference cycles until the
+    cyclic collector runs: on a GPU, its weights, gradients and optimizer state, 64 GB at 4B), give the
+    cached blocks back, and return the GiB still allocated on the CUDA device (None on CPU). Before, the
+    `--levers` rows ran on a device still holding an earlier row's learner: its peaks read high and the
+    rows whose plans filled the device ran out of memory."""
+    gc.collect()
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(device) / GIB
+
+
 def run_shape(args: argparse.Namespace) -> dict:
     """The long-tailed batch through the learner on `args.shape` with the levers of the flags."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -285,6 +300,7 @@ def run_shape(args: argparse.Namespace) -> dict:
         )  # fmt: skip
         with ReplayBuffer(redis.url, cfg.run_id, cfg.buffer) as buf:
             buf.insert_many(groups)
+        resident = release_device_memory(device)
         learner = Learner(cfg)
         try:
             start = time.perf_counter()
@@ -300,8 +316,11 @@ def run_shape(args: argparse.Namespace) -> dict:
             flops_params = matmul_params(learner.model)
             attention = learner.model.config._attn_implementation
             settings, plan = learner.settings, learner.memory_plan
+            precision = learner.precision.name
         finally:
             learner.close()
+            del learner  # its reference cycles hold the model and optimizer until a collection
+            release_device_memory(device)
     phases = {p: statistics.median(s.get(f"time/{p}", 0.0) for s in steps) for p in PHASES}
     step_s = statistics.median(sum(s.get(f"time/{p}", 0.0) for p in PHASES) for s in steps)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
@@ -309,7 +328,7 @@ def run_shape(args: argparse.Namespace) -> dict:
     return {
         "shape": args.shape + ("-smoke" if args.smoke else ""),
         "device": name,
-        "precision": learner.precision.name,
+        "precision": precision,
         "params": params,
         "rows_per_step": 16 * 8,
         "tokens_per_step": real,
@@ -324,6 +343,7 @@ def run_shape(args: argparse.Namespace) -> dict:
         "optimizer_s": phases["optimizer"],
         "phases_s": phases,
         "peak_memory_gib": peak,
+        "resident_gib_at_start": resident,
         "plan_gib": plan.total / GIB,
         "plan": plan.as_dict(),
         "attention": attention,

@@ -58,6 +58,7 @@ def long_groups(count: int, vocab: int) -> list[TrajectoryGroup]:
     ]  # fmt: skip
 
 
+@pytest.mark.slow  # over 50 s on the H200 (a 1.78B model, two steps): `make test-gpu` runs it
 def test_the_host_plan_holds_the_measured_peak_at_1_3b(redis_url, tmp_path):
     model = make_tiny_model(tmp_path / "model", dtype="bfloat16", **SHAPE_1_3B)
     steps = 2

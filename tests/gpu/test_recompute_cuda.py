@@ -62,5 +62,8 @@ def test_each_checkpointed_layer_saves_what_the_plan_says():
     planned = [estimate(cfg, shape, 1, False, k, True, tokens=tokens).total for k in (0, LAYERS)]
     measured = peaks[0] - peaks[LAYERS]
     assert measured == pytest.approx(planned[0] - planned[1], rel=0.15), (measured, planned, tokens)
+    # bf16 on CUDA: the attention backward accumulates with atomics, so two runs differ element by element
+    # even with nothing checkpointed (the H200 saw 2.4 % of elements off by more than 2e-2 relative). A
+    # wrong recompute is off by the gradient's own size; rounding is not: compare the whole vector.
     for k in (LAYERS // 2, LAYERS):
-        torch.testing.assert_close(grads[k], grads[0], rtol=2e-2, atol=1e-3)
+        assert ((grads[k] - grads[0]).norm() / grads[0].norm()).item() < 1e-2, k
