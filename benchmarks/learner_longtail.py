@@ -269,7 +269,7 @@ def lever_settings(args: argparse.Namespace) -> dict:
 
 def release_device_memory(device: torch.device) -> float | None:
     """Collect what earlier learners in this process left (a `Learner` is held by reference cycles until the
-    cyclic collector runs: on a GPU, its weights, gradients and optimizer state, 64 GB at 4B), give the
+    cyclic collector runs: on a GPU, its fp32 weights and Adam state, 48 GB at 4B), give the
     cached blocks back, and return the GiB still allocated on the CUDA device (None on CPU). Before, the
     `--levers` rows ran on a device still holding an earlier row's learner: its peaks read high and the
     rows whose plans filled the device ran out of memory."""

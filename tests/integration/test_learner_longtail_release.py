@@ -1,8 +1,8 @@
 """benchmarks/learner_longtail.py's `run_shape`, run twice in one process as `--levers` does: the first
 row's learner is gone before the second is built. A `Learner` is held by reference cycles, so without a
-collection it outlives `run_shape`; on the H200 that left a 4B row's weights, gradients and Adam state
-(64 GB) on the device under the next row, whose peak read 17 GiB high and whose auto-sized plans ran out
-of memory."""
+collection it outlives `run_shape` with its weights and Adam state (48 GB at 4B); on the H200 the next
+rows ran beside what was left of it: one row's peak read 17 GiB high, and the rows whose plans fill the
+device ran out of memory."""
 
 from __future__ import annotations
 
