@@ -101,8 +101,8 @@ def choose(
         if limit is None:
             return DEFAULT_TOKENS
         fixed = estimate(config, shape, ranks, sharded, 0, cuda, reference, tokens=0, teacher=teacher)
-        kept = token_bytes(shape, stream, layers)
-        layer = 0 if layers is None else shape.in_flight_bytes(stream, layers > 0)
+        kept = token_bytes(shape, stream, layers, config.compile_layers)
+        layer = 0 if layers is None else shape.in_flight_bytes(stream, layers > 0, config.compile_layers)
         room = limit - fixed.total + fixed.lm_head_chunk  # the head's chunk, or a layer in flight
         tokens = min((room - fixed.lm_head_chunk) // kept, room // (kept + layer))
         return min(MAX_TOKENS, max(1024, tokens // 1024 * 1024))

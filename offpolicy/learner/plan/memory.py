@@ -16,7 +16,12 @@ under FSDP, 1 on one process):
   T x T scores: FlashAttention, `torch_varlen` or `sdpa_varlen`): under `bf16_mixed` 26 h + 8 i + 6 q
   + 4 kv (the residual stream stays fp32; 6 q + 6 kv more with per-head q/k norms, as Qwen3), under
   `fp32` 24 h + 16 i + 12 q + 8 kv (8 q + 8 kv more with the norms), under `bf16_pure` and under FSDP's
-  bf16 parameters 16 h + 8 i + 6 q + 4 kv; and 11 h outside the layers. With activation checkpointing
+  bf16 parameters 16 h + 8 i + 6 q + 4 kv; and 11 h outside the layers. Layers compiled by
+  `compile_layers` keep fewer: inductor's min-cut partitioner recomputes the norms, the activation and the
+  rotary embedding in the backward pass, and keeps the layer's input, the normed inputs, the rotated q and
+  k, v, attention's output and the MLP's three intermediates (q and k before their norms too, with them),
+  read from the partitioned graph of the real widths: under `bf16_mixed` 10 h + 6 i + 4 (q + kv), 6 (q
+  + kv) with the norms; 2 h less on a bf16 stream; under `fp32` the eager count. With activation checkpointing
   only each checkpointed layer's input (h per token and layer, fp32 or bf16 as the residual stream): all
   L layers, or k of them (`checkpoint_layers`), the other L - k keeping their saved tensors. In the backward
   pass one layer is in flight: its gradients (8 h + 4 i), or with checkpointing its saved tensors made
@@ -91,25 +96,28 @@ class ModelShape:
             0 if lora is None else adapter_params(model, lora),
         )  # fmt: skip
 
-    def layer_bytes(self, precision: str) -> int:
-        """Bytes one decoder layer keeps for the backward pass per token (module docstring)."""
+    def layer_bytes(self, precision: str, compiled: bool = False) -> int:
+        """Bytes one decoder layer keeps for the backward pass per token (module docstring); `compiled`:
+        the layer under `compile_layers` (inductor's partitioner keeps fewer of them)."""
         h, i = self.hidden, self.intermediate
         q, kv = self.q_width or h, self.kv_width or h
         norm = self.qk_norm
+        if compiled and precision in ("bf16_mixed", "bf16_pure"):
+            return (10 if precision == "bf16_mixed" else 8) * h + 6 * i + (4 + 2 * norm) * (q + kv)
         if precision == "fp32":
             return 24 * h + 16 * i + (12 + 8 * norm) * q + (8 + 8 * norm) * kv
         if precision == "bf16_pure":
             return 16 * h + 8 * i + (6 + 6 * norm) * q + (4 + 6 * norm) * kv
         return 26 * h + 8 * i + (6 + 6 * norm) * q + (4 + 6 * norm) * kv
 
-    def in_flight_bytes(self, precision: str, recomputed: bool = True) -> int:
+    def in_flight_bytes(self, precision: str, recomputed: bool = True, compiled: bool = False) -> int:
         """Bytes per token of the layer whose backward runs: when it is checkpointed (`recomputed`), its
         saved tensors made again, which the backward frees as it consumes them while it makes the
         gradients (measured: the pair peaks at about the saved tensors alone); without checkpointing (the
         saved tensors already counted in the activations) the gradients it makes on the way, the
         residual's and the MLP's."""
         if recomputed:
-            return self.layer_bytes(precision)
+            return self.layer_bytes(precision, compiled)
         return 8 * self.hidden + 4 * self.intermediate
 
 
@@ -205,11 +213,11 @@ def estimate(
         gradients=0 if offload else trained,
         optimizer=0 if offload else 2 * trained,
         compute_copies=copies,
-        activations=tokens * token_bytes(shape, stream, layers),
+        activations=tokens * token_bytes(shape, stream, layers, config.compile_layers),
         lm_head_chunk=head_bytes(config, shape, compute, cuda),
         host_offloaded=(state + 3 * trained if offload else 0) + ref_host + teacher_host,
         reference=ref_device,
-        layer_in_flight=tokens * shape.in_flight_bytes(stream, layers > 0),
+        layer_in_flight=tokens * shape.in_flight_bytes(stream, layers > 0, config.compile_layers),
         teacher=teacher_device,
     )
 
@@ -231,15 +239,19 @@ def checkpointed(config: LearnerConfig, layers: int, checkpointing: bool | int) 
     return max(0, min(count, layers))
 
 
-def token_bytes(shape: ModelShape, stream: str, checkpointed: int | bool | None) -> int:
+def token_bytes(
+    shape: ModelShape, stream: str, checkpointed: int | bool | None, compiled: bool = False
+) -> int:
     """Activation bytes kept per token of a micro-batch under activation precision `stream`: every layer's
-    saved tensors, but for the `checkpointed` layers (a count; True: all) only their input; None: a pass
-    without gradients, which keeps one layer's working set alone; and the states outside the layers."""
+    saved tensors (`compiled`: under `compile_layers`), but for the `checkpointed` layers (a count; True:
+    all) only their input; None: a pass without gradients, which keeps one layer's working set alone (its
+    eager one: an upper bound); and the states outside the layers."""
     if checkpointed is None:
         return shape.layer_bytes(stream) + 11 * shape.hidden
     k = shape.layers if checkpointed is True else int(checkpointed)
     layer_input = shape.hidden * (2 if stream == "bf16_pure" else 4)
-    return k * layer_input + (shape.layers - k) * shape.layer_bytes(stream) + 11 * shape.hidden
+    saved = shape.layer_bytes(stream, compiled)
+    return k * layer_input + (shape.layers - k) * saved + 11 * shape.hidden
 
 
 def head_bytes(config: LearnerConfig, shape: ModelShape, compute: int, cuda: bool) -> int:
