@@ -26,7 +26,8 @@ multiplied by (the input embedding left out unless tied to the LM head; attentio
                                  [--attention K] [--logprob-head fused|chunked]
                                  [--gradient-checkpointing [on|off|auto]] [--checkpoint-layers K]
                                  [--micro-batch-tokens N|auto] [--no-grad-micro-batch-tokens N|auto]
-                                 [--compile-layers] [--prefetch on|off] [--model-dir DIR] [--levers]
+                                 [--compile-layers [on|off|auto]] [--prefetch on|off]
+                                 [--model-dir DIR] [--levers]
                                  [--lever-rows I,J,...] [--profile]
 
 The lever flags apply to every shape; unset, each keeps the learner's default (`--gradient-checkpointing`
@@ -291,8 +292,12 @@ def main() -> None:
     )
     ap.add_argument(
         "--compile-layers",
-        action="store_true",
-        help="compile_layers: torch.compile each decoder layer (default: off, the learner's)",
+        nargs="?",
+        const="on",
+        choices=["on", "off", "auto"],
+        default=None,
+        help="compile_layers: torch.compile each decoder layer (alone: on; default: the learner's, auto: "
+        "on for one CUDA process)",
     )
     ap.add_argument(
         "--model-dir",

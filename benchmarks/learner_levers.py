@@ -19,7 +19,8 @@ from benchmarks.learner_longtail import run_shape
 
 LEVERS = (  # cumulative: each row adds one lever to the row before (the flags of `lever_settings`)
     ("baseline", {"attention": "sdpa_varlen", "logprob_head": "chunked", "gradient_checkpointing": "on",
-                  "micro_batch_tokens": "16384", "no_grad_micro_batch_tokens": None}),
+                  "micro_batch_tokens": "16384", "no_grad_micro_batch_tokens": None,
+                  "compile_layers": False}),
     ("+ varlen attention (auto)", {"attention": None}),
     ("+ fused log-prob head", {"logprob_head": None}),
     ("+ checkpointing auto (per layer)", {"gradient_checkpointing": "auto"}),

@@ -255,6 +255,10 @@ def budget(value: str | None) -> int | str | None:
     return None if value is None else value if value == "auto" else int(value)
 
 
+SWITCH = {"on": True, "off": False, "auto": "auto", True: True, False: False, None: None}
+"""`--compile-layers` (and `--levers`' rows, which set it True or False) -> `compile_layers`."""
+
+
 def lever_settings(args: argparse.Namespace) -> dict:
     """The learner settings the lever flags name (unset ones keep the learner's defaults)."""
     ckpt = {"on": True, "off": False, "auto": "auto", None: None}[args.gradient_checkpointing]
@@ -262,7 +266,7 @@ def lever_settings(args: argparse.Namespace) -> dict:
            "gradient_checkpointing": ckpt, "checkpoint_layers": getattr(args, "checkpoint_layers", None),
            "micro_batch_tokens": budget(args.micro_batch_tokens),
            "no_grad_micro_batch_tokens": budget(args.no_grad_micro_batch_tokens),
-           "compile_layers": True if getattr(args, "compile_layers", False) else None,
+           "compile_layers": SWITCH[getattr(args, "compile_layers", None)],
            "prefetch": {"on": True, "off": False, None: None}[getattr(args, "prefetch", None)]}  # fmt: skip
     return {k: v for k, v in out.items() if v is not None}
 
@@ -351,6 +355,5 @@ def run_shape(args: argparse.Namespace) -> dict:
             **settings.as_dict(),
             "logprob_head": cfg.logprob_head,
             "packing": cfg.packing,
-            "compile_layers": cfg.compile_layers,
         },
     } | ({"profile": profile} if profile is not None else {})

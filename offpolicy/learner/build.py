@@ -43,7 +43,15 @@ from offpolicy.learner.model.recompute import checkpoint_layers
 from offpolicy.learner.model.reference import AdapterOff, freeze, stream_layers
 from offpolicy.learner.plan import host as host_plan
 from offpolicy.learner.plan.auto import Settings, settings_for
-from offpolicy.learner.plan.memory import GIB, MemoryPlan, ModelShape, check, checkpointed, device_limit
+from offpolicy.learner.plan.memory import (
+    GIB,
+    MemoryPlan,
+    ModelShape,
+    check,
+    checkpointed,
+    compiles,
+    device_limit,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +74,19 @@ def build_trainables(
     precision: Precision,
     sharded: bool,
     checkpointing: bool | int | None = None,
+    compiled: bool | None = None,
 ) -> tuple[Trainables, set[str], str]:
     """The policy, optimizer, scheduler and (GAE) critic of `config` on `device` (`sharded`: FSDP2), the
     names of the weights to publish (the state dict's, tied names dropped as `save_pretrained` does;
     taken before sharding, which hides the ties; under LoRA the adapter's alone), and how the policy's
     weights were read (`start_way`). `checkpointing`: the decoder layers checkpointed (a count, or
-    True: `checkpoint_layers`, else all); None = `gradient_checkpointing` without a memory plan."""
+    True: `checkpoint_layers`, else all); None = `gradient_checkpointing` without a memory plan.
+    `compiled`: whether the decoder layers are compiled; None = `compile_layers` resolved here
+    (plan/memory.py `compiles`)."""
     if checkpointing is None:
         checkpointing = gradient_checkpointing(config, device)
+    if compiled is None:
+        compiled = compiles(config, device.type == "cuda", sharded)
     attn = attention.resolve(config.attn_implementation, device)
     lean = sharded and config.fsdp.lean_start
     mesh = fsdp_mesh(config.fsdp.replicate, device) if sharded else None
@@ -95,7 +108,7 @@ def build_trainables(
     else:
         publish_keys = set(unique_names(model) if lean else unique_state(model))
     policy = LogProbs(model, config.logprob_head)  # what the loop calls for log-probs
-    if config.compile_layers:
+    if compiled:
         compile_layers(decoder_layers(model, model.config.num_hidden_layers))
     if sharded:
         shard(policy, model.config.num_hidden_layers, precision, offload, mesh)
@@ -133,7 +146,7 @@ def build_trainables(
             attn_implementation=attn,
             backbone=backbone,
         )
-        if config.compile_layers:
+        if compiled:
             compile_layers(decoder_layers(critic.backbone, critic.backbone.config.num_hidden_layers))
         if sharded:
             shard(critic, critic.backbone.config.num_hidden_layers, precision, offload, mesh)
@@ -348,7 +361,7 @@ def build_models(config: LearnerConfig, ranks: Ranks) -> Built:
     host = plan_host(config, ranks, shard_ranks)  # refused here when the node's host plan exceeds its limit
     with host_plan.PeakHostMemory() as startup:  # the models' host memory at start-up (lean start: ~shards)
         parts, publish_keys, start_way = build_trainables(
-            config, device, precision, ranks.distributed, checkpointing
+            config, device, precision, ranks.distributed, checkpointing, settings.compiled_layers
         )
         reference = build_reference(config, device, precision, ranks.distributed, parts.policy)
         teacher = build_teacher(config, device, precision, ranks.distributed)

@@ -110,10 +110,11 @@ def test_steps_config_patch_history_metrics_checkpoint(
     assert status["policy_version"] >= 2
     assert status["buffer"]["sampled_total"] == 4
     assert "reward_mean" in status["last_step"]
-    # the memory plan's choices: on CPU without a limit, no checkpointing and the configured budgets
+    # the memory plan's choices: on CPU without a limit, no checkpointing and the configured budgets;
+    # `compile_layers: auto` is off on CPU
     assert status["settings"] == {
         "gradient_checkpointing": False, "checkpointed_layers": 0, "decoder_layers": 2,
-        "micro_batch_tokens": 16384, "no_grad_micro_batch_tokens": 16384,
+        "micro_batch_tokens": 16384, "no_grad_micro_batch_tokens": 16384, "compile_layers": False,
     }  # fmt: skip
 
     # pause at a boundary, change the config, nothing applies while paused

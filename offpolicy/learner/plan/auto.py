@@ -27,6 +27,7 @@ from offpolicy.learner.plan.memory import (
     ModelShape,
     activation_precision,
     checkpointed,
+    compiles,
     estimate,
     shapes_of,
     teacher_shape,
@@ -50,6 +51,9 @@ class Settings:
     plan: MemoryPlan
     layers: int = 0
     """The model's decoder layers (for the report)."""
+    compiled_layers: bool = False
+    """Whether the decoder layers are compiled (`compile_layers`, `auto` resolved: plan/memory.py
+    `compiles`)."""
 
     @property
     def checkpointing(self) -> bool:
@@ -77,6 +81,7 @@ class Settings:
             "decoder_layers": self.layers,
             "micro_batch_tokens": self.micro_batch_tokens,
             "no_grad_micro_batch_tokens": self.no_grad_micro_batch_tokens,
+            "compile_layers": self.compiled_layers,
         }
 
 
@@ -96,13 +101,14 @@ def choose(
     not fit)."""
     precision = config.precision or ("bf16_mixed" if cuda else "fp32")
     stream = activation_precision(precision, sharded or config.lora is not None)
+    compiled = compiles(config, cuda, sharded)
 
     def largest(layers: int | None) -> int:  # tokens that fit beside the fixed parts (None: no-grad)
         if limit is None:
             return DEFAULT_TOKENS
         fixed = estimate(config, shape, ranks, sharded, 0, cuda, reference, tokens=0, teacher=teacher)
-        kept = token_bytes(shape, stream, layers, config.compile_layers)
-        layer = 0 if layers is None else shape.in_flight_bytes(stream, layers > 0, config.compile_layers)
+        kept = token_bytes(shape, stream, layers, compiled)
+        layer = 0 if layers is None else shape.in_flight_bytes(stream, layers > 0, compiled)
         room = limit - fixed.total + fixed.lm_head_chunk  # the head's chunk, or a layer in flight
         tokens = min((room - fixed.lm_head_chunk) // kept, room // (kept + layer))
         return min(MAX_TOKENS, max(1024, tokens // 1024 * 1024))
@@ -125,7 +131,7 @@ def choose(
         no_grad = tokens if limit is None else max(tokens, largest(None))
     tokens_planned = tokens if config.packing else None
     plan = estimate(config, shape, ranks, sharded, layers, cuda, reference, tokens_planned, teacher)
-    return Settings(layers, tokens, no_grad, plan, shape.layers)
+    return Settings(layers, tokens, no_grad, plan, shape.layers, compiled)
 
 
 def fewest(config: LearnerConfig, shape: ModelShape, needed: int, largest) -> int:

@@ -208,18 +208,27 @@ def estimate(
     teacher_device, teacher_host = frozen_bytes(on, offloaded, teacher or shape, share, sharded, compute)
     stream = activation_precision(precision, sharded or lora)
     layers = checkpointed(config, shape.layers, checkpointing)
+    compiled = compiles(config, cuda, sharded)
     return MemoryPlan(
         weights=0 if offload else state,
         gradients=0 if offload else trained,
         optimizer=0 if offload else 2 * trained,
         compute_copies=copies,
-        activations=tokens * token_bytes(shape, stream, layers, config.compile_layers),
+        activations=tokens * token_bytes(shape, stream, layers, compiled),
         lm_head_chunk=head_bytes(config, shape, compute, cuda),
         host_offloaded=(state + 3 * trained if offload else 0) + ref_host + teacher_host,
         reference=ref_device,
-        layer_in_flight=tokens * shape.in_flight_bytes(stream, layers > 0, config.compile_layers),
+        layer_in_flight=tokens * shape.in_flight_bytes(stream, layers > 0, compiled),
         teacher=teacher_device,
     )
+
+
+def compiles(config: LearnerConfig, cuda: bool, sharded: bool) -> bool:
+    """Whether the decoder layers are compiled: `compile_layers` as set, or `auto`: on CUDA on one process
+    without LoRA (the config field's docstring)."""
+    if config.compile_layers != "auto":
+        return bool(config.compile_layers)
+    return cuda and not sharded and config.lora is None
 
 
 def activation_precision(precision: str, bf16_weights: bool) -> str:

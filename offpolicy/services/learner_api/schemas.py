@@ -128,8 +128,8 @@ class LearnerStatus(BaseModel):
     null before it starts."""
     settings: dict[str, int | bool] | None = None
     """What the memory plan chose at start (learner/plan/auto.py): `gradient_checkpointing`,
-    `checkpointed_layers` of `decoder_layers`, `micro_batch_tokens`, `no_grad_micro_batch_tokens`; null
-    before it starts."""
+    `checkpointed_layers` of `decoder_layers`, `micro_batch_tokens`, `no_grad_micro_batch_tokens`,
+    `compile_layers` (`auto` resolved); null before it starts."""
     grad_sync: str | None = None
     """When the ranks reduce gradients, as resolved from `fsdp.grad_sync`: `mini_batch` (once per optimizer
     step) or `micro_batch` (each micro-batch); null before it starts."""

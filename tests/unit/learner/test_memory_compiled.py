@@ -26,10 +26,11 @@ from torch._inductor.decomposition import select_decomp_table
 from transformers import AutoModelForCausalLM
 
 from benchmarks.learner_longtail import SHAPES
+from offpolicy.learner.build import build_trainables
 from offpolicy.learner.config import LearnerConfig
-from offpolicy.learner.model import attention
+from offpolicy.learner.model import Precision, attention, make_tiny_model
 from offpolicy.learner.plan import auto
-from offpolicy.learner.plan.memory import GIB, ModelShape, estimate
+from offpolicy.learner.plan.memory import GIB, ModelShape, compiles, estimate
 from tests.unit.learner.model.test_compile_shapes import _each
 
 
@@ -150,3 +151,43 @@ def test_auto_checkpoints_fewer_layers_when_the_layers_are_compiled():
     assert plans[False][0] == pytest.approx(123.0, abs=0.05)
     assert plans[True][0] == pytest.approx(102.6, abs=0.05)
     assert plans[False][1] == plans[True][1]  # every layer checkpointed: no saved tensors to count
+
+
+@pytest.mark.parametrize(
+    ("setting", "cuda", "sharded", "lora", "want"),
+    [
+        ("auto", True, False, False, True),  # one CUDA process: where it was measured to pay
+        ("auto", False, False, False, False),  # CPU: Inductor's C++ build costs minutes
+        ("auto", True, True, False, False),  # FSDP on several ranks: not measured yet
+        ("auto", True, False, True, False),  # LoRA: not measured yet
+        (True, False, True, True, True),
+        (False, True, False, False, False),
+    ],
+)  # fmt: skip
+def test_compile_layers_auto_is_on_for_one_cuda_process_alone(setting, cuda, sharded, lora, want):
+    cls, widths = SHAPES["longtail-4b"]
+    shape = ModelShape.of(cls(**widths))
+    # bf16_mixed: fp32 compiled layers are counted as eager ones
+    lora_cfg = {"rank": 8} if lora else None
+    cfg = LearnerConfig(model_path="unused", compile_layers=setting, lora=lora_cfg, precision="bf16_mixed")
+    assert compiles(cfg, cuda, sharded) is want
+    chosen = auto.choose(cfg, shape, 2 if sharded else 1, sharded, cuda, None)
+    assert chosen.as_dict()["compile_layers"] is want  # what the log, /v1/status and the benchmark report
+    # the plan follows: compiled layers keep fewer bytes (every layer kept, no checkpointing)
+    eager = cfg.model_copy(update={"compile_layers": False})
+    kept = [estimate(c, shape, 1, sharded, 0, cuda, tokens=16384).activations for c in (cfg, eager)]
+    assert (kept[0] < kept[1]) is want
+
+
+def test_the_default_config_compiles_on_cuda_and_the_cpu_learner_stays_eager(tmp_path):
+    """`compile_layers` defaults to `auto`; built on CPU, the learner's layers keep their eager forward
+    (and `compiled=True`, what the plan resolves on one CUDA process, wraps them)."""
+    tiny = make_tiny_model(tmp_path / "m", hidden_size=64, num_heads=1, num_layers=2, intermediate_size=96)
+    cfg = LearnerConfig(model_path=str(tiny), device="cpu")
+    assert cfg.compile_layers == "auto"
+    cpu = torch.device("cpu")
+    parts, _, _ = build_trainables(cfg, cpu, Precision.resolve("fp32", cpu), False, False)
+    layer = parts.model.model.layers[0]
+    assert layer.forward.__func__ is type(layer).forward  # not a compiled wrapper
+    parts, _, _ = build_trainables(cfg, cpu, Precision.resolve("fp32", cpu), False, False, compiled=True)
+    assert getattr(parts.model.model.layers[0].forward, "__wrapped__", None) is not None

@@ -25,7 +25,8 @@ def shape_7b() -> ModelShape:
 
 
 def cfg(**kw) -> LearnerConfig:
-    return LearnerConfig(model_path="unused", **kw)
+    """Eager layers unless a test says otherwise (compiled: tests/unit/learner/test_memory_compiled.py)."""
+    return LearnerConfig(model_path="unused", **({"compile_layers": False} | kw))
 
 
 def test_the_shape_counts_parameters_without_loading_them(shape_7b):
@@ -185,7 +186,7 @@ def test_auto_checkpoints_the_fewest_layers_that_fit(shape_1_8b):
         assert fewer.total > limit
         assert s.as_dict() == {
             "gradient_checkpointing": True, "checkpointed_layers": k, "decoder_layers": shape.layers,
-            "micro_batch_tokens": 16384, "no_grad_micro_batch_tokens": 16384,
+            "micro_batch_tokens": 16384, "no_grad_micro_batch_tokens": 16384, "compile_layers": False,
         }  # fmt: skip
     fixed = choose(cfg(checkpoint_layers=20), shape_4b, 1, False, True, H200)
     assert fixed.checkpointed_layers == 20
