@@ -53,21 +53,15 @@ def run_levers(args: argparse.Namespace) -> dict:
             if i not in runs:
                 continue
             flags.profile = bool(getattr(args, "profile", False)) and i == runs[-1]  # the last row's
-            try:
+            try:  # run_shape frees the device of an earlier row's learner before it builds its own
                 out = run_shape(flags)
+                rows.append({"lever": name} | {k: out[k] for k in LEVER_KEYS})
+                profile = out.get("profile", profile)
             except torch.OutOfMemoryError as e:
                 rows.append({"lever": name, "error": f"out of memory: {str(e)[:160]}"})
-                continue
             except Exception as e:  # a row that breaks (a kernel, a compile) must not cost the rest
                 traceback.print_exc(file=sys.stderr)
                 rows.append({"lever": name, "error": f"{type(e).__name__}: {str(e)[:240]}"})
-                print(f"lever row: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
-                continue
-            finally:
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-            rows.append({"lever": name} | {k: out[k] for k in LEVER_KEYS})
-            profile = out.get("profile", profile)
             print(f"lever row: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
     done = [r for r in rows if "error" not in r]
     return {

@@ -256,18 +256,18 @@ def budget(value: str | None) -> int | str | None:
 
 
 SWITCH = {"on": True, "off": False, "auto": "auto", True: True, False: False, None: None}
-"""`--compile-layers` (and `--levers`' rows, which set it True or False) -> `compile_layers`."""
+"""An on/off/auto flag -> the setting (`--levers`' rows set `compile_layers` True or False themselves)."""
 
 
 def lever_settings(args: argparse.Namespace) -> dict:
     """The learner settings the lever flags name (unset ones keep the learner's defaults)."""
-    ckpt = {"on": True, "off": False, "auto": "auto", None: None}[args.gradient_checkpointing]
+    ckpt = SWITCH[args.gradient_checkpointing]
     out = {"attn_implementation": args.attention, "logprob_head": args.logprob_head,
            "gradient_checkpointing": ckpt, "checkpoint_layers": getattr(args, "checkpoint_layers", None),
            "micro_batch_tokens": budget(args.micro_batch_tokens),
            "no_grad_micro_batch_tokens": budget(args.no_grad_micro_batch_tokens),
            "compile_layers": SWITCH[getattr(args, "compile_layers", None)],
-           "prefetch": {"on": True, "off": False, None: None}[getattr(args, "prefetch", None)]}  # fmt: skip
+           "prefetch": SWITCH[getattr(args, "prefetch", None)]}  # fmt: skip
     return {k: v for k, v in out.items() if v is not None}
 
 
