@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from benchmarks.learning_signal import RunTrace, Setup
+    from learning_signal import RunTrace, Setup
 
 
 def plot(traces: list[RunTrace], setup: Setup, path: Path) -> None:

@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 from offpolicy.learner.config import load_config
 from offpolicy.learner.distributed import current, init_from_env
 from offpolicy.learner.distributed.gather import GatheredWeights
-from offpolicy.learner.persist.published import WeightsSnapshot, publish_snapshot
+from offpolicy.learner.persist.file_generation import WeightsSnapshot, publish_snapshot
 from offpolicy.learner.trainer import Learner
 
 SYNC_REPEATS = 3
@@ -48,13 +48,13 @@ def main(config_path: str, steps: str, out: str) -> None:
             "phases_s": {p: statistics.median(r.get(f"time/{p}", 0.0) for r in runs) for p in PHASES},
             "step_s": statistics.median(sum(r.get(f"time/{p}", 0.0) for p in PHASES) for r in runs),
             "grad_reductions_per_minibatch": max(reduces.values()) / minibatches if reduces else 0.0,
-            "grad_sync": learner.grad_sync,
+            "grad_sync": learner.built.grad_sync,
         }
         learner.close()  # stops the followers: the ranks are free for the synchronous gather below
     else:
-        learner.follow()
+        learner.run_follower()
         learner.close()
-    keys, dtype = learner._publish_keys, learner.persist.publish_dtype
+    keys, dtype = learner.built.publish_keys, learner.persist.publish_dtype
     sync = []  # the median of SYNC_REPEATS, as the step's phases are medians of the timed steps
     for _ in range(SYNC_REPEATS):
         dist.barrier()

@@ -4,18 +4,14 @@ OUT.<rank>.json, stop. Arguments: CONFIG OUT."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)  # benchmarks/buffer.py would shadow the package
-
-import json  # noqa: E402
-
-from offpolicy.learner.config import load_config_from_process_env  # noqa: E402
-from offpolicy.learner.distributed import current  # noqa: E402
-from offpolicy.learner.launch import join  # noqa: E402
-from offpolicy.learner.trainer import Learner  # noqa: E402
+from offpolicy.learner.config import load_config_from_process_env
+from offpolicy.learner.distributed import current
+from offpolicy.learner.launch import join
+from offpolicy.learner.trainer import Learner
 
 
 def main(cfg: str, out: str) -> None:
@@ -28,13 +24,13 @@ def main(cfg: str, out: str) -> None:
             {
                 "rank": ranks.rank,
                 "world_size": ranks.world_size,
-                "startup_host_bytes": learner.startup_host_bytes,
-                "exact": learner.startup_host_exact,
+                "startup_host_bytes": learner.built.startup_host_bytes,
+                "exact": learner.built.startup_host_exact,
             }
         )
     )
     if not ranks.is_leader:
-        learner.follow()  # until the leader's stop
+        learner.run_follower()  # until the leader's stop
     learner.close()
 
 

@@ -8,9 +8,9 @@ update cadence.
 Workloads (completion lengths fixed per prompt by `max_tokens` with `ignore_eos`, drawn once, seeded):
 `uniform` = every prompt `--max-tokens`; `longtail` = lognormal(sigma 1) with mean `--max-tokens`, capped
 at `--tail-max`. Arms, in a rotating order within each round (the machine is shared), medians of tokens/s:
-- `stream`: `offpolicy.actors.rollout.loop.Actor` (AsyncLLM, `--batch` prompts in flight, rewards, Redis
+- `stream`: `offpolicy.actors.rollout.actor.Actor` (AsyncLLM, `--batch` prompts in flight, rewards, Redis
 inserts);
-- `batch`: the old actor's loop (actors/rollout/loop.py before the streaming engine): `--batch` prompts per
+- `batch`: the old actor's loop (actors/rollout/actor.py before the streaming engine): `--batch` prompts per
 engine
   call, wait for all, score, push while the next batch generates;
 - `bare`: `vllm.LLM.generate` per `--batch` prompts (no rewards, no Redis), a second engine.
@@ -30,7 +30,6 @@ import asyncio
 import json
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -57,7 +56,7 @@ def _stream(engine, config, params, run_id: str | None = None) -> tuple[int, flo
     """One epoch of the streaming actor (a fresh run id unless given): (tokens, seconds, registry)."""
     from prometheus_client import CollectorRegistry
 
-    from offpolicy.actors.rollout.loop import Actor
+    from offpolicy.actors.rollout.actor import Actor
 
     class BenchActor(Actor):
         def request_params(self, prompt):
@@ -144,7 +143,7 @@ def _weight_folders(model_dir: Path, root: Path) -> list[tuple[str, str]]:
     import torch
 
     from offpolicy.learner.model import load_model, load_tokenizer
-    from offpolicy.learner.persist.published import publish_weights
+    from offpolicy.learner.persist.file_generation import publish_weights
 
     out = []
     for k in (1, 2):
@@ -301,7 +300,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    # Run as a script, sys.path[0] is benchmarks/, whose buffer.py would shadow the `buffer` package.
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for the figures
     main()

@@ -37,16 +37,13 @@ import numpy as np
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from offpolicy.actors.data.toy import write_target_token_dataset  # noqa: E402
-from offpolicy.actors.engine.chat import render_messages  # noqa: E402
-from offpolicy.buffer.embedded import EmbeddedRedis  # noqa: E402
-from offpolicy.buffer.replay_buffer import ReplayBuffer  # noqa: E402
-from offpolicy.learner.model import build_char_tokenizer, make_tiny_model  # noqa: E402
-from offpolicy.services.children import start_service  # noqa: E402
-from offpolicy.services.quickstart import actor_config, learner_config  # noqa: E402
+from offpolicy.actors.data.toy import write_target_token_dataset
+from offpolicy.actors.engine.chat import render_messages
+from offpolicy.buffer.embedded import EmbeddedRedis
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.learner.model import build_char_tokenizer, make_tiny_model
+from offpolicy.services.children import start_service
+from offpolicy.services.quickstart.configs import actor_config, learner_config
 
 TURNS, TURN_TOKENS, GROUP = 3, 6, 4
 RUN_ID = "bench-agent"

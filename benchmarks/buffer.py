@@ -27,39 +27,32 @@ call's worth of groups per process, one repeat, the breakdown on 2 calls; `--sca
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import tempfile
+import time
+import uuid
 
-# Run as a script, this file's folder comes first on sys.path and its name would shadow the `buffer`
-# package: put the repository root there instead.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+import numpy as np
+import redis
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import multiprocessing as mp  # noqa: E402
-import os  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import uuid  # noqa: E402
-
-import numpy as np  # noqa: E402
-import redis  # noqa: E402
-
-from benchmarks.buffer_scale import SIZES, print_scale, run_scale  # noqa: E402
-from offpolicy.buffer.codec import encode_group  # noqa: E402
-from offpolicy.buffer.codec_batch import decode_groups, encode_groups  # noqa: E402
-from offpolicy.buffer.config import BufferConfig  # noqa: E402
-from offpolicy.buffer.embedded import EmbeddedRedis  # noqa: E402
-from offpolicy.buffer.keys import BufferKeys  # noqa: E402
-from offpolicy.buffer.replay_buffer import ReplayBuffer  # noqa: E402
-from offpolicy.buffer.storage import (  # noqa: E402
+from buffer_scale import SIZES, print_scale, run_scale
+from offpolicy.buffer.codec import encode_group
+from offpolicy.buffer.codec_batch import decode_groups, encode_groups
+from offpolicy.buffer.config import BufferConfig
+from offpolicy.buffer.embedded import EmbeddedRedis
+from offpolicy.buffer.keys import BufferKeys
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.buffer.storage import (
     insert_transaction,
     sample_transaction,
     script_source,
     sync_client,
 )
-from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup  # noqa: E402
+from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup
 
 CTX = mp.get_context("fork")
 SHAPES = {"16x1024": (16, 1024), "8x256": (8, 256)}

@@ -14,17 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.verl_oracle import load_verl
 from offpolicy.learner.correction import RolloutCorrectionConfig, compute_rollout_correction
+from verl_oracle import load_verl
 
 CONFIGS: dict[str, dict] = {
     "metrics-only": {},

@@ -26,12 +26,9 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from offpolicy.buffer.embedded import EmbeddedRedis  # noqa: E402
-from offpolicy.services.children import start_service  # noqa: E402
-from offpolicy.services.quickstart import actor_config, learner_config  # noqa: E402
+from offpolicy.buffer.embedded import EmbeddedRedis
+from offpolicy.services.children import start_service
+from offpolicy.services.quickstart.configs import actor_config, learner_config
 
 SMOKE = {"steps": 2}
 """`--smoke`'s defaults (flags given explicitly still win)."""
@@ -81,7 +78,7 @@ def run_sync(root: Path, model: str, dataset: Path, redis_url: str, steps: int) 
     from offpolicy.actors.rollout.submit import make_groups, stamped_sampling
     from offpolicy.buffer.replay_buffer import ReplayBuffer
     from offpolicy.learner.config import LearnerConfig
-    from offpolicy.learner.persist.published import version_dir
+    from offpolicy.learner.persist.file_generation import version_dir
     from offpolicy.learner.trainer import Learner
 
     run = root / "sync"

@@ -41,34 +41,31 @@ share (`profile`; with `--levers`, the last row's; benchmarks/learner_profile.py
 
 from __future__ import annotations
 
+import argparse
+import json
+import resource
+import statistics
 import sys
+import tempfile
+import time
+import uuid
 from pathlib import Path
+from typing import get_args
 
-# `python benchmarks/learner.py` puts benchmarks/ first on sys.path, where buffer.py would shadow the
-# package: put the repository root there instead.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+import numpy as np
+import torch
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import resource  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import uuid  # noqa: E402
-from typing import get_args  # noqa: E402
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from benchmarks import learner_levers, learner_longtail, learner_profile  # noqa: E402
-from offpolicy.buffer.embedded import EmbeddedRedis  # noqa: E402
-from offpolicy.buffer.replay_buffer import ReplayBuffer  # noqa: E402
-from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup  # noqa: E402
-from offpolicy.learner.config import AttnImplementation, LearnerConfig, LogprobHead  # noqa: E402
-from offpolicy.learner.metrics import PHASES  # noqa: E402
-from offpolicy.learner.model import make_tiny_model  # noqa: E402
-from offpolicy.learner.persist.published import publish_weights  # noqa: E402
-from offpolicy.learner.trainer import Learner  # noqa: E402
+import learner_levers
+import learner_longtail
+import learner_profile
+from offpolicy.buffer.embedded import EmbeddedRedis
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup
+from offpolicy.learner.config import AttnImplementation, LearnerConfig, LogprobHead
+from offpolicy.learner.metrics import PHASES
+from offpolicy.learner.model import make_tiny_model
+from offpolicy.learner.persist.file_generation import publish_weights
+from offpolicy.learner.trainer import Learner
 
 MODEL_WORK = ("old_logprob", "forward_backward", "optimizer")
 SHAPES = {  # model sizes, then the batch: groups x n rows of prompt + response tokens

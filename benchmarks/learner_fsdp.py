@@ -33,33 +33,29 @@ Child processes get the checkout first on PYTHONPATH, in front of what the calle
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import statistics
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
-# `python benchmarks/learner_fsdp.py` puts benchmarks/ first on sys.path, where buffer.py would shadow the
-# package: put the repository root there instead.
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from learner import synthetic_groups
+from offpolicy.buffer.embedded import EmbeddedRedis
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.learner.config import LearnerConfig
+from offpolicy.learner.distributed.layout import Layout
+from offpolicy.learner.model import load_model, make_tiny_model
+from offpolicy.learner.persist.file_generation import published_versions, version_dir
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-
-import torch  # noqa: E402
-import yaml  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-
-from benchmarks.learner import synthetic_groups  # noqa: E402
-from offpolicy.buffer.embedded import EmbeddedRedis  # noqa: E402
-from offpolicy.buffer.replay_buffer import ReplayBuffer  # noqa: E402
-from offpolicy.learner.config import LearnerConfig  # noqa: E402
-from offpolicy.learner.distributed.layout import Layout  # noqa: E402
-from offpolicy.learner.model import load_model, make_tiny_model  # noqa: E402
-from offpolicy.learner.persist.published import published_versions, version_dir  # noqa: E402
 
 SHAPES = {
     "cpu-small": {

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.learner_longtail import run_shape
+from learner_longtail import run_shape
 
 LEVERS = (  # cumulative: each row adds one lever to the row before (the flags of `lever_settings`)
     ("baseline", {"attention": "sdpa_varlen", "logprob_head": "chunked", "gradient_checkpointing": "on",

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-from benchmarks.learner_profile import profile_step
+from learner_profile import profile_step
 from offpolicy.buffer.embedded import EmbeddedRedis
 from offpolicy.buffer.replay_buffer import ReplayBuffer
 from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup
@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> dict:
                 learner.step()  # warm-up
                 steps = [learner.step() for _ in range(args.steps)]
                 batch = collate(groups, learner.pad_id)
-                old = no_grad_logprobs(learner.policy, batch, cfg, learner.precision)
+                old = no_grad_logprobs(learner.trainables.policy, batch, cfg, learner.precision)
                 plan = rank_micro_batches(batch, torch.arange(batch.num_rows), cfg, learner.ranks)
                 filled = [
                     pack(batch.select(r)).input_ids.numel() if packing else slots(batch, r) for r in plan
@@ -319,7 +319,7 @@ def run_shape(args: argparse.Namespace) -> dict:
             params = sum(p.numel() for p in learner.model.parameters())
             flops_params = matmul_params(learner.model)
             attention = learner.model.config._attn_implementation
-            settings, plan = learner.settings, learner.memory_plan
+            settings, plan = learner.settings, learner.built.memory_plan
             precision = learner.precision.name
         finally:
             learner.close()

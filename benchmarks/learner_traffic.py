@@ -26,12 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections import defaultdict
-from pathlib import Path
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -39,8 +34,8 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.flop_counter import flop_registry
 from transformers import AutoModelForCausalLM
 
-from benchmarks.learner_longtail import SHAPES, SMOKE, longtail_groups
-from benchmarks.learner_profile import kind
+from learner_longtail import SHAPES, SMOKE, longtail_groups
+from learner_profile import kind
 from offpolicy.learner.batch import collate
 from offpolicy.learner.model import attention  # noqa: F401  (registers sdpa_varlen)
 from offpolicy.learner.model.policy import LogProbs

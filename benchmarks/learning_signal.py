@@ -36,36 +36,31 @@ the first / last 3 steps) should fall, and the student's reward approach the tea
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import statistics
 import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-# `python benchmarks/learning_signal.py` puts benchmarks/ first on sys.path, where buffer.py would shadow
-# the package: put the repository root there instead.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+import numpy as np
+import torch
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import uuid  # noqa: E402
-from dataclasses import dataclass, field, replace  # noqa: E402
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from benchmarks._learning_signal_report import plot, print_table  # noqa: E402
-from benchmarks.staleness import make_groups, steps_to  # noqa: E402
-from offpolicy.actors.data.toy import write_target_token_dataset  # noqa: E402
-from offpolicy.buffer.config import BufferConfig  # noqa: E402
-from offpolicy.buffer.embedded import EmbeddedRedis  # noqa: E402
-from offpolicy.buffer.replay_buffer import ReplayBuffer  # noqa: E402
-from offpolicy.buffer.types import TrajectoryGroup  # noqa: E402
-from offpolicy.learner.config import LearnerConfig  # noqa: E402
-from offpolicy.learner.model import load_tokenizer, make_tiny_model  # noqa: E402
-from offpolicy.learner.rl.priorities import priority  # noqa: E402
-from offpolicy.learner.trainer import Learner  # noqa: E402
+from _learning_signal_report import plot, print_table
+from offpolicy.actors.data.toy import write_target_token_dataset
+from offpolicy.buffer.config import BufferConfig
+from offpolicy.buffer.embedded import EmbeddedRedis
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.buffer.types import TrajectoryGroup
+from offpolicy.learner.config import LearnerConfig
+from offpolicy.learner.model import load_tokenizer, make_tiny_model
+from offpolicy.learner.rl.priorities import priority
+from offpolicy.learner.trainer import Learner
+from staleness import make_groups, steps_to
 
 ARMS = ("plain", "dynamic", "prioritized")
 TARGET_RATIO = 0.8  # the bar: dynamic sampling within 0.8x the plain arm's steps

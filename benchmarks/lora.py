@@ -33,12 +33,9 @@ import asyncio
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHAPE = {"hidden_size": 768, "num_layers": 8, "num_heads": 12, "intermediate_size": 2048, "vocab_size": 32000}
 SMOKE_SHAPE = {"hidden_size": 128, "num_layers": 2, "num_heads": 2, "intermediate_size": 256}
@@ -79,7 +76,7 @@ def figures(model_dir: Path, work: Path, repeats: int, prompts: int, max_tokens:
     from offpolicy.learner.batch import collate
     from offpolicy.learner.model import load_model
     from offpolicy.learner.model.policy import token_logprobs
-    from offpolicy.learner.persist.published import publish_weights
+    from offpolicy.learner.persist.file_generation import publish_weights
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     base = load_model(model_dir, "cpu").eval()
@@ -124,7 +121,7 @@ def figures(model_dir: Path, work: Path, repeats: int, prompts: int, max_tokens:
 
         def group(i: int, prompt: list[int], out) -> TrajectoryGroup:
             trajectories = [
-                Trajectory(response_ids=c.token_ids, behavior_logprobs=c.logprobs, reward=0.0,
+                Trajectory(response_ids=c.token_ids, behavior_logprobs=c.behavior_logprobs, reward=0.0,
                            finish_reason=c.finish_reason)
                 for c in out
             ]  # fmt: skip
@@ -142,8 +139,8 @@ def figures(model_dir: Path, work: Path, repeats: int, prompts: int, max_tokens:
                 mine = token_logprobs(adapters[2][0], batch)
                 other = token_logprobs(base, batch)
             mask = batch.response_mask.bool()
-            diff = max(diff, float((mine - batch.rollout_log_probs)[mask].abs().max()))
-            teeth = max(teeth, float((other - batch.rollout_log_probs)[mask].abs().max()))
+            diff = max(diff, float((mine - batch.behavior_logprobs)[mask].abs().max()))
+            teeth = max(teeth, float((other - batch.behavior_logprobs)[mask].abs().max()))
         pool = _pool_figures(engine, published, prompts, max_tokens)
     finally:
         engine.shutdown()

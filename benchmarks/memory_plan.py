@@ -16,18 +16,13 @@ only for the adapter (docs/lora.md).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import argparse
+import json
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repository root, not benchmarks/
+from transformers import LlamaConfig
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-
-from transformers import LlamaConfig  # noqa: E402
-
-from offpolicy.learner.config import LearnerConfig  # noqa: E402
-from offpolicy.learner.plan.memory import GIB, HEADROOM, ModelShape, estimate  # noqa: E402
+from offpolicy.learner.config import LearnerConfig
+from offpolicy.learner.plan.memory import GIB, HEADROOM, ModelShape, estimate
 
 H100_GIB = 79.6
 

@@ -29,25 +29,21 @@ checkout first on PYTHONPATH, in front of what the caller's PYTHONPATH holds.
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import statistics
+import subprocess
 import sys
+import tempfile
+import time
+import uuid
 from pathlib import Path
 
-# `python benchmarks/publish_gather.py` puts benchmarks/ first on sys.path, where buffer.py would shadow the
-# package: put the repository root there instead.
+import numpy as np
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import uuid  # noqa: E402
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
 
 SHAPES = {
     "cpu-small": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "intermediate_size": 1376,
@@ -80,7 +76,7 @@ def rank_main(model_dir: str, repeats: int, out: str) -> None:
     from offpolicy.learner.model.load import unique_state
     from offpolicy.learner.model.policy import LogProbs
     from offpolicy.learner.model.precision import Precision
-    from offpolicy.learner.persist.published import HostCopy
+    from offpolicy.learner.persist.file_generation import HostCopy
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     ranks = init_from_env(device_type)

@@ -4,7 +4,7 @@
                                         [--rounds 11] [--batch 16] [--n 4] [--max-tokens 64]
                                         [--lengths uniform|longtail] [--concurrency 32]
 
-The real `offpolicy.actors.rollout.loop.Actor` (vLLM's `AsyncLLM` on the tiny model, an embedded Redis,
+The real `offpolicy.actors.rollout.actor.Actor` (vLLM's `AsyncLLM` on the tiny model, an embedded Redis,
 completion
 lengths fixed per prompt with `ignore_eos`: `uniform` = every completion `--max-tokens` long, so groups
 admitted together finish together; `longtail` = lognormal (sigma 1) with mean `--max-tokens`, capped at 4x,
@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -148,7 +147,7 @@ def _phase(engine: Any, config: Any, params: list[Any], seconds: float) -> dict[
     """The actor for `seconds` on a fresh run id: tokens/s, tokens and groups pushed."""
     from prometheus_client import CollectorRegistry
 
-    from offpolicy.actors.rollout.loop import Actor
+    from offpolicy.actors.rollout.actor import Actor
 
     class BenchActor(Actor):
         def request_params(self, prompt: Any) -> Any:
@@ -275,7 +274,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    # Run as a script, sys.path[0] is benchmarks/, whose buffer.py would shadow the `buffer` package.
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for the figures
     main()

@@ -15,29 +15,23 @@ window so that it fills during the warm-up (`--dedupe-window`). CI runs `--smoke
 
 from __future__ import annotations
 
-import sys
+import argparse
+import json
+import statistics
+import tempfile
+import time
 from pathlib import Path
 
-# `python benchmarks/soak.py` puts benchmarks/ first on sys.path, where buffer.py would shadow the
-# package: put the repository root there instead.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+import httpx
+import redis
+import yaml
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-
-import httpx  # noqa: E402
-import redis  # noqa: E402
-import yaml  # noqa: E402
-
-from offpolicy.actors.data.toy import write_target_token_dataset  # noqa: E402
-from offpolicy.buffer.embedded import EmbeddedRedis  # noqa: E402
-from offpolicy.buffer.keys import BufferKeys  # noqa: E402
-from offpolicy.learner.model import make_tiny_model  # noqa: E402
-from offpolicy.services.children import start_service  # noqa: E402
-from offpolicy.services.quickstart import actor_config, learner_config  # noqa: E402
+from offpolicy.actors.data.toy import write_target_token_dataset
+from offpolicy.buffer.embedded import EmbeddedRedis
+from offpolicy.buffer.keys import BufferKeys
+from offpolicy.learner.model import make_tiny_model
+from offpolicy.services.children import start_service
+from offpolicy.services.quickstart.configs import actor_config, learner_config
 
 TARGET_GROWTH = 0.10
 SMOKE = {"minutes": 0.1, "every": 1.0}

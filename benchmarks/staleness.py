@@ -29,35 +29,30 @@ tokens, one seed, eta 2; no plot unless `--plot`): seconds, for CI.
 
 from __future__ import annotations
 
+import argparse
+import json
+import statistics
 import sys
+import tempfile
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-# `python benchmarks/staleness.py` puts benchmarks/ first on sys.path, where buffer.py would shadow the
-# package: put the repository root there instead.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+import numpy as np
+import torch
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import uuid  # noqa: E402
-from collections import deque  # noqa: E402
-from dataclasses import dataclass, field, replace  # noqa: E402
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from benchmarks.kv_sampler import sample_groups  # noqa: E402
-from offpolicy.actors.data.toy import write_target_token_dataset  # noqa: E402
-from offpolicy.actors.rollout.rewards import target_token_share  # noqa: E402
-from offpolicy.buffer.config import BufferConfig  # noqa: E402
-from offpolicy.buffer.embedded import EmbeddedRedis  # noqa: E402
-from offpolicy.buffer.replay_buffer import ReplayBuffer  # noqa: E402
-from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup  # noqa: E402
-from offpolicy.learner.config import LearnerConfig  # noqa: E402
-from offpolicy.learner.model import load_tokenizer, make_tiny_model  # noqa: E402
-from offpolicy.learner.trainer import Learner  # noqa: E402
+from kv_sampler import sample_groups
+from offpolicy.actors.data.toy import write_target_token_dataset
+from offpolicy.actors.rollout.rewards import target_token_share
+from offpolicy.buffer.config import BufferConfig
+from offpolicy.buffer.embedded import EmbeddedRedis
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup
+from offpolicy.learner.config import LearnerConfig
+from offpolicy.learner.model import load_tokenizer, make_tiny_model
+from offpolicy.learner.trainer import Learner
 
 CORRECTED = ("decoupled_token_is", "decoupled_geo_rs_token_tis", "bypass_pg_is", "decoupled_token_icepop")
 ARM_CORRECTION = {"sync": "disabled", "naive": "bypass_ppo_clip", **{p: p for p in CORRECTED}}

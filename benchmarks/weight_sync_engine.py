@@ -23,12 +23,9 @@ import asyncio
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHAPE = {"hidden_size": 768, "num_layers": 8, "num_heads": 12, "intermediate_size": 2048, "vocab_size": 32000}
 SMOKE_SHAPE = {"hidden_size": 128, "num_layers": 2, "num_heads": 2, "intermediate_size": 256}
@@ -47,7 +44,7 @@ def engine_figures(model_dir: Path, work: Path, redis_url: str, repeats: int = 3
     from offpolicy.actors.transport.receiver import TransferReceiver
     from offpolicy.learner.model import load_model
     from offpolicy.learner.model.load import unique_state
-    from offpolicy.learner.persist.published import publish_weights
+    from offpolicy.learner.persist.file_generation import publish_weights
     from offpolicy.learner.transport.vllm import VllmTransport
     from offpolicy.weights.config import TransferConfig
     from offpolicy.weights.control import ActorControl, LearnerControl
@@ -74,7 +71,7 @@ def engine_figures(model_dir: Path, work: Path, redis_url: str, repeats: int = 3
     task = engine.call(start())
 
     def generate():
-        return [(o[0].token_ids.tolist(), o[0].logprobs) for o in engine.generate(PROMPTS, greedy)]
+        return [(o[0].token_ids.tolist(), o[0].behavior_logprobs) for o in engine.generate(PROMPTS, greedy)]
 
     def pause_sum() -> float:
         return registry.get_sample_value("offpolicy_actor_transfer_seconds_sum") or 0.0

@@ -1,6 +1,6 @@
 """Encode/decode `TrajectoryGroup` as a versioned zero-copy frame: msgpack header + raw little-endian arrays.
 
-Wire format (schema_version 3; 2 decodes too, as all-policy trajectories), every number little-endian:
+Wire format (schema_version 4; 3 and 2 decode too), every number little-endian:
 
     bytes 0-3    magic b"OPTG"
     bytes 4-5    schema_version, uint16
@@ -10,15 +10,20 @@ Wire format (schema_version 3; 2 decodes too, as all-policy trajectories), every
     arrays       int32 lens[n] | int32 prompt_ids[P] | int32 response_ids[T] | int32 versions[V]
                  | float32 behavior_logprobs[T]
 
-The header: `{"gid", "pid", "pv", "aid", "t", "s": [temperature, top_p, top_k, max_tokens],
-"m": {str: str}, "pr": priority | nil, "rw": [reward] * n, "fr": [finish_reason] * n,
-"hv": [has versions] * n, "env": [spans] * n, "a": [5 byte offsets]}`; `env` (schema 3) holds each
-trajectory's environment tokens (`Trajectory.policy_mask` False: tool results, user turns) as flat
-half-open spans `[start0, end0, ...]`, empty when the policy generated every token; `a` gives where each
-array ends, counted from the
-start of the array section (each starts where the previous ends, the first at 0; the last end is the
-section's length). `response_ids` and `behavior_logprobs` hold every trajectory's tokens in order
-(`lens[i]` each); `versions` those of the trajectories whose `hv` is true.
+The header (schema 4) names each value by the record's own field name (docs/glossary.md): `{"group_id",
+"prompt_id", "policy_version", "actor_id", "created_at", "sampling": [temperature, top_p, top_k,
+max_tokens], "metadata": {str: str}, "priority": float | nil, "reward": [float] * n, "finish_reason":
+[str] * n, "has_versions": [bool] * n, "env_spans": [spans] * n, "array_ends": [5 byte offsets]}`.
+`env_spans` holds each trajectory's environment tokens (`Trajectory.policy_mask` False: tool results,
+user turns) as flat half-open spans `[start0, end0, ...]`, empty when the policy generated every token;
+`array_ends` gives where each array ends, counted from the start of the array section (each starts where
+the previous ends, the first at 0; the last end is the section's length). `response_ids` and
+`behavior_logprobs` hold every trajectory's tokens in order (`lens[i]` each); `versions` those of the
+trajectories whose `has_versions` is true.
+
+Schemas 2 and 3 wrote the same values under short keys (`SHORT_KEYS`: `gid`, `pid`, `pv`, `aid`, `t`,
+`s`, `m`, `pr`, `rw`, `fr`, `hv`, `env`, `a`); schema 2 has no `env` (all-policy trajectories). Their
+headers are renamed to schema 4's keys once, as they are parsed; everything after reads one layout.
 
 Decoding parses the prefix and the header and takes numpy views of the arrays without copying (read-only
 when the payload is `bytes`; they keep the payload alive), checks their values with three reductions
@@ -34,6 +39,7 @@ import struct
 from collections.abc import Sequence
 from itertools import accumulate, compress, repeat
 from operator import attrgetter
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -65,6 +71,7 @@ from offpolicy.buffer.validation import (
 
 __all__ = [
     "MAGIC",
+    "SHORT_KEYS",
     "CodecLimits",
     "build",
     "decode_group",
@@ -86,8 +93,24 @@ _STR = frozenset((str,))
 _ARRAY = frozenset((np.ndarray,))
 _PACKED = frozenset(((4,),))  # the strides of a 1-D C-contiguous array of 4-byte items
 _dtype, _strides = attrgetter("dtype"), attrgetter("strides")
-_ids, _lps, _versions = attrgetter("response_ids"), attrgetter("behavior_logprobs"), attrgetter("versions")
+_ids, _behavior_logprobs = attrgetter("response_ids"), attrgetter("behavior_logprobs")
+_versions = attrgetter("versions")
 _reward, _reason, _prompt = attrgetter("reward"), attrgetter("finish_reason"), attrgetter("prompt_ids")
+SHORT_KEYS = {  # schemas 2 and 3's header keys -> schema 4's (the record's field names)
+    "gid": "group_id",
+    "pid": "prompt_id",
+    "pv": "policy_version",
+    "aid": "actor_id",
+    "t": "created_at",
+    "s": "sampling",
+    "m": "metadata",
+    "pr": "priority",
+    "rw": "reward",
+    "fr": "finish_reason",
+    "hv": "has_versions",
+    "env": "env_spans",
+    "a": "array_ends",
+}
 
 
 def _array_section(header_bytes: int) -> int:
@@ -138,16 +161,17 @@ def plain(groups: Sequence[TrajectoryGroup], limits: CodecLimits) -> bool:
     if not all(_plain_header(g, limits) for g in groups):
         return False
     trs = [t for g in groups for t in g.trajectories]
-    ids, lps, rewards = list(map(_ids, trs)), list(map(_lps, trs)), list(map(_reward, trs))
+    ids, rewards = list(map(_ids, trs)), list(map(_reward, trs))
+    behavior_logprobs_list = list(map(_behavior_logprobs, trs))
     versioned = [t for t in trs if t.versions is not None]
     ints = [*map(_prompt, groups), *ids, *map(_versions, versioned)]
     lens = list(map(len, ids))
     return (
-        set(map(type, ints)) | set(map(type, lps)) <= _ARRAY
+        set(map(type, ints)) | set(map(type, behavior_logprobs_list)) <= _ARRAY
         and set(map(_dtype, ints)) <= {_I32}
-        and set(map(_dtype, lps)) <= {_F32}
-        and set(map(_strides, ints)) | set(map(_strides, lps)) <= _PACKED  # 1-D and contiguous
-        and lens == list(map(len, lps))
+        and set(map(_dtype, behavior_logprobs_list)) <= {_F32}
+        and set(map(_strides, ints)) | set(map(_strides, behavior_logprobs_list)) <= _PACKED  # 1-D, packed
+        and lens == list(map(len, behavior_logprobs_list))
         and min(lens) >= 1
         and max(lens) <= limits.max_tokens_per_completion
         and all(len(t.versions) == len(t.response_ids) for t in versioned)
@@ -183,7 +207,7 @@ def frame(
     prompt: np.ndarray | None = None,
     ids: list[np.ndarray] | None = None,
     versions: list[np.ndarray] | None = None,
-    lps: list[np.ndarray] | None = None,
+    behavior_logprobs_list: list[np.ndarray] | None = None,
     *,
     values_checked: bool = False,
 ) -> bytes:
@@ -192,7 +216,8 @@ def frame(
     values on the frame's own bytes (raises naming the field)."""
     trs = g.trajectories
     if prompt is None:
-        prompt, ids, lps = g.prompt_ids, list(map(_ids, trs)), list(map(_lps, trs))
+        prompt, ids = g.prompt_ids, list(map(_ids, trs))
+        behavior_logprobs_list = list(map(_behavior_logprobs, trs))
         versions = [t.versions for t in trs if t.versions is not None]
     lens = list(map(len, ids))
     tokens = 4 * sum(lens)
@@ -200,26 +225,27 @@ def frame(
     s = g.sampling
     head = msgpack.packb(
         {
-            "gid": g.group_id,
-            "pid": g.prompt_id,
-            "pv": g.policy_version,
-            "aid": g.actor_id,
-            "t": float(g.created_at),
-            "s": [float(s.temperature), float(s.top_p), int(s.top_k), int(s.max_tokens)],
-            "m": dict(g.metadata),
-            "pr": None if g.priority is None else float(g.priority),
-            "rw": list(map(float, map(_reward, trs))),
-            "fr": list(map(_reason, trs)),
-            "hv": [t.versions is not None for t in trs],
-            "env": [env_spans(t.policy_mask) for t in trs],
-            "a": ends,
+            "group_id": g.group_id,
+            "prompt_id": g.prompt_id,
+            "policy_version": g.policy_version,
+            "actor_id": g.actor_id,
+            "created_at": float(g.created_at),
+            "sampling": [float(s.temperature), float(s.top_p), int(s.top_k), int(s.max_tokens)],
+            "metadata": dict(g.metadata),
+            "priority": None if g.priority is None else float(g.priority),
+            "reward": list(map(float, map(_reward, trs))),
+            "finish_reason": list(map(_reason, trs)),
+            "has_versions": [t.versions is not None for t in trs],
+            "env_spans": [env_spans(t.policy_mask) for t in trs],
+            "array_ends": ends,
         },
         use_bin_type=True,
     )
     base = _array_section(len(head))
     prefix = PREFIX.pack(MAGIC, SCHEMA_VERSION, len(head))
     pad = _PAD[: base - PREFIX.size - len(head)]
-    data = b"".join([prefix, head, pad, struct.pack(f"<{len(lens)}i", *lens), prompt, *ids, *versions, *lps])
+    lens_bytes = struct.pack(f"<{len(lens)}i", *lens)
+    data = b"".join([prefix, head, pad, lens_bytes, prompt, *ids, *versions, *behavior_logprobs_list])
     if len(data) > limits.max_payload_bytes:
         raise InvalidTrajectory(
             "payload", f"{len(data)} bytes exceeds max_payload_bytes={limits.max_payload_bytes}"
@@ -227,9 +253,10 @@ def frame(
     if values_checked:
         return data
     ints = np.frombuffer(data, _I32, (ends[3] - ends[0]) // 4, base + ends[0])  # prompt, ids, versions
-    lp = np.frombuffer(data, _F32, (ends[4] - ends[3]) // 4, base + ends[3])
-    if not check_values(ints, lp):
-        raise_bad_values(np.array(lens), prompt, np.concatenate(ids), lp, list(map(_versions, trs)), limits)
+    behavior_logprobs = np.frombuffer(data, _F32, (ends[4] - ends[3]) // 4, base + ends[3])
+    if not check_values(ints, behavior_logprobs):
+        all_ids, versions_list = np.concatenate(ids), list(map(_versions, trs))
+        raise_bad_values(np.array(lens), prompt, all_ids, behavior_logprobs, versions_list, limits)
     return data
 
 
@@ -263,7 +290,18 @@ def _frame_header(data: bytes, limits: CodecLimits) -> tuple[dict, int, int]:
         )
     except (ValueError, msgpack.UnpackException) as e:
         raise InvalidTrajectory("payload", f"the header is not valid msgpack: {e}") from e
-    return doc, len(doc["rw"]) if header_ok(doc, limits) else check_header(doc, limits), base
+    if version < 4:  # short keys (schemas 2 and 3): renamed once, then read as schema 4's
+        doc = _full_names(doc)
+    return doc, len(doc["reward"]) if header_ok(doc, limits) else check_header(doc, limits), base
+
+
+def _full_names(doc: Any) -> Any:
+    """A schema 2 or 3 header map under schema 4's keys (`SHORT_KEYS`); anything else as it is, for
+    `check_header` to name."""
+    if type(doc) is not dict:
+        return doc
+    get = SHORT_KEYS.get
+    return {get(k, k): v for k, v in doc.items()}
 
 
 def _version_views(vers: np.ndarray, lens: list[int], hv: list[bool]) -> list[np.ndarray | None]:
@@ -279,7 +317,7 @@ def parse(data: bytes, limits: CodecLimits) -> tuple[dict, list[int], np.ndarray
     """Everything of a frame checked but its array values: (header, trajectory lengths, the int32 values
     after the lengths (prompt ids, token ids, versions), the log-probs); views, no copies."""
     doc, n, base = _frame_header(data, limits)
-    ends, hv = doc["a"], doc["hv"]
+    ends, hv = doc["array_ends"], doc["has_versions"]
     e0, e1, e2, e3, e4 = ends
     if (e0 | e1 | e2 | e3 | e4) & 3 or not 0 <= e0 <= e1 <= e2 <= e3 <= e4 == len(data) - base:
         check_offsets(ends, len(data) - base)
@@ -295,52 +333,53 @@ def parse(data: bytes, limits: CodecLimits) -> tuple[dict, list[int], np.ndarray
         and e3 - e2 == (4 * sum(compress(lens, hv)) if True in hv else 0)
     ):
         check_counts(ends, check_lengths(ints, n, ends, limits), hv)
-    env = doc.get("env")
+    env = doc.get("env_spans")
     if env is not None and (type(env) is not list or len(env) != n or any(env)):
-        check_spans(env, lens)  # environment tokens (schema 3): checked only where there are any
+        check_spans(env, lens)  # environment tokens (schema >= 3): checked only where there are any
     return doc, lens, ints[n:], np.frombuffer(data, _F32, (e4 - e3) >> 2, base + e3)
 
 
 def _split(doc: dict, ints: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """prompt ids, token ids, versions: views of `ints`."""
-    ends = doc["a"]
+    ends = doc["array_ends"]
     p, t = (ends[1] - ends[0]) // 4, (ends[2] - ends[0]) // 4
     return ints[:p], ints[p:t], ints[t:]
 
 
 def raise_frame_values(
-    doc: dict, lens: list[int], ints: np.ndarray, lp: np.ndarray, limits: CodecLimits
+    doc: dict, lens: list[int], ints: np.ndarray, behavior_logprobs: np.ndarray, limits: CodecLimits
 ) -> None:
     """A parsed frame failed `check_values`: raise naming the field."""
     prompt, ids, vers = _split(doc, ints)
-    versions = _version_views(vers, lens, doc["hv"])
-    raise_bad_values(np.array(lens), prompt, ids, lp, versions, limits)
+    versions = _version_views(vers, lens, doc["has_versions"])
+    raise_bad_values(np.array(lens), prompt, ids, behavior_logprobs, versions, limits)
 
 
-def build(doc: dict, lens: list[int], ints: np.ndarray, lp: np.ndarray) -> TrajectoryGroup:
+def build(doc: dict, lens: list[int], ints: np.ndarray, behavior_logprobs: np.ndarray) -> TrajectoryGroup:
     """The group of a parsed, checked frame; its arrays are views of the frame."""
     prompt, ids, vers = _split(doc, ints)
-    hv, env = doc["hv"], doc.get("env")
+    hv, env = doc["has_versions"], doc.get("env_spans")
     versions = _version_views(vers, lens, hv) if True in hv else repeat(None)
     masks = (
         (mask_from_spans(s, n) for s, n in zip(env, lens, strict=True)) if env and any(env) else repeat(None)
     )
     trajs, a = [], 0
-    for length, r, f, v, m in zip(lens, doc["rw"], doc["fr"], versions, masks, strict=False):  # repeat(None)
+    rewards, reasons = doc["reward"], doc["finish_reason"]
+    for length, r, f, v, m in zip(lens, rewards, reasons, versions, masks, strict=False):  # repeat(None)
         b = a + length
-        trajs.append(Trajectory(ids[a:b], lp[a:b], float(r), f, v, m))
+        trajs.append(Trajectory(ids[a:b], behavior_logprobs[a:b], float(r), f, v, m))
         a = b
-    pr = doc.get("pr")
+    pr = doc.get("priority")
     return TrajectoryGroup(
-        doc["gid"],
-        doc["pid"],
+        doc["group_id"],
+        doc["prompt_id"],
         prompt,
-        doc["pv"],
-        doc["aid"],
-        float(doc["t"]),
-        SamplingParams(*doc["s"]),
+        doc["policy_version"],
+        doc["actor_id"],
+        float(doc["created_at"]),
+        SamplingParams(*doc["sampling"]),
         trajs,
-        doc["m"],
+        doc["metadata"],
         None if pr is None else float(pr),
         SCHEMA_VERSION,
     )
@@ -350,7 +389,7 @@ def decode_group(data: bytes, limits: CodecLimits = DEFAULT_LIMITS) -> Trajector
     """Decode and validate one frame; any problem raises `InvalidTrajectory` naming the field.
 
     The arrays are views into `data` (read-only for `bytes`), no copies."""
-    doc, lens, ints, lp = parse(data, limits)
-    if not check_values(ints, lp):
-        raise_frame_values(doc, lens, ints, lp, limits)
-    return build(doc, lens, ints, lp)
+    doc, lens, ints, behavior_logprobs = parse(data, limits)
+    if not check_values(ints, behavior_logprobs):
+        raise_frame_values(doc, lens, ints, behavior_logprobs, limits)
+    return build(doc, lens, ints, behavior_logprobs)

@@ -26,21 +26,21 @@ __all__ = ["decode_groups", "encode_groups"]
 
 _CONCAT_BYTES = 256 * 1024  # below this many bytes of arrays a batch's values are checked together
 _I32, _F32 = np.dtype("<i4"), np.dtype("<f4")
-_ids, _lps = attrgetter("response_ids"), attrgetter("behavior_logprobs")
+_ids, _behavior_logprobs = attrgetter("response_ids"), attrgetter("behavior_logprobs")
 
 
 def _batch_values_ok(groups: Sequence[TrajectoryGroup]) -> bool | None:
     """The values of a plain batch checked together, or None when it is too big to copy cheaply."""
     trs = [t for g in groups for t in g.trajectories]
-    lps = list(map(_lps, trs))
+    behavior_logprobs_list = list(map(_behavior_logprobs, trs))
     ints = [
         *(g.prompt_ids for g in groups),
         *map(_ids, trs),
         *(t.versions for t in trs if t.versions is not None),
     ]
-    if 4 * (sum(map(len, ints)) + sum(map(len, lps))) > _CONCAT_BYTES:
+    if 4 * (sum(map(len, ints)) + sum(map(len, behavior_logprobs_list))) > _CONCAT_BYTES:
         return None
-    return check_values(np.concatenate(ints), np.concatenate(lps))
+    return check_values(np.concatenate(ints), np.concatenate(behavior_logprobs_list))
 
 
 def encode_groups(groups: Sequence[TrajectoryGroup], limits: CodecLimits) -> list[bytes | InvalidTrajectory]:
@@ -68,9 +68,9 @@ def decode_groups(payloads: Sequence[bytes], limits: CodecLimits) -> list[Trajec
     if len(payloads) < 2:
         return [decode_group(p, limits) for p in payloads]
     frames = [parse(p, limits) for p in payloads]
-    ints, lps = [f[2] for f in frames], [f[3] for f in frames]
-    small = 4 * (sum(map(len, ints)) + sum(map(len, lps))) <= _CONCAT_BYTES
-    if not (small and check_values(np.concatenate(ints), np.concatenate(lps))):
+    ints, behavior_logprobs_list = [f[2] for f in frames], [f[3] for f in frames]
+    small = 4 * (sum(map(len, ints)) + sum(map(len, behavior_logprobs_list))) <= _CONCAT_BYTES
+    if not (small and check_values(np.concatenate(ints), np.concatenate(behavior_logprobs_list))):
         for f in frames:
             if not check_values(f[2], f[3]):
                 raise_frame_values(*f, limits)

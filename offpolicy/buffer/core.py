@@ -1,12 +1,15 @@
-"""What the sync and async replay buffers share: encoding batches, filing script replies, metrics, stats."""
+"""What the sync and async replay buffers share: encoding batches, filing script replies, metrics, stats,
+and the insert loop (`Core.insert_steps`): its retry policy written once, as the steps of I/O it needs,
+which each shell performs its own way (a blocking call, or an await)."""
 
 from __future__ import annotations
 
 import logging
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
@@ -139,6 +142,38 @@ class Core:
             counts[name] = counts.get(name, 0) + 1
         return counts
 
+    def insert_steps(self, groups: Sequence[TrajectoryGroup]) -> Generator[InsertStep, Any, InsertOutcome]:
+        """Insert a batch, as the steps of I/O it needs: the shell performs each step yielded and sends
+        back its result (`InsertStep`). The retry policy lives here alone: a chunk goes again, less what
+        the script filed (inserted or duplicate), while the samples_per_insert limiter refuses some of it,
+        with `backoff` until `insert_timeout_s` is spent (then `RateLimited`); a refusal for max_bytes
+        raises `BufferFull` at once. Returns (inserted group ids, duplicate ones, rejections by group id)."""
+        t0 = time.perf_counter()
+        chunks, rejected = self.prepare(groups)
+        if rejected:
+            yield CountRejected(self.rejected_counts(rejected))
+        inserted: list[str] = []
+        dups: list[str] = []
+        backoff = None
+        if chunks and self.needs_maxmemory():
+            self.set_maxmemory((yield ReadMaxmemory()))
+        for pending in chunks:
+            while pending:
+                reply = InsertReply.parse((yield SendChunk(pending, self.max_bytes, self.table_due())))
+                self.on_insert(reply)
+                pending, full = file_statuses(pending, reply, inserted, dups)
+                if full:
+                    raise self.buffer_full(reply, inserted)
+                if pending:
+                    backoff = backoff or self.backoff(self.cfg.insert_timeout_s)
+                    delay = backoff.delay()
+                    if delay is None:
+                        raise insert_limited(self.cfg, len(inserted))
+                    self.metrics.waits["insert"].inc()
+                    yield Wait(delay)
+        self.metrics.insert_latency.observe(time.perf_counter() - t0)
+        return inserted, dups, rejected
+
     def on_insert(self, reply: InsertReply) -> None:
         m = self.metrics
         if reply.expired:
@@ -177,7 +212,7 @@ class Core:
             self.metrics.dropped_payload_missing.inc(missing)
         return missing
 
-    def take(self, reply: SampleReply, consumer_version: int) -> Taken:
+    def take(self, reply: SampleReply, consumer_version: int) -> DecodedSample:
         """The chosen groups of an OK reply, each decoded and validated on its own: the valid ones (with
         their lease ids when leasing), and the invalid ones to set aside (dead letters) by lease id, or by
         group id when the sample consumed. Missing payloads are skipped (`missing` counted them)."""
@@ -190,7 +225,7 @@ class Core:
             decoded: list = decode_groups([p for p, _, _ in kept], self.cfg.limits)
         except InvalidTrajectory:  # a poison group: decode each on its own to name it and keep the rest
             decoded = [_decode_one(p, self.cfg.limits) for p, _, _ in kept]
-        taken = Taken([], [], [])
+        taken = DecodedSample([], [], [])
         for (_, item, gid), g in zip(kept, decoded, strict=True):
             if isinstance(g, InvalidTrajectory):
                 taken.bad.append((item, gid, g))
@@ -253,13 +288,57 @@ class Core:
 
 
 @dataclass(slots=True)
-class Taken:
-    """A sample's valid groups (and lease ids, when leasing) and its poison ones: (lease id or group id,
-    group id, the error)."""
+class DecodedSample:
+    """A sample reply's chosen groups, decoded: the valid ones (and their lease ids, when leasing) and the
+    poison ones, to set aside: (lease id or group id, group id, the error)."""
 
     groups: list[TrajectoryGroup]
     lease_ids: list[str]
     bad: list[tuple[str, str, InvalidTrajectory]]
+
+
+# --- the insert loop's steps of I/O (`Core.insert_steps`): what each asks of a shell, what it sends back
+
+InsertOutcome = tuple[list[str], list[str], dict[str, InvalidTrajectory]]
+
+
+@dataclass(frozen=True, slots=True)
+class CountRejected:
+    """Add `counts` to the buffer's counters hash (one pipeline); sends back nothing."""
+
+    counts: dict[str, int]
+    what: ClassVar[str] = "count rejected"
+
+
+@dataclass(frozen=True, slots=True)
+class ReadMaxmemory:
+    """Read Redis' `maxmemory` (storage.read_maxmemory); sends back the bytes (0: none)."""
+
+    what: ClassVar[str] = "read maxmemory"
+
+
+@dataclass(frozen=True, slots=True)
+class SendChunk:
+    """Run one insert transaction of `entries` (storage.insert_transaction, with `max_bytes` and, with
+    `read_table`, the learner's table config read in it); the shell hands the table config it read to
+    `_adopt`, then sends back the script's raw reply. Redis refusing it at its maxmemory is
+    back-pressure (`full_on_oom`: `BufferFull`), not an outage."""
+
+    entries: list[Entry]
+    max_bytes: int
+    read_table: bool
+    what: ClassVar[str] = "insert"
+    full_on_oom: ClassVar[bool] = True
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Sleep `seconds` (the limiter refused part of a chunk); sends back nothing."""
+
+    seconds: float
+
+
+InsertStep = CountRejected | ReadMaxmemory | SendChunk | Wait
 
 
 def strip_field(field: str) -> str:

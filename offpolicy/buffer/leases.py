@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from offpolicy.buffer.config import BufferConfig
-from offpolicy.buffer.core import Core, Taken, strip_field
+from offpolicy.buffer.core import Core, DecodedSample, strip_field
 from offpolicy.buffer.keys import BufferKeys
 from offpolicy.buffer.script_io import LeaseArgs
 from offpolicy.buffer.types import Acked, Leased
@@ -109,7 +109,7 @@ def dead_args(
     return args
 
 
-def poison_entries(taken: Taken) -> list[tuple[str, str, str]]:
+def poison_entries(taken: DecodedSample) -> list[tuple[str, str, str]]:
     """The dead-letter entries of a sample's poison groups: (lease id or group id, reason, field)."""
     return [(item, f"decode: {e.message}", e.field) for item, _, e in taken.bad]
 
@@ -120,7 +120,7 @@ def parse_dead_letters(raw: list[bytes]) -> list[dict[str, Any]]:
     return [json.loads(r) for r in raw]
 
 
-def leased_result(consumer: str, taken: Taken) -> Leased:
+def leased_result(consumer: str, taken: DecodedSample) -> Leased:
     return Leased(consumer, taken.groups, taken.lease_ids, {gid: e.field for _, gid, e in taken.bad})
 
 
@@ -199,7 +199,7 @@ class LeaseOps:
         raw = self._call(lambda: self._client.lrange(self._core.keys.dead, 0, limit - 1), "dead letters")
         return parse_dead_letters(raw)
 
-    def _set_aside(self, consumer: str | None, taken: Taken) -> None:
+    def _set_aside(self, consumer: str | None, taken: DecodedSample) -> None:
         args = dead_args(self.config, self._core.keys, consumer, poison_entries(taken))
         self._call(lambda: self._lease_op(args), "dead letter")
         self._core.on_dead([e.field for _, _, e in taken.bad])
@@ -269,7 +269,7 @@ class AsyncLeaseOps:
             await self._call(lambda: self._client.lrange(key, 0, limit - 1), "dead letters")
         )
 
-    async def _set_aside(self, consumer: str | None, taken: Taken) -> None:
+    async def _set_aside(self, consumer: str | None, taken: DecodedSample) -> None:
         args = dead_args(self.config, self._core.keys, consumer, poison_entries(taken))
         await self._call(lambda: self._lease_op(args), "dead letter")
         self._core.on_dead([e.field for _, _, e in taken.bad])

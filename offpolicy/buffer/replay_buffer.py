@@ -14,14 +14,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from offpolicy.buffer.async_replay_buffer import AsyncReplayBuffer
-from offpolicy.buffer.core import Taken, file_statuses, insert_limited, make_result, merge_priorities
+from offpolicy.buffer.core import (
+    CountRejected,
+    DecodedSample,
+    InsertOutcome,
+    InsertStep,
+    ReadMaxmemory,
+    SendChunk,
+    Wait,
+    make_result,
+    merge_priorities,
+)
 from offpolicy.buffer.errors import BufferFull, RateLimited
 from offpolicy.buffer.handle import BufferHandle
 from offpolicy.buffer.leases import LeaseOps
 from offpolicy.buffer.rate_limiter import SampleStatus, sample_refused
-from offpolicy.buffer.script_io import InsertReply, LeaseArgs
+from offpolicy.buffer.script_io import LeaseArgs
 from offpolicy.buffer.storage import call_sync, insert_transaction, read_maxmemory, sample_transaction
 from offpolicy.buffer.types import BufferStats, InsertResult, TrajectoryGroup
 
@@ -57,41 +68,38 @@ class ReplayBuffer(BufferHandle, LeaseOps):
         """
         return make_result(*self._insert_many(groups))
 
-    def _insert_many(self, groups: Sequence[TrajectoryGroup]):
-        t0 = time.perf_counter()
-        core = self._core
-        chunks, rejected = core.prepare(groups)
-        if rejected:
-            self._call(lambda: self._count(core.rejected_counts(rejected)), "count rejected")
-        inserted: list[str] = []
-        dups: list[str] = []
-        backoff = None
-        if chunks and core.needs_maxmemory():
-            core.set_maxmemory(self._call(lambda: read_maxmemory(self._client), "read maxmemory"))
-        for pending in chunks:
-            while pending:
+    def _insert_many(self, groups: Sequence[TrajectoryGroup]) -> InsertOutcome:
+        """`Core.insert_steps`, each step performed with a blocking call."""
+        steps = self._core.insert_steps(groups)
+        result = None
+        while True:
+            try:
+                step = steps.send(result)
+            except StopIteration as done:
+                return done.value
+            result = self._perform(step)
+
+    def _perform(self, step: InsertStep) -> Any:
+        """One step of the insert loop (buffer/core.py): its I/O, and what it sends back."""
+        match step:
+            case CountRejected(counts=counts):
+                return self._call(lambda: self._count(counts), step.what)
+            case ReadMaxmemory():
+                return self._call(lambda: read_maxmemory(self._client), step.what)
+            case SendChunk(entries=entries, max_bytes=max_bytes, read_table=read_table):
+                keys = self._core.keys
                 raw, table = self._call(
-                    lambda p=pending, t=core.table_due(): insert_transaction(
-                        self._client, self._insert, self.config, core.keys, p, core.max_bytes, t
+                    lambda: insert_transaction(
+                        self._client, self._insert, self.config, keys, entries, max_bytes, read_table
                     ),
-                    "insert",
-                    full_on_oom=True,
+                    step.what,
+                    full_on_oom=step.full_on_oom,
                 )
-                reply = InsertReply.parse(raw)
                 self._adopt(table)
-                core.on_insert(reply)
-                pending, full = file_statuses(pending, reply, inserted, dups)
-                if full:
-                    raise core.buffer_full(reply, inserted)
-                if pending:
-                    backoff = backoff or core.backoff(self.config.insert_timeout_s)
-                    delay = backoff.delay()
-                    if delay is None:
-                        raise insert_limited(self.config, len(inserted))
-                    core.metrics.waits["insert"].inc()
-                    time.sleep(delay)
-        core.metrics.insert_latency.observe(time.perf_counter() - t0)
-        return inserted, dups, rejected
+                return raw
+            case Wait(seconds=seconds):
+                time.sleep(seconds)
+        return None
 
     def _count(self, counts: dict[str, int]) -> None:
         pipe = self._client.pipeline(transaction=False)
@@ -113,7 +121,7 @@ class ReplayBuffer(BufferHandle, LeaseOps):
 
     def _take(
         self, num_groups: int, consumer_version: int, timeout_s: float, lease: LeaseArgs | None
-    ) -> Taken:
+    ) -> DecodedSample:
         """The sample loop of `sample` (lease None: consume) and `lease`."""
         t0 = time.perf_counter()
         core = self._core

@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-SCHEMA_VERSION = (
-    3  # 3: + environment-token spans (agents); 2: the zero-copy frame (buffer/codec.py); 1: msgpack
-)
-READABLE_SCHEMA_VERSIONS = (2, 3)  # frames of schema 2 decode as all-policy trajectories
+# 4: the frame header's keys are the record's field names; 3: + environment-token spans (agents);
+# 2: the zero-copy frame (buffer/codec.py); 1: msgpack
+SCHEMA_VERSION = 4
+READABLE_SCHEMA_VERSIONS = (2, 3, 4)  # frames of schema 2 decode as all-policy trajectories
 
 
 @dataclass(frozen=True, slots=True)

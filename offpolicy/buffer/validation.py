@@ -59,18 +59,22 @@ def _check_ids(a: Any, name: str, limit: int, limit_name: str) -> None:
 def _check_traj(t: Trajectory, i: int) -> None:
     """Types and lengths of one trajectory (values are checked over the whole group at once)."""
     pre = f"trajectories[{i}]"
-    ids, lp = t.response_ids, t.behavior_logprobs
+    ids, behavior_logprobs = t.response_ids, t.behavior_logprobs
     if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu":
         raise InvalidTrajectory(
             f"{pre}.response_ids", f"must be a 1-D integer array, got {type(ids).__name__}"
         )
-    if not isinstance(lp, np.ndarray) or lp.ndim != 1 or lp.dtype.kind != "f":
+    if (
+        not isinstance(behavior_logprobs, np.ndarray)
+        or behavior_logprobs.ndim != 1
+        or behavior_logprobs.dtype.kind != "f"
+    ):
         raise InvalidTrajectory(f"{pre}.behavior_logprobs", "must be a 1-D float array")
     if len(ids) == 0:
         raise InvalidTrajectory(f"{pre}.response_ids", "an empty completion (0 tokens)")
-    if len(lp) != len(ids):
+    if len(behavior_logprobs) != len(ids):
         raise InvalidTrajectory(
-            f"{pre}.behavior_logprobs", f"length {len(lp)} != len(response_ids) {len(ids)}"
+            f"{pre}.behavior_logprobs", f"length {len(behavior_logprobs)} != len(response_ids) {len(ids)}"
         )
     v = t.versions
     if v is not None:
@@ -121,8 +125,8 @@ def mask_ok(m: Any, length: int) -> bool:
 
 
 def check_spans(env: Any, lens: list[int]) -> None:
-    """A frame's environment spans (header key `env`, schema 3): per trajectory a flat list of increasing
-    half-open `[start, end)` pairs inside the completion that leave a policy token."""
+    """A frame's environment spans (header key `env_spans`, schemas >= 3): per trajectory a flat list of
+    increasing half-open `[start, end)` pairs inside the completion that leave a policy token."""
     if type(env) is not list or len(env) != len(lens):
         raise InvalidTrajectory("trajectories.policy_mask", f"must be a list of {len(lens)} span lists")
     for i, (spans, length) in enumerate(zip(env, lens, strict=True)):
@@ -169,8 +173,8 @@ def validate_group(group: TrajectoryGroup, limits: CodecLimits = DEFAULT_LIMITS)
     trs = group.trajectories
     lens = np.array([len(t.response_ids) for t in trs], dtype=np.int64)
     ids = np.concatenate([t.response_ids for t in trs])
-    lp = np.concatenate([t.behavior_logprobs for t in trs]).astype(np.float32, copy=False)
-    raise_bad_values(lens, np.zeros(0, np.int32), ids, lp, [None] * len(trs), limits)
+    behavior_logprobs = np.concatenate([t.behavior_logprobs for t in trs]).astype(np.float32, copy=False)
+    raise_bad_values(lens, np.zeros(0, np.int32), ids, behavior_logprobs, [None] * len(trs), limits)
     s = group.sampling
     _check_rest(group.priority, group.metadata, (s.temperature, s.top_p, s.top_k, s.max_tokens))
 
@@ -178,19 +182,21 @@ def validate_group(group: TrajectoryGroup, limits: CodecLimits = DEFAULT_LIMITS)
 # --- array values (a frame's views, or validate_group's concatenations)
 
 
-def check_values(ints: np.ndarray, lp: np.ndarray) -> bool:
+def check_values(ints: np.ndarray, behavior_logprobs: np.ndarray) -> bool:
     """True when every int32 (prompt ids, token ids, versions) is >= 0 and every log-prob finite and <= 0.
 
     NaN fails `max <= 0`; int32 values cannot exceed 2^31 - 1.
     """
-    return (not len(ints) or ints.min() >= 0) and (not len(lp) or (lp.max() <= 0 and lp.min() > -np.inf))
+    return (not len(ints) or ints.min() >= 0) and (
+        not len(behavior_logprobs) or (behavior_logprobs.max() <= 0 and behavior_logprobs.min() > -np.inf)
+    )
 
 
 def raise_bad_values(
     lens: np.ndarray,
     prompt: np.ndarray,
     ids: np.ndarray,
-    lp: np.ndarray,
+    behavior_logprobs: np.ndarray,
     versions: list[np.ndarray | None],
     limits: CodecLimits,
 ) -> None:
@@ -213,13 +219,14 @@ def raise_bad_values(
         raise InvalidTrajectory(
             f"{where(pos)}.response_ids", f"token ids must be in [0, 2^31), got {ids[pos]}"
         )
-    ok = lp <= 0  # False for nan too
-    if not ok.all() or not np.isfinite(lp).all():
-        pos = int(np.argmax(~(ok & np.isfinite(lp))))
+    ok = behavior_logprobs <= 0  # False for nan too
+    finite = np.isfinite(behavior_logprobs)
+    if not ok.all() or not finite.all():
+        pos = int(np.argmax(~(ok & finite)))
         what = (
             "contains a non-finite value"
-            if not np.isfinite(lp[pos])
-            else f"log-probs must be <= 0, got {lp[pos]}"
+            if not finite[pos]
+            else f"log-probs must be <= 0, got {behavior_logprobs[pos]}"
         )
         raise InvalidTrajectory(f"{where(pos)}.behavior_logprobs", what)
     for i, v in enumerate(versions):
@@ -230,10 +237,10 @@ def raise_bad_values(
 # --- a decoded frame: its header and the layout of its arrays (decode_group)
 
 
-def _get(doc: dict, key: str, field: str, types: frozenset) -> Any:
-    if key not in doc:
+def _get(doc: dict, field: str, types: frozenset) -> Any:
+    if field not in doc:
         raise InvalidTrajectory(field, "missing")
-    value = doc[key]
+    value = doc[field]
     if type(value) not in types:
         raise InvalidTrajectory(field, f"wrong type {type(value).__name__}")
     return value
@@ -250,17 +257,18 @@ def _per_trajectory(doc: dict, key: str, name: str, n: int, types: frozenset) ->
 
 
 def check_header(doc: Any, limits: CodecLimits) -> int:
-    """Check a frame's header map (everything but the array values); return the number of trajectories."""
+    """Check a frame's header map, under schema 4's keys (everything but the array values); return the
+    number of trajectories."""
     if type(doc) is not dict:
         raise InvalidTrajectory("payload", "the frame header must be a msgpack map")
-    for key, field in (("gid", "group_id"), ("pid", "prompt_id"), ("aid", "actor_id")):
-        if not _get(doc, key, field, _STR):
+    for field in ("group_id", "prompt_id", "actor_id"):
+        if not _get(doc, field, _STR):
             raise InvalidTrajectory(field, "must be a non-empty string")
-    if _get(doc, "pv", "policy_version", _INT) < 0:
-        raise InvalidTrajectory("policy_version", f"must be an int >= 0, got {doc['pv']}")
-    if not math.isfinite(_get(doc, "t", "created_at", _NUM)):
-        raise InvalidTrajectory("created_at", f"must be finite unix seconds, got {doc['t']}")
-    rw = doc.get("rw")
+    if _get(doc, "policy_version", _INT) < 0:
+        raise InvalidTrajectory("policy_version", f"must be an int >= 0, got {doc['policy_version']}")
+    if not math.isfinite(_get(doc, "created_at", _NUM)):
+        raise InvalidTrajectory("created_at", f"must be finite unix seconds, got {doc['created_at']}")
+    rw = doc.get("reward")
     if type(rw) is not list:
         raise InvalidTrajectory("trajectories.reward", "must be a list, one reward per trajectory")
     n = len(rw)
@@ -270,14 +278,14 @@ def check_header(doc: Any, limits: CodecLimits) -> int:
         raise InvalidTrajectory(
             "trajectories", f"{n} exceeds max_completions_per_group={limits.max_completions_per_group}"
         )
-    _per_trajectory(doc, "rw", "reward", n, _NUM)
+    _per_trajectory(doc, "reward", "reward", n, _NUM)
     if not all(map(math.isfinite, rw)):
         i = next(i for i, r in enumerate(rw) if not math.isfinite(r))
         raise InvalidTrajectory(f"trajectories[{i}].reward", f"must be a finite number, got {rw[i]}")
-    _per_trajectory(doc, "fr", "finish_reason", n, _STR)
-    _per_trajectory(doc, "hv", "versions", n, _BOOL)
-    _check_rest(doc.get("pr"), _get(doc, "m", "metadata", _DICT), _get(doc, "s", "sampling", _LIST))
-    ends = doc.get("a")
+    _per_trajectory(doc, "finish_reason", "finish_reason", n, _STR)
+    _per_trajectory(doc, "has_versions", "versions", n, _BOOL)
+    _check_rest(doc.get("priority"), _get(doc, "metadata", _DICT), _get(doc, "sampling", _LIST))
+    ends = doc.get("array_ends")
     if type(ends) is not list or len(ends) != 5 or not set(map(type, ends)) <= _INT:
         raise InvalidTrajectory("payload", f"array offsets must be a list of 5 ints, got {ends!r}")
     return n
@@ -288,8 +296,9 @@ def header_ok(d: Any, limits: CodecLimits) -> bool:
     if type(d) is not dict:
         return False
     get = d.get
-    g, p, a, pv, t, rw, fr = get("gid"), get("pid"), get("aid"), get("pv"), get("t"), get("rw"), get("fr")
-    hv, s, m, pr, ends = get("hv"), get("s"), get("m"), get("pr"), get("a")
+    g, p, a, pv = get("group_id"), get("prompt_id"), get("actor_id"), get("policy_version")
+    t, rw, fr, hv = get("created_at"), get("reward"), get("finish_reason"), get("has_versions")
+    s, m, pr, ends = get("sampling"), get("metadata"), get("priority"), get("array_ends")
     return (
         type(g) is str
         and type(p) is str

@@ -34,13 +34,13 @@ class Batch:
     sampled_mask: (
         torch.Tensor
     )  # (B, R) float: 1 on every policy token (never changed; GAE and critic use it); 0 on environment ones
-    rollout_log_probs: torch.Tensor  # (B, R) float: behaviour log-probs (0 on padding)
+    behavior_logprobs: torch.Tensor  # (B, R) float: the behaviour policy's log-probs (0 on padding)
     rewards: torch.Tensor  # (B,) float: one scalar reward per completion
     group_index: torch.Tensor  # (B,) long: 0..G-1, which group each row belongs to
     policy_versions: (
         torch.Tensor
     )  # (B,) long: the row's oldest token version (its staleness is measured from it)
-    behavior_versions: torch.Tensor  # (B, R) long: per-token version (the group's, unless it spans a reload)
+    versions: torch.Tensor  # (B, R) long: per-token policy version (the group's, unless it spans a reload)
     temperatures: torch.Tensor  # (B,) float: the sampling temperature of each row's group
     prompt_width: int  # P: column where every response starts
     # Filled in by the loop (spec §5.1):
@@ -110,16 +110,16 @@ def collate(groups: Sequence[TrajectoryGroup], pad_token_id: int) -> Batch:
     R = max(len(t.response_ids) for _, _, t in rows)
     ids = np.full((B, P + R), pad_token_id, dtype=np.int64)
     attn = np.zeros((B, P + R), dtype=np.int64)
-    lp = np.zeros((B, R), dtype=np.float32)
-    bver = np.zeros((B, R), dtype=np.int64)
+    behavior_logprobs = np.zeros((B, R), dtype=np.float32)
+    versions = np.zeros((B, R), dtype=np.int64)
     policy = np.zeros((B, R), dtype=np.float32)  # 1 on tokens the policy generated: the only ones trained
     for b, (_, g, t) in enumerate(rows):
         p, r = len(g.prompt_ids), len(t.response_ids)
         ids[b, P - p : P] = g.prompt_ids
         ids[b, P : P + r] = t.response_ids
         attn[b, P - p : P + r] = 1  # environment tokens too: attended, never trained
-        lp[b, :r] = t.behavior_logprobs
-        bver[b, :r] = g.policy_version if t.versions is None else t.versions
+        behavior_logprobs[b, :r] = t.behavior_logprobs
+        versions[b, :r] = g.policy_version if t.versions is None else t.versions
         policy[b, :r] = 1.0 if t.policy_mask is None else t.policy_mask
     oldest = [  # a completion's staleness counts from its oldest policy token (what max_staleness bounds)
         g.policy_version if t.versions is None or len(t.versions) == 0 else int(_policy(t.versions, t).min())
@@ -134,11 +134,11 @@ def collate(groups: Sequence[TrajectoryGroup], pad_token_id: int) -> Batch:
         response_ids=input_ids[:, P:].clone(),
         response_mask=response_mask,
         sampled_mask=response_mask.clone(),
-        rollout_log_probs=torch.from_numpy(lp) * response_mask,
+        behavior_logprobs=torch.from_numpy(behavior_logprobs) * response_mask,
         rewards=torch.tensor([float(t.reward) for _, _, t in rows], dtype=torch.float32),
         group_index=torch.tensor([gi for gi, _, _ in rows], dtype=torch.long),
         policy_versions=torch.tensor(oldest, dtype=torch.long),
-        behavior_versions=torch.from_numpy(bver),
+        versions=torch.from_numpy(versions),
         temperatures=torch.tensor([g.sampling.temperature for _, g, _ in rows], dtype=torch.float32),
         prompt_width=P,
     )
@@ -151,4 +151,4 @@ def staleness(batch: Batch, consumer_version: int) -> torch.Tensor:
 
 def token_staleness(batch: Batch, consumer_version: int) -> torch.Tensor:
     """Per-token age in optimizer steps: consumer_version - the version that sampled each token, (B, R)."""
-    return consumer_version - batch.behavior_versions
+    return consumer_version - batch.versions

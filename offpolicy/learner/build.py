@@ -5,7 +5,8 @@ On N ranks the models are built on the meta device, sharded, and each rank then 
 own shards (learner/distributed/lean.py: `fsdp.lean_start`), so no rank holds a whole fp32 copy in host
 memory or on its GPU; with `lean_start: false` every rank loads the whole model into host memory and each
 decoder layer moves to the GPU as it is sharded. `Trainables` is what
-a step trains and a checkpoint saves; `set_optimizer_hparams` applies a new optimizer config in place.
+a step trains and a checkpoint saves; `set_hparams` applies a new config's optimizer and critic
+hyper-parameters in place.
 `build_reference` and `build_teacher` load the frozen reference policy of the KL loss and the teacher of
 on-policy distillation, both by `build_frozen` (never checkpointed: reloaded from their `model_path` on
 resume).
@@ -253,6 +254,17 @@ def lr_lambda(cfg: OptimizerConfig) -> Callable[[int], float]:
         return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
 
     return factor
+
+
+def set_hparams(parts: Trainables, old: LearnerConfig | None, new: LearnerConfig) -> None:
+    """The one place the policy's and the critic's hyper-parameters are set after the build: those of
+    `new` that differ from `old` (None = all of them, as after a resume re-aligns the restored optimizer
+    and schedule with the config), in place (moments and the schedule's step kept)."""
+    if old is None or new.optimizer != old.optimizer:
+        set_optimizer_hparams(parts.optimizer, parts.scheduler, new.optimizer)  # type: ignore[arg-type]
+    if parts.critic_optimizer is not None and (old is None or new.critic.lr != old.critic.lr):
+        for g in parts.critic_optimizer.param_groups:
+            g["lr"] = new.critic.lr
 
 
 def set_optimizer_hparams(

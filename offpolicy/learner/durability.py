@@ -1,101 +1,86 @@
-"""What makes the learner's updates durable, as a mixin of `Learner` (learner/trainer.py): checkpoints
-taken between steps (`checkpoint()` from another thread, `_checkpoint` when due), the steps a durable
-checkpoint does not cover yet and the intake's stop at `checkpoint.max_undurable_steps` (`IntakeStopped`),
-the writer thread's durability callback, and the counters and config a resumed checkpoint restores.
+"""What makes the learner's updates durable: `Durability` owns the durable step (learner steps covered by
+the newest durable checkpoint), the step of each checkpoint queued and not yet durable, the cap
+`checkpoint.max_undurable_steps` (the intake stops at it: `IntakeStopped`), and `on_durable`, the writer
+thread's callback when a write lands.
 
-`Learner` provides what these read: `config`, `ranks`, `persist`, `publisher`, `buffer`, `delivery`,
-`store`, `channel`, `metrics`, `version`, `step_count`, `durable_step`, `config_version`,
-`config_applied_at_step`, `resumed`, `_checkpoint_steps`, `_publish_keys`, `_step_lock`, `trainables()` and
-`_switch_config()`.
+The learner (learner/trainer.py) takes checkpoints (`Learner._checkpoint`) and tells this object of each
+one queued (`queued`); the writer thread calls `on_durable`; the loop's step calls `check` before it takes
+groups.
 """
 
 from __future__ import annotations
 
-import logging
-from pathlib import Path
-from typing import Any
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
-from offpolicy.learner.config.resume import resumed_config
+from offpolicy.learner.config import LearnerConfig
+from offpolicy.learner.delivery import Delivery
+from offpolicy.learner.distributed import Ranks
 from offpolicy.learner.errors import IntakeStopped
+from offpolicy.learner.metrics import LearnerMetrics
 
-log = logging.getLogger(__name__)
+
+class Writes(Protocol):
+    """What `check` reads of the background writes (learner/persist/: `Persistence`)."""
+
+    troubles: Mapping[str, Mapping[str, Any]]
+
+    def checkpoint_pending(self) -> bool: ...
 
 
 class Durability:
-    """`Learner`'s checkpoints, durability cap and resume (module docstring)."""
+    """The durable step, the queued checkpoints' steps, the cap and `on_durable` (module docstring).
 
-    def checkpoint(self) -> tuple[Path, int]:
-        """Checkpoint now (after the running step, if any) and wait until it is durable; training goes on
-        meanwhile. Returns (folder, version). On N ranks the loop takes it at its next step boundary (every
-        rank checkpoints its shards) and this waits for that."""
-        if self.ranks.distributed:
-            if self.config.checkpoint_path is None:
-                self.persist.checkpoint(self.trainables(), 0, 0, {})  # raises CheckpointsDisabled
-            assert self.channel is not None, "checkpoint() is the leader's"
-            return self.channel.request_checkpoint()
-        with self._step_lock:
-            path, version = self._checkpoint(), self.version
-        self.persist.writer.flush(kind="checkpoint")  # a full disk: WriteFailed, the write retried
-        return path, version
+    `delivery` (the leader's): a durable checkpoint's leases are acked by the next step."""
 
-    def undurable_steps(self) -> int:
+    def __init__(self, ranks: Ranks, metrics: LearnerMetrics, delivery: Delivery | None) -> None:
+        self._ranks, self._metrics, self._delivery = ranks, metrics, delivery
+        self.durable_step = 0
+        """Learner steps covered by the newest durable checkpoint."""
+        self._queued: dict[int, int] = {}  # checkpoint version queued -> its step count
+        self._lock = threading.Lock()  # the writer thread and the loop's both touch _queued
+
+    def resumed_at(self, step: int) -> None:
+        """A resumed checkpoint covers its `step` learner steps."""
+        self.durable_step = step
+
+    def queued(self, version: int, step: int) -> None:
+        """A checkpoint of policy `version` was queued after `step` learner steps."""
+        with self._lock:
+            self._queued[version] = step
+
+    def on_durable(self, kind: str, version: int) -> None:
+        """Writer thread: a write became durable; a checkpoint's leases are acked by the next step."""
+        if kind != "checkpoint":
+            return
+        with self._lock:
+            steps = [s for v, s in self._queued.items() if v <= version]
+            for v in [v for v in self._queued if v <= version]:
+                del self._queued[v]
+        self.durable_step = max([self.durable_step, *steps])
+        if self._delivery is not None:
+            self._delivery.durable(version)
+
+    def undurable_steps(self, config: LearnerConfig, step: int) -> int:
         """Learner steps not covered by a durable checkpoint (0 without checkpoints: nothing to cover)."""
-        return self.step_count - self.durable_step if self.config.checkpoint_path is not None else 0
+        return step - self.durable_step if config.checkpoint_path is not None else 0
 
-    def _check_durability(self) -> None:
+    def check(self, config: LearnerConfig, step: int, writes: Writes, checkpoint: Callable[[], Any]) -> None:
         """Raise `IntakeStopped` while `checkpoint.max_undurable_steps` steps are not covered by a durable
-        checkpoint (checkpoints failing); one process: a checkpoint is queued if none waits for a retry."""
-        cap = self.config.checkpoint.undurable_cap if self.config.checkpoint_path is not None else None
-        undurable = self.undurable_steps()
-        self.metrics.undurable_steps.set(undurable)
-        self.metrics.intake_blocked.set(cap is not None and undurable >= cap)
+        checkpoint (checkpoints failing); one process: `checkpoint()` queues one first if none waits for a
+        retry."""
+        cap = config.checkpoint.undurable_cap if config.checkpoint_path is not None else None
+        undurable = self.undurable_steps(config, step)
+        self._metrics.undurable_steps.set(undurable)
+        self._metrics.intake_blocked.set(cap is not None and undurable >= cap)
         if cap is None or undurable < cap:
             return
-        if not self.ranks.distributed and not self.persist.checkpoint_pending():
-            with self._step_lock:
-                self._checkpoint()
-        failing = self.persist.troubles.get("checkpoint")
+        if not self._ranks.distributed and not writes.checkpoint_pending():
+            checkpoint()
+        failing = writes.troubles.get("checkpoint")
         why = f"{failing['error']} on {failing['path']}" if failing else "the checkpoint is not durable yet"
         raise IntakeStopped(
             f"intake stopped: {undurable} learner steps are not covered by a durable checkpoint "
             f"(checkpoint.max_undurable_steps = {cap}): {why}"
         )
-
-    def _checkpoint(self) -> Path:
-        """Snapshot a checkpoint and queue its write; return the folder it will have."""
-        position, leases, priorities = {}, [], {}
-        if self.buffer is not None and self.delivery is not None:  # the leader's (its meta is the one kept)
-            stats = self.buffer.stats()
-            position = {"inserted_total": stats.inserted_total, "sampled_total": stats.sampled_total}
-            leases, priorities = self.delivery.checkpointed(self.version)
-        self.publisher.at_checkpoint(self.version, self._publish_keys if self.ranks.distributed else None)
-        self._checkpoint_steps[self.version] = self.step_count
-        return self.persist.checkpoint(
-            self.trainables(), self.version, self.step_count, position, leases, self.config_version,
-            lease_priorities=priorities,
-        )  # fmt: skip
-
-    def _on_durable(self, kind: str, version: int) -> None:
-        """Writer thread: a write became durable; a checkpoint's leases are acked by the next step."""
-        if kind == "checkpoint":
-            steps = [s for v, s in list(self._checkpoint_steps.items()) if v <= version]
-            self.durable_step = max([self.durable_step, *steps])
-            if self.delivery is not None:
-                self.delivery.durable(version)
-
-    def _resumed(self, meta: dict[str, Any]) -> None:
-        """Take the resumed checkpoint's counters. The version is always that of the weights we hold:
-        versions published after that checkpoint are superseded (`_start` re-publishes ours)."""
-        self.version, self.step_count = int(meta["version"]), int(meta["step"])
-        # the checkpoint's config or the file's (checkpoint.resume_config); the optimizer and scheduler
-        # restored from the checkpoint are re-aligned with it (learning rate and schedule included)
-        self.resumed = resumed_config(self.config, meta)
-        self._switch_config(self.resumed.config, force_optimizer=True)
-        self.config_version, self.config_applied_at_step = 1, self.step_count
-        self.metrics.record_config(1, self.config)
-        record = self.store.read() if self.store is not None else None
-        if record is not None and record.version > self.version:
-            log.warning(
-                "published v%d is newer than checkpoint v%d: its weights are lost; re-publishing v%d",
-                record.version, self.version, self.version,
-            )  # fmt: skip

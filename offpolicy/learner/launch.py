@@ -27,7 +27,7 @@ def join(config: LearnerConfig) -> None:
     init_from_env(pick_device(config.device).type)
 
 
-def follow(config: LearnerConfig) -> int:
+def run_follower(config: LearnerConfig) -> int:
     """A follower rank: build its share of the learner, run the leader's commands until `stop`.
 
     SIGTERM is left to the leader: torchrun signals every rank at once, and a follower that died at once
@@ -38,7 +38,7 @@ def follow(config: LearnerConfig) -> int:
     signal.signal(signal.SIGTERM, lambda *_: log.info("SIGTERM: stopping when the leader says so"))
     learner = Learner(config)
     try:
-        learner.follow()
+        learner.run_follower()
     finally:
         learner.close()
     return 0
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     from offpolicy.learner.trainer import Learner
 
     if not current().is_leader:
-        return follow(config)
+        return run_follower(config)
     learner = Learner(config)
     try:
         learner.run(threading.Event())

@@ -1,7 +1,7 @@
 """The loop around the learner's step (`Learner.run`, learner/trainer.py): it waits out an empty buffer (state
 `waiting_for_data`, retry every 0.5 s) and transient trouble (`TRANSIENT_ERRORS`: Redis unreachable),
 retried with capped exponential backoff for as long as it lasts (state `waiting_for_redis`, `retrying` the
-reason), then stepping resumes by itself. A full disk is back-pressure (persist/persistence.py):
+reason), then stepping resumes by itself. A full disk is back-pressure (persist/durable_writes.py):
 publishes and checkpoints are retried in the background while training goes on, until
 `checkpoint.max_undurable_steps` steps are not covered by a durable checkpoint; then the loop takes no new
 groups (state `waiting_for_checkpoint`, `retrying` the reason) until one lands. While paused or waiting the

@@ -1,23 +1,25 @@
-"""Every Prometheus metric the learner exports, declared on an injected registry, plus the last step's dict.
+"""The learner's Prometheus metrics (`LearnerMetrics`, on an injected registry) and the last step's dict.
 
-Names follow `offpolicy_learner_<what>_<unit>`. Each `rollout_corr/<key>` of the spec (section 6) is a
-gauge `offpolicy_learner_rollout_corr_<key>`, declared up front for every key the correction can emit
-(so dashboards may name them before the first step); a key outside that list still gets a gauge on first
+Every metric the learner exports is declared here but the transfer metrics (`offpolicy_learner_transfer*`,
+`publish.transport: vllm`): those are `TransferMetrics` in transport/publisher.py, next to their one user,
+as the actor declares its receiver's in actors/transport/receiver.py. Names follow
+`offpolicy_learner_<what>_<unit>`. Each `rollout_corr/<key>` of the spec (section 6) is a gauge
+`offpolicy_learner_rollout_corr_<key>`, declared up front for every key the correction can emit (so
+dashboards may name them before the first step); a key outside that list still gets a gauge on first
 sight. Token-level histograms (IS weights, staleness) are filled from whole arrays at once by
-`BulkHistogram`, never by one `observe` per token. Also here: `timed` (a step's critical-path phases) and
-`metric_sums` (a step's metric tensors moved to the host at once).
+`BulkHistogram`, never by one `observe` per token. Also here: `timed` (a step's critical-path phases),
+`metric_sums` (a step's metric tensors moved to the host at once) and `json_safe` (a step's dict with NaN
+as null: `last`, and the JSONL sink's lines).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,7 +36,6 @@ PHASES = (
 """Critical-path phases of a step; `publish` and `checkpoint` are the host snapshots only (the writes run
 on the background writer and are timed by `offpolicy_learner_background_write_seconds`)."""
 STALENESS_BUCKETS = ("0", "1", "2-3", "4-7", "8+")
-STALENESS_EDGES = (0, 1, 3, 7)  # bucketize(right=False): 0 | 1 | 2-3 | 4-7 | 8+
 
 IS_KEYS = (
     "mean", "max", "min", "ratio_fraction_high", "ratio_fraction_low", "std", "eff_sample_size",
@@ -154,39 +155,6 @@ class BulkHistogram(Collector):
         family = HistogramMetricFamily(self.name, self.documentation)
         family.add_metric([], [*buckets, ("+Inf", int(cum[-1]))], total)
         return [family]
-
-
-def staleness_bucket_index(staleness: torch.Tensor) -> torch.Tensor:
-    """Staleness in steps, any shape → index into STALENESS_BUCKETS, same shape."""
-    edges = torch.tensor(STALENESS_EDGES, device=staleness.device, dtype=staleness.dtype)
-    return torch.bucketize(staleness, edges, right=False)
-
-
-class StalenessKL:
-    """Accumulates the k1 off-policy KL, mean over tokens of (log pi_rollout - log pi_train), per bucket."""
-
-    def __init__(self) -> None:
-        self.sums = torch.zeros(len(STALENESS_BUCKETS), dtype=torch.float64)
-        self.counts = torch.zeros(len(STALENESS_BUCKETS), dtype=torch.float64)
-
-    def add(
-        self, train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor, staleness: torch.Tensor
-    ):
-        """Rows (B, R) with their staleness: per token (B, R) (`batching.token_staleness`: tokens of a
-        completion that spans a weight update land in their own buckets) or per row (B,). Everything
-        stays on the tensors' device until `result`."""
-        if staleness.dim() == 1:
-            staleness = staleness[:, None].expand_as(mask)  # (B, R)
-        bucket = staleness_bucket_index(staleness).flatten()  # (B*R,)
-        tok_kl = ((rollout_lp - train_lp.detach()) * mask).flatten().double()  # (B*R,)
-        dev = tok_kl.device
-        self.sums = self.sums.to(dev).index_add(0, bucket, tok_kl)
-        self.counts = self.counts.to(dev).index_add(0, bucket, mask.flatten().double())
-
-    def result(self) -> dict[str, float]:
-        """{bucket: KL} for the buckets that saw tokens (one host transfer)."""
-        sums, counts = torch.stack([self.sums, self.counts]).cpu().tolist()
-        return {b: s / c for b, s, c in zip(STALENESS_BUCKETS, sums, counts, strict=True) if c > 0}
 
 
 class LearnerMetrics:
@@ -368,10 +336,3 @@ class LearnerMetrics:
 def json_safe(metrics: Mapping[str, Any]) -> dict[str, Any]:
     """`metrics` with NaN and infinite floats as None (JSON's null: a loss gone NaN stays reportable)."""
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
-
-
-def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    """Append `record`, stamped with the wall time, as one JSON line to `path` (its folder made)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as fh:
-        fh.write(json.dumps({"time": time.time(), **record}) + "\n")

@@ -1,70 +1,112 @@
-"""Config changes at step boundaries, as a mixin of `Learner` (learner/trainer.py): `apply_config` (from the
-API's thread) queues a config, frozen fields refused at once; the loop applies it whole at the next
-boundary (`_apply_pending`: the optimizer's and critic's hyper-parameters and the buffer's table follow it,
-the gauge, the trackers and `on_config_applied` hear of it, and on N ranks the next command carries it).
+"""The learner's config and its version, with one owner: `ConfigSwitch` holds the config a learner trains
+with, the version it was applied as, and the config queued for the next step boundary.
 
-`Learner` provides what these read: `config`, `config_version`, `config_applied_at_step`, `step_count`,
-`ranks`, `metrics`, `tracker`, `channel`, `persist`, `buffer`, `optimizer`, `scheduler`,
-`critic_optimizer`, `_lock`, `_pending` and `_on_config_applied`.
+The API's thread `submit`s a config with the version its numbering gave it (the service's `ConfigControl`,
+services/learner_api/control.py, numbers what it accepts; a direct caller passes its own); frozen fields
+are refused at once. The loop `take`s it at the step boundary and applies it whole: the optimizer's and
+the critic's hyper-parameters (`build.set_hparams`, the one function for both) and the buffer's table
+follow it, the gauge, the trackers and `on_applied` hear of it, and on N ranks the leader's channel
+carries it to every rank with its next command. A follower `receive`s what that command carried; a resume
+applies the checkpoint's config as version 1.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 
-from offpolicy.learner.build import set_optimizer_hparams
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.learner.build import Trainables, set_hparams
 from offpolicy.learner.config import LearnerConfig, frozen_field_changes
+from offpolicy.learner.distributed import LeaderChannel, Ranks
 from offpolicy.learner.errors import FrozenFieldChange
+from offpolicy.learner.metrics import LearnerMetrics
+from offpolicy.learner.tracking import Tracker
 
 log = logging.getLogger(__name__)
 
+ConfigApplied = Callable[[int, int], None]
+"""`on_applied(config_version, step)`: called from the loop's thread at the step boundary where a config
+took effect; `step` = learner steps completed before it (step + 1 is the first to run with it)."""
 
-class Reconfiguring:
-    """`Learner`'s config changes at step boundaries (module docstring)."""
 
-    def apply_config(self, new_config: LearnerConfig, config_version: int | None = None) -> None:
-        """Queue `new_config`; it takes effect at the next step boundary. Frozen fields raise at once.
+class ConfigSwitch:
+    """The config a learner trains with (`config`, `version`, `applied_at_step`) and the one queued.
 
-        When it takes effect, `status()` shows `config_version` and `config_applied_at_step`, the gauge
-        `offpolicy_learner_config_version` moves, and `on_config_applied(version, step)` is called."""
-        changed = frozen_field_changes(self.config, new_config)
+    Given at build: the objects a config change reaches (the trainables' optimizers, the leader's buffer
+    and channel, the metrics and trackers, the service's `on_applied`)."""
+
+    def __init__(
+        self,
+        config: LearnerConfig,
+        ranks: Ranks,
+        trainables: Trainables,
+        metrics: LearnerMetrics,
+        tracker: Tracker,
+        buffer: ReplayBuffer | None = None,
+        channel: LeaderChannel | None = None,
+        on_applied: ConfigApplied | None = None,
+    ) -> None:
+        self._config, self.version, self.applied_at_step = config, 0, 0
+        self._ranks, self._trainables, self._metrics, self._tracker = ranks, trainables, metrics, tracker
+        self._buffer, self._channel, self._on_applied = buffer, channel, on_applied
+        self._pending: tuple[LearnerConfig, int] | None = None
+        self._lock = threading.Lock()  # guards _pending: the API's thread submits, the loop takes
+        metrics.record_config(0, config)
+
+    @property
+    def config(self) -> LearnerConfig:
+        """The config the learner trains with now (read-only: it changes only at a step boundary)."""
+        return self._config
+
+    def submit(self, new: LearnerConfig, version: int) -> None:
+        """Queue `new` as config `version`; it takes effect at the next step boundary (a newer submit
+        replaces a queued one). Frozen fields raise `FrozenFieldChange` at once, and nothing is queued."""
+        changed = frozen_field_changes(self._config, new)
         if changed:
             raise FrozenFieldChange(changed)
         with self._lock:
-            self._pending = (
-                new_config,
-                self.config_version + 1 if config_version is None else config_version,
-            )
+            self._pending = (new, version)
 
-    def _apply_pending(self) -> None:
-        """Apply the queued config. It stays queued until applied whole: a Redis outage during the buffer's
-        reconfiguration raises, the loop retries, and the next attempt applies it again (idempotent)."""
+    def take(self, step: int) -> None:
+        """At the step boundary after `step` learner steps: apply the queued config. It stays queued until
+        applied whole: a Redis outage during the buffer's reconfiguration raises, the loop retries, and the
+        next attempt applies it again (idempotent)."""
         with self._lock:
             pending = self._pending
         if pending is None:
             return
         new, version = pending
-        self._switch_config(new, force_optimizer=False)
-        self.config_version, self.config_applied_at_step = version, self.step_count
+        self._switch(new, force=False)
+        self.version, self.applied_at_step = version, step
         with self._lock:
             if self._pending is pending:  # a newer config queued meanwhile stays queued
                 self._pending = None
-        self.metrics.record_config(version, new)
-        self.tracker.log_config(new, "api", version, self.step_count)
-        log.info("rank %d applied config version %d at step %d", self.ranks.rank, version, self.step_count)
-        if self._on_config_applied is not None:
-            self._on_config_applied(version, self.step_count)
-        if self.channel is not None:
-            self.channel.config_applied(*pending)  # the next command carries it to every rank
+        self._metrics.record_config(version, new)
+        self._tracker.log_config(new, "api", version, step)
+        log.info("rank %d applied config version %d at step %d", self._ranks.rank, version, step)
+        if self._on_applied is not None:
+            self._on_applied(version, step)
+        if self._channel is not None:
+            self._channel.config_applied(new, version)  # the next command carries it to every rank
 
-    def _switch_config(self, new: LearnerConfig, force_optimizer: bool) -> None:
-        """Train with `new` from now on: the optimizer's and critic's hyper-parameters and the buffer's
-        table follow it, and the next checkpoint saves it."""
-        if force_optimizer or new.optimizer != self.config.optimizer:
-            set_optimizer_hparams(self.optimizer, self.scheduler, new.optimizer)
-        if self.critic_optimizer is not None and (force_optimizer or new.critic.lr != self.config.critic.lr):
-            for g in self.critic_optimizer.param_groups:
-                g["lr"] = new.critic.lr
-        if new.buffer != self.config.buffer and self.buffer is not None:
-            self.buffer.reconfigure(new.buffer)  # same buffer object, connections and metrics registry
-        self.config = self.persist.config = new
+    def receive(self, new: LearnerConfig, version: int, step: int) -> None:
+        """Follower: apply the config the leader's command carried (checked there already)."""
+        with self._lock:
+            self._pending = (new, version)
+        self.take(step)
+
+    def resume(self, config: LearnerConfig, step: int) -> None:
+        """A resumed checkpoint's config, applied as version 1: the restored optimizer and schedule are
+        re-aligned with it (learning rate and schedule included)."""
+        self._switch(config, force=True)
+        self.version, self.applied_at_step = 1, step
+        self._metrics.record_config(1, config)
+
+    def _switch(self, new: LearnerConfig, force: bool) -> None:
+        """Train with `new` from now on: the hyper-parameters and the buffer's table follow it."""
+        set_hparams(self._trainables, None if force else self._config, new)
+        if new.buffer != self._config.buffer and self._buffer is not None:
+            self._buffer.reconfigure(new.buffer)  # same buffer object, connections and metrics registry
+        self._config = new

@@ -17,13 +17,15 @@ The leader's side of the buffer (lease, screen, dynamic sampling, acks with prio
 checkpoint cap, is learner/loop.py. Any other error propagates (the loop is dead).
 
 On N ranks (torchrun; learner/distributed/) the rank-0 `Learner` (leader) samples, screens and sends each
-step boundary's `Command` to the others (followers), which run `follow()`; from there every rank runs the
-same `_execute`: the same config, the same batch, its own share of it, FSDP2. While paused or waiting the
-leader keeps sending heartbeats, so its followers hear of a config change or a checkpoint request.
+step boundary's `Command` to the others (followers), which run `run_follower()`; from there every rank
+runs the same `_execute`: the same config, the same batch, its own share of it, FSDP2. While paused or
+waiting the leader keeps sending heartbeats, so its followers hear of a config change or a checkpoint
+request.
 
-Three mixins hold the rest of `Learner`: config changes at step boundaries (learner/reconfigure.py), its
-checkpoints, durability cap and resume (learner/durability.py), and the leader's commands and the
-followers' loop (learner/distributed/follow.py).
+`Learner` holds its parts as objects that own their state and are given what they use when built: the
+config and its version (`ConfigSwitch`, learner/reconfigure.py), what makes updates durable (`Durability`,
+learner/durability.py), the followers' loop (`run_follower`, learner/distributed/commands.py, given the
+learner's `_follow` to run each command), the intake, the delivery of acks and the background writes.
 """
 
 from __future__ import annotations
@@ -32,16 +34,18 @@ import logging
 import random
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from prometheus_client import CollectorRegistry
 
+from offpolicy.buffer.codec import decode_group, encode_group
 from offpolicy.buffer.evaluations import EvalStore
 from offpolicy.buffer.replay_buffer import ReplayBuffer
-from offpolicy.learner.build import Trainables, build_models
+from offpolicy.learner.build import Built, Trainables, build_models
 from offpolicy.learner.config import LearnerConfig
-from offpolicy.learner.config.resume import ResumedConfig
+from offpolicy.learner.config.resume import ResumedConfig, resumed_config
 from offpolicy.learner.delivery import Delivery
 from offpolicy.learner.distributed import (
     Command,
@@ -50,16 +54,18 @@ from offpolicy.learner.distributed import (
     barrier,
     broadcast_command,
     current,
+    run_follower,
 )
-from offpolicy.learner.distributed.follow import CommandLoop
 from offpolicy.learner.durability import Durability
 from offpolicy.learner.intake import Intake
 from offpolicy.learner.loop import run_loop
 from offpolicy.learner.metrics import LearnerMetrics, timed
 from offpolicy.learner.model import checkpoint_dtype, load_tokenizer
+from offpolicy.learner.model.precision import Precision
 from offpolicy.learner.model.reference import check_teacher_tokenizer
 from offpolicy.learner.persist import BackgroundWriter, Persistence
-from offpolicy.learner.reconfigure import Reconfiguring
+from offpolicy.learner.plan.auto import Settings
+from offpolicy.learner.reconfigure import ConfigApplied, ConfigSwitch
 from offpolicy.learner.rl import ModelLimits, StepContext, StepResult, train_on
 from offpolicy.learner.tracking import StepLog, build_tracker
 from offpolicy.learner.transport.publisher import make_publisher
@@ -70,17 +76,12 @@ log = logging.getLogger(__name__)
 # --- the learner
 
 
-ConfigApplied = Callable[[int, int], None]
-"""`on_config_applied(config_version, step)`: called from the loop's thread at the step boundary where a
-config took effect; `step` = learner steps completed before it (step + 1 is the first to run with it)."""
-
-
-class Learner(Reconfiguring, Durability, CommandLoop):
+class Learner:
     """One training process: holds model, optimizer, buffer and policy store; `run` loops `step`.
 
     `ranks`: this process's place among N (default `distributed.current()`: the only one without
     torchrun). Followers (rank > 0) hold no buffer, policy store or delivery: they train on what the
-    leader sends, in `follow()`."""
+    leader sends, in `run_follower()`."""
 
     def __init__(
         self,
@@ -90,32 +91,19 @@ class Learner(Reconfiguring, Durability, CommandLoop):
         ranks: Ranks | None = None,
     ) -> None:
         ranks = ranks if ranks is not None else current()  # torchrun: the group joined at start
-        self.config, self.ranks = config, ranks
-        self.config_version = 0
-        self.config_applied_at_step = 0
+        self.ranks = ranks
         self.resumed: ResumedConfig | None = None
         """Set when the learner resumed a checkpoint: the config it reapplied (the service's history)."""
-        self._on_config_applied = on_config_applied
         self.metrics = LearnerMetrics(registry if registry is not None else CollectorRegistry())
-        self.metrics.record_config(0, config)
         random.seed(config.seed)
         torch.manual_seed(config.seed)
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
         # --- model (master weights in the precision's dtype), optimizer, schedule, critic; tokenizer
         check_teacher_tokenizer(config)  # before any weight loads
-        built = build_models(config, ranks)
-        self.device, self.precision, self.memory_plan = built.device, built.precision, built.memory_plan
-        self.settings = built.settings  # the memory plan's choices (`auto` budgets resolved)
-        self.reference, self._publish_keys = built.reference, built.publish_keys
-        self.teacher = built.teacher  # on-policy distillation's frozen teacher; None without one
-        self.startup_host_bytes, self.startup_host_exact = built.startup_host_bytes, built.startup_host_exact
-        self.grad_sync, self.start_way, self.host_plan = built.grad_sync, built.start_way, built.host_plan
-        self.metrics.start_way.labels(way=built.start_way).set(1)
-        parts = built.parts
-        self.model, self.policy = parts.model, parts.policy
-        self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
-        self.critic, self.critic_optimizer = parts.critic, parts.critic_optimizer
+        self.built: Built = build_models(config, ranks)
+        """Where and how the learner trains, and its models (read through the properties below)."""
+        self.metrics.start_way.labels(way=self.built.start_way).set(1)
         self.tokenizer = load_tokenizer(config.model_path)
         self.limits = ModelLimits(
             vocab_size=self.model.get_input_embeddings().num_embeddings,
@@ -134,44 +122,34 @@ class Learner(Reconfiguring, Durability, CommandLoop):
         self.store = PolicyStore(config.redis_url, config.run_id) if leader else None
         evals = EvalStore(config.redis_url, config.run_id) if leader else None
         self.step_log = StepLog(self.tracker, self.metrics, evals)  # each applied step's line and record
+        self.channel = LeaderChannel(ranks) if ranks.distributed and leader else None  # N ranks: rank 0
+        # --- the config and its version: one owner (the API's thread submits, the loop takes)
+        self.configs = ConfigSwitch(
+            config, ranks, self.trainables, self.metrics, self.tracker, self.buffer, self.channel,
+            on_config_applied,
+        )  # fmt: skip
         # --- state shared with the control thread
         self.version = 0  # optimizer steps taken = policy version
         self.step_count = 0  # learner steps taken
         self.state = "starting"
         self.retrying: str | None = None  # why `run` is retrying transient trouble now; None when it is not
-        self._pending: tuple[LearnerConfig, int] | None = None
         self._table_published: object = None  # the buffer config whose table fields producers have
-        self._lock = threading.Lock()  # guards _pending
         self._step_lock = threading.Lock()  # held while a step trains, publishes or checkpoints
         self._running = threading.Event()
         self._running.set()
-        self.durable_step = 0  # learner steps covered by the newest durable checkpoint
-        self._checkpoint_steps: dict[int, int] = {}  # checkpoint version queued -> its step count
-        self.channel = LeaderChannel(ranks) if ranks.distributed and leader else None  # N ranks: rank 0
-        # --- published weights and checkpoints (off the critical path); resume, then publish what we hold
-        self.persist = Persistence(
-            config,
-            self.model,
-            self.tokenizer,
-            checkpoint_dtype(config.model_path),  # published weights = masters cast to this
-            self.store,
-            self.metrics,
-            self._on_durable,
-            ranks,
-        )
-        self.publisher = make_publisher(
-            config,
-            self.persist,
-            self.model,
-            checkpoint_dtype(config.model_path),
-            self.metrics.registry,
-            ranks,
-        )
+        # --- acks, durability, published weights and checkpoints (off the critical path)
         self.delivery = (
             Delivery(self.buffer, config.run_id, config.delivery_mode, config.lease_s, self.metrics)
             if self.buffer is not None
             else None
         )
+        self.durability = Durability(ranks, self.metrics, self.delivery)
+        dtype = checkpoint_dtype(config.model_path)  # published weights = masters cast to this
+        self.persist = Persistence(
+            config, self.model, self.tokenizer, dtype, self.store, self.metrics, self.durability.on_durable,
+            ranks,
+        )  # fmt: skip
+        self.publisher = make_publisher(config, self.persist, self.model, dtype, self.metrics.registry, ranks)
         self.intake = (  # lease, screen, dynamic sampling, acks with priorities: learner/intake.py
             Intake(self.buffer, self.delivery, self.metrics, self.limits)
             if self.buffer is not None and self.delivery is not None
@@ -186,12 +164,11 @@ class Learner(Reconfiguring, Durability, CommandLoop):
         ranks = self.ranks
         if ranks.distributed:
             barrier(ranks)  # the leader has removed leftover partial writes
-        meta = self.persist.restore_latest(self.trainables())
+        meta = self.persist.restore_latest(self.trainables)
         if meta is not None:
             self._resumed(meta)
-            self.durable_step = self.step_count
         self.tracker.log_config(
-            self.config, "initial" if meta is None else "resume", self.config_version, self.step_count
+            self.config, "initial" if meta is None else "resume", self.configs.version, self.step_count
         )
         if self.delivery is not None:
             held = meta or {}  # the resumed checkpoint's leases, acked with their priorities
@@ -201,7 +178,81 @@ class Learner(Reconfiguring, Durability, CommandLoop):
         if broadcast_command(ranks, command).op == "publish":
             self._publish()  # written by the background writer while the first steps train
 
+    def _resumed(self, meta: dict[str, Any]) -> None:
+        """Take the resumed checkpoint's counters and config. The version is always that of the weights we
+        hold: versions published after that checkpoint are superseded (`_start` re-publishes ours)."""
+        self.version, self.step_count = int(meta["version"]), int(meta["step"])
+        # the checkpoint's config or the file's (checkpoint.resume_config); the optimizer and scheduler
+        # restored from the checkpoint are re-aligned with it (learning rate and schedule included)
+        self.resumed = resumed_config(self.config, meta)
+        self.configs.resume(self.resumed.config, self.step_count)
+        self.durability.resumed_at(self.step_count)
+        record = self.store.read() if self.store is not None else None
+        if record is not None and record.version > self.version:
+            log.warning(
+                "published v%d is newer than checkpoint v%d: its weights are lost; re-publishing v%d",
+                record.version, self.version, self.version,
+            )  # fmt: skip
+
+    # --- what the build made (read-only views of `built`)
+
+    @property
+    def config(self) -> LearnerConfig:
+        """The config the learner trains with now (`configs` owns it; it changes at step boundaries)."""
+        return self.configs.config
+
+    @property
+    def config_version(self) -> int:
+        return self.configs.version
+
+    @property
+    def config_applied_at_step(self) -> int:
+        return self.configs.applied_at_step
+
+    @property
+    def trainables(self) -> Trainables:
+        """The policy, its optimizer and schedule, the critic: what a step trains and a checkpoint saves."""
+        return self.built.parts
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.built.parts.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.built.parts.optimizer
+
+    @property
+    def device(self) -> torch.device:
+        return self.built.device
+
+    @property
+    def precision(self) -> Precision:
+        return self.built.precision
+
+    @property
+    def settings(self) -> Settings | None:
+        """The memory plan's choices (`auto` budgets resolved)."""
+        return self.built.settings
+
+    @property
+    def reference(self) -> torch.nn.Module | None:
+        return self.built.reference
+
+    @property
+    def teacher(self) -> torch.nn.Module | None:
+        """On-policy distillation's frozen teacher; None without one."""
+        return self.built.teacher
+
     # --- control (called from other threads)
+
+    def apply_config(self, new_config: LearnerConfig, config_version: int) -> None:
+        """Queue `new_config` as config `config_version` (numbered by the caller: the service's
+        `ConfigControl`); it takes effect at the next step boundary. Frozen fields raise at once.
+
+        When it takes effect, `status()` shows `config_version` and `config_applied_at_step`, the gauge
+        `offpolicy_learner_config_version` moves, and `on_config_applied(version, step)` is called."""
+        self.configs.submit(new_config, config_version)
 
     def pause(self) -> None:
         """Stop after the running step (nothing is torn); `resume()` continues."""
@@ -221,26 +272,45 @@ class Learner(Reconfiguring, Durability, CommandLoop):
         """The background writer (`flush()` waits until every queued publish and checkpoint is durable)."""
         return self.persist.writer
 
+    def checkpoint(self) -> tuple[Path, int]:
+        """Checkpoint now (after the running step, if any) and wait until it is durable; training goes on
+        meanwhile. Returns (folder, version). On N ranks the loop takes it at its next step boundary (every
+        rank checkpoints its shards) and this waits for that."""
+        if self.ranks.distributed:
+            if self.config.checkpoint_path is None:
+                self.persist.checkpoint(self.trainables, 0, 0, {})  # raises CheckpointsDisabled
+            assert self.channel is not None, "checkpoint() is the leader's"
+            return self.channel.request_checkpoint()
+        with self._step_lock:
+            path, version = self._checkpoint(), self.version
+        self.persist.writer.flush(kind="checkpoint")  # a full disk: WriteFailed, the write retried
+        return path, version
+
+    def undurable_steps(self) -> int:
+        """Learner steps not covered by a durable checkpoint (0 without checkpoints: nothing to cover)."""
+        return self.durability.undurable_steps(self.config, self.step_count)
+
     def status(self) -> dict[str, Any]:
         """State, version, step, tokens/s, buffer stats and the last step's key metrics (JSON-safe)."""
         idle = self.state in ("running", "waiting_for_data", "waiting_for_redis", "waiting_for_checkpoint")
         state = "paused" if not self._running.is_set() and idle else self.state
+        built = self.built
         return {
             "state": state,
             "world_size": self.ranks.world_size,
             "policy_version": self.version,
             "step": self.step_count,
-            "config_version": self.config_version,
-            "config_applied_at_step": self.config_applied_at_step,
+            "config_version": self.configs.version,
+            "config_applied_at_step": self.configs.applied_at_step,
             "tokens_per_s": self.step_log.tokens_per_s,
             "leases_unacked": len(self.delivery.unacked) if self.delivery is not None else 0,
             "buffer": self.buffer.stats() if self.buffer is not None else None,
             "last_step": dict(self.metrics.last),
-            "memory_plan": self.memory_plan.as_dict(),
-            "settings": self.settings.as_dict() if self.settings is not None else None,
-            "grad_sync": self.grad_sync,
-            "start_way": self.start_way,
-            "host_memory_plan": self.host_plan,
+            "memory_plan": built.memory_plan.as_dict(),
+            "settings": built.settings.as_dict() if built.settings is not None else None,
+            "grad_sync": built.grad_sync,
+            "start_way": built.start_way,
+            "host_memory_plan": built.host_plan,
             "groups_dropped": dict(self.intake.groups_dropped) if self.intake is not None else {},
             "writes_failing": {kind: dict(t) for kind, t in dict(self.persist.troubles).items()},
             "intake_stopped": self.retrying if self.state == "waiting_for_checkpoint" else None,
@@ -261,14 +331,14 @@ class Learner(Reconfiguring, Durability, CommandLoop):
     def step(self) -> dict[str, float]:
         """Sample, train, publish, checkpoint: one learner step. Returns its metrics."""
         assert self.intake is not None and self.buffer is not None and self.delivery is not None, (
-            "followers run follow(), not step()"
+            "followers run run_follower(), not step()"
         )
         self.persist.writer.raise_if_failed()  # a bug's failed write ends the loop (a full disk: retried)
         self.persist.poll()
         self.delivery.ack_durable()  # leases of checkpoints that became durable since the last step
-        self._apply_pending()
+        self.configs.take(self.step_count)
         cfg, phases = self.config, {}
-        self._check_durability()
+        self.durability.check(cfg, self.step_count, self.persist, self._checkpoint_now)
         if self._table_published != cfg.buffer:  # at start and after a `buffer` change: producers follow
             self.buffer.publish_table()
             self._table_published = cfg.buffer
@@ -302,7 +372,7 @@ class Learner(Reconfiguring, Durability, CommandLoop):
         """The metrics line (trackers) and Prometheus record of a step whose update was applied."""
         counters = {
             "step": float(self.step_count),
-            "config_version": float(self.config_version),
+            "config_version": float(self.configs.version),
             "published_lag": float(self.version - (self.persist.published_version or 0)),
         }
         return self.step_log.record(metrics, phases, groups, counters)
@@ -350,31 +420,88 @@ class Learner(Reconfiguring, Durability, CommandLoop):
 
     def _publish(self) -> None:
         """Publish the current weights (N ranks: every rank joins the gather to rank 0's host memory)."""
-        self.publisher.publish(self.version, self._publish_keys if self.ranks.distributed else None)
+        self.publisher.publish(self.version, self.built.publish_keys if self.ranks.distributed else None)
+
+    def _checkpoint(self) -> Path:
+        """Snapshot a checkpoint and queue its write; return the folder it will have."""
+        position, leases, priorities = {}, [], {}
+        if self.buffer is not None and self.delivery is not None:  # the leader's (its meta is the one kept)
+            stats = self.buffer.stats()
+            position = {"inserted_total": stats.inserted_total, "sampled_total": stats.sampled_total}
+            leases, priorities = self.delivery.checkpointed(self.version)
+        self.publisher.at_checkpoint(
+            self.version, self.built.publish_keys if self.ranks.distributed else None
+        )
+        self.durability.queued(self.version, self.step_count)
+        return self.persist.checkpoint(
+            self.trainables, self.version, self.step_count, position, leases, self.configs.version,
+            lease_priorities=priorities, config=self.config,
+        )  # fmt: skip
+
+    def _checkpoint_now(self) -> None:
+        """A checkpoint between steps (the durability cap's, when none waits for a retry)."""
+        with self._step_lock:
+            self._checkpoint()
+
+    # --- N ranks: the leader's commands, the followers' loop
+
+    def _command(self, op: str, groups: list) -> Command:
+        """Leader: tell every rank what this step boundary does, with the config the leader applied since
+        the last command (a no-op on one process)."""
+        if self.channel is None:
+            return Command(op)
+        return self.channel.send(op, [encode_group(g, self.config.buffer.limits) for g in groups])
+
+    def heartbeat(self) -> None:
+        """Leader with nothing to train: N ranks hear from it (a config change, a checkpoint request)."""
+        if self.channel is None:
+            return
+        self.configs.take(self.step_count)
+        self.persist.poll()
+        command = self._command("noop", [])
+        if command.checkpoint:
+            with self._step_lock:
+                self._execute(command, [], {})
+
+    def run_follower(self, stop_event: threading.Event | None = None) -> None:
+        """Follower: run the leader's commands until it sends `stop` (distributed/commands.py)."""
+        run_follower(self.ranks, self._follow, stop_event)
+
+    def _follow(self, command: Command) -> None:
+        """Follower: one leader command: the config it carries, then the same `_execute` as the leader."""
+        if command.config is not None:
+            new = LearnerConfig.model_validate_json(command.config)
+            self.configs.receive(new, command.config_version, self.step_count)
+        limits = self.config.buffer.limits
+        self.persist.poll()
+        self._execute(command, [decode_group(f, limits) for f in command.groups], {})
+        if command.op == "step":
+            self.state = "running"
+
+    def _stop_followers(self) -> None:
+        """Leader: send `stop` once (the followers return from `run_follower`)."""
+        if self.channel is not None:
+            self.channel.stop()
 
     # --- plumbing
 
-    def trainables(self) -> Trainables:
-        return Trainables(
-            self.model, self.optimizer, self.scheduler, self.critic, self.critic_optimizer, self.policy
-        )
-
     def step_context(self) -> StepContext:
         """What the next step trains with (frozen: `train_on` reads it, the learner keeps its state)."""
+        built = self.built
         return StepContext(
-            config=self.settings.apply(self.config) if self.settings is not None else self.config,
-            device=self.device,
-            precision=self.precision,
+            config=built.settings.apply(self.config) if built.settings is not None else self.config,
+            device=built.device,
+            precision=built.precision,
             ranks=self.ranks,
             pad_id=self.pad_id,
             version=self.version,
             step_count=self.step_count,
-            trainables=self.trainables(),
-            reference=self.reference,
-            teacher=self.teacher,
+            trainables=built.parts,
+            reference=built.reference,
+            teacher=built.teacher,
             before_update=self.persist.fence,
             metrics=self.metrics if self.ranks.is_leader else None,
-            grad_sync=self.grad_sync,
+            grad_sync=built.grad_sync,
         )
 
     def close(self) -> None:

@@ -13,7 +13,7 @@ import yaml
 from offpolicy.buffer.embedded import EmbeddedRedis
 from offpolicy.learner.model import make_tiny_model
 from offpolicy.services.children import start_service
-from offpolicy.services.quickstart_configs import actor_config
+from offpolicy.services.quickstart.configs import actor_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.vllm]
 

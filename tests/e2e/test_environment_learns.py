@@ -24,7 +24,7 @@ import yaml
 from offpolicy.buffer.embedded import EmbeddedRedis
 from offpolicy.learner.model import make_tiny_model
 from offpolicy.services.children import start_service
-from offpolicy.services.quickstart_configs import actor_config, learner_config, toy_dataset
+from offpolicy.services.quickstart.configs import actor_config, learner_config, toy_dataset
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.vllm]
 

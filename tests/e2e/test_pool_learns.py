@@ -19,7 +19,7 @@ from offpolicy.actors.data.toy import write_target_token_dataset
 from offpolicy.buffer.embedded import EmbeddedRedis
 from offpolicy.learner.model import make_tiny_model
 from offpolicy.services.children import ServiceProcess, start_service
-from offpolicy.services.quickstart_configs import actor_config, learner_config
+from offpolicy.services.quickstart.configs import actor_config, learner_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.vllm]
 

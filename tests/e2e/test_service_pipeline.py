@@ -28,7 +28,7 @@ from offpolicy.buffer.metrics import BufferMetrics
 from offpolicy.learner.metrics import LearnerMetrics
 from offpolicy.learner.model import make_tiny_model
 from offpolicy.services.children import ServiceProcess, start_service
-from offpolicy.services.quickstart_configs import TOY_BUFFER, actor_config, learner_config
+from offpolicy.services.quickstart.configs import TOY_BUFFER, actor_config, learner_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.vllm]
 TOKEN = "e2e-token"

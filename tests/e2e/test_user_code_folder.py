@@ -61,7 +61,7 @@ def test_the_cli_and_both_services_import_with_the_users_folder_first(tmp_path: 
     probe = (
         "import sys, config, utils\n"
         "import offpolicy.services.learner_api.main, offpolicy.services.actor_api.main\n"
-        "import offpolicy.learner.trainer, offpolicy.actors.rollout.loop, offpolicy.weights.engines.plugin\n"
+        "import offpolicy.learner.trainer, offpolicy.actors.rollout.actor, offpolicy.weights.engines.plugin\n"
         f"assert not any(name in sys.modules for name in {SHADOWS!r})\n"
         "assert config.TARGET == 'a' and config.__file__.startswith(sys.argv[1])\n"
     )

@@ -14,8 +14,8 @@ import yaml
 from offpolicy.buffer.replay_buffer import ReplayBuffer
 from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup
 from offpolicy.learner.model import make_tiny_model
-from tests.integration.test_learner_fsdp import groups, make_config, tiny2  # noqa: F401 (fixtures)
-from tests.integration.torchrun import run_script
+from tests.integration.learner.distributed.test_fsdp import groups, make_config, tiny2  # noqa: F401 (fixtures)
+from tests.integration.learner.distributed.torchrun import run_script
 
 pytestmark = [pytest.mark.gpu, pytest.mark.redis]
 GIB = 2**30

@@ -16,11 +16,10 @@ from offpolicy.buffer.replay_buffer import ReplayBuffer
 from offpolicy.learner.batch import collate
 from offpolicy.learner.model import make_tiny_model
 from offpolicy.learner.model.policy import token_logprobs
-from offpolicy.learner.persist.published import snapshot_to_host
+from offpolicy.learner.persist.file_generation import snapshot_to_host
 from offpolicy.learner.trainer import Learner
 from offpolicy.weights.record import PolicyStore
-from tests.integration.test_learner_fixes import covering_groups
-from tests.integration.test_learner_loop import config
+from tests.integration.learner.test_loop import config, covering_groups
 
 pytestmark = [pytest.mark.gpu, pytest.mark.redis]
 

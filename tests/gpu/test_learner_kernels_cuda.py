@@ -143,7 +143,7 @@ def test_compiled_layers_keep_one_graph_for_every_count_of_sequences():
 def test_the_benchmark_profile_sorts_real_cuda_kernels():
     """benchmarks/learner_profile.py on a CUDA step: a bf16 matrix product is `matmul`, SDPA is
     `attention`, and the kernels' time is at most the step's wall time (busy share in (0, 1])."""
-    from benchmarks.learner_profile import profile_step
+    from learner_profile import profile_step
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)

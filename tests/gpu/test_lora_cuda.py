@@ -12,8 +12,7 @@ from offpolicy.buffer.replay_buffer import ReplayBuffer
 from offpolicy.learner.model import load_model, lora
 from offpolicy.learner.trainer import Learner
 from tests.gpu.test_learner_cuda import bf16_tiny  # noqa: F401 (fixture)
-from tests.integration.test_learner_fixes import covering_groups
-from tests.integration.test_learner_loop import config
+from tests.integration.learner.test_loop import config, covering_groups
 
 pytestmark = [pytest.mark.gpu, pytest.mark.redis]
 

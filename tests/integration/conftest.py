@@ -66,6 +66,6 @@ def original_engine(engine, model_dir: Path):
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The target-token toy dataset of `NUM_PROMPTS` prompts (actors/data/toy.py)."""
     from offpolicy.actors.data.toy import write_target_token_dataset
-    from tests.integration.actor_run import NUM_PROMPTS
+    from tests.integration.actors.actor_run import NUM_PROMPTS
 
     return write_target_token_dataset(tmp_path_factory.mktemp("data") / "toy.jsonl", NUM_PROMPTS)

@@ -36,8 +36,8 @@ LEARNER_PARTS = {
     "delivery": {"metrics"},
     "intake": {"config", "delivery", "metrics", "rl"},
     "loop": {"config", "distributed", "errors", "persist"},
-    "durability": {"config", "errors"},
-    "reconfigure": {"build", "config", "errors"},
+    "durability": {"config", "delivery", "distributed", "errors", "metrics"},
+    "reconfigure": {"build", "config", "distributed", "errors", "metrics", "tracking"},
     "plan": {"config", "errors"},
     "tracking": {"config", "metrics"},
     "transport": {"config", "distributed", "model", "persist"},
@@ -70,7 +70,7 @@ ACTOR_PARTS = {
     "data": {"config", "errors", "engine", "rollout"},
     "rollout": {"config", "data", "engine", "errors", "gateway", "metrics", "transport"},
     "gateway": {"config", "data", "engine", "errors", "metrics", "rollout"},
-    # rollout -> gateway: the loop hosts the gateway; the gateway sees the loop only through a Protocol
+    # rollout -> gateway: the actor hosts the gateway, which sees it only through a Protocol (GatewayHost)
     "transport": {"config", "engine", "errors", "metrics"},
 }
 
@@ -161,7 +161,7 @@ def test_one_top_level_package_is_installed():
 
 def test_no_import_cycle_anywhere():
     graph = import_graph()
-    assert "offpolicy.learner.rl.step" in graph and "offpolicy.actors.rollout.loop" in graph
+    assert "offpolicy.learner.rl.step" in graph and "offpolicy.actors.rollout.actor" in graph
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph) or [])}"
 
 
@@ -246,7 +246,7 @@ def test_subpackages_re_export_their_public_names():
     from offpolicy.learner import distributed, model, persist, rl, tracking
     from offpolicy.learner.distributed.gather import GatheredWeights
     from offpolicy.learner.model.policy import LogProbs
-    from offpolicy.learner.persist.persistence import Persistence
+    from offpolicy.learner.persist.durable_writes import Persistence
     from offpolicy.learner.rl.step import train_on
     from offpolicy.learner.tracking.tracker import Tracker
 
@@ -259,6 +259,7 @@ def test_subpackages_re_export_their_public_names():
 def test_the_checkout_root_is_found_from_inside_the_package():
     # services start children with the checkout's root on PYTHONPATH and as their cwd: a root one folder
     # too deep (offpolicy/) would put the package's own `config` first on the children's sys.path
-    from offpolicy.services import children, cli
+    from offpolicy.services import children
+    from offpolicy.services.cli import commands as cli
 
     assert children.REPO_ROOT == ROOT and cli.REPO_ROOT == ROOT

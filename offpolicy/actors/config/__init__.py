@@ -141,9 +141,9 @@ class EvalConfig(ConfigModel):
 
 
 class GatewayConfig(ConfigModel):
-    """The OpenAI-compatible gateway on the actor service (actors/gateway/episodes.py, docs/agents.md):
-    agents written
-    in any framework call `POST /v1/chat/completions` within episodes, and every call is recorded."""
+    """The OpenAI-compatible gateway on the actor service (actors/gateway/agent_episodes.py, docs/agents.md):
+    agents written in any framework call `POST /v1/chat/completions` within episodes, and every call is
+    recorded."""
 
     enabled: bool = False
     """Serve `/v1/episodes` and `/v1/chat/completions` (beside the dataset's prompts, if any)."""

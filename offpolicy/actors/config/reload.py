@@ -1,5 +1,5 @@
 """The actor's `reload` section: how it follows the learner's published weights (files or a transfer group),
-verifies and prefetches them (actors/transport/follow.py, actors/transport/prefetch.py, actors/transport/)."""
+verifies and prefetches them (actors/transport/: weight_sync.py, verify.py, prefetch.py, receiver.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """A sampled completion (`Completion`) as read out of vLLM's output: tokens, behaviour log-probs, versions.
 
+vLLM's `CompletionOutput.logprobs` becomes `behavior_logprobs` here, the name the record, the buffer and the
+learner's loss use (docs/glossary.md).
+
 With `logprobs=0` and `flat_logprobs=True` (`VLLMEngine.sampling_params`, engine/vllm.py) vLLM returns
 exactly the sampled token's log-prob at each position; the policy version of each token comes from vLLM's
 weight-version spans (`CompletionOutput.weight_versions`), or, for a LoRA request, from its adapter.
@@ -19,7 +22,7 @@ class Completion:
     """One sampled completion."""
 
     token_ids: np.ndarray  # int32[R]
-    logprobs: np.ndarray  # float32[R]: behaviour log-prob of each sampled token
+    behavior_logprobs: np.ndarray  # float32[R]: behaviour log-prob of each sampled token
     finish_reason: str  # "stop" | "length" | "abort"
     text: str  # detokenized completion (what reward functions read)
     versions: np.ndarray | None = None  # int32[R]: policy version that sampled each token; None = unknown
@@ -57,7 +60,7 @@ def _completion(c, version: int | None = None) -> Completion:
         versions = _versions(c, len(ids)) if version is None else np.full(len(ids), version, np.int32)
     return Completion(
         token_ids=ids,
-        logprobs=np.asarray([] if flat is None else flat.logprobs, dtype=np.float32),  # (R,)
+        behavior_logprobs=np.asarray([] if flat is None else flat.logprobs, dtype=np.float32),  # (R,)
         finish_reason=str(c.finish_reason),
         text=c.text,
         versions=versions,  # (R,) or None

@@ -20,9 +20,11 @@ the engine generates (no pause, no cache reset). Each request carries the newest
 its submission and keeps it to its end, so all its tokens are sampled by that one version, on a KV cache
 that adapter computed (vLLM's prefix cache is keyed by adapter); its `versions` are that version (vLLM's
 weight-version label stays at the base's). Superseded adapters are removed once their requests have ended
-(actors/engine/adapters.py). One such engine serves several runs on its one base model (an actor pool,
-actors/rollout/pool.py): `add_run(run_id)` gives each its own adapters (`RunView`, actors/engine/run_view.py),
-and a run's requests carry that run's newest adapter (`generate_group(..., run_id=...)`).
+(actors/engine/adapters.py). The engine's `lora` (`LoraServing`, actors/engine/lora_serving.py) owns the
+adapters, registers and removes them; the engine's LoRA methods delegate to it. One such engine serves
+several runs on its one base model (an actor pool, actors/rollout/pool.py): `add_run(run_id)` gives each
+its own adapters (`RunView`, actors/engine/run_view.py), and a run's requests carry that run's newest
+adapter (`generate_group(..., run_id=...)`).
 
 The `AsyncLLM` lives on a private event-loop thread, so any thread or event loop can use the engine
 (`engine.generate(...)` from plain code, `await engine.acall(coro)` from any loop). The actor runs its
@@ -46,6 +48,7 @@ from offpolicy.actors.config import EngineConfig, SamplingConfig
 from offpolicy.actors.engine.adapters import Adapters, AdapterTable
 from offpolicy.actors.engine.completions import Completion, _completion
 from offpolicy.actors.engine.lora_serving import LoraServing
+from offpolicy.actors.engine.run_view import RunView
 from offpolicy.actors.errors import EngineError, InvalidSampling, PromptFailed, WeightLoadError
 
 log = logging.getLogger(__name__)
@@ -55,9 +58,11 @@ STALL_GRACE_S = 5.0
 T = TypeVar("T")
 
 
-class VLLMEngine(LoraServing):
+class VLLMEngine:
     """One `AsyncLLM` configured from `EngineConfig`; `loaded_version` is the policy version it holds (with
     `engine.lora`: the newest adapter's, or the base's before any), `kind` what it loads (`full` | `lora`).
+    With `engine.lora`, `lora` (`LoraServing`, engine/lora_serving.py) owns the adapters of every run it
+    serves; the engine's LoRA methods and `adapter_table` / `adapters` delegate to it (None: full weights).
 
     Construct it in the main thread of a process whose entry point is guarded by
     `if __name__ == "__main__":` (vLLM spawns worker processes). `shutdown()` stops it by handle.
@@ -96,12 +101,6 @@ class VLLMEngine(LoraServing):
             }
         self.config = config
         self.kind = "full" if config.lora is None else "lora"
-        # engine.lora: every run's adapters (one id counter, one capacity); `adapters` are the engine's own
-        # (the actor that built it), a pool's runs each get theirs from `add_run`
-        self.adapter_table = None if config.lora is None else AdapterTable(config.lora.max_cpu_loras)
-        self.adapters: Adapters | None = None
-        if self.adapter_table is not None:
-            self.adapters = self.adapter_table.add_run(None, initial_version)
         self.base_loads = 0  # weight loads into the base model (files or transfers) since start
         args = AsyncEngineArgs(
             model=model_path,
@@ -126,6 +125,14 @@ class VLLMEngine(LoraServing):
         self.tokenizer = self.llm.get_tokenizer()
         self.loaded_version = initial_version
         self.loaded_path = model_path  # the weights the engine holds now (for restoring after a failure)
+        # engine.lora: every run's adapters (one id counter, one capacity); `adapters` are the engine's own
+        # (the actor that built it), a pool's runs each get theirs from `add_run`
+        self.lora: LoraServing | None = None
+        if config.lora is not None:
+            self.lora = LoraServing(
+                self.llm, config.lora.max_cpu_loras, initial_version,
+                acall=self.acall, abort=self.abort, loop=self._loop,
+            )  # fmt: skip
         self._weights_lock: asyncio.Lock | None = None  # one weight change at a time (files or transfer)
         self.broken: str | None = None  # set when the weights are unknown: the scheduler stays paused
         self.call(self.llm.update_weight_version(str(initial_version)))
@@ -190,8 +197,8 @@ class VLLMEngine(LoraServing):
         except (VLLMError, ValueError) as e:  # this request only: validation or a request-level failure
             raise PromptFailed(f"request {request_id}: {type(e).__name__}: {e}") from e
         finally:
-            if adapters is not None and adapter is not None and adapters.release(adapter, request_id):
-                self._retire(adapter)
+            if self.lora is not None and adapters is not None and adapter is not None:
+                self.lora.release(adapters, adapter, request_id)  # removed once superseded and unused
         if final is None:
             raise EngineError(f"request {request_id}: vLLM returned no output")
         return [_completion(c, version) for c in final.outputs]
@@ -346,6 +353,54 @@ class VLLMEngine(LoraServing):
         self.loaded_path = ""  # no folder holds exactly these weights (a restore must read a generation)
         self.base_loads += 1
 
+    # --- LoRA adapters (engine.lora): `lora` owns them
+
+    @property
+    def adapter_table(self) -> AdapterTable | None:
+        """Every run's adapters on this engine (None: full weights)."""
+        return None if self.lora is None else self.lora.adapter_table
+
+    @property
+    def adapters(self) -> Adapters | None:
+        """The engine's own run's adapters (the actor that built it; None: full weights)."""
+        return None if self.lora is None else self.lora.adapters
+
+    async def load_adapter(
+        self, path: str, version: int, timeout_s: float | None = None, run_id: str | None = None
+    ) -> None:
+        """Register the LoRA adapter in folder `path` (peft's layout) as `version` of run `run_id` (None:
+        the engine's own) while the engine generates; that run's requests submitted from now on carry it
+        (the engine's own: `loaded_version = version`). Superseded adapters no request uses are removed;
+        past `engine.lora.max_cpu_loras` adapters (all runs), the requests of the oldest superseded ones
+        are aborted first (their prompts are generated again). Raises `WeightLoadError` (`kind`: an engine
+        of full weights; `timeout`; or `engine`: vLLM refused the adapter, e.g. a rank above
+        `engine.lora.max_rank`); the engine then serves what it did."""
+        if self.lora is None:
+            raise WeightLoadError(version, "kind", "this engine serves full weights (engine.lora is unset)")
+        await self.lora.load_adapter(path, version, timeout_s, run_id)
+        if run_id is None:
+            self.loaded_version, self.loaded_path = version, path
+
+    def adapters_of(self, run_id: str | None) -> Adapters | None:
+        """The adapters of run `run_id` (None: the engine's own); None for an engine of full weights.
+        `RunNotFound` for a run the engine does not serve (never added, or dropped)."""
+        return None if self.lora is None else self.lora.adapters_of(run_id)
+
+    async def add_run(self, run_id: str, base_version: int = 0) -> RunView:
+        """Serve one more run on this engine's base model (a pool's): its own adapters, its requests
+        carrying its newest (`RunView`); `base_version` is what they carry before its first. Call it on the
+        engine's loop (`engine.call(engine.add_run(...))`). `ValueError` for an engine of full weights or
+        a run id already served; the pool checks the capacity before (`runs x 2 <= max_cpu_loras`)."""
+        if self.lora is None:
+            raise ValueError("an engine of full weights serves one run (set engine.lora for several)")
+        return RunView(self, self.lora.add_run(run_id, base_version))
+
+    async def drop_run(self, run_id: str) -> None:
+        """Stop serving run `run_id`: the requests on its adapters are aborted and its adapters removed
+        from the engine (its actor has stopped: nothing of it runs any more)."""
+        assert self.lora is not None
+        await self.lora.drop_run(run_id)
+
     def shutdown(self) -> None:
         """Stop the engine-core process (and its workers) by handle, then the engine's loop thread."""
         if (handler := self.llm.output_handler) is not None:  # before the core goes: no error logged
@@ -356,6 +411,8 @@ class VLLMEngine(LoraServing):
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
         # AsyncLLM.__del__ shuts down again: let it run now, not at interpreter exit (where it fails)
+        if self.lora is not None:
+            self.lora.close()  # its one other reference
         del self.llm
 
 

@@ -13,7 +13,7 @@ prompt, then every turn) and records who wrote each token:
   (the prompt's messages and every turn so far, assistant turns as `chat` returned them) and may add
   messages after it, appended as environment tokens; then one policy turn, returned as a `ChatTurn` (text,
   tool calls read by `tool_parser`, the recorded tokens and log-probs). The gateway
-  (actors/gateway/episodes.py)
+  (actors/gateway/agent_episodes.py)
   serves `POST /v1/chat/completions` with it; an episode opened there has no prompt until its first call,
   whose whole conversation (with its `tools`) becomes the prompt.
 
@@ -125,7 +125,7 @@ class Episode:
         self.last_turn: Completion | None = None  # the engine's output of the last `generate`
         self.engine_seconds_last = 0.0  # how long the last `generate` waited for the engine
         self._ids: list[int] = []  # every response token, policy and environment
-        self._lps: list[float] = []
+        self._behavior_logprobs: list[float] = []
         self._versions: list[int] = []
         self._policy: list[bool] = []
         self._budget, self._version = budget, version
@@ -182,7 +182,7 @@ class Episode:
         self.engine_seconds_last = time.perf_counter() - t0
         self.last_turn = out
         self._ids += out.token_ids.tolist()
-        self._lps += out.logprobs.tolist()
+        self._behavior_logprobs += out.behavior_logprobs.tolist()
         versions = out.versions if out.versions is not None else np.full(len(out.token_ids), self._version)
         self._versions += [int(v) for v in versions]
         self._policy += [True] * len(out.token_ids)
@@ -247,7 +247,7 @@ class Episode:
             tool_calls=calls,
             finish_reason="tool_calls" if calls else self.finish_reason,
             token_ids=np.zeros(0, np.int32) if out is None else out.token_ids,
-            logprobs=np.zeros(0, np.float32) if out is None else out.logprobs,
+            logprobs=np.zeros(0, np.float32) if out is None else out.behavior_logprobs,
             prompt_tokens=before,
         )
         self._messages.append(turn.message)  # type: ignore[union-attr]
@@ -278,7 +278,7 @@ class Episode:
             self.ended, self.finish_reason = True, "length"
             return
         self._ids += ids
-        self._lps += [0.0] * len(ids)
+        self._behavior_logprobs += [0.0] * len(ids)
         self._versions += [self._version] * len(ids)
         self._policy += [False] * len(ids)
 
@@ -292,7 +292,7 @@ class Episode:
         mask = np.array(self._policy, dtype=bool)
         return Completion(
             token_ids=np.array(self._ids, dtype=np.int32),
-            logprobs=np.array(self._lps, dtype=np.float32),
+            behavior_logprobs=np.array(self._behavior_logprobs, dtype=np.float32),
             finish_reason=self.finish_reason,
             text=self._tokenizer.decode([t for t, p in zip(self._ids, self._policy, strict=True) if p]),
             versions=np.array(self._versions, dtype=np.int32),
@@ -329,7 +329,7 @@ def group_completions(episodes: Sequence[Episode]) -> tuple[np.ndarray, list[Com
             )
             c = Completion(
                 token_ids=np.concatenate([extra, c.token_ids]),
-                logprobs=np.concatenate([np.zeros(len(extra), np.float32), c.logprobs]),
+                behavior_logprobs=np.concatenate([np.zeros(len(extra), np.float32), c.behavior_logprobs]),
                 finish_reason=c.finish_reason,
                 text=c.text,
                 versions=np.concatenate([np.full(len(extra), ep.version, np.int32), versions]),

@@ -1,6 +1,6 @@
 """An actor pool: one vLLM engine on one base model serves several runs, added and removed while it runs.
 
-Each run is an `Actor` (rollout/loop.py) with its own config (its run id, Redis and buffer, dataset or
+Each run is an `Actor` (rollout/actor.py) with its own config (its run id, Redis and buffer, dataset or
 environment or gateway, sampling, reward, reload), its own stop event and thread, and its own metrics
 registry; its share of the engine is its `max_inflight_prompts` (the prompts it keeps in the engine). On
 an engine serving LoRA adapters (`engine.lora`) each run sees the engine through a `RunView`
@@ -27,7 +27,7 @@ from offpolicy.actors.config import ActorConfig
 from offpolicy.actors.config.pool import run_refusal
 from offpolicy.actors.engine.vllm import VLLMEngine
 from offpolicy.actors.errors import RunConflict, RunFieldFrozen, RunNotFound
-from offpolicy.actors.rollout.loop import Actor
+from offpolicy.actors.rollout.actor import Actor
 from offpolicy.config.loader import changed_fields, merge
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ UPDATABLE = ("max_inflight_prompts", "sampling")
 
 
 class RunActor(Protocol):
-    """What the pool calls on a run's `offpolicy.actors.rollout.loop.Actor`."""
+    """What the pool calls on a run's `offpolicy.actors.rollout.actor.Actor`."""
 
     def run(self, stop_event: threading.Event) -> Any: ...
     def status(self) -> Mapping[str, Any]: ...

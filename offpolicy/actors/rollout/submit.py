@@ -105,7 +105,7 @@ def stamp_group(
         created_at=time.time(),
         sampling=sampling,
         trajectories=[
-            Trajectory(c.token_ids, c.logprobs, r, c.finish_reason, v, c.policy_mask)
+            Trajectory(c.token_ids, c.behavior_logprobs, r, c.finish_reason, v, c.policy_mask)
             for c, r, v in zip(completions, rewards, versions, strict=True)
         ],
         metadata=dict(prompt.metadata),

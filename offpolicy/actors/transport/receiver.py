@@ -25,17 +25,19 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
 from offpolicy.actors.errors import EngineError, PolicyKindMismatch, WeightLoadError
-from offpolicy.actors.transport.follow import weights_path
 from offpolicy.actors.transport.verify import verify_folder
+from offpolicy.actors.transport.weight_sync import weights_path
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
+    from offpolicy.actors.config import ActorConfig
     from offpolicy.actors.engine.vllm import VLLMEngine
     from offpolicy.weights.config import TransferConfig
     from offpolicy.weights.control import ActorControl
@@ -209,27 +211,31 @@ class TransferReceiver:
             await self.engine.leave_transfer()
 
 
-def start_receiver(actor: Any, store: AsyncPolicyStore) -> asyncio.Task | None:
-    """`reload.transport: vllm`: run a `TransferReceiver` for `actor` (an
-    `offpolicy.actors.rollout.loop.Actor`) on the
-    running loop; its failure (the engine's weights unknown) becomes the actor's fatal error. None with
+def start_receiver(
+    config: ActorConfig,
+    actor_id: str,
+    engine: VLLMEngine,
+    registry: CollectorRegistry,
+    store: AsyncPolicyStore,
+    on_failure: Callable[[BaseException], None],
+) -> asyncio.Task | None:
+    """`reload.transport: vllm`: run a `TransferReceiver` for the actor `actor_id` on the running loop; its
+    failure (the engine's weights unknown) goes to `on_failure` (the actor's fatal error). None with
     `transport: files`."""
-    cfg = actor.config
-    if cfg.reload.transport != "vllm":
+    if config.reload.transport != "vllm":
         return None
     from offpolicy.weights.control import ActorControl
 
-    control = ActorControl(cfg.redis_url, cfg.run_id, actor.actor_id, cfg.buffer.storage_timeout_s)
+    control = ActorControl(config.redis_url, config.run_id, actor_id, config.buffer.storage_timeout_s)
     receiver = TransferReceiver(
         control,
-        actor.engine,
+        engine,
         store,
-        cfg.reload.transfer,
-        actor.registry,
-        cfg.reload.verify,
-        cfg.reload.weights_root,
+        config.reload.transfer,
+        registry,
+        config.reload.verify,
+        config.reload.weights_root,
     )
-    actor.transfer = receiver
 
     async def run() -> None:
         try:
@@ -238,9 +244,8 @@ def start_receiver(actor: Any, store: AsyncPolicyStore) -> asyncio.Task | None:
             await control.close()
 
     def done(task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None and actor._fatal is None:
-            actor._fatal = task.exception()
-            actor._wake.set()
+        if not task.cancelled() and task.exception() is not None:
+            on_failure(task.exception())
 
     task = asyncio.get_running_loop().create_task(run())
     task.add_done_callback(done)

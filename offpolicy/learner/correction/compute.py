@@ -1,7 +1,8 @@
 """Rollout correction: IS weights, rejection mask and `rollout_corr/*` metrics for one batch (verl 0.9.1).
 
 `compute_rollout_correction(train_log_prob, rollout_log_prob, response_mask, config)` is verl's
-`compute_rollout_correction_and_rejection_mask` with the project's DECISIONS
+`compute_rollout_correction_and_rejection_mask` (its signature: `rollout_log_prob` is what the rest of the
+project calls `behavior_logprobs`, the behaviour policy's log-probs) with the project's DECISIONS
 (../shared/spec/rollout_correction.md): k1 bounds on rho = pi_train / pi_rollout, a `geometric` IS level,
 the seed-era veto, no NaN on empty batches, and all metrics moved to the host in one transfer.
 
@@ -25,7 +26,7 @@ from offpolicy.learner.correction.config import RolloutCorrectionConfig
 from offpolicy.learner.correction.metrics import (
     EPS,
     SAFETY_BOUND,
-    Batch,
+    CorrectionViews,
     ISStats,
     MetricSink,
     add_is_metrics,
@@ -97,26 +98,32 @@ def compute_rollout_correction(
 
 
 def _correct(
-    lp_train: Tensor, lp_roll: Tensor, mask: Tensor, config: RolloutCorrectionConfig
+    train_log_prob: Tensor, behavior_logprobs: Tensor, mask: Tensor, config: RolloutCorrectionConfig
 ) -> CorrectionResult:
-    lp_train, lp_roll = lp_train.detach(), lp_roll.detach()
+    train_log_prob, behavior_logprobs = train_log_prob.detach(), behavior_logprobs.detach()
     mb = mask if mask.dtype == torch.bool else mask != 0  # (B, T)
     m = mask.float()  # (B, T); no copy for a float32 mask
-    lr = torch.where(mb, lp_train.float() - lp_roll.float(), 0.0)  # (B, T) 0 on padding
+    log_ratio = torch.where(mb, train_log_prob.float() - behavior_logprobs.float(), 0.0)  # (B, T), 0: padding
     # Where verl exponentiates an unclamped log-ratio (k3_kl, rollout_is_min at sequence level) it does so
-    # in the dtype its inputs promote to: a float64 input keeps exp(lr) finite past float32's ~88.7.
-    lr_dtype, all_dtype = _metric_dtype(lp_train, lp_roll), _metric_dtype(lp_train, lp_roll, mask)
-    lr_v = lr if lr_dtype == torch.float32 else torch.where(mb, lp_train.to(lr_dtype) - lp_roll, 0.0)
-    s_row = lr.sum(dim=-1)  # (B,)
-    s_row_v = s_row if all_dtype == torch.float32 else lr_v.to(all_dtype).sum(dim=-1)  # (B,)
+    # in the dtype its inputs promote to (`_v`: verl's): a float64 input keeps exp(log_ratio) finite past
+    # float32's ~88.7.
+    log_ratio_dtype = _metric_dtype(train_log_prob, behavior_logprobs)
+    all_dtype = _metric_dtype(train_log_prob, behavior_logprobs, mask)
+    log_ratio_v = (
+        log_ratio
+        if log_ratio_dtype == torch.float32
+        else torch.where(mb, train_log_prob.to(log_ratio_dtype) - behavior_logprobs, 0.0)
+    )  # (B, T)
+    s_row = log_ratio.sum(dim=-1)  # (B,)
+    s_row_v = s_row if all_dtype == torch.float32 else log_ratio_v.to(all_dtype).sum(dim=-1)  # (B,)
     cnt = m.sum(dim=-1)  # (B,)
     row_valid = cnt > 0
-    b = Batch(mb, m, lr, cnt, cnt.sum(), row_valid, row_valid.sum().float(), s_row, s_row_v)
-    lc = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (B, T)
-    e_unclamped = torch.exp(lr)  # (B, T), 1 on padding
-    e_v = e_unclamped if lr_v is lr else torch.exp(lr_v)
-    k3_sum = (e_v - lr_v).sub_(1.0).sum()  # padding adds exp(0) - 0 - 1 = 0
-    rho = e_unclamped.clamp_(_EXP_LO, _EXP_HI)  # (B, T) exp(clampS(lr)), in place
+    b = CorrectionViews(mb, m, log_ratio, cnt, cnt.sum(), row_valid, row_valid.sum().float(), s_row, s_row_v)
+    lc = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (B, T)
+    e_unclamped = torch.exp(log_ratio)  # (B, T), 1 on padding
+    e_v = e_unclamped if log_ratio_v is log_ratio else torch.exp(log_ratio_v)
+    k3_sum = (e_v - log_ratio_v).sub_(1.0).sum()  # padding adds exp(0) - 0 - 1 = 0
+    rho = e_unclamped.clamp_(_EXP_LO, _EXP_HI)  # (B, T) exp(clampS(log_ratio)), in place
     rho_m = rho * m  # (B, T) token-level raw IS weights, 0 on padding
     sink = MetricSink()
 
@@ -135,11 +142,12 @@ def _correct(
         new_mask = mask.masked_fill(~keep, 0)
 
     rho2_sum = torch.dot(rho_m.view(-1), rho_m.view(-1))
-    train_row_sum = torch.where(mb, lp_train.to(_metric_dtype(lp_train, mask)), 0.0).sum(dim=-1)  # (B,)
+    train_row_sum = torch.where(mb, train_log_prob.to(_metric_dtype(train_log_prob, mask)), 0.0).sum(dim=-1)
     if all_dtype == torch.float32:  # one (B, T) pass less
         roll_row_sum = train_row_sum - s_row
     else:
-        roll_row_sum = torch.where(mb, lp_roll.to(_metric_dtype(lp_roll, mask)), 0.0).sum(dim=-1)  # (B,)
+        dtype = _metric_dtype(behavior_logprobs, mask)
+        roll_row_sum = torch.where(mb, behavior_logprobs.to(dtype), 0.0).sum(dim=-1)  # (B,)
     add_offpolicy_metrics(sink, b.cnt, s_row_v, train_row_sum, roll_row_sum, k3_sum, rho2_sum)
     return weights, new_mask, sink
 
@@ -156,7 +164,9 @@ def _metric_dtype(*tensors: Tensor) -> torch.dtype:
 # --- importance sampling (spec 3, DECISION 5)
 
 
-def _is_weights(b: Batch, rho_m: Tensor, config: RolloutCorrectionConfig, sink: MetricSink) -> Tensor:
+def _is_weights(
+    b: CorrectionViews, rho_m: Tensor, config: RolloutCorrectionConfig, sink: MetricSink
+) -> Tensor:
     upper, icepop_lower = config.is_bounds()
     lower = 1.0 / upper if icepop_lower is None else icepop_lower
     if config.rollout_is == "token":
@@ -169,7 +179,9 @@ def _is_weights(b: Batch, rho_m: Tensor, config: RolloutCorrectionConfig, sink: 
     return w
 
 
-def _token_is(b: Batch, raw: Tensor, upper: float, icepop_lower: float | None) -> tuple[Tensor, ISStats]:
+def _token_is(
+    b: CorrectionViews, raw: Tensor, upper: float, icepop_lower: float | None
+) -> tuple[Tensor, ISStats]:
     n_high = (raw > upper).sum()  # padding is 0, never above upper
     below = raw < (1.0 / upper if icepop_lower is None else icepop_lower)
     n_low = below.sum() - (b.mb.numel() - b.mb.sum())  # every padding token is 0 < lower
@@ -197,7 +209,7 @@ def _token_is(b: Batch, raw: Tensor, upper: float, icepop_lower: float | None) -
 
 
 def _sequence_is(
-    b: Batch, geometric: bool, upper: float, icepop_lower: float | None
+    b: CorrectionViews, geometric: bool, upper: float, icepop_lower: float | None
 ) -> tuple[Tensor, ISStats]:
     # One weight per row; (B, T) is materialized once, at the end.
     level_log = b.s_row / (b.cnt + EPS) if geometric else b.s_row  # (B,) log of the sequence ratio
@@ -227,7 +239,9 @@ def _sequence_is(
     return w_row.unsqueeze(-1) * b.m, stats
 
 
-def _batch_normalize(b: Batch, w: Tensor, stats: ISStats, token_level: bool, sink: MetricSink) -> Tensor:
+def _batch_normalize(
+    b: CorrectionViews, w: Tensor, stats: ISStats, token_level: bool, sink: MetricSink
+) -> Tensor:
     """Divide by the batch mean weight (tokens or valid rows); all-reduced under torch.distributed."""
     if token_level:
         total, count = stats.sum_w, b.n
@@ -251,7 +265,7 @@ def _batch_normalize(b: Batch, w: Tensor, stats: ISStats, token_level: bool, sin
 
 
 def _veto(
-    b: Batch, config: RolloutCorrectionConfig, sink: MetricSink, keep_row: Tensor | None
+    b: CorrectionViews, config: RolloutCorrectionConfig, sink: MetricSink, keep_row: Tensor | None
 ) -> Tensor | None:
     """Reject every row holding a valid token with rho < veto (unclamped); AND with the RS row keep."""
     veto = config.rollout_token_veto_threshold
@@ -259,8 +273,8 @@ def _veto(
         sink.add("rollout_is_veto_fraction", 0.0)
         sink.add("rollout_is_catastrophic_token_fraction", 0.0)
         return keep_row
-    catastrophic = b.lr < math.log(veto)  # (B, T)
-    if veto > 1.0:  # padding has lr = 0 < log(veto)
+    catastrophic = b.log_ratio < math.log(veto)  # (B, T)
+    if veto > 1.0:  # padding has log_ratio = 0 < log(veto)
         catastrophic &= b.mb
     per_row = catastrophic.sum(dim=-1)  # (B,)
     vetoed = per_row > 0

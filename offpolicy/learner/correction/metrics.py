@@ -51,25 +51,25 @@ class MetricSink:
 
 
 @dataclass(slots=True)
-class Batch:
+class CorrectionViews:
     """The float32 views of one call's inputs that every metric shares.
 
-    `lr` is the log-ratio log pi_train - log pi_rollout, forced to 0 on padding, so that padding
-    contributes 0 to every sum and exp(lr) = 1 there.
+    `log_ratio` is log pi_train - log pi_rollout (pi_rollout: the behaviour policy), forced to 0 on
+    padding, so that padding contributes 0 to every sum and exp(log_ratio) = 1 there.
     """
 
     mb: Tensor  # (B, T) bool valid-token mask
     m: Tensor  # (B, T) float32 mask
-    lr: Tensor  # (B, T) unclamped log-ratio, 0 on padding
+    log_ratio: Tensor  # (B, T) unclamped, 0 on padding
     cnt: Tensor  # (B,) valid tokens per row, float32
     n: Tensor  # () valid tokens in the batch, float32
     row_valid: Tensor  # (B,) bool, row has >= 1 valid token
     n_rows: Tensor  # () number of valid rows, float32
-    s_row: Tensor  # (B,) unclamped row sums of lr
+    s_row: Tensor  # (B,) unclamped row sums of log_ratio
     s_row_v: Tensor  # (B,) the same in verl's dtype (float64 when an input is): where it is exponentiated
 
 
-def mmean_total(total: Tensor, b: Batch) -> Tensor:
+def mmean_total(total: Tensor, b: CorrectionViews) -> Tensor:
     """verl's masked_mean over the whole batch, given the masked sum: total / (sum(m) + 1e-8)."""
     return total / (b.n + EPS)
 
@@ -86,7 +86,7 @@ def finite_or_zero(x: Tensor) -> Tensor:
     return torch.where(torch.isinf(x), torch.zeros_like(x), x)
 
 
-def masked_std_from_sums(s1: Tensor, s2: Tensor, b: Batch) -> Tensor:
+def masked_std_from_sums(s1: Tensor, s2: Tensor, b: CorrectionViews) -> Tensor:
     """verl's `sqrt(max(mmean(x^2) - mmean(x)^2, 0))`, 0 when sum(m) <= 1, from sum(x*m), sum(x^2*m)."""
     var = s2 / (b.n + EPS) - (s1 / (b.n + EPS)).square()
     return torch.where(b.n > 1, var.clamp(min=0.0).sqrt(), torch.zeros_like(var))
@@ -134,7 +134,7 @@ class ISStats:
     n_oob: Tensor | None  # () tokens outside [L, U] (IcePop only)
 
 
-def add_is_metrics(sink: MetricSink, st: ISStats, b: Batch, upper: float, lower: float) -> None:
+def add_is_metrics(sink: MetricSink, st: ISStats, b: CorrectionViews, upper: float, lower: float) -> None:
     """The 14 IS keys (+ `rollout_is_oob_ratio` under IcePop), in verl's order."""
     mean = mmean_total(st.sum_w, b)
     sink.add("rollout_is_mean", mean)
@@ -185,7 +185,7 @@ class RSStats:
     row_rejects: Tensor  # (B,) bool, valid row with >= 1 rejected valid token
 
 
-def add_rs_metrics(sink: MetricSink, st: RSStats, b: Batch) -> None:
+def add_rs_metrics(sink: MetricSink, st: RSStats, b: CorrectionViews) -> None:
     """The per-option keys `rollout_rs_{option}_*` in verl's order."""
     p = f"rollout_rs_{st.name}"
     valid, nv = b.row_valid, b.n_rows
@@ -228,7 +228,8 @@ def add_offpolicy_metrics(
 
     `cnt`: (B,) valid tokens per row; `s_row`: (B,) unclamped row sums of log rho; `train_row_sum` /
     `roll_row_sum`: (B,) masked row sums of log pi_train / log pi_rollout; `k3_sum`: sum of
-    exp(lr) - lr - 1 over valid tokens (unclamped); `rho2_sum`: sum of exp(2 clampS(lr)) over valid tokens."""
+    exp(r) - r - 1 over valid tokens of the log-ratio r (unclamped); `rho2_sum`: sum of exp(2 clampS(r)) over
+    valid tokens."""
     n = cnt.sum()
     denom = cnt + EPS
     mu_train = train_row_sum / denom  # (B,)

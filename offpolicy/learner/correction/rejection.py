@@ -21,7 +21,7 @@ from offpolicy.learner.correction.config import (
 )
 from offpolicy.learner.correction.metrics import (
     EPS,
-    Batch,
+    CorrectionViews,
     MetricSink,
     RSStats,
     add_rs_metrics,
@@ -31,7 +31,7 @@ from offpolicy.learner.correction.metrics import (
 
 
 def rejection(
-    b: Batch, lc: Tensor, rho: Tensor, config: RolloutCorrectionConfig, sink: MetricSink
+    b: CorrectionViews, lc: Tensor, rho: Tensor, config: RolloutCorrectionConfig, sink: MetricSink
 ) -> tuple[Tensor | None, Tensor | None]:
     """AND of every RS option: (token keep (B, T) bool or None, row keep (B,) bool or None)."""
     options = config.rs_options()
@@ -69,7 +69,7 @@ def rejection(
 class _Shared:
     """Tensors shared by the RS options of one call."""
 
-    lc: Tensor  # (B, T) clampS(lr), 0 on padding
+    lc: Tensor  # (B, T) clampS(log_ratio), 0 on padding
     rho: Tensor  # (B, T) exp(lc), 1 on padding
     extrema: tuple[Tensor, Tensor] | None  # (B,) masked row max / min of lc
     lc_row_sum: Tensor | None  # (B,) row sums of lc
@@ -90,7 +90,7 @@ def _token_stat(lc: Tensor, rho: Tensor, k: str) -> Tensor:
     return rho - 1.0 - lc
 
 
-def _token_option(b: Batch, sh: _Shared, opt: RSOption) -> tuple[Tensor, RSStats]:
+def _token_option(b: CorrectionViews, sh: _Shared, opt: RSOption) -> tuple[Tensor, RSStats]:
     k = opt.name[-2:]
     s = _token_stat(sh.lc, sh.rho, k)  # (B, T)
     if k == "k1":
@@ -129,7 +129,7 @@ def _token_option(b: Batch, sh: _Shared, opt: RSOption) -> tuple[Tensor, RSStats
     return ~rejected, stats
 
 
-def _sequence_option(b: Batch, sh: _Shared, opt: RSOption) -> tuple[Tensor, RSStats]:
+def _sequence_option(b: CorrectionViews, sh: _Shared, opt: RSOption) -> tuple[Tensor, RSStats]:
     agg, k = opt.name.split("_")[1], opt.name[-2:]
     if agg == "max":  # max of k2 / k3 over valid tokens sits at the row's largest or smallest log-ratio
         assert sh.extrema is not None

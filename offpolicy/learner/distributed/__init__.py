@@ -2,7 +2,7 @@
 commands, the data split, FSDP2 sharding and the gathered weights. One process runs none of it but the
 no-op collectives (`SINGLE`)."""
 
-from offpolicy.learner.distributed.commands import Command, LeaderChannel, broadcast_command
+from offpolicy.learner.distributed.commands import Command, LeaderChannel, broadcast_command, run_follower
 from offpolicy.learner.distributed.fsdp import clip_grad_norm, decoder_layers, loss_scale, shard
 from offpolicy.learner.distributed.gather import GatheredWeights
 from offpolicy.learner.distributed.ranks import (
@@ -40,6 +40,7 @@ __all__ = [
     "local_device",
     "loss_scale",
     "reduce_means",
+    "run_follower",
     "shard",
     "shares",
 ]

@@ -4,12 +4,14 @@ At every step boundary the leader broadcasts a `Command` (msgpack, never pickle)
 step's groups as the buffer's own encoded frames, a config that takes effect at this boundary, a
 checkpoint request, or stop. `LeaderChannel` is the leader's side: what the next command carries besides
 the step's groups (the config the leader applied since the last command, and a checkpoint another thread
-asked for with `POST /v1/checkpoints`, which that thread waits on until it is durable).
+asked for with `POST /v1/checkpoints`, which that thread waits on until it is durable). `run_follower` is
+every other rank's loop: it runs what the leader sends.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -59,6 +61,19 @@ class Command:
             config_version=int(doc["config_version"]),
             checkpoint=bool(doc["checkpoint"]),
         )
+
+
+def run_follower(
+    ranks: Ranks, execute: Callable[[Command], object], stop_event: threading.Event | None = None
+) -> None:
+    """A follower rank's loop: `execute` each command the leader broadcasts until it sends `stop` (or
+    `stop_event` is set). The learner gives `execute`: apply the config the command carries, then train,
+    publish or checkpoint as the leader does (learner/trainer.py `Learner.run_follower`)."""
+    while stop_event is None or not stop_event.is_set():
+        command = broadcast_command(ranks, None)
+        if command.op == "stop":
+            return
+        execute(command)
 
 
 def broadcast_command(ranks: Ranks, command: Command | None) -> Command:
@@ -122,7 +137,7 @@ class LeaderChannel:
             self._done.notify_all()
 
     def stop(self) -> None:
-        """Send `stop` once (the followers return from `follow`); a waiting request fails."""
+        """Send `stop` once (the followers return from `run_follower`); a waiting request fails."""
         if self.stopped:
             return
         self.stopped = True

@@ -1,7 +1,9 @@
 """Full weights of a sharded module, gathered to rank 0 alone, in bounded buckets, in the publish dtype.
 
-`GatheredWeights` stands in for `persist.weights.HostCopy` when the learner runs on N ranks: every rank
-constructs one at the same step boundary (a collective); only the leader's holds tensors.
+This module is the description of that gather; persist/background_gather.py runs the same gather off
+the step's critical path. `GatheredWeights` stands in for `persist.file_generation.HostCopy` when the learner
+runs on N ranks: every rank constructs one at the same step boundary (a collective); only the leader's
+holds tensors.
 
 The tensors are taken in state-dict order in buckets of about `bucket_bytes` (in the publish dtype; a
 larger tensor is a bucket of its own). For a bucket, each rank of rank 0's shard group (every rank; with
@@ -50,7 +52,8 @@ def layout_of(t: torch.Tensor) -> tuple[dist.ProcessGroup, int, bool] | None:
 
 class GatheredWeights:
     """The full weights of a sharded module in rank 0's host memory, in the publish dtype (a collective:
-    every rank constructs one; only the leader's holds tensors). Stands in for `persist.weights.HostCopy`.
+    every rank constructs one; only the leader's holds tensors). Stands in for
+    `persist.file_generation.HostCopy`.
 
     `into`: host tensors to reuse (matching name, shape and dtype). The host tensors are pageable; on
     CUDA one pinned staging buffer of a bucket's size carries each bucket off the device. `wait()` returns

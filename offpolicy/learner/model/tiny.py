@@ -113,20 +113,21 @@ def sample_completions(
     device = next(model.parameters()).device
     seqs = torch.tensor([prompt_ids] * n, dtype=torch.long, device=device)  # (n, P)
     done = torch.zeros(n, dtype=torch.bool, device=device)
-    out_ids, out_lps = [], []
+    out_ids, out_logprobs = [], []
     for _ in range(max_new_tokens):
         logits = model(input_ids=seqs, logits_to_keep=1, use_cache=False).logits[:, -1].float()  # (n, V)
         logp = torch.log_softmax(logits / temperature, dim=-1)
         tok = torch.multinomial(logp.exp(), 1, generator=generator)  # (n, 1)
         out_ids.append(tok[:, 0])
-        out_lps.append(logp.gather(-1, tok)[:, 0])
+        out_logprobs.append(logp.gather(-1, tok)[:, 0])
         seqs = torch.cat([seqs, tok], dim=1)
         done |= tok[:, 0] == eos_token_id if eos_token_id is not None else done
         if bool(done.all()):
             break
-    ids, lps = torch.stack(out_ids, 1).tolist(), torch.stack(out_lps, 1).tolist()  # (n, L)
+    ids = torch.stack(out_ids, 1).tolist()  # (n, L)
+    behavior_logprobs = torch.stack(out_logprobs, 1).tolist()  # (n, L): the sampler's, behaviour log-probs
     results = []
-    for row_ids, row_lps in zip(ids, lps, strict=True):
+    for row_ids, row_logprobs in zip(ids, behavior_logprobs, strict=True):
         end = row_ids.index(eos_token_id) + 1 if eos_token_id in row_ids else len(row_ids)
-        results.append((row_ids[:end], row_lps[:end]))
+        results.append((row_ids[:end], row_logprobs[:end]))
     return results

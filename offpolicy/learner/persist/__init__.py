@@ -1,5 +1,10 @@
-"""What a learner makes durable: the background writer, published weight versions, and checkpoints behind
-one interface with a backend per layout (one process: files; N ranks: DCP), chosen once at start."""
+"""What a learner makes durable: file generations, checkpoints, and the writes that make them durable.
+
+`Persistence` (durable_writes.py) starts them at step boundaries; the background writer (writer.py) writes
+them off the critical path. A file generation (file_generation.py) is one published version as files;
+checkpoints have one interface (checkpoint.py) with a backend per layout (one process: files, single.py;
+N ranks: DCP, dcp.py), chosen once at start; on N ranks the weights reach rank 0 in the background
+(background_gather.py)."""
 
 from offpolicy.learner.persist.checkpoint import (
     FILE_FORMAT,
@@ -11,8 +16,8 @@ from offpolicy.learner.persist.checkpoint import (
     read_meta,
 )
 from offpolicy.learner.persist.dcp import ShardedCheckpoints
-from offpolicy.learner.persist.persistence import Persistence, make_checkpoints
-from offpolicy.learner.persist.published import (
+from offpolicy.learner.persist.durable_writes import Persistence, make_checkpoints
+from offpolicy.learner.persist.file_generation import (
     HostCopy,
     WeightsSnapshot,
     publish_snapshot,

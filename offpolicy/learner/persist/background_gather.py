@@ -1,11 +1,13 @@
-"""Full weights of a sharded module gathered to rank 0 off the critical path (N ranks, `publish`).
+"""The gather of distributed/gather.py (full weights to rank 0) run in the background (N ranks, `publish`).
 
-At a step boundary every rank (a collective) takes a snapshot of its own shards of the weights to publish,
-cast to the publish dtype, into host memory (`persist.published.HostCopy`: on CUDA a side stream into
-pinned buffers, overlapping the next forward). That is all the step waits for, at its next optimizer step
-(`released`), as on one process. Once started (`start`), a helper thread on every rank of rank 0's shard
-group gathers the snapshots to rank 0 in buckets of about `bucket_bytes` over a process group of its own
-(the training's collectives go on in the main thread meanwhile). Rank 0 either
+What is gathered, by which ranks, in which buckets, is distributed/gather.py's (its docstring describes it);
+here it runs from host snapshots, on a helper thread, off the step's critical path. At a step boundary every
+rank (a collective) takes a snapshot of its own shards of the weights to publish, cast to the publish
+dtype, into host memory (`persist.file_generation.HostCopy`: on CUDA a side stream into pinned buffers,
+overlapping the next forward). That is all the step waits for, at its next optimizer step (`released`), as
+on one process. Once started (`start`), a helper thread on every rank of rank 0's shard group runs the
+bucketed gather over a process group of its own (the training's collectives go on in the main thread
+meanwhile). Rank 0 either
 
 - streams each bucket, as its tensors complete, to the writer (`stream()`: a queue of at most
   `STREAM_DEPTH` buckets; the writer writes them into the version's files as they come), so it never holds
@@ -16,7 +18,7 @@ group gathers the snapshots to rank 0 in buckets of about `bucket_bytes` over a 
 The ranks' memory for it: their shards in pinned host memory, one bucket on the device for NCCL (rank 0:
 the gathered bucket); rank 0: `STREAM_DEPTH` + 2 buckets streamed, or the full host tensors kept. One
 gather is in flight at a time (every rank in step, so that the group's gathers pair up in order: the
-caller, persist/persistence.py, decides when the next starts).
+caller, persist/durable_writes.py, decides when the next starts).
 
 Tensors that are not FSDP2 row shards (none in a model sharded by `distributed.fsdp.shard`) are gathered
 whole at once, in the step, as `distributed.gather.GatheredWeights` does.
@@ -43,7 +45,7 @@ from offpolicy.learner.distributed.gather import (
     part_sizes,
     unpack_rows,
 )
-from offpolicy.learner.persist.published import HostCopy
+from offpolicy.learner.persist.file_generation import HostCopy
 from offpolicy.learner.persist.safetensors_io import Entry, TensorStream
 
 _END = object()

@@ -1,7 +1,7 @@
 """Safetensors files written as a stream: each tensor taken in its turn (from memory, or from a stream of
 chunks as the N-rank gather delivers them), every byte hashed once as it is written (sha256 per file), the
 file fsynced. The header is known before any tensor arrives (names, shapes, dtypes), so a writer never
-holds a whole set: published weights (persist/published.py) and checkpoints' model files use it.
+holds a whole set: published weights (persist/file_generation.py) and checkpoints' model files use it.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from offpolicy.learner.persist.checkpoint import (
     rng_state,
     saved_names,
 )
-from offpolicy.learner.persist.published import HostCopy, remove_folder
+from offpolicy.learner.persist.file_generation import HostCopy, remove_folder
 from offpolicy.learner.persist.safetensors_io import write_safetensors
 from offpolicy.learner.persist.writer import BackgroundWriter
 

@@ -1,7 +1,7 @@
 """The background writer: publishes weights and writes checkpoints off the training step's critical path.
 
-At a step boundary the loop takes a host snapshot (persist/weights.py, persist/single.py) and hands it
-over with `submit(kind, version, write)`; training goes on while one thread writes. The rules:
+At a step boundary the loop takes a host snapshot (persist/file_generation.py, persist/single.py) and hands
+it over with `submit(kind, version, write)`; training goes on while one thread writes. The rules:
 
 - at most one write runs at a time;
 - per kind (`weights`, `checkpoint`) at most one job waits; a newer job of the same kind replaces the

@@ -109,7 +109,7 @@ def compute_policy_loss(
     loss_agg_mode: str = "token-mean",
     clip: ClipConfig = ClipConfig(),
     rollout_is_weights: Tensor | None = None,
-    rollout_log_prob: Tensor | None = None,
+    behavior_logprobs: Tensor | None = None,
     correction: RolloutCorrectionConfig | None = None,
     batch_num_tokens: Tensor | float | None = None,
     global_batch_size: Tensor | float | None = None,
@@ -118,7 +118,7 @@ def compute_policy_loss(
     """Policy-gradient loss for current `log_prob` (B, T, with grad) and `advantages` (B, T).
 
     Decoupled (correction None or not bypass): PPO-clip against `old_log_prob` (pi_old), loss per token
-    times `rollout_is_weights` when given. Bypass (`correction.bypass_mode`): needs `rollout_log_prob`;
+    times `rollout_is_weights` when given. Bypass (`correction.bypass_mode`): needs `behavior_logprobs`;
     `old_log_prob` is ignored (pi_old := pi_rollout). The last three go to `aggregate_loss`: a micro-batch
     passes its mini-batch's valid tokens, rows and width T, so micro-batch losses add up to its loss.
     """
@@ -132,23 +132,22 @@ def compute_policy_loss(
             raise CorrectionInputError("decoupled mode needs old_log_prob (pi_old).")
         loss, metrics = _ppo_clip(log_prob, old_log_prob, advantages, response_mask, rollout_is_weights, clip)
         return PolicyLoss(aggregate_loss(loss, response_mask, loss_agg_mode, **agg), metrics, response_mask)
-    if rollout_log_prob is None:
+    if behavior_logprobs is None:
         raise CorrectionInputError(
-            "bypass_mode=True requires rollout_log_probs in batch. "
-            "Ensure rollout worker is configured to calculate_log_probs=true."
+            "bypass_mode=True requires behavior_logprobs (the behaviour policy's log-probs, pi_rollout)."
         )
-    corr = compute_rollout_correction(
-        log_prob.detach(), rollout_log_prob, response_mask, correction, host_metrics=False
+    corr = compute_rollout_correction(  # verl-shaped: its `rollout_log_prob` is our behavior_logprobs
+        log_prob.detach(), behavior_logprobs, response_mask, correction, host_metrics=False
     )
     mask = corr.response_mask
     if correction.loss_type == "reinforce":
         w = corr.weights
         loss_mat = -advantages * log_prob if w is None else -advantages * log_prob * w
         m = mask.bool()
-        kl = torch.where(m, rollout_log_prob - log_prob.detach(), 0.0).sum() / (m.sum() + 1e-8)
+        kl = torch.where(m, behavior_logprobs - log_prob.detach(), 0.0).sum() / (m.sum() + 1e-8)
         metrics = {"actor/ppo_kl": kl.float()}
     else:
-        loss_mat, metrics = _ppo_clip(log_prob, rollout_log_prob, advantages, mask, None, clip)
+        loss_mat, metrics = _ppo_clip(log_prob, behavior_logprobs, advantages, mask, None, clip)
     loss = aggregate_loss(loss_mat, mask, loss_agg_mode, **agg)
     return PolicyLoss(loss, {**metrics, **corr.metrics}, mask)  # type: ignore[dict-item]
 

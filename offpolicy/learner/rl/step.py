@@ -13,12 +13,13 @@ import torch
 from offpolicy.learner.batch import Batch, collate, token_staleness
 from offpolicy.learner.correction import compute_rollout_correction
 from offpolicy.learner.distributed.ranks import all_reduce_sum, reduce_means
-from offpolicy.learner.metrics import StalenessKL, metric_sums, timed
+from offpolicy.learner.metrics import metric_sums, timed
 from offpolicy.learner.rl.advantages import compute_advantages, distill, gae, grpo, token_rewards
 from offpolicy.learner.rl.context import StepContext, StepResult
 from offpolicy.learner.rl.dynamic_sampling import truncated_rows
 from offpolicy.learner.rl.microbatches import mini_batches, no_grad_logprobs, rows_forward
 from offpolicy.learner.rl.priorities import group_is_deviation, row_weights
+from offpolicy.learner.rl.staleness_kl import StalenessKL
 from offpolicy.learner.rl.update import optimizer_step
 
 
@@ -41,15 +42,15 @@ def train_on(ctx: StepContext, groups: list, phases: dict[str, float]) -> StepRe
     # --- pi_old and the correction (decoupled: once per batch; its mask replaces the response mask)
     with timed(phases, "old_logprob"):
         if rc.bypass_mode:
-            batch.old_log_probs = batch.rollout_log_probs
+            batch.old_log_probs = batch.behavior_logprobs
         else:
             batch.old_log_probs = no_grad_logprobs(
                 ctx.trainables.policy, batch, cfg, ctx.precision, ctx.ranks
             )
             ages = token_staleness(batch, ctx.version)  # (B, R): each token's own age
-            kl.add(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, ages)
+            kl.add(batch.old_log_probs, batch.behavior_logprobs, batch.response_mask, ages)
             corr = compute_rollout_correction(
-                batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, rc
+                batch.old_log_probs, batch.behavior_logprobs, batch.response_mask, rc
             )
             batch.response_mask, batch.is_weights = corr.response_mask.float(), corr.weights
             host |= corr.metrics
@@ -99,7 +100,7 @@ def train_on(ctx: StepContext, groups: list, phases: dict[str, float]) -> StepRe
     }
     deviation: tuple[float, ...] = ()  # per group, for the priority written back (`priorities.update`)
     if cfg.priorities.update:  # mean |log pi_old - log mu| (rl/priorities.py); 0 in bypass mode
-        log_ratio = batch.old_log_probs - batch.rollout_log_probs  # (B, R)
+        log_ratio = batch.old_log_probs - batch.behavior_logprobs  # (B, R)
         deviation = tuple(group_is_deviation(log_ratio, batch.response_mask, batch.group_index))
     return StepResult(host, steps, deviation)
 

@@ -22,7 +22,7 @@ from offpolicy.learner.batch import Batch
 from offpolicy.learner.config import LearnerConfig
 from offpolicy.learner.distributed.fsdp import clip_grad_norm, gradient_sync, loss_scale
 from offpolicy.learner.distributed.ranks import all_reduce_sum
-from offpolicy.learner.metrics import StalenessKL, timed
+from offpolicy.learner.metrics import timed
 from offpolicy.learner.rl.context import StepContext
 from offpolicy.learner.rl.losses import (
     ClipConfig,
@@ -32,6 +32,7 @@ from offpolicy.learner.rl.losses import (
     value_loss,
 )
 from offpolicy.learner.rl.microbatches import idle_rows, rank_micro_batches
+from offpolicy.learner.rl.staleness_kl import StalenessKL
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ def policy_loss_terms(
             clip_ratio_c=cfg.clip_ratio_c,
         ),
         rollout_is_weights=None if rc.bypass_mode else mb.is_weights,
-        rollout_log_prob=mb.rollout_log_probs,
+        behavior_logprobs=mb.behavior_logprobs,
         correction=rc,
         **agg,  # the mini-batch's T, not the (trimmed) micro-batch's, for loss_scale_factor
     )
@@ -129,7 +130,7 @@ def optimizer_step(
             step_loss += loss.detach()
             step_terms += torch.stack([terms[k] for k in keys])
             if kl is not None:
-                kl[0].add(log_prob, mb.rollout_log_probs, mb.response_mask, kl[1] - mb.behavior_versions)
+                kl[0].add(log_prob, mb.behavior_logprobs, mb.response_mask, kl[1] - mb.versions)
             if t.critic is not None:
                 with precision.autocast():
                     values = t.critic(mb, cfg.packing)  # (b, r) fp32

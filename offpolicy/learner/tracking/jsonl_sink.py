@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from offpolicy.learner.metrics import append_jsonl, json_safe
+from offpolicy.learner.metrics import json_safe
 from offpolicy.learner.tracking.sink import MetricsSink
 
 
@@ -25,3 +27,10 @@ class JsonlSink(MetricsSink):
 
     def log_config(self, config: Mapping[str, Any], source: str, config_version: int, step: int) -> None:
         self.path = config["metrics_jsonl"]
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """Append `record`, stamped with the wall time, as one JSON line to `path` (its folder made)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        fh.write(json.dumps({"time": time.time(), **record}) + "\n")

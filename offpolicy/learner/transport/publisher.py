@@ -29,13 +29,14 @@ if TYPE_CHECKING:
 
     from offpolicy.learner.config import LearnerConfig
     from offpolicy.learner.distributed.ranks import Ranks
-    from offpolicy.learner.persist.persistence import Persistence
+    from offpolicy.learner.persist.durable_writes import Persistence
 
 log = logging.getLogger(__name__)
 
 
 class TransferMetrics:
-    """The learner's transfer metrics (`publish.transport: vllm`)."""
+    """The learner's transfer metrics (`publish.transport: vllm`), declared next to the `Publisher` that
+    records them; the learner's other metrics are `LearnerMetrics` (learner/metrics.py)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry

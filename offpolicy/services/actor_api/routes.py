@@ -1,6 +1,6 @@
 """The actor's `/v1` routes: its status, its runs (`/v1/runs`: an actor pool's, actors/rollout/pool.py), and
 the OpenAI-compatible gateway when `gateway.enabled` (`/v1/episodes`, `/v1/chat/completions`:
-actors/gateway/episodes.py, docs/agents.md). Health, readiness and metrics come from services/common."""
+actors/gateway/agent_episodes.py, docs/agents.md). Health, readiness and metrics come from services/common."""
 
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ from offpolicy.actors.config.pool import INHERITED_FIELDS
 from offpolicy.actors.rollout.pool import ActorFactory, Pool, Run, build_actor
 from offpolicy.config.secrets import Redactor, url_secrets
 from offpolicy.services.actor_api.schemas import ActorStatus, RunList, RunStatus
+from offpolicy.services.common.background import FailureHook
 from offpolicy.services.common.errors import InvalidConfig, NotFound, NotReady, field_errors
-from offpolicy.services.common.loop import FailureHook
 from offpolicy.services.common.metrics import MergedRegistries, ServiceRegistry, make_registry
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ class ActorRuntime:
     # --- the gateway
 
     def gateway(self, run_id: str | None = None) -> Any:
-        """The gateway of run `run_id` (None: the first run's; `offpolicy.actors.gateway.episodes.Gateway`);
+        """The gateway of run `run_id` (None: the first run's), an `actors.gateway.agent_episodes.Gateway`;
         `NotFound` when that run has it disabled, `NotReady` while the actor starts."""
         if self.pool is None or not self._started:
             raise NotReady("the actor is still starting (loading the engine)")

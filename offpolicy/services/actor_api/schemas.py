@@ -77,7 +77,7 @@ class RunList(BaseModel):
     runs: list[RunStatus]
 
 
-# --- the gateway (actors/gateway/episodes.py)
+# --- the gateway (actors/gateway/agent_episodes.py)
 
 
 class OpenEpisode(BaseModel):

@@ -12,11 +12,11 @@ from prometheus_client import CollectorRegistry
 
 from offpolicy.config.secrets import Redactor
 from offpolicy.services.common import health, metrics
+from offpolicy.services.common.background import ExitAfterGrace, FailureHook
 from offpolicy.services.common.errors import install_error_handlers
 from offpolicy.services.common.health import ReadinessCheck, redis_check
 from offpolicy.services.common.limits import BodySizeLimit
 from offpolicy.services.common.logging import configure_logging
-from offpolicy.services.common.loop import ExitAfterGrace, FailureHook
 from offpolicy.services.common.settings import ServiceSettings
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]

@@ -64,12 +64,12 @@ def serve(**overrides: Any) -> int:
     settings = LearnerServiceSettings.from_env(os.environ, **overrides)
     if "LOCAL_RANK" in os.environ:  # started by torchrun
         from offpolicy.learner.distributed import current
-        from offpolicy.learner.launch import follow, join
+        from offpolicy.learner.launch import join, run_follower
 
         config = load_config(settings.config_path, os.environ)
         join(config)
         if not current().is_leader:
             redactor = Redactor(url_secrets(config.redis_url))
             configure_logging(settings.log_level, settings.log_json, redactor)
-            return follow(config)
+            return run_follower(config)
     return serve_app(settings, create_app)

@@ -15,8 +15,8 @@ from offpolicy.buffer.json_records import group_from_json
 from offpolicy.buffer.types import InsertResult
 from offpolicy.config.secrets import Redactor, url_secrets
 from offpolicy.learner.config import LearnerConfig
+from offpolicy.services.common.background import BackgroundLoop, FailureHook
 from offpolicy.services.common.errors import NotReady
-from offpolicy.services.common.loop import BackgroundLoop, FailureHook
 from offpolicy.services.learner_api.control import ConfigControl
 from offpolicy.services.learner_api.preset_schemas import get_preset, list_presets
 from offpolicy.services.learner_api.schemas import (

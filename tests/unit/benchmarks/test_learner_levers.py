@@ -1,7 +1,7 @@
 """benchmarks/learner_levers.py's runner without the runs: `--lever-rows` runs the chosen rows alone, each
 with the levers of every row before it; each finished row reaches stderr as it ends (a GPU run cut by its
 time limit keeps them); an out-of-memory row is reported and the next runs; `--profile` is the last run
-row's. The runs themselves: tests/integration/test_learner_levers.py."""
+row's. The runs themselves: tests/integration/benchmarks/test_learner_levers.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 
 import torch
 
-from benchmarks import learner_levers
+import learner_levers
 
 FLAGS = ("attention", "logprob_head", "gradient_checkpointing", "micro_batch_tokens", "compile_layers")
 

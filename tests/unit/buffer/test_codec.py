@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offpolicy.buffer.codec import CodecLimits, decode_group, encode_group, validate_group
+from offpolicy.buffer.codec import SHORT_KEYS, CodecLimits, decode_group, encode_group, validate_group
 from offpolicy.buffer.errors import InvalidTrajectory
 from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup
 from tests.conftest import build_group
@@ -92,11 +92,14 @@ def test_frame_layout_is_prefix_header_then_aligned_raw_little_endian_arrays() -
     g = build_group(n=2, tokens=3)
     g.trajectories[1].versions = np.array([4, 5, 6], np.int32)
     data = encode_group(g)
-    assert data[:4] == b"OPTG" and struct.unpack_from("<HI", data, 4)[0] == 3
+    assert data[:4] == b"OPTG" and struct.unpack_from("<HI", data, 4)[0] == 4
     head, arrays = _split(data)
-    assert set(head) == {"gid", "pid", "pv", "aid", "t", "s", "m", "pr", "rw", "fr", "hv", "env", "a"}
-    assert head["env"] == [[], []]
-    assert head["hv"] == [False, True] and head["rw"] == [t.reward for t in g.trajectories]
+    assert set(head) == {
+        "group_id", "prompt_id", "policy_version", "actor_id", "created_at", "sampling", "metadata",
+        "priority", "reward", "finish_reason", "has_versions", "env_spans", "array_ends",
+    }  # fmt: skip
+    assert head["env_spans"] == [[], []]
+    assert head["has_versions"] == [False, True] and head["reward"] == [t.reward for t in g.trajectories]
     assert arrays["lens"] == np.array([3, 3], "<i4").tobytes()
     assert arrays["prompt"] == g.prompt_ids.astype("<i4").tobytes()
     assert arrays["ids"] == b"".join(t.response_ids.astype("<i4").tobytes() for t in g.trajectories)
@@ -155,7 +158,7 @@ def _traj(g: TrajectoryGroup, **changes) -> TrajectoryGroup:
         (lambda g: dataclasses.replace(g, prompt_ids=np.array([3, -2], np.int32)), "prompt_ids"),
         (lambda g: dataclasses.replace(g, trajectories=[]), "trajectories"),
         (lambda g: dataclasses.replace(g, schema_version=1), "schema_version"),
-        (lambda g: dataclasses.replace(g, schema_version=4), "schema_version"),
+        (lambda g: dataclasses.replace(g, schema_version=5), "schema_version"),
         (lambda g: dataclasses.replace(g, group_id=""), "group_id"),
         (lambda g: dataclasses.replace(g, policy_version=-1), "policy_version"),
         (lambda g: dataclasses.replace(g, priority=float("inf")), "priority"),
@@ -206,18 +209,22 @@ _KEYS = ("lens", "prompt", "ids", "ver", "lp")
 
 
 def _split(data: bytes) -> tuple[dict, dict[str, bytes]]:
-    """Parse a frame by hand: its header map and the bytes of each array."""
+    """Parse a frame by hand: its header map and the bytes of each array (offsets under `array_ends`, or
+    schemas 2 and 3's `a`)."""
     size = struct.unpack_from("<I", data, 6)[0]
     head = msgpack.unpackb(data[10 : 10 + size])
     base = (10 + size + 7) // 8 * 8
-    starts = [0, *head["a"][:-1]]
-    return head, {k: data[base + a : base + b] for k, a, b in zip(_KEYS, starts, head["a"], strict=True)}
+    ends = head["array_ends"] if "array_ends" in head else head["a"]
+    starts = [0, *ends[:-1]]
+    return head, {k: data[base + a : base + b] for k, a, b in zip(_KEYS, starts, ends, strict=True)}
 
 
-def _frame(head: dict, arrays: dict[str, bytes], magic: bytes = b"OPTG", version: int = 3) -> bytes:
-    """Build a frame by hand: offsets from the arrays' sizes unless `head` already has wrong ones."""
-    head = {**head, "a": head.get("a_override") or list(itertools.accumulate(len(arrays[k]) for k in _KEYS))}
-    head.pop("a_override", None)
+def _frame(head: dict, arrays: dict[str, bytes], magic: bytes = b"OPTG", version: int = 4) -> bytes:
+    """Build a frame by hand: offsets from the arrays' sizes unless `head` already has wrong ones (under
+    `array_ends`, or schemas 2 and 3's `a`)."""
+    ends = head.get("ends_override") or list(itertools.accumulate(len(arrays[k]) for k in _KEYS))
+    head = {**head, ("array_ends" if version >= 4 else "a"): ends}
+    head.pop("ends_override", None)
     packed = msgpack.packb(head, use_bin_type=True)
     pad = bytes(-(10 + len(packed)) % 8)
     return (
@@ -239,7 +246,7 @@ def test_policy_masks_round_trip_as_environment_spans() -> None:
     rows = [[True, True, False, False, True, False], None, [False, True, True, True, True, True]]
     data = encode_group(_with_env(rows))
     head, _ = _split(data)
-    assert head["env"] == [[2, 4, 5, 6], [], [0, 1]]
+    assert head["env_spans"] == [[2, 4, 5, 6], [], [0, 1]]
     out = decode_group(data)
     assert [None if t.policy_mask is None else t.policy_mask.tolist() for t in out.trajectories] == rows
 
@@ -251,8 +258,9 @@ def test_an_all_policy_mask_travels_as_no_mask() -> None:
 
 def test_frames_of_schema_2_still_decode_as_all_policy() -> None:
     head, arrays = _split(encode_group(build_group(n=2, tokens=4)))
-    del head["env"]
-    out = decode_group(_frame(head, arrays, version=2))
+    del head["env_spans"], head["array_ends"]
+    short = {old: head[new] for old, new in SHORT_KEYS.items() if new in head}  # schema 2's keys
+    out = decode_group(_frame(short, arrays, version=2))
     assert all(t.policy_mask is None for t in out.trajectories) and len(out.trajectories) == 2
 
 

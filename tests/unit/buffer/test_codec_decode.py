@@ -60,7 +60,13 @@ def test_decode_rejects_a_header_that_is_not_a_msgpack_map() -> None:
 
 def test_decode_rejects_offsets_that_disagree_with_the_arrays() -> None:
     head, arrays = _parts()
-    assert head["a"] == [8, 40, 72, 72, 104]  # 2 lengths, 8 prompt ids, 8 ids, no versions, 8 log-probs
+    assert head["array_ends"] == [
+        8,
+        40,
+        72,
+        72,
+        104,
+    ]  # 2 lengths, 8 prompt ids, 8 ids, no versions, 8 log-probs
     for bad in (
         [8, 40, 72, 72, 108],  # past the end of the array section
         [8, 40, 72, 72, 100],  # short of it
@@ -70,9 +76,9 @@ def test_decode_rejects_offsets_that_disagree_with_the_arrays() -> None:
         [8, 40, 72, 104],  # not 5 offsets
         [8, 40, 72.0, 72, 104],  # not ints
     ):
-        assert _decode_field({**head, "a_override": bad}, arrays) == "payload", bad
+        assert _decode_field({**head, "ends_override": bad}, arrays) == "payload", bad
     # inside the section and consistent, but 1 length for 2 trajectories
-    assert _decode_field({**head, "a_override": [4, 40, 72, 72, 104]}, arrays) == "trajectories"
+    assert _decode_field({**head, "ends_override": [4, 40, 72, 72, 104]}, arrays) == "trajectories"
 
 
 def test_decode_rejects_a_lengths_array_that_disagrees_with_the_header() -> None:
@@ -92,7 +98,7 @@ def test_decode_rejects_length_mismatch() -> None:
     arrays["ids"] = arrays["ids"][:-20]  # 3 of 8 ids: trajectory 0 is the first one short
     assert _decode_field(head, arrays) == "trajectories[0].response_ids"
     head, arrays = _parts()
-    head["hv"] = [False, True]  # trajectory 1 claims versions the frame does not hold
+    head["has_versions"] = [False, True]  # trajectory 1 claims versions the frame does not hold
     assert _decode_field(head, arrays) == "trajectories[1].versions"
     head, arrays = _parts()
     arrays["ver"] = np.zeros(4, "<i4").tobytes()  # versions nobody claims
@@ -111,35 +117,35 @@ def test_decode_rejects_negative_ids_and_versions_and_empty_group() -> None:
     arrays["prompt"] = np.array([1, -5], "<i4").tobytes()
     assert _decode_field(head, arrays) == "prompt_ids"
     head, arrays = _parts()
-    head.update(rw=[], fr=[], hv=[])
+    head.update(reward=[], finish_reason=[], has_versions=[])
     arrays.update(lens=b"", ids=b"", lp=b"")
     assert _decode_field(head, arrays) == "trajectories"
     head, arrays = _parts()
     arrays["ids"] = np.array([1, 2, 3, 4, 5, -6, 7, 8], "<i4").tobytes()
     assert _decode_field(head, arrays) == "trajectories[1].response_ids"
     head, arrays = _parts()
-    head["hv"] = [False, True]
+    head["has_versions"] = [False, True]
     arrays["ver"] = np.array([0, 1, -1, 1], "<i4").tobytes()
     assert _decode_field(head, arrays) == "trajectories[1].versions"
 
 
 def test_decode_rejects_missing_and_mistyped_fields() -> None:
     for key, value, field in (
-        ("gid", None, "group_id"),
-        ("pv", "3", "policy_version"),
-        ("pv", -1, "policy_version"),
-        ("aid", "", "actor_id"),
-        ("t", float("nan"), "created_at"),
-        ("s", [1.0, 1.0, -1], "sampling"),
-        ("s", [0.0, 1.0, -1, 8], "sampling"),
-        ("m", {"k": 1}, "metadata"),
-        ("pr", -1.0, "priority"),
-        ("rw", [1.0, "1.0"], "trajectories[1].reward"),
-        ("rw", [1.0, float("inf")], "trajectories[1].reward"),
-        ("rw", [1.0], "trajectories.finish_reason"),  # 1 reward, 2 finish reasons
-        ("fr", ["stop"], "trajectories.finish_reason"),
-        ("fr", ["stop", 3], "trajectories[1].finish_reason"),
-        ("hv", [False, 0], "trajectories[1].versions"),
+        ("group_id", None, "group_id"),
+        ("policy_version", "3", "policy_version"),
+        ("policy_version", -1, "policy_version"),
+        ("actor_id", "", "actor_id"),
+        ("created_at", float("nan"), "created_at"),
+        ("sampling", [1.0, 1.0, -1], "sampling"),
+        ("sampling", [0.0, 1.0, -1, 8], "sampling"),
+        ("metadata", {"k": 1}, "metadata"),
+        ("priority", -1.0, "priority"),
+        ("reward", [1.0, "1.0"], "trajectories[1].reward"),
+        ("reward", [1.0, float("inf")], "trajectories[1].reward"),
+        ("reward", [1.0], "trajectories.finish_reason"),  # 1 reward, 2 finish reasons
+        ("finish_reason", ["stop"], "trajectories.finish_reason"),
+        ("finish_reason", ["stop", 3], "trajectories[1].finish_reason"),
+        ("has_versions", [False, 0], "trajectories[1].versions"),
     ):
         head, arrays = _parts()
         if value is None:
@@ -156,5 +162,5 @@ def test_decode_rejects_missing_and_mistyped_fields() -> None:
 )
 def test_decode_rejects_bad_spans_naming_the_field(spans) -> None:
     head, arrays = _split(encode_group(build_group(n=2, tokens=6)))
-    field = _decode_field({**head, "env": spans}, arrays)
+    field = _decode_field({**head, "env_spans": spans}, arrays)
     assert field in ("trajectories[1].policy_mask", "trajectories.policy_mask")

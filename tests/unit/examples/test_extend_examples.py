@@ -83,7 +83,8 @@ def test_the_environment_records_policy_turns_and_masks_its_own(capsys: pytest.C
     mask = completion.policy_mask.tolist()
     assert mask[:3] == [True] * 3 and mask[-3:] == [True] * 3 and not any(mask[3:-3])
     assert completion.text == "bbbxax"  # the policy's text; the user's turn is in the tokens only
-    assert (completion.logprobs[3:-3] == 0).all() and (completion.logprobs[:3] == -0.5).all()
+    behavior_logprobs = completion.behavior_logprobs
+    assert (behavior_logprobs[3:-3] == 0).all() and (behavior_logprobs[:3] == -0.5).all()
     run_script("my_environment.py")
     assert "reward 0.5 {'tries': '2'}" in capsys.readouterr().out
 

@@ -60,11 +60,11 @@ def test_collate_layout(groups):
     assert b.position_ids.tolist() == [[0, 0, 1, 2, 3, 4], [0, 0, 1, 2, 2, 2], [0, 1, 2, 3, 4, 4]]
     assert b.response_ids.tolist() == [[7, 8, 9], [10, 0, 0], [14, 15, 0]]
     assert b.response_mask.tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0]]
-    assert b.rollout_log_probs.tolist() == [[-1, -2, -3], [-0.5, 0, 0], [-0.25, -0.75, 0]]
+    assert b.behavior_logprobs.tolist() == [[-1, -2, -3], [-0.5, 0, 0], [-0.25, -0.75, 0]]
     assert b.rewards.tolist() == [1.0, 0.0, 0.5]
     assert b.group_index.tolist() == [0, 0, 1]
     assert b.policy_versions.tolist() == [3, 3, 4]
-    assert b.behavior_versions.tolist() == [[3, 3, 3], [3, 0, 0], [4, 5, 0]]
+    assert b.versions.tolist() == [[3, 3, 3], [3, 0, 0], [4, 5, 0]]
     assert b.temperatures.tolist() == [1.0, 1.0, 0.5]
 
 
@@ -73,7 +73,7 @@ def test_select_trims_padding_columns(groups):
     assert b.prompt_width == 2
     assert b.input_ids.tolist() == [[5, 6, 10]]
     assert b.response_mask.tolist() == [[1]]
-    assert b.behavior_versions.tolist() == [[3]]
+    assert b.versions.tolist() == [[3]]
 
 
 def test_collate_rejects_bad_groups(groups):
@@ -152,7 +152,7 @@ def test_staleness_counts_from_each_completions_oldest_token():
 
 
 def test_staleness_kl_buckets_tokens_by_their_own_age():
-    from offpolicy.learner.metrics import StalenessKL
+    from offpolicy.learner.rl.staleness_kl import StalenessKL
 
     rollout = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, 0.0]])
     train = torch.tensor([[-1.5, -2.5, -2.0], [-0.5, -2.0, 0.0]])

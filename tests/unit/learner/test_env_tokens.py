@@ -50,7 +50,7 @@ def test_environment_tokens_are_attended_but_not_trained():
         assert torch.equal(batch.response_mask[b, :n], expected)
         assert torch.equal(batch.sampled_mask[b, :n], expected)
         assert batch.attention_mask[b, batch.prompt_width : batch.prompt_width + n].all()  # attended
-        assert (batch.rollout_log_probs[b, :n][expected == 0] == 0).all()
+        assert (batch.behavior_logprobs[b, :n][expected == 0] == 0).all()
     assert batch.response_mask.sum() < batch.attention_mask[:, batch.prompt_width :].sum()
 
 
@@ -72,9 +72,9 @@ def test_the_correction_sees_the_policy_tokens_alone(preset):
     same completions with their environment tokens removed."""
     batch = collate(with_env(ragged_groups(4, 4, seed=5, response=(6, 30)), seed=6), 0)
     mask = batch.response_mask
-    old = batch.rollout_log_probs + torch.randn(mask.shape, generator=torch.Generator().manual_seed(0)) * 0.3
+    old = batch.behavior_logprobs + torch.randn(mask.shape, generator=torch.Generator().manual_seed(0)) * 0.3
     old = old * mask - 20.0 * (1 - mask)  # environment positions: values that would matter if read
-    rollout = batch.rollout_log_probs - 30.0 * (1 - mask)
+    rollout = batch.behavior_logprobs - 30.0 * (1 - mask)
     cfg = getattr(RolloutCorrectionConfig, preset)()
     full = compute_rollout_correction(old, rollout, mask, cfg)
     (c_old, c_mask), (c_rollout, _) = compact(old, mask), compact(rollout, mask)

@@ -25,7 +25,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.decomposition import select_decomp_table
 from transformers import AutoModelForCausalLM
 
-from benchmarks.learner_longtail import SHAPES
+from learner_longtail import SHAPES
 from offpolicy.learner.build import build_trainables
 from offpolicy.learner.config import LearnerConfig
 from offpolicy.learner.model import Precision, attention, make_tiny_model

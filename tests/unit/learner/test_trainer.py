@@ -2,12 +2,13 @@
 background publish) is retried with backoff and reported in `state` / `retrying`; anything else ends `run`.
 
 Only `run` is under test here; the real step against a real Redis outage is
-tests/integration/test_service_health.py."""
+tests/integration/services/test_health.py."""
 
 from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -23,7 +24,8 @@ class ScriptedLearner(Learner):
     """`run` as written, over a `step` that raises the scripted errors in order (None = a good step)."""
 
     def __init__(self, script: list[BaseException | None]) -> None:  # no model, no Redis: `run` only
-        self.config = LearnerConfig(model_path="/m", max_steps=sum(s is None for s in script))
+        config = LearnerConfig(model_path="/m", max_steps=sum(s is None for s in script))
+        self.configs = SimpleNamespace(config=config)  # `config` reads the switch's
         self.ranks, self.channel = SINGLE, None
         self.step_count, self.state, self.retrying = 0, "running", None
         self._running = threading.Event()

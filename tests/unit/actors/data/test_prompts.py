@@ -143,7 +143,7 @@ def test_sums_dataset(tmp_path):
 
 
 def test_the_quickstart_writes_sums_for_the_calculator(tmp_path):
-    from offpolicy.services.quickstart_configs import toy_dataset
+    from offpolicy.services.quickstart.configs import toy_dataset
 
     calc = load_prompts(
         toy_dataset(tmp_path / "calc.jsonl", "offpolicy.actors.rollout.environments.calculator")

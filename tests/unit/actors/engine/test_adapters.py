@@ -11,7 +11,7 @@ import pytest
 
 from offpolicy.actors.config import EngineConfig, LoraEngineConfig
 from offpolicy.actors.engine import vllm
-from offpolicy.actors.engine.adapters import AdapterTable
+from offpolicy.actors.engine.lora_serving import LoraServing
 from offpolicy.actors.errors import WeightLoadError
 
 
@@ -60,9 +60,10 @@ def lora_engine(max_cpu_loras: int = 4) -> tuple[vllm.VLLMEngine, StandInLLM]:
     engine.config = EngineConfig(lora=LoraEngineConfig(max_loras=1, max_cpu_loras=max_cpu_loras))
     engine._loop = asyncio.get_running_loop()
     engine.llm = llm = StandInLLM()
-    engine.adapter_table = AdapterTable(max_cpu_loras)
+    engine.lora = LoraServing(
+        llm, max_cpu_loras, 0, acall=engine.acall, abort=engine.abort, loop=engine._loop
+    )
     engine.kind, engine.loaded_version, engine.loaded_path = "lora", 0, "/base"
-    engine.adapters = engine.adapter_table.add_run(None, 0)
     engine.base_loads, engine.tokenizer = 0, None
     return engine, llm
 
@@ -139,7 +140,7 @@ def test_a_refused_adapter_leaves_the_engine_as_it_was():
 def test_an_engine_without_lora_refuses_an_adapter():
     async def scenario():
         engine, _ = lora_engine()
-        engine.adapters, engine.adapter_table, engine.kind = None, None, "full"
+        engine.lora, engine.kind = None, "full"
         with pytest.raises(WeightLoadError) as e:
             await engine.load_adapter("/w/v1", 1)
         assert e.value.reason == "kind"

@@ -115,7 +115,7 @@ def test_a_dropped_run_loses_its_requests_and_adapters_and_the_others_keep_their
 def test_an_engine_of_full_weights_serves_no_runs():
     async def scenario():
         engine, _ = lora_engine()
-        engine.adapters, engine.adapter_table, engine.kind = None, None, "full"
+        engine.lora, engine.kind = None, "full"
         with pytest.raises(ValueError, match=r"engine\.lora"):
             await engine.add_run("run-a")
 

@@ -23,7 +23,7 @@ def _output(ids, spans, finish="length"):
 def test_spans_become_one_version_per_token():
     c = _completion(_output([5, 6, 7, 8], [("3", 0, 1), ("4", 1, 4)]))
     assert c.versions.tolist() == [3, 4, 4, 4] and c.versions.dtype == np.int32
-    assert c.logprobs.tolist() == [-0.5] * 4 and c.token_ids.tolist() == [5, 6, 7, 8]
+    assert c.behavior_logprobs.tolist() == [-0.5] * 4 and c.token_ids.tolist() == [5, 6, 7, 8]
     assert _completion(_output([5], None)).versions is None  # no label: the caller's version applies
 
 
@@ -34,4 +34,4 @@ def test_spans_that_do_not_cover_the_tokens_are_an_error():
 
 def test_an_aborted_request_without_tokens_is_an_empty_completion():
     c = _completion(_output([], None, finish="abort"))
-    assert (len(c.token_ids), len(c.logprobs), c.finish_reason, c.versions) == (0, 0, "abort", None)
+    assert (len(c.token_ids), len(c.behavior_logprobs), c.finish_reason, c.versions) == (0, 0, "abort", None)

@@ -10,13 +10,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from offpolicy.actors.config import RewardConfig
-from offpolicy.actors.gateway.episodes import Gateway
+from offpolicy.actors.gateway.agent_episodes import Gateway
 from offpolicy.actors.metrics import REWARD_FAILURE_REASONS, ActorMetrics
-from offpolicy.actors.rollout.loop import Actor
+from offpolicy.actors.rollout.actor import Actor
 from offpolicy.actors.rollout.scoring import ALARM_AFTER_GROUPS, RewardFailures, Scorer
 from offpolicy.learner.model import build_char_tokenizer
 from offpolicy.services.actor_api.schemas import ActorStatus
-from tests.unit.actors.gateway.test_episodes import ScriptedEngine, StubActor, run
+from tests.unit.actors.gateway.test_agent_episodes import ScriptedEngine, StubActor, run
 
 
 def _count(registry: CollectorRegistry, name: str, reason: str) -> float | None:

@@ -17,8 +17,8 @@ import offpolicy.actors.transport.verify as manifest_mod
 from offpolicy.actors.config import ReloadConfig, RetryConfig, load_config
 from offpolicy.actors.errors import WeightLoadError
 from offpolicy.actors.metrics import ActorMetrics
-from offpolicy.actors.transport.follow import WeightSync, weights_path
 from offpolicy.actors.transport.prefetch import Cancelled, prefetch_folder
+from offpolicy.actors.transport.weight_sync import WeightSync, weights_path
 from offpolicy.weights.manifest import file_sha256, write_manifest
 from offpolicy.weights.record import PolicyRecord
 

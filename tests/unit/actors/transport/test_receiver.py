@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from offpolicy.actors.transport.receiver import TransferReceiver
 from offpolicy.learner.model import make_tiny_model
-from offpolicy.learner.persist.published import publish_weights
+from offpolicy.learner.persist.file_generation import publish_weights
 from offpolicy.weights.config import TransferConfig
 
 

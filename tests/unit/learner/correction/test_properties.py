@@ -75,7 +75,7 @@ def test_loss_gradient_is_zero_where_mask_is_zero(batch, mode):
         loss_type="reinforce",
     )
     out = compute_policy_loss(
-        lp, None, adv, mask.float(), loss_agg_mode=mode, rollout_log_prob=rollout, correction=cfg
+        lp, None, adv, mask.float(), loss_agg_mode=mode, behavior_logprobs=rollout, correction=cfg
     )
     out.loss.backward()
     assert torch.isfinite(out.loss)

@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from benchmarks.verl_oracle import load_verl
 from offpolicy.learner.correction import RolloutCorrectionConfig, compute_rollout_correction
+from verl_oracle import load_verl
 
 ORACLE = load_verl()
 pytestmark = pytest.mark.skipif(ORACLE is None, reason="verl==0.9.1 is not installed (pip install --no-deps)")

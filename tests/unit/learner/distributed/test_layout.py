@@ -10,7 +10,7 @@ import torch
 
 from offpolicy.learner.distributed.layout import Layout, LayoutError
 from offpolicy.learner.distributed.ranks import node_ordered_rank
-from offpolicy.services import cli
+from offpolicy.services.cli import commands as cli
 
 NONE = dict.fromkeys(cli.LAYOUT_FLAGS)
 

@@ -15,7 +15,7 @@ from offpolicy.learner.distributed import (
     reduce_means,
     shares,
 )
-from offpolicy.services import cli
+from offpolicy.services.cli import commands as cli
 
 
 def test_command_round_trips_through_msgpack_bytes():

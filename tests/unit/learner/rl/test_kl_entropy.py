@@ -12,7 +12,6 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from benchmarks.verl_oracle import load_verl
 from offpolicy.learner.batch import collate
 from offpolicy.learner.config import LearnerConfig, frozen_field_changes
 from offpolicy.learner.errors import MemoryPlanError
@@ -24,6 +23,7 @@ from offpolicy.learner.rl.losses import aggregate_loss, kl_penalty
 from offpolicy.learner.rl.update import policy_loss_terms
 from tests.unit.learner.rl.test_microbatches import ragged_groups
 from tests.unit.learner.test_memory_plan import QWEN_7B
+from verl_oracle import load_verl
 
 ORACLE = load_verl()
 needs_verl = pytest.mark.skipif(ORACLE is None, reason="verl==0.9.1 is not installed (pip install --no-deps)")
@@ -133,7 +133,7 @@ def test_loss_terms_compose_as_verls_actor(mode):
     mask = (torch.rand(pol.shape, generator=gen) > 0.3).float()
     ent = torch.rand(pol.shape, generator=gen) * 3
     mb = dataclasses.make_dataclass("Mb", ["old_log_probs", "advantages", "response_mask", "is_weights",
-                                           "rollout_log_probs", "ref_log_probs"])(
+                                           "behavior_logprobs", "ref_log_probs"])(
         pol + 0.1, torch.randn(pol.shape, generator=gen), mask, None, pol + 0.1, ref,
     )  # fmt: skip
     cfg = LearnerConfig(

@@ -105,7 +105,7 @@ def test_bypass_reinforce_uses_weights_and_rs_mask_and_returns_tensor_metrics():
         bypass_mode=True,
         loss_type="reinforce",
     )
-    out = compute_policy_loss(lp, None, adv, mask, rollout_log_prob=rollout, correction=cfg)
+    out = compute_policy_loss(lp, None, adv, mask, behavior_logprobs=rollout, correction=cfg)
     # rho = [1.2, 0.8, 1], [1, 0.1, 1]; token_k1 rejects 0.1; weights are rho truncated at 2.
     assert out.response_mask.tolist() == [[1, 1, 1], [1, 0, 1]]
     w = torch.tensor([[1.2, 0.8, 1.0], [1.0, 0.1, 1.0]])
@@ -124,14 +124,14 @@ def test_bypass_ppo_clip_is_ppo_against_rollout_without_weights():
     lp = (rollout + torch.tensor([[0.1, -0.05, 2.0]])).requires_grad_(True)
     adv = torch.tensor([[1.0, -2.0, 1.0]])
     cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=1.05, bypass_mode=True)
-    out = compute_policy_loss(lp, None, adv, torch.ones(1, 3), rollout_log_prob=rollout, correction=cfg)
+    out = compute_policy_loss(lp, None, adv, torch.ones(1, 3), behavior_logprobs=rollout, correction=cfg)
     plain = compute_policy_loss(lp, rollout, adv, torch.ones(1, 3))
     assert out.loss.item() == pytest.approx(plain.loss.item())
     assert out.metrics["rollout_corr/rollout_is_max"].item() == pytest.approx(1.05)  # metrics only
 
 
-def test_bypass_without_rollout_log_probs_raises():
-    with pytest.raises(ValueError, match="bypass_mode=True requires rollout_log_probs"):
+def test_bypass_without_behavior_logprobs_raises():
+    with pytest.raises(ValueError, match="bypass_mode=True requires behavior_logprobs"):
         compute_policy_loss(
             torch.zeros(1, 2),
             None,
@@ -148,7 +148,7 @@ def test_all_rejected_micro_batch_gives_zero_loss_and_gradient():
         rollout_rs="token_k1", rollout_rs_threshold=2.0, bypass_mode=True, loss_type="reinforce"
     )
     out = compute_policy_loss(
-        lp, None, torch.ones(2, 2), torch.ones(2, 2), rollout_log_prob=rollout, correction=cfg
+        lp, None, torch.ones(2, 2), torch.ones(2, 2), behavior_logprobs=rollout, correction=cfg
     )
     out.loss.backward()
     assert out.loss.item() == 0.0 and torch.equal(lp.grad, torch.zeros(2, 2))

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from offpolicy.services.actor_api.main import create_app
 from offpolicy.services.common.settings import ActorServiceSettings
-from tests.unit.actors.gateway.test_episodes import StubActor
+from tests.unit.actors.gateway.test_agent_episodes import StubActor
 from tests.unit.actors.rollout.fakes import StubEngine
 
 AUTH = {"Authorization": "Bearer tok"}
@@ -24,7 +24,7 @@ class ServedActor(StubActor):
     def __init__(self, config: Any, registry: Any, script: list[str]) -> None:
         super().__init__(script, group_size=1)
         self.config = config
-        from offpolicy.actors.gateway.episodes import Gateway
+        from offpolicy.actors.gateway.agent_episodes import Gateway
 
         self.gateway = Gateway(self)
 

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from offpolicy.actors.config import ActorConfig
 from offpolicy.learner.config import LearnerConfig
 from offpolicy.services.actor_api.main import create_app as create_actor_app
-from offpolicy.services.common.loop import EXIT_LOOP_FAILED, BackgroundLoop, ExitAfterGrace
+from offpolicy.services.common.background import EXIT_LOOP_FAILED, BackgroundLoop, ExitAfterGrace
 from offpolicy.services.common.settings import ActorServiceSettings, LearnerServiceSettings
 from offpolicy.services.learner_api.main import create_app
 from tests.unit.actors.rollout.fakes import StubEngine

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 
 from offpolicy.buffer.embedded import free_port
 from offpolicy.services.common.app import serve_app
-from offpolicy.services.common.loop import ExitAfterGrace
+from offpolicy.services.common.background import ExitAfterGrace
 from offpolicy.services.common.settings import LearnerServiceSettings
 
 

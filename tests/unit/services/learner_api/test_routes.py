@@ -140,7 +140,7 @@ def test_history_lists_every_version(client: TestClient) -> None:
 def test_history_shows_each_changed_keys_old_and_new_value(client: TestClient) -> None:
     """`changes` pairs each changed field with the previous version's value and this one's; the `config
     history` verb prints them, one line per key (and `--json` is this answer)."""
-    from offpolicy.services.cli_control import _config_history
+    from offpolicy.services.cli.control import _config_history
     from offpolicy.services.client import LearnerClient
 
     client.patch("/v1/config", json={"groups_per_step": 4, "optimizer": {"lr": 2e-6}}, headers=AUTH)

@@ -1,0 +1,1 @@
+"""`offpolicy quickstart`: the whole pipeline on this machine (`run.py`), its run settings, what it shows."""

@@ -1,0 +1,106 @@
+"""Run by torchrun from test_gathered_weights.py: a tiny model sharded over the ranks (FSDP2, gloo) publishes
+through a real `Persistence` with the files transport, its gather streamed into rank 0's writer in small
+buckets, while rank 0's writer is held back (a slow disk): v1's gather stops when the writer's queue is
+full; v2 and v3 are published meanwhile (v2 is replaced by v3 before it starts: coalesced on every rank);
+`flush` writes v3. Rank 0 writes what it saw. Arguments: MODEL_DIR WEIGHTS_DIR OUT_JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+from prometheus_client import CollectorRegistry
+
+from offpolicy.learner.config import LearnerConfig
+from offpolicy.learner.config.publish import STREAM_DEPTH
+from offpolicy.learner.distributed.fsdp import shard
+from offpolicy.learner.distributed.gather import full_tensor
+from offpolicy.learner.distributed.ranks import init_from_env
+from offpolicy.learner.metrics import LearnerMetrics
+from offpolicy.learner.model import load_model
+from offpolicy.learner.model.load import unique_state
+from offpolicy.learner.model.policy import LogProbs
+from offpolicy.learner.model.precision import Precision
+from offpolicy.learner.persist import durable_writes
+
+BUCKET_MB = 1  # the test's model is many buckets of 1 MiB
+
+
+def main(model_dir: str, weights_dir: str, out: str) -> None:
+    ranks = init_from_env("cpu")
+    model = load_model(model_dir, "cpu", torch.float32)
+    keys = set(unique_state(model))
+    shard(
+        LogProbs(model), model.config.num_hidden_layers, Precision.resolve("fp32", torch.device("cpu")), False
+    )
+    config = LearnerConfig.model_validate(
+        {"model_path": model_dir, "publish": {"weights_dir": weights_dir, "gather_bucket_mb": BUCKET_MB}}
+    )
+    gate, entered = threading.Event(), threading.Event()
+    real = durable_writes.publish_snapshot
+
+    def slow_disk(snap, *args, **kwargs):  # the writer waits for the gate before it reads the stream
+        entered.set()
+        gate.wait()
+        return real(snap, *args, **kwargs)
+
+    durable_writes.publish_snapshot = slow_disk
+    persist = durable_writes.Persistence(
+        config, model, None, torch.bfloat16, None, LearnerMetrics(CollectorRegistry()), ranks=ranks
+    )
+    want = {}
+    persist.publish(1, keys)
+    persist.fence()  # the step's part: the shards' snapshot
+    want[1] = full_weights(model, keys)
+    if ranks.is_leader:
+        entered.wait(30)
+        time.sleep(1.0)  # the gather thread runs into the full queue meanwhile
+        held = persist._gathering.buckets  # buckets gathered while the writer has read none
+    for version in (2, 3):  # the model changes between publishes, as optimizer steps change it
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.25)
+        persist.publish(version, keys)
+        persist.fence()
+        want[version] = full_weights(model, keys)
+    coalesced = persist.metrics.writes_coalesced._value.get()
+    gate.set()
+    persist.flush()
+    persist.close()
+    if ranks.is_leader:
+        from offpolicy.learner.persist.file_generation import published_versions, version_dir
+
+        got = {}
+        for v in published_versions(weights_dir):
+            state = unique_state(load_model(version_dir(weights_dir, v), "cpu", torch.bfloat16))
+            got[v] = max(float((state[k].float() - want[v][k].float()).abs().max()) for k in want[v])
+        result = {
+            "versions": published_versions(weights_dir),
+            "max_abs_diff": got,
+            "buckets_held": held,
+            "stream_depth": STREAM_DEPTH,
+            "buckets_total": persist._gathering.buckets,
+            "coalesced": coalesced,
+            "kept": len(persist._gathering.tensors),
+        }
+        with open(out, "w") as fh:
+            json.dump(result, fh)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def full_weights(model, keys) -> dict[str, torch.Tensor]:
+    """The model's full weights now, in bf16 (a collective)."""
+    return {
+        k: full_tensor(v.detach(), torch.bfloat16 if v.is_floating_point() else v.dtype)
+        for k, v in model.state_dict().items()
+        if k in keys
+    }
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

@@ -1,0 +1,72 @@
+"""Publishing on N ranks: every rank's shards, cast to the publish dtype, gathered to rank 0's host memory
+(torchrun, 2 ranks, FSDP2 over gloo; the tiny model's 101-token vocabulary shards unevenly)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from offpolicy.learner.model import make_tiny_model
+from tests.integration.learner.distributed.torchrun import run_script
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_rank0_gets_the_full_weights_in_the_publish_dtype(tmp_path, dtype):
+    model = make_tiny_model(
+        tmp_path / "model", hidden_size=64, num_heads=1, num_layers=2, intermediate_size=96
+    )
+    out = tmp_path / "result.json"
+    run_script("gather_ranks.py", str(model), dtype, str(out))
+    result = json.loads(out.read_text())
+    assert result["names_match"] and result["shapes_match"] and result["buffers_reused"]
+    assert result["dtypes"] == [f"torch.{dtype}"]
+    assert result["max_abs_diff"] == 0.0  # cast per shard, then gathered: the same values as cast whole
+    # publish.gather_bucket_mb bounds what rank 0 receives at once: 8 KiB buckets (a larger tensor alone)
+    assert result["small_buckets_diff"] == 0.0 and result["small_buckets"] > 3 * result["one_bucket"]
+    # each rank's part is padded to the largest part (uneven shards: at most one row more per rank)
+    bound = max(8192, result["largest_tensor_bytes"]) + 2 * result["largest_row_bytes"]
+    assert result["small_max_bucket_bytes"] <= bound
+    # publish.transport vllm on 2 ranks: both join each publish's gather, rank 0 sends the full weights
+    assert result["sent_versions"] == [1, 2] and result["sent_names_match"]
+    assert result["sent_max_abs_diff"] == 0.0
+
+
+def test_rank0_streams_the_gather_into_the_files_and_a_slow_writer_coalesces(tmp_path):
+    """The files transport on N ranks: rank 0 never holds the full weights (the gather waits on the writer
+    with at most STREAM_DEPTH buckets queued, one more in hand); versions published while the writer is
+    busy are coalesced on every rank alike, the newest written at flush; each written version is the
+    weights of its step, exactly."""
+    model = make_tiny_model(
+        tmp_path / "model", hidden_size=256, num_heads=4, num_layers=3, intermediate_size=1024
+    )  # ~6 MiB in bf16: 8 buckets of 1 MiB
+    out = tmp_path / "result.json"
+    run_script("stream_ranks.py", str(model), str(tmp_path / "weights"), str(out))
+    result = json.loads(out.read_text())
+    assert result["versions"] == [1, 3]  # v2 replaced by v3 before its gather began
+    assert result["coalesced"] == 1
+    assert result["max_abs_diff"] == {"1": 0.0, "3": 0.0}
+    assert result["buckets_total"] >= 2 * (result["stream_depth"] + 1)
+    assert result["buckets_held"] <= result["stream_depth"] + 1  # blocked on the full queue
+    assert result["kept"] == 0  # nothing kept in rank 0's host memory
+
+
+def test_a_lora_learner_gathers_and_publishes_its_adapter_alone(tmp_path):
+    """`lora:` on N ranks: of the names to publish only the adapter's are gathered (its A factors shard
+    unevenly: rank 3 over 2 ranks), streamed into rank 0's adapter folder under peft's names."""
+    model = make_tiny_model(
+        tmp_path / "model", hidden_size=64, num_heads=1, num_layers=2, intermediate_size=96
+    )
+    out = tmp_path / "result.json"
+    run_script("lora_publish_ranks.py", str(model), str(tmp_path / "weights"), str(out))
+    result = json.loads(out.read_text())
+    assert result["files"] == ["adapter_config.json", "adapter_model.safetensors", "manifest.json"]
+    assert result["names_match"] and result["dtypes"] == ["torch.bfloat16"]
+    assert result["max_abs_diff"] == 0.0
+    assert result["config"]["r"] == 3 and result["config"]["target_modules"] == [
+        "q_proj",
+        "up_proj",
+        "v_proj",
+    ]
