@@ -34,7 +34,7 @@ def learner_gpu_gib(gpus: list[int]) -> float | None:
     return min(torch.cuda.get_device_properties(g).total_memory for g in gpus) / GIB
 
 
-class _Plans:
+class LearnerPlans:
     """The quickstart's learner config for `model` (with and without `--lora`) and its plans on CUDA ranks
     of `limit` bytes: what the learner resolves at start (`choose`), the model's shape read once."""
 
@@ -79,7 +79,7 @@ def refusal(model: str, learner_gpus: int, lora: bool, gpu_gib: float) -> str | 
     from offpolicy.learner.plan.memory import GIB, HEADROOM, check, estimate
 
     limit = int(HEADROOM * gpu_gib * GIB)
-    plans = _Plans(model, limit)
+    plans = LearnerPlans(model, limit)
     config, settings = plans.config(lora), plans.settings(learner_gpus, lora)
     try:  # the learner's own check at start
         check(settings.plan, limit, config, learner_gpus, settings.checkpointed_layers)

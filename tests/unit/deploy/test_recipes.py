@@ -183,7 +183,7 @@ def test_the_quickstart_commands_of_the_verl_page_fit_80_gib_gpus(tmp_path: Path
     """Each `offpolicy quickstart` of the page plans its learner within 90 % of an 80 GiB GPU, at the
     figures the page gives; the full weights on one learner GPU are refused at 80 and 141 GiB."""
     from offpolicy.learner.plan.memory import HEADROOM
-    from offpolicy.services.quickstart.fit import _Plans, refusal
+    from offpolicy.services.quickstart.fit import LearnerPlans, refusal
     from offpolicy.services.quickstart.run import QuickstartOptions
 
     model = str(write_config(tmp_path / "Qwen2.5-7B-Instruct", QWEN_7B_CONFIG))
@@ -195,7 +195,7 @@ def test_the_quickstart_commands_of_the_verl_page_fit_80_gib_gpus(tmp_path: Path
         if line.strip().startswith("offpolicy quickstart ")
     ]
     assert len(commands) == 2
-    plans = _Plans(model, int(HEADROOM * 80 * GIB))
+    plans = LearnerPlans(model, int(HEADROOM * 80 * GIB))
     for argv in commands:
         args = build_parser().parse_args(argv)
         assert args.model == "Qwen/Qwen2.5-7B-Instruct"
