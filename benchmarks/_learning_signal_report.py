@@ -67,6 +67,9 @@ def print_table(out: dict, file=None) -> None:
     for key in ("ratio_dynamic_vs_plain", "ratio_prioritized_vs_plain"):
         if out[key] is not None:
             print(f"{key}: {out[key]:.3f} (target <= {out['target_ratio']})", file=file)
+    if out["generated_groups_ratio"] is not None:  # the cost the steps ratio leaves out
+        print(f"generated_groups_ratio (dynamic / plain, whole runs): {out['generated_groups_ratio']:.3f}; "
+              f"to the target: {out['generated_to_target_ratio']:.3f}", file=file)  # fmt: skip
     if "distill_kl_first" in out:
         print(f"distillation: reverse KL {out['distill_kl_first']:.4f} -> {out['distill_kl_last']:.4f}, "
               f"student reward {out['distill_reward_first']:.3f} -> {out['distill_reward_last']:.3f} "

@@ -17,7 +17,9 @@ mean reaches `threshold` (`steps + 1` when a run never does: censored, said in `
 - `dynamic`: the same queue with `screening.drop_zero_variance`: flat groups are dropped (acked, never
   trained) and the learner leases more; the actors are taken to keep up (each refill lease first finds as
   many fresh groups from the current policy as it asks for), so it trains `groups_per_step` learnable
-  groups per step, at the price of more generation (`groups_generated`).
+  groups per step, at the price of more generation (`groups_generated`; `generated_groups_ratio`: the
+  dynamic arm's groups generated over the whole run / the plain arm's, `generated_to_target_ratio` the same
+  up to each run's `steps_to_target`: the cost the steps ratio leaves out).
 - `prioritized`: prioritized replay kept current by the learner: sampler `prioritized` (alpha 1), each
   group replayable (`max_times_sampled` None, `max_staleness` 4, `max_size` 4 batches), the producer's
   priority and the learner's written-back one both `rl/priorities.priority` (mean |A| x 0.9^staleness),
@@ -116,6 +118,8 @@ class RunTrace:
     """Share of the groups trained at step t that were flat (zero variance)."""
     groups_generated: int = 0
     """Groups the actors generated for this run (refills included)."""
+    generated_per_step: list[int] = field(default_factory=list)
+    """Groups generated for step t (its batch and its refills)."""
     distill_kl: list[float] = field(default_factory=list)
     """`distill/reverse_kl` per step (the distillation arm)."""
 
@@ -216,6 +220,7 @@ def run_arm(
         try:
             for t in range(steps):
                 gen.manual_seed(1_000_003 * seed + 1_009 * t)
+                generated_before = trace.groups_generated
                 picked = [prompts[int(i)] for i in table[t]]
                 with torch.no_grad():
                     fresh = generate(learner.model, tok, picked, learner.version, setup, gen, arm)
@@ -230,6 +235,7 @@ def run_arm(
                 if "distill/reverse_kl" in metrics:
                     trace.distill_kl.append(metrics["distill/reverse_kl"])
                 trace.learner_s.append(time.perf_counter() - t0 - actors_s[0])
+                trace.generated_per_step.append(trace.groups_generated - generated_before)
                 step_groups = [g for gs in trained[before:] for g in gs]
                 flat = [g for g in step_groups if flat_prompt({"id": g.prompt_id})]
                 trace.trained_flat_share.append(len(flat) / max(len(step_groups), 1))
@@ -302,6 +308,7 @@ def summarise(traces: list[RunTrace], setup: Setup) -> dict:
             "learner_s_to_target": round(learner_s, 3), "final_reward": t.rewards[-1],
             "trained_flat_share": statistics.fmean(t.trained_flat_share),
             "groups_generated": t.groups_generated,
+            "groups_generated_to_target": sum(t.generated_per_step[:steps]),
         })  # fmt: skip
         per_arm.setdefault(t.arm, []).append(steps)
     mean_steps = {arm: statistics.fmean(v) for arm, v in per_arm.items()}
@@ -314,6 +321,12 @@ def summarise(traces: list[RunTrace], setup: Setup) -> dict:
             return None
         return mean_steps[arm] / mean_steps["plain"]
 
+    def generated(key: str) -> float | None:  # the dynamic arm's mean `key` / the plain arm's
+        if not {"dynamic", "plain"} <= set(per_arm):
+            return None
+        mean = {a: statistics.fmean(r[key] for r in runs if r["arm"] == a) for a in ("dynamic", "plain")}
+        return mean["dynamic"] / mean["plain"]
+
     return {
         **(distill_summary(distilled + traces) if distilled else {}),
         "runs": runs,
@@ -322,6 +335,8 @@ def summarise(traces: list[RunTrace], setup: Setup) -> dict:
         "mean_learner_s_to_target": mean_s,
         "ratio_dynamic_vs_plain": ratio("dynamic"),
         "ratio_prioritized_vs_plain": ratio("prioritized"),
+        "generated_groups_ratio": generated("groups_generated"),
+        "generated_to_target_ratio": generated("groups_generated_to_target"),
         "target_ratio": TARGET_RATIO,
         "threshold": setup.threshold,
         "steps": setup.steps,
@@ -333,22 +348,27 @@ def summarise(traces: list[RunTrace], setup: Setup) -> dict:
     }
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; each "(default X)" is `Setup`'s value (tests/unit/benchmarks keeps them equal)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="every arm in miniature, in seconds (CI)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--seeds", type=int, nargs="+", help="seeds (default 0 1 2)")
     ap.add_argument("--steps", type=int, help="learner steps per run (default 30)")
     ap.add_argument("--arms", nargs="+", choices=ARMS, help="arms (default all)")
-    ap.add_argument("--groups-per-step", type=int, help="groups per step (default 8)")
+    ap.add_argument("--groups-per-step", type=int, help="groups per step (default 4)")
     ap.add_argument("--distill-steps", type=int, help="steps of the distilled student (default 20; 0 = none)")
-    ap.add_argument("--n", type=int, help="completions per group (default 8)")
+    ap.add_argument("--n", type=int, help="completions per group (default 4)")
     ap.add_argument("--lr", type=float, help="AdamW learning rate (default 2e-3)")
     ap.add_argument("--threshold", type=float, help="reward steps_to_target waits for (default 0.5)")
     ap.add_argument(
         "--plot", type=Path, help="PNG path (default docs/learning_signal.png; none with --smoke)"
     )
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     setup = Setup.smoke() if args.smoke else Setup()
     given = {
         "seeds": args.seeds and tuple(args.seeds),

@@ -16,9 +16,9 @@ goes on training and writing file generations; members whose heartbeat count has
 out of the next group until it moves again (a restarted actor has a new incarnation and joins afresh,
 after it loaded the newest file generation).
 
-A dying actor costs a heartbeat, not a step (`weights.control.Liveness`: a member whose heartbeat record
-is gone or whose beat count has not moved for 1.25 x `heartbeat_s` is dead): the answers of a send stop
-being awaited from dead members (an update the live ones confirmed is a success, the dead ones
+A dying actor costs a heartbeat or two, not a step (`weights.control.Liveness`: a member whose heartbeat
+record is gone or whose beat count has not moved for 1.25 x `heartbeat_s` is dead): the answers of a send
+stop being awaited from dead members (an update the live ones confirmed is a success, the dead ones
 `dropped`); a send broken by a member's death is made again at once to the survivors; a dead member is
 never admitted to a send. `dead_wait_s` of the result is what the dead cost the step.
 """

@@ -151,6 +151,7 @@ def _quickstart(args: argparse.Namespace) -> int:
         preset=args.preset,
         gpus=None if args.gpus is None else tuple(int(g) for g in args.gpus.split(",")),
         lora=args.lora,
+        gpu_memory_gib=args.gpu_memory_gib,
     )
     return run_quickstart(options)
 
@@ -244,6 +245,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="train a LoRA adapter (rank 8, every linear layer) on the frozen model; the actor's vLLM serves "
         "each published adapter without reloading the base",
+    )
+    quick.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        help="memory of one learner GPU: with --gpus, the learner's memory plan must fit 90%% of it before "
+        "anything starts (default: read from the learner's GPUs)",
     )
     quick.add_argument("--redis-url", help="use this Redis instead of starting the embedded one")
     quick.add_argument("--max-steps", type=int, default=60, help="stop after this many learner steps")

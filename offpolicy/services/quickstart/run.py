@@ -75,6 +75,9 @@ class QuickstartOptions:
     CUDA_VISIBLE_DEVICES), with GPU engine settings; None = vLLM on CPU."""
     lora: bool = False
     """Train a LoRA adapter on the frozen model and serve it with vLLM's LoRA support (`--lora`)."""
+    gpu_memory_gib: float | None = None
+    """Memory of one learner GPU (`--gpu-memory-gib`), which the learner's memory plan must fit before
+    anything starts (quickstart/fit.py); None = read from the learner's GPUs (no check without CUDA)."""
 
     def refusal(self) -> str | None:
         """Why these options cannot run as asked (a flag the quickstart would otherwise ignore), or None."""
@@ -91,6 +94,8 @@ class QuickstartOptions:
             return "--preset names the layout of --dataset: pass --dataset too"
         if self.lora and self.transport != "files":
             return "--lora publishes adapters as files (megabytes): leave --transport at files"
+        if self.gpu_memory_gib is not None and self.gpus is None:
+            return "--gpu-memory-gib is the learner GPU's: pass --gpus too (on CPU there is no GPU to fit)"
         if self.gpus is not None and (len(self.gpus) < 2 or len(set(self.gpus)) != len(self.gpus)):
             return "--gpus needs two or more distinct GPUs: the learner and the actor never share one"
         return None
@@ -124,6 +129,10 @@ def run_quickstart(options: QuickstartOptions) -> int:
         max_model_len = None if options.model is None else model_len(options.model, options.gpus is not None)
     except (OSError, ValueError) as exc:  # not a model folder, an unknown hub id
         print(f"[quickstart] --model {options.model}: {exc}", file=sys.stderr)
+        return 2
+    refusal = _memory_refusal(options)
+    if refusal is not None:
+        print(f"[quickstart] {refusal}", file=sys.stderr)
         return 2
     run_id = time.strftime("qs-%Y%m%d-%H%M%S")
     run_dir = (options.runs_dir / run_id).resolve()
@@ -166,6 +175,18 @@ def run_quickstart(options: QuickstartOptions) -> int:
             thing.stop()
         signal.signal(signal.SIGTERM, previous)
         print("[quickstart] stopped")
+
+
+def _memory_refusal(options: QuickstartOptions) -> str | None:
+    """Why the learner's memory plan does not fit its GPU (quickstart/fit.py), or None: None on CPU (no
+    `--gpus`), with the tiny model, and where no GPU memory is given or found."""
+    from offpolicy.services.quickstart.fit import learner_gpu_gib, refusal
+
+    split = options.gpu_split()
+    if split is None or options.model is None:
+        return None
+    gib = options.gpu_memory_gib if options.gpu_memory_gib is not None else learner_gpu_gib(split[0])
+    return None if gib is None else refusal(options.model, len(split[0]), options.lora, gib)
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

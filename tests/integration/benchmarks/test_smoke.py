@@ -77,10 +77,14 @@ CASES: dict[str, Case] = {
         timeout_s=180,
     ),
     "learning_signal.py": Case(
-        _keys("runs steps_to_target mean_steps_to_target ratio_dynamic_vs_plain ratio_prioritized_vs_plain"),
+        _keys(
+            "runs steps_to_target mean_steps_to_target ratio_dynamic_vs_plain ratio_prioritized_vs_plain "
+            "generated_groups_ratio generated_to_target_ratio"
+        ),
         lambda o: (
             set(o["steps_to_target"]) == {"plain", "dynamic", "prioritized"}
             and all(r["steps_to_target"] >= 1 for r in o["runs"])
+            and o["generated_groups_ratio"] >= 1  # refills only add groups to the dynamic arm's
         ),
         (pytest.mark.redis,),
         timeout_s=180,

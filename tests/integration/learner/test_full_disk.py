@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -104,7 +105,18 @@ def test_a_full_volume_is_back_pressure_and_kill_9_in_the_spell_loses_nothing(
             assert child.poll() is None, "the learner died on a full disk"
             assert time.monotonic() < deadline, "the learner stopped stepping on a full disk"
             time.sleep(0.05)
-        time.sleep(1.0)  # at or near the cap: intake stopped, writes retried
+        # the steps go on to the cap, where the intake stops (the loop's warning; state
+        # `waiting_for_checkpoint`): exactly `max_undurable_steps` steps past the newest durable checkpoint
+        deadline = time.monotonic() + 120
+        while not (stopped := re.search(r"intake stopped: (\d+) learner steps .*", log.read_text())):
+            assert child.poll() is None, "the learner died on a full disk"
+            assert time.monotonic() < deadline, "the intake did not stop at the cap"
+            time.sleep(0.05)
+        cap = cfg.checkpoint.max_undurable_steps
+        assert int(stopped[1]) == cap, stopped[0]
+        assert f"(checkpoint.max_undurable_steps = {cap})" in stopped[0], stopped[0]
+        durable = checkpoint_versions(volume / "ckpt")[-1]  # one update per step: version = step
+        assert steps_of(first)[-1]["step"] == durable + cap, (durable, steps_of(first)[-1]["step"])
         # writes failed for lack of space (a version may still fit later, in what a removed partial
         # write gave back), and the steps went on regardless
         assert "No space left on device" in log.read_text()

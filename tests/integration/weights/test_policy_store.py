@@ -62,6 +62,13 @@ async def test_watch_pubsub(redis_url, run_id) -> None:
 async def test_watch_polling_fallback(redis_url, run_id) -> None:
     store = AsyncPolicyStore(redis_url, run_id)
     seen: list[int] = []
+    reads, read = [], store.read
+
+    async def counted() -> PolicyRecord | None:  # the watcher's reads, counted
+        reads.append(1)
+        return await read()
+
+    store.read = counted
 
     async def watch() -> None:
         async for rec in store.watch(poll_interval_s=0.05):
@@ -69,7 +76,9 @@ async def test_watch_polling_fallback(redis_url, run_id) -> None:
             return
 
     task = asyncio.create_task(watch())
-    await asyncio.sleep(0.1)
+    async with asyncio.timeout(5):  # its first read found nothing, and it polls: 7 can only come by a poll
+        while len(reads) < 2:
+            await asyncio.sleep(0.005)
     with redis.Redis.from_url(redis_url) as c:  # a record written without an announcement
         c.set(PolicyKeys.for_run(run_id).record, _rec(7).encode())
     await asyncio.wait_for(task, 5)

@@ -24,35 +24,19 @@ from offpolicy.learner.plan.host import node_bytes
 from offpolicy.learner.plan.memory import GIB
 from offpolicy.services.cli import build_parser, main
 from tests.data.gsm8k import verl_rows
+from tests.data.models import QWEN_7B_CONFIG, write_config
 
 RECIPE = ROOT / "configs" / "recipes" / "qwen2.5-7b-gsm8k"
 OVERLAY = "qwen2.5-7b-gsm8k"
 VERL_DOC = ROOT / "docs" / "coming-from-verl.md"
 SEVEN_B = {w.name: w for w in ROWS}["7B"]
-QWEN_7B_CONFIG = {  # Qwen/Qwen2.5-7B-Instruct's config.json, the fields the memory plan reads
-    "architectures": ["Qwen2ForCausalLM"],
-    "model_type": "qwen2",
-    "hidden_size": 3584,
-    "intermediate_size": 18944,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 28,
-    "num_key_value_heads": 4,
-    "vocab_size": 152064,
-    "max_position_embeddings": 32768,
-    "tie_word_embeddings": False,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0,
-    "torch_dtype": "bfloat16",
-}
 
 
 @pytest.fixture
 def local_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The recipe's model (its config.json only) and verl's GSM8K parquet on this machine, named by the
     OFFPOLICY_* overrides compose and Kubernetes set, and the reward module's folder on sys.path."""
-    model = tmp_path / "Qwen2.5-7B-Instruct"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(QWEN_7B_CONFIG))
+    model = write_config(tmp_path / "Qwen2.5-7B-Instruct", QWEN_7B_CONFIG)
     pq.write_table(pa.Table.from_pylist(verl_rows()), tmp_path / "train.parquet")
     monkeypatch.setenv("OFFPOLICY_MODEL_PATH", str(model))
     monkeypatch.setenv("OFFPOLICY_DATASET__PATH", str(tmp_path / "train.parquet"))
@@ -193,6 +177,36 @@ def test_every_command_of_the_verl_page_parses():
     parser = build_parser()
     for command in commands:
         parser.parse_args(shlex.split(command)[1:])
+
+
+def test_the_quickstart_commands_of_the_verl_page_fit_80_gib_gpus(tmp_path: Path):
+    """Each `offpolicy quickstart` of the page plans its learner within 90 % of an 80 GiB GPU, at the
+    figures the page gives; the full weights on one learner GPU are refused at 80 and 141 GiB."""
+    from offpolicy.learner.plan.memory import HEADROOM
+    from offpolicy.services.quickstart.fit import LearnerPlans, refusal
+    from offpolicy.services.quickstart.run import QuickstartOptions
+
+    model = str(write_config(tmp_path / "Qwen2.5-7B-Instruct", QWEN_7B_CONFIG))
+    text = " ".join(VERL_DOC.read_text().split())
+    commands = [
+        shlex.split(line.strip())[1:]
+        for block in doc_blocks("bash")
+        for line in block.splitlines()
+        if line.strip().startswith("offpolicy quickstart ")
+    ]
+    assert len(commands) == 2
+    plans = LearnerPlans(model, int(HEADROOM * 80 * GIB))
+    for argv in commands:
+        args = build_parser().parse_args(argv)
+        assert args.model == "Qwen/Qwen2.5-7B-Instruct"
+        split = QuickstartOptions(gpus=tuple(int(g) for g in args.gpus.split(","))).gpu_split()
+        assert split is not None
+        ranks = len(split[0])
+        assert refusal(model, ranks, args.lora, 80) is None, argv
+        assert f"{plans.fits(ranks, args.lora):.1f} GiB" in text
+    assert refusal(model, 1, False, 80) is not None and refusal(model, 1, False, 141) is not None
+    full = plans.settings(1, False).plan
+    assert f"plan {full.total / GIB:.1f} GiB (AdamW's fp32 moments alone {full.optimizer / GIB:.1f})" in text
 
 
 def test_the_settings_map_names_real_fields():

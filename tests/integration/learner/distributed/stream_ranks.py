@@ -57,9 +57,14 @@ def main(model_dir: str, weights_dir: str, out: str) -> None:
     persist.fence()  # the step's part: the shards' snapshot
     want[1] = full_weights(model, keys)
     if ranks.is_leader:
-        entered.wait(30)
-        time.sleep(1.0)  # the gather thread runs into the full queue meanwhile
-        held = persist._gathering.buckets  # buckets gathered while the writer has read none
+        assert entered.wait(30), "the writer never started"
+        gathering = persist._gathering
+        deadline = time.monotonic() + 60
+        while gathering.buckets < STREAM_DEPTH + 1:  # the queue full, one more bucket in hand
+            assert time.monotonic() < deadline, f"the gather stopped at {gathering.buckets} buckets"
+            time.sleep(0.01)
+        time.sleep(0.5)  # a window for a gather that does not block to run on (the test asserts it stopped)
+        held = gathering.buckets  # buckets gathered while the writer has read none
     for version in (2, 3):  # the model changes between publishes, as optimizer steps change it
         with torch.no_grad():
             for p in model.parameters():

@@ -49,7 +49,7 @@ def test_rank0_streams_the_gather_into_the_files_and_a_slow_writer_coalesces(tmp
     assert result["coalesced"] == 1
     assert result["max_abs_diff"] == {"1": 0.0, "3": 0.0}
     assert result["buckets_total"] >= 2 * (result["stream_depth"] + 1)
-    assert result["buckets_held"] <= result["stream_depth"] + 1  # blocked on the full queue
+    assert result["buckets_held"] == result["stream_depth"] + 1  # the queue full, one in hand: blocked
     assert result["kept"] == 0  # nothing kept in rank 0's host memory
 
 
