@@ -261,7 +261,7 @@ def set_hparams(parts: Trainables, old: LearnerConfig | None, new: LearnerConfig
     `new` that differ from `old` (None = all of them, as after a resume re-aligns the restored optimizer
     and schedule with the config), in place (moments and the schedule's step kept)."""
     if old is None or new.optimizer != old.optimizer:
-        set_optimizer_hparams(parts.optimizer, parts.scheduler, new.optimizer)  # type: ignore[arg-type]
+        set_optimizer_hparams(parts.optimizer, parts.scheduler, new.optimizer)
     if parts.critic_optimizer is not None and (old is None or new.critic.lr != old.critic.lr):
         for g in parts.critic_optimizer.param_groups:
             g["lr"] = new.critic.lr

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import struct
 import uuid
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,18 +19,11 @@ from offpolicy.buffer.keys import BufferKeys
 from offpolicy.buffer.replay_buffer import ReplayBuffer
 from offpolicy.buffer.script_io import InsertReply
 from offpolicy.buffer.storage import insert_transaction, script_source, sync_client
-from offpolicy.learner.config import LearnerConfig
-from offpolicy.learner.model import make_tiny_model
 from offpolicy.learner.trainer import Learner
+from tests.integration.learner.test_loop import config, tiny_dir  # noqa: F401
 from tests.unit.buffer.test_codec_schema3 import SCHEMA3_GROUP, schema3_frame
 
 pytestmark = pytest.mark.redis
-TINY = {"hidden_size": 64, "num_heads": 1, "num_layers": 1, "intermediate_size": 128}  # head_dim 64
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", **TINY)
 
 
 def store_as_schema_3(redis_url: str, run_id: str, config: BufferConfig) -> None:
@@ -55,21 +47,8 @@ def store_as_schema_3(redis_url: str, run_id: str, config: BufferConfig) -> None
         client.close()
 
 
-def test_a_group_of_the_previous_codec_trains(tiny_dir, redis_url, tmp_path):
-    cfg = LearnerConfig.model_validate(
-        dict(
-            model_path=str(tiny_dir),
-            device="cpu",
-            redis_url=redis_url,
-            run_id=f"old-frames-{uuid.uuid4().hex[:10]}",
-            groups_per_step=1,
-            micro_batch_size=3,
-            optimizer={"lr": 1e-3},
-            publish={"weights_dir": str(tmp_path / "weights"), "keep_versions": 2},
-            checkpoint={"checkpoint_dir": str(tmp_path / "ckpt"), "checkpoint_every": 2},
-            sample_timeout_s=5.0,
-        )
-    )
+def test_a_group_of_the_previous_codec_trains(tiny_dir, redis_url, tmp_path):  # noqa: F811
+    cfg = config(tiny_dir, redis_url, tmp_path, groups_per_step=1)
     store_as_schema_3(redis_url, cfg.run_id, cfg.buffer)
     again = dataclasses.replace(decode_group(schema3_frame()), group_id=uuid.uuid4().hex)
     with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:
