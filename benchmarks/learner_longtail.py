@@ -326,7 +326,8 @@ def run_shape(args: argparse.Namespace) -> dict:
             del learner  # its reference cycles hold the model and optimizer until a collection
             release_device_memory(device)
     phases = {p: statistics.median(s.get(f"time/{p}", 0.0) for s in steps) for p in PHASES}
-    step_s = statistics.median(sum(s.get(f"time/{p}", 0.0) for p in PHASES) for s in steps)
+    each_s = [sum(s.get(f"time/{p}", 0.0) for p in PHASES) for s in steps]  # every measured step
+    step_s = statistics.median(each_s)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
     peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     return {
@@ -339,6 +340,9 @@ def run_shape(args: argparse.Namespace) -> dict:
         "steps": args.steps,
         "warmup_s": warmup_s,
         "step_s": step_s,
+        "step_s_each": each_s,
+        "step_s_min": min(each_s),
+        "step_s_max": max(each_s),
         "tokens_per_s": real / step_s,
         "matmul_params": flops_params,
         "mfu": None if peak_tflops is None else 8 * flops_params * real / step_s / (peak_tflops * 1e12),

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from offpolicy.services.children import REPO_ROOT
+from offpolicy.services.cli.bench import add_bench_parser
 from offpolicy.services.cli.control import add_control_parsers
 from offpolicy.services.cli.runs import add_runs_parser
 
@@ -18,10 +17,6 @@ if TYPE_CHECKING:
     from offpolicy.learner.distributed.layout import Layout
 
 LAYOUT_FLAGS = ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "nproc_per_node", "max_restarts")
-BENCHMARKS = (
-    "correction", "buffer", "learner", "learner_fsdp", "publish_gather", "actor", "reward_latency", "e2e",
-    "staleness", "weight_sync", "agent", "memory_plan", "lora",
-)  # fmt: skip
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
@@ -154,24 +149,6 @@ def _quickstart(args: argparse.Namespace) -> int:
         gpu_memory_gib=args.gpu_memory_gib,
     )
     return run_quickstart(options)
-
-
-def _bench(args: argparse.Namespace) -> int:
-    names = args.names or list(BENCHMARKS)
-    failed = []
-    for name in names:
-        script = REPO_ROOT / "benchmarks" / f"{name}.py"
-        if not script.exists():
-            print(f"[bench] {name}: {script} does not exist", file=sys.stderr)
-            failed.append(name)
-            continue
-        print(f"[bench] {name}", flush=True)
-        cmd = [sys.executable, str(script), *(["--json"] if args.json else [])]
-        if subprocess.run(cmd, cwd=REPO_ROOT, check=False).returncode != 0:
-            failed.append(name)
-    if failed:
-        print(f"[bench] failed: {', '.join(failed)}", file=sys.stderr)
-    return 1 if failed else 0
 
 
 def _add_service_parser(
@@ -362,10 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0, help="torch seed for the random weights")
     tiny.set_defaults(func=_make_tiny_model)
 
-    bench = sub.add_parser("bench", help=f"run the benchmarks ({', '.join(BENCHMARKS)}) one after another")
-    bench.add_argument("names", nargs="*", metavar="NAME", help="benchmarks/<NAME>.py to run (default: all)")
-    bench.add_argument("--json", action="store_true", help="machine-readable output from each benchmark")
-    bench.set_defaults(func=_bench)
+    add_bench_parser(sub)
     return parser
 
 

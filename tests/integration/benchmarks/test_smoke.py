@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 
+from offpolicy.services.bench.records import read_records
+
 ROOT = Path(__file__).resolve().parents[3]
 BENCHMARKS = ROOT / "benchmarks"
 VLLM = (pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow)
@@ -224,14 +226,26 @@ def _json_tail(stdout: str) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("name", "case"), [pytest.param(name, case, marks=case.marks, id=name) for name, case in CASES.items()]
 )
-def test_smoke_run_prints_its_keys(name: str, case: Case) -> None:
+def test_smoke_run_prints_its_keys(name: str, case: Case, tmp_path: Path) -> None:
+    """`offpolicy bench NAME --smoke --check`, as CI's check of the targets: the script runs as `python
+    benchmarks/X.py --smoke --json` (no PYTHONPATH), its record holds the JSON object, and every target of
+    its code path finds its figure there (a target whose figure is gone fails, named)."""
     script, *args = name.split()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}  # as `python benchmarks/X.py` runs: no PYTHONPATH
-    cmd = [sys.executable, str(BENCHMARKS / script), *args, "--smoke", "--json"]
-    done = subprocess.run(
-        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=case.timeout_s, check=False
+    cmd = [
+        sys.executable, "-m", "offpolicy.services.cli", "bench", script.removesuffix(".py"), "--smoke",
+        "--check", "--json", "--results-dir", str(tmp_path), f"--args={' '.join(args)}",
+        f"--timeout-s={case.timeout_s}",
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=case.timeout_s + 60)
+    assert done.returncode == 0, (
+        f"{name}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     )
-    assert done.returncode == 0, f"{name}: exit {done.returncode}\n{done.stderr[-4000:]}"
-    out = _json_tail(done.stdout)
+    summary = _json_tail(done.stdout)
+    assert summary["failed"] == [] and summary["missed"] == [], summary
+    (record,) = read_records(tmp_path, smoke=True)
+    assert record.data["args"] == args and record.smoke and len(record.data["repeats"]) == 1
+    out = record.data["repeats"][0]["output"]
     assert case.keys <= set(out), f"{name}: missing {sorted(case.keys - set(out))}"
     assert case.check(out), f"{name}: implausible values: {json.dumps(out)[:2000]}"
