@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -193,7 +194,8 @@ def test_junit_counts_of_a_real_pytest_run(tmp_path: Path) -> None:
     xml = tmp_path / "j.xml"
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
                     str(tmp_path / "test_x.py"), f"--junitxml={xml}", "-o", "addopts="], cwd=tmp_path,
-                   capture_output=True, check=False)  # fmt: skip
+                   capture_output=True, check=False,
+                   env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})  # fmt: skip
     counts = junit_counts(xml)
     assert (counts["tests"], counts["passed"], counts["failed"], counts["skipped"]) == (3, 1, 1, 1)
     assert counts["failures"] == ["test_x::test_bad"]
