@@ -260,6 +260,6 @@ def test_the_checkout_root_is_found_from_inside_the_package():
     # services start children with the checkout's root on PYTHONPATH and as their cwd: a root one folder
     # too deep (offpolicy/) would put the package's own `config` first on the children's sys.path
     from offpolicy.services import children
-    from offpolicy.services.cli import commands as cli
+    from offpolicy.services.cli import bench as cli
 
     assert children.REPO_ROOT == ROOT and cli.REPO_ROOT == ROOT
