@@ -1,1 +1,1 @@
-"""`offpolicy bench`'s parts: benchmark records, the targets table, docs/benchmarks.md rendered, the GPU run."""
+"""`offpolicy bench`'s parts: records, the targets table, docs/benchmarks.md rendered, the GPU run."""
