@@ -46,7 +46,9 @@ def plot(traces: list[RunTrace], setup: Setup, path: Path) -> None:
         ax.set_title("on-policy distillation")
         lines = ax.get_lines() + twin.get_lines()
         ax.legend(lines, [ln.get_label() for ln in lines], fontsize=8, loc="center right")
-    fig.suptitle(f"toy task, tiny Llama, lr {setup.lr:g}, {setup.groups_per_step}x{setup.n} completions/step")
+    lag = f", actors {setup.eta} versions behind" if setup.eta else ""
+    shape = f"{setup.groups_per_step}x{setup.n} completions/step"
+    fig.suptitle(f"toy task, tiny Llama, lr {setup.lr:g}, {shape}{lag}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -54,6 +56,8 @@ def plot(traces: list[RunTrace], setup: Setup, path: Path) -> None:
 
 def print_table(out: dict, file=None) -> None:
     """The `--json` object of `summarise` as a table (stdout, or stderr beside the JSON)."""
+    if out["eta"]:
+        print(f"actors {out['eta']} policy versions behind the learner (eta)", file=file)
     print(f"{'arm':<12} {'seed':>4} {'steps':>5} {'reached':>7} {'learner s':>9} {'final':>6} "
           f"{'flat trained':>12} {'generated':>9}", file=file)  # fmt: skip
     for r in out["runs"]:

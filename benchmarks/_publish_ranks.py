@@ -2,7 +2,12 @@
 gloo or NCCL), publishing every step; rank 0 writes the median phases of the timed steps, the gradient
 reductions of one more step (counted by the profiler on FSDP2's reduce ranges), then the time of the
 synchronous gather (distributed/gather.py, every rank, in the step as before) plus the write of the same
-weights, the median of `SYNC_REPEATS` rounds. Arguments: CONFIG STEPS OUT."""
+weights, the median of `SYNC_REPEATS` rounds. Arguments: CONFIG STEPS OUT [MODE].
+
+MODE `publish` (the default): all of the above. MODE `steps`: the timed steps only (the run without
+publishing: its config's `publish_every` exceeds every step). Both write `step_wall_s`, the wall time of
+each timed `Learner.step()` on rank 0 (with publishing on, the background gather of the previous step's
+version runs during it)."""
 
 from __future__ import annotations
 
@@ -28,7 +33,8 @@ SYNC_REPEATS = 3
 PHASES = ("sample_wait", "collate", "old_logprob", "ref_logprob", "forward_backward", "optimizer", "publish")
 
 
-def main(config_path: str, steps: str, out: str) -> None:
+def main(config_path: str, steps: str, out: str, mode: str = "publish") -> None:
+    assert mode in ("publish", "steps"), mode
     config = load_config(config_path, {})
     init_from_env("cpu" if config.device in (None, "cpu") else "cuda")
     learner = Learner(config)
@@ -36,7 +42,26 @@ def main(config_path: str, steps: str, out: str) -> None:
     result: dict = {}
     if leader:
         learner.step()  # warm-up
-        runs = [learner.step() for _ in range(int(steps))]
+        runs, walls = [], []
+        for _ in range(int(steps)):
+            t0 = time.perf_counter()
+            runs.append(learner.step())
+            walls.append(time.perf_counter() - t0)
+        result = {
+            "phases_s": {p: statistics.median(r.get(f"time/{p}", 0.0) for r in runs) for p in PHASES},
+            "step_s": statistics.median(sum(r.get(f"time/{p}", 0.0) for p in PHASES) for r in runs),
+            "step_wall_s": walls,
+        }
+    if mode == "steps":
+        if leader:
+            learner.close()
+            Path(out).write_text(json.dumps(result))
+        else:
+            learner.run_follower()
+            learner.close()
+        dist.barrier()
+        return
+    if leader:
         before = learner.version
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             learner.step()
@@ -44,9 +69,7 @@ def main(config_path: str, steps: str, out: str) -> None:
         reduces = collections.Counter(
             e.name for e in prof.events() if e.name.startswith("FSDP::post_backward_reduce")
         )
-        result = {
-            "phases_s": {p: statistics.median(r.get(f"time/{p}", 0.0) for r in runs) for p in PHASES},
-            "step_s": statistics.median(sum(r.get(f"time/{p}", 0.0) for p in PHASES) for r in runs),
+        result |= {
             "grad_reductions_per_minibatch": max(reduces.values()) / minibatches if reduces else 0.0,
             "grad_sync": learner.built.grad_sync,
         }

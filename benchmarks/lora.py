@@ -9,10 +9,24 @@ One Llama of >= 100M parameters (float32), a rank-16 adapter on every linear lay
   whole model's safetensors + config + tokenizer + manifest); `adapter_publish_s` / `full_publish_s` the
   time to write them.
 - `adapter_swap_pause_s` vs `full_reload_pause_s`: on the same engine (built with `engine.lora`), the wall
-  time of registering a new adapter version (`VLLMEngine.load_adapter`: `add_lora` while generating,
-  nothing paused by us; the engine core is busy for at most this long), against loading the same model's
-  full weights in place (`paused()` + `reload_weights`: what an actor with full weights does per version);
-  medians of `--repeats`. Target: `adapter_swap_ratio` <= 0.1.
+  time of registering a new adapter version (`VLLMEngine.load_adapter`: `add_lora`, nothing paused by us)
+  while `--inflight` requests are generating, against loading the same model's full weights in place on
+  the idle engine (`paused()` + `reload_weights`: what an actor with full weights does per version);
+  medians of `--repeats` (`_min_max` beside them). `adapter_swap_ratio`: their ratio, target <= 0.1.
+  `adapter_swap_idle_pause_s`: the registration between `generate()` calls (nothing in flight), as before.
+- What the in-flight requests lose (`_inflight`): `--inflight` requests (n=1, 64 tokens, `ignore_eos`)
+  kept outstanding on the engine's own run, their tokens read as they arrive (vLLM's DELTA outputs, the
+  client side of `AsyncLLM.generate`); `adapter_swap_inflight_requests` in flight when a swap starts;
+  `adapter_swap_stall_s`: the largest gap between consecutive output chunks of one slot of the stream
+  (its requests back to back: one ending inside the window and the next one's first tokens are one gap)
+  among those arriving from the swap's start to `--window` s after its end, against
+  `adapter_swap_baseline_gap_s`, the same statistic over the `--window` s before it
+  (`adapter_swap_stall_ratio`); and
+  `adapter_swap_tokens_per_s_ratio`: the stream's tokens/s in the swap's window over the one before. The
+  same figures for a paused full reload in the same stream (`full_reload_stall_s`, ...,
+  `full_reload_inflight_pause_s`): the requests it freezes. The chunks are stamped in this process, so on
+  a loaded host (the windows without a change then show gaps of seconds) the gap figures say little; the
+  tokens/s ratios still tell a swap from a reload.
 - `logprob_max_abs_diff`: the largest |behaviour log-prob - the learner's log-prob| over every token the
   engine sampled with the adapter (the learner's `token_logprobs` on the adapter-injected model).
 - `pool_tokens_per_s_ratio`: two runs added to the engine as an actor pool adds them (`add_run`, each its
@@ -22,8 +36,9 @@ One Llama of >= 100M parameters (float32), a rank-16 adapter on every linear lay
   from its batch limit); on a CPU engine every sequence costs compute,
   so the figure there says how the pair shares a saturated engine.
 
-`python benchmarks/lora.py [--json] [--repeats N]` (~3-5 min on 2 cores); `--smoke`: the tiny Llama's
-sizes, one repeat, few tokens (CI).
+`python benchmarks/lora.py [--json] [--repeats N] [--inflight N] [--window S]` (~5 min on 2 idle cores,
+11 at load 11-16); `--smoke`: the tiny Llama's sizes, one repeat, few tokens, 2 requests in flight, 0.5 s
+windows (CI).
 """
 
 from __future__ import annotations
@@ -64,7 +79,9 @@ def _perturbed_adapter(model_dir: Path, seed: int):
     return model, cfg
 
 
-def figures(model_dir: Path, work: Path, repeats: int, prompts: int, max_tokens: int) -> dict:
+def figures(
+    model_dir: Path, work: Path, repeats: int, prompts: int, max_tokens: int, slots: int, window_s: float
+) -> dict:
     """The figures of the module's docstring for the model in `model_dir`."""
     import numpy as np
     import torch
@@ -115,6 +132,7 @@ def figures(model_dir: Path, work: Path, repeats: int, prompts: int, max_tokens:
                 return time.perf_counter() - t0
 
             reload_.append(engine.call(load_full(100 + i)))
+        inflight = engine.call(_inflight(engine, published, full.weights_uri, repeats, slots, window_s))
         # the behaviour log-probs under the newest adapter (version 2's weights) against the learner's
         engine.call(engine.load_adapter(published[2], 1000))
         outs = engine.generate(PROMPTS, sampling)
@@ -144,7 +162,7 @@ def figures(model_dir: Path, work: Path, repeats: int, prompts: int, max_tokens:
         pool = _pool_figures(engine, published, prompts, max_tokens)
     finally:
         engine.shutdown()
-    swap_s, reload_s = statistics.median(swap), statistics.median(reload_)
+    swap_s, reload_s = inflight["adapter_swap_pause_s"], statistics.median(reload_)
     return {
         "model_parameters": params,
         "adapter_parameters": adapter_params,
@@ -156,11 +174,124 @@ def figures(model_dir: Path, work: Path, repeats: int, prompts: int, max_tokens:
         "full_publish_s": full_s,
         "adapter_swap_pause_s": swap_s,
         "full_reload_pause_s": reload_s,
+        "full_reload_pause_s_min_max": [min(reload_), max(reload_)],
         "adapter_swap_ratio": swap_s / reload_s,
+        "adapter_swap_idle_pause_s": statistics.median(swap),
+        **inflight,
         "logprob_max_abs_diff": diff,
         "logprob_base_max_abs_diff": teeth,
         **pool,
     }
+
+
+INFLIGHT_TOKENS = 64
+"""`max_tokens` of each request of the in-flight stream (`ignore_eos`: each runs that long)."""
+
+
+def _window(chunks: list[tuple[float, float | None, int]], start: float, end: float) -> tuple[float, float]:
+    """The largest gap between consecutive output chunks of one slot of the stream (its requests back to
+    back: a request that ends during a pause and the next one's first tokens after it count as one gap),
+    among the chunks that arrive in [start, end), and the tokens/s they bring. `chunks`: (arrival, the same
+    slot's previous chunk's arrival or None for its first, tokens)."""
+    inside = [(t, prev, n) for t, prev, n in chunks if start <= t < end]
+    gap = max((t - prev for t, prev, _ in inside if prev is not None), default=0.0)
+    return gap, sum(n for *_, n in inside) / (end - start)
+
+
+async def _inflight(
+    engine, published: dict[int, str], full_uri: str, repeats: int, slots: int, window_s: float
+):
+    """The swaps with requests in flight, on the engine's loop: `slots` requests (n=1, `INFLIGHT_TOKENS`
+    each, `ignore_eos`) kept outstanding on the engine's own run (each carries the newest adapter, as
+    `VLLMEngine._generate` makes them; read as vLLM's DELTA outputs, the client side of `AsyncLLM.generate`,
+    stamped when they arrive); per round, after the previous round's superseded adapter is gone: a
+    `window_s` baseline window, then the change (`repeats` adapter registrations, then `repeats` paused full
+    reloads), its wall time, and the window [its start, its end + window_s). Per window: the largest gap
+    between consecutive chunks of one slot (`_window`; `_stall_s`, against `_baseline_gap_s`: what the
+    stream waits at most, with and without the change) and the tokens/s of the stream
+    (`_tokens_per_s_ratio`: the change's window over the baseline's). Medians over the rounds, `_min_max`
+    beside them."""
+    from vllm.sampling_params import RequestOutputKind
+
+    from offpolicy.actors.config import SamplingConfig
+
+    params = engine.sampling_params(
+        SamplingConfig(temperature=1.0, max_tokens=INFLIGHT_TOKENS, n=1),
+        ignore_eos=True, output_kind=RequestOutputKind.DELTA,
+    )  # fmt: skip
+    own, chunks, active, stop, ids = engine.adapters, [], set(), asyncio.Event(), iter(range(10**9))
+    last: list[float | None] = [None] * slots  # each slot's previous chunk, whichever request brought it
+
+    async def request(slot: int) -> None:
+        rid = f"inflight-{next(ids)}"
+        adapter = own.acquire(rid)  # as `_generate` does: the newest, released (retired) at the end
+        active.add(rid)
+        try:
+            async for out in engine.llm.generate(
+                {"prompt_token_ids": PROMPTS[slot % len(PROMPTS)]}, params, rid,
+                lora_request=None if adapter is None else adapter.request,
+            ):  # fmt: skip
+                if n := sum(len(c.token_ids) for c in out.outputs):
+                    now = time.perf_counter()
+                    chunks.append((now, last[slot], n))
+                    last[slot] = now
+        finally:
+            active.discard(rid)
+            if adapter is not None:
+                engine.lora.release(own, adapter, rid)
+
+    async def slot_loop(slot: int) -> None:
+        while not stop.is_set():
+            await request(slot)
+
+    async def swap(i: int) -> None:
+        await engine.load_adapter(published[1 + i % 2], 500 + i)
+
+    async def reload(i: int) -> None:
+        async with engine.paused():
+            await engine.reload_weights(full_uri, 600 + i)
+
+    tasks = [asyncio.create_task(slot_loop(s)) for s in range(slots)]
+    rounds: dict[str, list[tuple[float, int, float, float, float]]] = {"adapter_swap": [], "full_reload": []}
+    try:
+        for name, change in (("adapter_swap", swap), ("full_reload", reload)):
+            for i in range(repeats):
+                for _ in range(6000):  # the previous round's old adapter retired, the stream running
+                    if len(own.held) <= 1 and len(active) == slots and chunks:
+                        break
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(window_s)
+                t_s, in_flight = time.perf_counter(), len(active)
+                await change(i)
+                t_e = time.perf_counter()
+                await asyncio.sleep(window_s)
+                base_gap, base_tps = _window(chunks, t_s - window_s, t_s)
+                gap, tps = _window(chunks, t_s, t_e + window_s)
+                rounds[name].append(
+                    (t_e - t_s, in_flight, gap, base_gap, tps / base_tps if base_tps else 0.0)
+                )
+    finally:
+        stop.set()
+        await engine.llm.abort(list(active))
+        await asyncio.gather(*tasks)
+    out: dict = {"inflight_window_s": window_s, "inflight_request_tokens": INFLIGHT_TOKENS}
+    for name, runs in rounds.items():
+        for k, key in enumerate(
+            (
+                "pause_s" if name == "adapter_swap" else "inflight_pause_s",
+                "inflight_requests",
+                "stall_s",
+                "baseline_gap_s",
+                "tokens_per_s_ratio",
+            )
+        ):
+            values = [r[k] for r in runs]
+            out[f"{name}_{key}"] = statistics.median(values)
+            out[f"{name}_{key}_min_max"] = [min(values), max(values)]
+    for name in rounds:
+        base = out[f"{name}_baseline_gap_s"]
+        out[f"{name}_stall_ratio"] = out[f"{name}_stall_s"] / base if base else float("inf")
+    return out
 
 
 def _pool_figures(engine, published: dict[int, str], prompts: int, max_tokens: int) -> dict:
@@ -210,17 +341,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=4, help="requests per run in the pool figures")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--inflight", type=int, default=4, help="requests in flight across each swap")
+    parser.add_argument("--window", type=float, default=2.0, help="seconds of stream before/after a swap")
     parser.add_argument("--smoke", action="store_true", help="the tiny Llama's sizes, one repeat (CI)")
     args = parser.parse_args()
     if args.smoke:  # smaller defaults; flags given explicitly still win
-        parser.set_defaults(repeats=1, prompts=2, max_tokens=8)
+        parser.set_defaults(repeats=1, prompts=2, max_tokens=8, inflight=2, window=0.5)
         args = parser.parse_args()
     from offpolicy.learner.model import make_tiny_model
 
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_model(Path(tmp) / "model", **(SMOKE_SHAPE if args.smoke else SHAPE))
-        out = figures(model_dir, Path(tmp), args.repeats, args.prompts, args.max_tokens)
+        out = figures(
+            model_dir, Path(tmp), args.repeats, args.prompts, args.max_tokens, args.inflight, args.window
+        )
     out |= {"loadavg_before": load_before, "loadavg_after": Path("/proc/loadavg").read_text().split()[:3]}
     if args.json:
         print(json.dumps(out))

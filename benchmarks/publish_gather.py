@@ -22,6 +22,12 @@ helper thread over a process group of its own; the step waits only for its shard
 write of the same weights, over the step without publish plus it (>= 0.3 shows the shape is publish-heavy);
 `grad_reductions_per_minibatch`: FSDP2 reduce-scatters per unit per optimizer step, counted by the
 profiler (1 under `fsdp.grad_sync: auto` when the plan fits).
+`step_s_no_publish` / `step_s_publish`: the median wall time of rank 0's `Learner.step()` over the
+`--learner-steps` timed steps (`publish_step_slowdown_steps`; after one warm-up step) of the same learner,
+shape and data run twice, first with no publish at all, then publishing every step (each step runs while
+the previous version's background gather and write run on their threads); `publish_step_slowdown` is
+their ratio: what the background gather costs the rest of the step (`publish_share` counts only the
+`publish` phase).
 
 `--smoke`: the same gathers on the tiny Llama (`--shape tiny`), one timed round (CI). The ranks get the
 checkout first on PYTHONPATH, in front of what the caller's PYTHONPATH holds.
@@ -168,7 +174,8 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def learner_run(args: argparse.Namespace) -> dict:
-    """The learner on `args.nproc` ranks publishing every step: publish share, sync share, reductions."""
+    """The learner on `args.nproc` ranks publishing every step: publish share, sync share, reductions;
+    and the same learner, shape and data without publishing: the step's wall time both ways."""
     import yaml
 
     from offpolicy.buffer.embedded import EmbeddedRedis
@@ -182,48 +189,56 @@ def learner_run(args: argparse.Namespace) -> dict:
     # few FSDP all-gathers: one micro-batch per pass) for the weights' size; bypass mode (the behaviour
     # log-probs are pi_old): no pi_old forward, whose FSDP2 all-gathers are, on gloo, most of a step
     groups, n, prompt, resp = 2, 2, 8, 8
+    vocab = shape.get("vocab_size", 101)
     with tempfile.TemporaryDirectory() as d, EmbeddedRedis.start(Path(d) / "redis") as redis:
         tmp = Path(d)
         model_dir = make_tiny_model(tmp / "model", **shape)
-        cfg = LearnerConfig(
-            model_path=str(model_dir), redis_url=redis.url, run_id="publish-bench", groups_per_step=groups,
-            micro_batch_size=n * groups, packing=False, torch_threads=args.threads,
-            rollout_correction="bypass_ppo_clip", checkpoint={"checkpoint_dir": None},
-            publish={"weights_dir": str(tmp / "w"), "publish_every": 1, "keep_versions": 2},
-            buffer={"sampler": "fifo", "max_times_sampled": 1},
-        )  # fmt: skip
-        rng = np.random.default_rng(0)
-        vocab = shape.get("vocab_size", 101)
-        with ReplayBuffer(redis.url, cfg.run_id, cfg.buffer) as buf:
-            buf.insert_many([
-                TrajectoryGroup(
-                    group_id=uuid.uuid4().hex, prompt_id=f"p{i}",
-                    prompt_ids=rng.integers(4, vocab, prompt, dtype=np.int32), policy_version=0,
-                    actor_id="bench", created_at=time.time(),
-                    sampling=SamplingParams(temperature=1.0, max_tokens=resp),
-                    trajectories=[
-                        Trajectory(
-                            response_ids=rng.integers(4, vocab, resp, dtype=np.int32),
-                            behavior_logprobs=-(rng.random(resp, dtype=np.float32) * 4 + 2),
-                            reward=float(rng.random()), finish_reason="length",
-                        )
-                        for _ in range(n)
-                    ],
-                )
-                for i in range(groups * (args.learner_steps + 2))
-            ])  # fmt: skip
-        (tmp / "cfg.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-        out = tmp / "learner.json"
         path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": str(args.threads)}
         script = str(Path(__file__).resolve().parent / "_publish_ranks.py")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={args.nproc}", script, str(tmp / "cfg.yaml"), str(args.learner_steps),
-               str(out)]  # fmt: skip
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            raise SystemExit(f"torchrun failed ({proc.returncode}): {(proc.stdout + proc.stderr)[-3000:]}")
-        res = json.loads(out.read_text())
+        res = {}
+        # the same learner without publishing first (`publish_every` past every step), then publishing
+        for mode, every in (("steps", 10**9), ("publish", 1)):
+            cfg = LearnerConfig(
+                model_path=str(model_dir), redis_url=redis.url, run_id=f"publish-bench-{mode}",
+                groups_per_step=groups, micro_batch_size=n * groups, packing=False,
+                torch_threads=args.threads, rollout_correction="bypass_ppo_clip",
+                checkpoint={"checkpoint_dir": None},
+                publish={"weights_dir": str(tmp / mode / "w"), "publish_every": every, "keep_versions": 2},
+                buffer={"sampler": "fifo", "max_times_sampled": 1},
+            )  # fmt: skip
+            rng = np.random.default_rng(0)
+            with ReplayBuffer(redis.url, cfg.run_id, cfg.buffer) as buf:
+                buf.insert_many([
+                    TrajectoryGroup(
+                        group_id=uuid.uuid4().hex, prompt_id=f"p{i}",
+                        prompt_ids=rng.integers(4, vocab, prompt, dtype=np.int32), policy_version=0,
+                        actor_id="bench", created_at=time.time(),
+                        sampling=SamplingParams(temperature=1.0, max_tokens=resp),
+                        trajectories=[
+                            Trajectory(
+                                response_ids=rng.integers(4, vocab, resp, dtype=np.int32),
+                                behavior_logprobs=-(rng.random(resp, dtype=np.float32) * 4 + 2),
+                                reward=float(rng.random()), finish_reason="length",
+                            )
+                            for _ in range(n)
+                        ],
+                    )
+                    for i in range(groups * (args.learner_steps + 2))
+                ])  # fmt: skip
+            (tmp / f"{mode}.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+            out = tmp / f"{mode}.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={args.nproc}", script, str(tmp / f"{mode}.yaml"),
+                   str(args.learner_steps), str(out), mode]  # fmt: skip
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                raise SystemExit(
+                    f"torchrun failed ({proc.returncode}): {(proc.stdout + proc.stderr)[-3000:]}"
+                )
+            res[mode] = json.loads(out.read_text())
+    off, res = res["steps"], res["publish"]
+    step_off, step_on = statistics.median(off["step_wall_s"]), statistics.median(res["step_wall_s"])
     step, publish, sync_s = res["step_s"], res["phases_s"]["publish"], res["sync_publish_s"]
     return {
         "learner_shape": args.learner_shape,
@@ -235,6 +250,12 @@ def learner_run(args: argparse.Namespace) -> dict:
         "sync_publish_share": sync_s / (step - publish + sync_s),
         "grad_reductions_per_minibatch": res["grad_reductions_per_minibatch"],
         "grad_sync": res["grad_sync"],
+        "step_s_no_publish": step_off,
+        "step_s_publish": step_on,
+        "publish_step_slowdown": step_on / step_off,
+        "publish_step_slowdown_steps": len(res["step_wall_s"]),
+        "step_wall_s_no_publish_runs": off["step_wall_s"],
+        "step_wall_s_publish_runs": res["step_wall_s"],
     }
 
 
@@ -273,6 +294,9 @@ def main() -> None:
           f"publish share {out['publish_share']:.3f} (target <= 0.05), synchronous gather + write share "
           f"{out['sync_publish_share']:.3f}, gradient reductions per optimizer step "
           f"{out['grad_reductions_per_minibatch']:g} ({out['grad_sync']})")  # fmt: skip
+    print(f"  step wall time without publishing {out['step_s_no_publish']:.3f} s, publishing every step "
+          f"{out['step_s_publish']:.3f} s: slowdown {out['publish_step_slowdown']:.3f}x (medians of "
+          f"{out['publish_step_slowdown_steps']} steps)")  # fmt: skip
 
 
 if __name__ == "__main__":

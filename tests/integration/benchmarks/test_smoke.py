@@ -3,8 +3,8 @@ code path of the full run) and prints one JSON object as its last stdout line, w
 external checks read and a sanity value or two.
 
 A script is a `benchmarks/*.py` with a `__main__` entry whose name does not start with `_`; helpers
-imported by the scripts have no entry (`verl_oracle.py`, `kv_sampler.py`, `buffer_scale.py`,
-`learner_longtail.py`, `learner_levers.py`, `learner_profile.py`) or a leading underscore
+imported by the scripts have no entry (`verl_oracle.py`, `kv_sampler.py`, `stale_actors.py`,
+`buffer_scale.py`, `learner_longtail.py`, `learner_levers.py`, `learner_profile.py`) or a leading underscore
 (`_startup_rank.py`, torchrun's child entry).
 `test_every_script_has_a_smoke_case` keeps `CASES` equal to what benchmarks/ holds, so a new script
 cannot skip its smoke run.
@@ -91,6 +91,20 @@ CASES: dict[str, Case] = {
         (pytest.mark.redis,),
         timeout_s=180,
     ),
+    "learning_signal.py --eta 2": Case(  # the actors 2 policy versions behind the learner
+        _keys(
+            "runs steps_to_target mean_steps_to_target ratio_dynamic_vs_plain ratio_prioritized_vs_plain "
+            "generated_groups_ratio generated_to_target_ratio eta"
+        ),
+        lambda o: (
+            set(o["steps_to_target"]) == {"plain", "dynamic", "prioritized"}
+            and all(r["steps_to_target"] >= 1 for r in o["runs"])
+            and o["generated_groups_ratio"] >= 1  # refills only add groups to the dynamic arm's
+            and o["eta"] == 2
+        ),
+        (pytest.mark.redis,),
+        timeout_s=180,
+    ),
     "learner.py": Case(  # another owner's script: its `--smoke` prints at least these
         _keys("shape step_s device"),
         lambda o: o["step_s"] > 0,
@@ -121,10 +135,17 @@ CASES: dict[str, Case] = {
     "publish_gather.py": Case(
         _keys(
             "shape device backend nproc params state_dict_s cast_first_s speedup same_tensors "
-            "publish_share sync_publish_share grad_reductions_per_minibatch"
+            "publish_share sync_publish_share grad_reductions_per_minibatch step_s_no_publish "
+            "step_s_publish publish_step_slowdown publish_step_slowdown_steps"
         ),
         lambda o: (
-            o["same_tensors"] is True and o["cast_first_s"] > 0 and o["grad_reductions_per_minibatch"] == 1
+            o["same_tensors"] is True
+            and o["cast_first_s"] > 0
+            and o["grad_reductions_per_minibatch"] == 1
+            and o["step_s_no_publish"] > 0
+            and o["step_s_publish"] > 0
+            and abs(o["publish_step_slowdown"] - o["step_s_publish"] / o["step_s_no_publish"]) < 1e-9
+            and o["publish_step_slowdown_steps"] == 2 == len(o["step_wall_s_publish_runs"])
         ),
         (pytest.mark.slow,),
     ),
@@ -158,13 +179,23 @@ CASES: dict[str, Case] = {
     "lora.py": Case(
         _keys(
             "adapter_publish_bytes full_publish_bytes adapter_swap_pause_s full_reload_pause_s "
-            "logprob_max_abs_diff pool_tokens_per_s_ratio"
+            "logprob_max_abs_diff pool_tokens_per_s_ratio adapter_swap_ratio adapter_swap_inflight_requests "
+            "adapter_swap_stall_s adapter_swap_baseline_gap_s adapter_swap_tokens_per_s_ratio "
+            "full_reload_stall_s full_reload_tokens_per_s_ratio"
         ),
         lambda o: (
             o["adapter_publish_bytes"] < o["full_publish_bytes"]
             and o["logprob_max_abs_diff"] <= 1e-4 < o["logprob_base_max_abs_diff"]
             and o["adapter_swap_pause_s"] > 0
             and o["pool_tokens_per_s_ratio"] > 0
+            # the smoke run keeps 2 requests in flight; each window saw their tokens
+            and o["adapter_swap_inflight_requests"] == 2 == o["full_reload_inflight_requests"]
+            and o["adapter_swap_baseline_gap_s"] > 0
+            and o["adapter_swap_stall_s"] > 0
+            and o["adapter_swap_tokens_per_s_ratio"] > 0
+            and o["full_reload_stall_s"] > 0
+            and o["full_reload_inflight_pause_s"] > 0
+            and o["adapter_swap_stall_ratio"] == o["adapter_swap_stall_s"] / o["adapter_swap_baseline_gap_s"]
         ),
         VLLM,
         timeout_s=600,
