@@ -75,6 +75,12 @@ class Liveness:
         self.lapse_s, self._clock = lapse_s, clock
         self._seen: dict[tuple[str, str], tuple[int, float]] = {}  # (id, incarnation) -> (beats, since)
 
+    @property
+    def poll_s(self) -> float:
+        """How often a wait on possibly dead members reads the members again: a tenth of the lapse (at
+        least 50 ms, at most 0.25 s), so a death is seen at most that much after its lapse ends."""
+        return min(max(0.05, self.lapse_s / 10), 0.25)
+
     def observe(self, members: Sequence[Member]) -> None:
         now = self._clock()
         for m in members:
@@ -135,12 +141,12 @@ class LearnerControl:
     ) -> list[Ack]:
         """Up to `expected` answers (a count, or the actor ids) to command `token`, waiting at most
         `timeout_s` in all; with `liveness` (and ids), no longer than it takes to see the silent ones dead
-        (`Liveness.lapse_s`): the members are read every quarter of it."""
+        (`Liveness.lapse_s`): the members are read every `Liveness.poll_s`."""
         ids = None if isinstance(expected, int) else list(expected)
         count = expected if ids is None else len(ids)
         deadline, out = time.monotonic() + timeout_s, []
         key = self.keys.ack_prefix + token
-        poll = 5.0 if liveness is None or ids is None else max(0.05, liveness.lapse_s / 4)
+        poll = 5.0 if liveness is None or ids is None else liveness.poll_s
         while len(out) < count:
             left = deadline - time.monotonic()
             if left <= 0:

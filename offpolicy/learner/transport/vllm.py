@@ -16,11 +16,14 @@ goes on training and writing file generations; members whose heartbeat count has
 out of the next group until it moves again (a restarted actor has a new incarnation and joins afresh,
 after it loaded the newest file generation).
 
-A dying actor costs a heartbeat or two, not a step (`weights.control.Liveness`: a member whose heartbeat
-record is gone or whose beat count has not moved for 1.25 x `heartbeat_s` is dead): the answers of a send
+A dying actor costs a heartbeat or two (and a resend when the broadcast broke early), not a step
+(`weights.control.Liveness`: a member whose heartbeat record is gone or whose beat count has not moved for
+1.25 x `heartbeat_s` is dead, seen within `Liveness.poll_s` while a send waits on it): the answers of a send
 stop being awaited from dead members (an update the live ones confirmed is a success, the dead ones
-`dropped`); a send broken by a member's death is made again at once to the survivors; a dead member is
-never admitted to a send. `dead_wait_s` of the result is what the dead cost the step.
+`dropped`); when a member's death breaks the broadcast, the send waits for the update's answers (the survivors
+that received every bucket confirm the version: they keep it) and sends again at once only to the survivors
+that did not confirm it; a dead member is never admitted to a send. `dead_wait_s` of the result is what the
+dead cost the step after the broadcast broke (finding them, sending again).
 """
 
 from __future__ import annotations
@@ -102,6 +105,9 @@ class FanoutClient:
         self.liveness = liveness
         self.version: int | None = None  # set before each send: the members tag what they received
         self.dropped: set[str] = set()  # members found dead in the last update (their answers not awaited)
+        self.held: set[str] = set()  # members that answered the last update ok: they hold `version`
+        self._answered = threading.Event()  # the last update's answers are in (or it gave up on them)
+        self._answered.set()
 
     @property
     def ids(self) -> list[str]:
@@ -113,6 +119,8 @@ class FanoutClient:
         (`dropped`: the others' update stands)."""
         token = self.control.command(self.ids, {**body, "epoch": self.epoch}, ttl_s=2 * self.timeout_s)
         acks = self.control.acks(token, self.ids, self.timeout_s, self.liveness)
+        if body["op"] == "update":  # before any verdict: a broken send asks who holds the version
+            self.held = {a.actor_id for a in acks if a.ok}
         bad = [f"{a.actor_id}: {a.error}" for a in acks if not a.ok]
         missing = sorted(set(self.ids) - {a.actor_id for a in acks})
         if tolerate_dead and missing and not bad and self.liveness is not None:
@@ -138,7 +146,21 @@ class FanoutClient:
 
     def update_weights(self, update_info: Any) -> None:
         assert self.version is not None, "set the version before sending"
-        self._call({"op": "update", "version": self.version, "update_info": update_info}, tolerate_dead=True)
+        self.held = set()
+        self._answered.clear()
+        try:
+            self._call(
+                {"op": "update", "version": self.version, "update_info": update_info}, tolerate_dead=True
+            )
+        finally:
+            self._answered.set()
+
+    def holders(self, timeout_s: float) -> set[str]:
+        """Who confirmed the last update, once its answers are in (at most `timeout_s`; none after it). The
+        engine stops awaiting them when its broadcast raises, yet members that got every bucket (a peer
+        died on the last) confirm the version: a broken send asks, and does not send it to them again."""
+        self._answered.wait(timeout_s)
+        return set(self.held) if self._answered.is_set() else set()
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Nothing to do here: each member finished and tagged the version before answering the update."""
@@ -184,6 +206,8 @@ class VllmTransport:
         self._benched: dict[str, tuple[str, int, int]] = {}  # id -> (incarnation, until send no., strikes)
         self._sends = 0
         self._thread: threading.Thread | None = None  # a send that outlived its bound, still unwinding
+        self._broken: FanoutClient | None = None  # the group of the last failed send, if it formed
+        self.last_retry: tuple[float, float, int] | None = None  # a broken send's: find s, resend s, resent
 
     @property
     def busy(self) -> bool:
@@ -209,18 +233,23 @@ class VllmTransport:
         if first.ok or not members or self.busy:
             return first
         t0 = time.perf_counter()  # the send broke: was it a member's death? then once more to the others
-        dead = self._find_dead([m.actor_id for m in members])
+        broken, self._broken = self._broken, None  # the failed send's group (torn down), if it formed
+        held = broken.holders(_inner(self.config)) if broken is not None else set()
+        dead = self._find_dead([m.actor_id for m in members if m.actor_id not in held])
+        found = time.perf_counter() - t0
         survivors = [m for m in members if m.actor_id not in dead]
         if not dead or not survivors:
             return first
         for m in survivors:  # the broken group stalled them all: the living ones are not to blame
             self._stalled.pop(m.actor_id, None)
-        log.warning("v%d: %s died in the send; sending again to %d survivor(s)", version, sorted(dead),
-                    len(survivors))  # fmt: skip
-        again = self._send_to(version, survivors)
+        todo = [m for m in survivors if m.actor_id not in held]  # who confirmed the version keeps it
+        log.warning("v%d: %s died in the send; %d survivor(s) hold it, sending again to %d", version,
+                    sorted(dead), len(survivors) - len(todo), len(todo))  # fmt: skip
+        again = self._send_to(version, todo)
         spent = time.perf_counter() - t0
+        self.last_retry = (found, spent - found, len(todo))
         return TransferResult(
-            version, first.seconds + spent, again.bytes, again.group_size, again.ok, again.error,
+            version, first.seconds + spent, first.bytes + again.bytes, len(survivors), again.ok, again.error,
             tuple(sorted(dead | set(again.dropped))), spent,
         )  # fmt: skip
 
@@ -231,7 +260,7 @@ class VllmTransport:
             dead = self.liveness.dead(self.control.members(), ids)
             if dead or time.monotonic() >= deadline:
                 return dead
-            time.sleep(self.liveness.lapse_s / 4)
+            time.sleep(self.liveness.poll_s)
 
     def _send_to(self, version: int, members: list[Member]) -> TransferResult:
         """One send of `version` to `members` (the group formed again when they changed)."""
@@ -251,9 +280,10 @@ class VllmTransport:
         else:
             error = outcome.get("error", "")
         if error:
+            self._broken = outcome.get("client")
             self._failed(members, outcome.get("culprits"))
             log.warning("weight transfer of v%d failed after %.2f s: %s", version, seconds, error)
-            return TransferResult(version, seconds, 0, len(members), ok=False, error=error)
+            return TransferResult(version, seconds, outcome.get("bytes", 0), len(members), False, error)
         for m in members:  # a clean send clears past strikes
             self._benched.pop(m.actor_id, None)
         dropped = tuple(sorted(self.client.dropped)) if self.client is not None else ()
@@ -288,10 +318,12 @@ class VllmTransport:
             assert self.engine is not None
             if self.client is not None:  # the controller (on N ranks, rank 0 only)
                 self.client.version = version
-                self.client.dropped = set()
+                self.client.dropped, self.client.held = set(), set()
+                outcome["client"] = self.client
             self.engine.send_weights()
             outcome["bytes"] = getattr(self.engine, "bytes_sent", 0)
         except Exception as e:  # translated: reported as a failed transfer, never raised into the step
+            outcome["bytes"] = getattr(self.engine, "bytes_sent", 0)  # what went out before it broke
             outcome["error"] = f"{type(e).__name__}: {e}"
             outcome["culprits"] = e.culprits if isinstance(e, TransferFailed) else None
 

@@ -34,15 +34,15 @@ def _beat(redis_url: str, run_id: str, actor_id: str, ttl_s: float, control: Act
 
 
 @contextmanager
-def beating(redis_url: str, run_id: str, actor_id: str, answer: bool = False):
-    """`actor_id` beats every heartbeat (alive) until the block ends (dead: its record stays 3 beats);
-    with `answer`, it also takes every command and answers it ok."""
+def beating(redis_url: str, run_id: str, actor_id: str, answer: bool = False, ttl_s: float | None = None):
+    """`actor_id` beats every heartbeat (alive) until the block ends (dead: its record stays `ttl_s`, 3
+    beats unless told); with `answer`, it also takes every command and answers it ok."""
     stop = threading.Event()
 
     async def go():
         c = ActorControl(redis_url, run_id, actor_id)
         while not stop.is_set():
-            await c.heartbeat(1, 0, 3 * CFG.heartbeat_s)
+            await c.heartbeat(1, 0, ttl_s or 3 * CFG.heartbeat_s)
             if not answer:
                 await asyncio.sleep(CFG.heartbeat_s)
             elif (cmd := await c.next_command(CFG.heartbeat_s)) is not None:
@@ -72,11 +72,12 @@ def _wait_for(cond, what: str, timeout_s: float = 10.0) -> None:
 def test_membership_expires_with_the_heartbeat(redis_url, run_id):
     control = LearnerControl(redis_url, run_id)
     try:
+        t0 = time.monotonic()
         _beat(redis_url, run_id, "a", 0.5)
         _beat(redis_url, run_id, "b", 5.0)
         assert [m.actor_id for m in control.members()] == ["a", "b"]
-        time.sleep(0.8)
-        assert [m.actor_id for m in control.members()] == ["b"]
+        _wait_for(lambda: _ids(control) == ["b"], "a's record to expire (b's lives 5 s)", 4.0)
+        assert time.monotonic() - t0 >= 0.5, "a's record expired before its TTL"
     finally:
         control.close()
 
@@ -114,10 +115,11 @@ def test_a_member_whose_heartbeats_stop_is_never_admitted(redis_url, run_id):
     control = LearnerControl(redis_url, run_id)
     transport = VllmTransport(CFG, control, lambda: {"w": torch.ones(2)}, torch.float32)
     try:
-        with beating(redis_url, run_id, "gone"):
+        with beating(redis_url, run_id, "gone", ttl_s=30 * CFG.heartbeat_s):  # its record outlives its beats
             _wait_for(lambda: _ids(control) == ["gone"], "gone to announce itself")
             transport.liveness.observe(control.members())
-        time.sleep(1.25 * CFG.heartbeat_s + 0.1)  # its record lives 3 beats; its count stopped moving
+        dead = transport.liveness.dead  # its count stopped moving: dead after the lapse
+        _wait_for(lambda: dead(control.members(), ["gone"]) == {"gone"}, "gone's beats to lapse", 2.0)
         assert [m.actor_id for m in control.members()] == ["gone"]  # still announced
         t0 = time.monotonic()
         result = transport.send(1)

@@ -7,6 +7,7 @@ full; v2 and v3 are published meanwhile (v2 is replaced by v3 before it starts: 
 from __future__ import annotations
 
 import json
+import queue
 import sys
 import threading
 import time
@@ -60,10 +61,9 @@ def main(model_dir: str, weights_dir: str, out: str) -> None:
         assert entered.wait(30), "the writer never started"
         gathering = persist._gathering
         deadline = time.monotonic() + 60
-        while gathering.buckets < STREAM_DEPTH + 1:  # the queue full, one more bucket in hand
-            assert time.monotonic() < deadline, f"the gather stopped at {gathering.buckets} buckets"
+        while not (gathering._queue.full() and waits_in_put(gathering._thread)):  # it cannot go on
+            assert time.monotonic() < deadline, f"the gather never blocked ({gathering.buckets} buckets)"
             time.sleep(0.01)
-        time.sleep(0.5)  # a window for a gather that does not block to run on (the test asserts it stopped)
         held = gathering.buckets  # buckets gathered while the writer has read none
     for version in (2, 3):  # the model changes between publishes, as optimizer steps change it
         with torch.no_grad():
@@ -96,6 +96,16 @@ def main(model_dir: str, weights_dir: str, out: str) -> None:
             json.dump(result, fh)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def waits_in_put(thread: threading.Thread) -> bool:
+    """`thread` is inside `queue.Queue.put` (with the queue full: blocked until a reader takes one)."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code is queue.Queue.put.__code__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def full_weights(model, keys) -> dict[str, torch.Tensor]:
