@@ -15,11 +15,16 @@ a step it would take. Shapes:
     longtail       packed micro-batches vs padded rows, one long-tailed batch (benchmarks/learner_longtail.py)
     longtail-1.3b  the long-tailed batch at full scale (155,661 tokens) on a Llama-shaped 1.78B (CUDA)
     longtail-4b    the same on a Qwen3-4B-shaped 4.03B (CUDA); both: benchmarks/learner_longtail.py
+    longtail-moe   the same on a Qwen3-30B-A3B-shaped MoE stack (its hidden 2048, 128 experts of 768, top-8,
+                   vocab 151,936) with as many layers as one 80 GiB GPU holds per the memory plan (5: 3.6B
+                   parameters, 0.9B active; CUDA; refused on CPU but with --smoke)
 
 Targets: publish-heavy: sync_publish_share >= 0.3, publish_share <= 0.05, published_lag_max <= 2;
 cpu-ref: everything outside model work <= 5 % of the step; 1.3b with bf16_mixed: publish_share <= 0.05.
 MFU (CUDA only) counts 6 N flops per trained token and 2 N per pi_old token, N the parameters a token is
-multiplied by (the input embedding left out unless tied to the LM head; attention not counted).
+multiplied by (the input embedding left out unless tied to the LM head; attention not counted): of a
+mixture-of-experts model its active parameters, as prime-rl counts them (`get_active_mm_params`: top_k
+routed experts, the shared ones and the router; learner_longtail.py `matmul_params`).
 
     python benchmarks/learner.py [--shape cpu-ref] [--device cpu] [--steps 3] [--precision P]
                                  [--packing on|off|both] [--json] [--smoke]

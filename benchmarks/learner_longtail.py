@@ -16,18 +16,22 @@ default) and `packing: true` (micro-batches of at most `micro_batch_tokens`, sca
   8 completions, 8k tokens at most), from the project's own split and plan code: the real tokens over
   8 x the sum over k of the slowest rank's k-th micro-batch (its token slots: padded or packed).
 
-`--shape longtail-1.3b | longtail-4b` (CUDA): the batch at full scale (155,661 real tokens) on a random
-Llama-shaped 1.78B (hidden 1536 x 28, 12 heads, 2 KV heads, vocabulary 151,936) or a Qwen3-4B-shaped
-4.03B (hidden 2560 x 36, 32 heads of 128, 8 KV heads, tied embeddings), `decoupled_token_is`, no
-publishing or checkpoints during the measured steps. Each lever is a flag, so one run measures each one's
-share: `--attention`, `--logprob-head`, `--gradient-checkpointing on|off|auto`, `--micro-batch-tokens
-N|auto`, `--no-grad-micro-batch-tokens N|auto` (their defaults: the learner's). It reports the median step,
-its phases (pi_old, forward+backward, optimizer), real tokens/s, MFU (8 N FLOPs per real token: forward,
-backward and the pi_old forward; no recompute, no attention; N = `matmul_params`, the input embedding left
-out unless tied to the LM head) against the dense bf16 peak, the peak device
-memory, the memory plan, the attention kernel and the settings the learner chose; with `--profile`, one
-more step's device time by kind of kernel (benchmarks/learner_profile.py). `--smoke`: the same path
-on a hidden-64 model and the batch's lengths / 64 (seconds on CPU).
+`--shape longtail-1.3b | longtail-4b | longtail-moe` (CUDA): the batch at full scale (155,661 real tokens)
+on a random Llama-shaped 1.78B (hidden 1536 x 28, 12 heads, 2 KV heads, vocabulary 151,936), a
+Qwen3-4B-shaped 4.03B (hidden 2560 x 36, 32 heads of 128, 8 KV heads, tied embeddings) or a
+Qwen3-30B-A3B-shaped MoE stack (transformers' Qwen3MoE: hidden 2048, 32 heads of 128, 4 KV heads, 128
+experts of width 768, top-8, untied vocabulary 151,936) with as many decoder layers as one process fits in
+90 % of an 80 GiB GPU per the memory plan (`moe_layers_that_fit`: 5; the smoke run: 4 experts of 32,
+top-2), `decoupled_token_is`, no publishing or checkpoints during the measured steps. Each lever is a
+flag, so one run measures each one's share: `--attention`, `--logprob-head`, `--gradient-checkpointing
+on|off|auto`, `--micro-batch-tokens N|auto`, `--no-grad-micro-batch-tokens N|auto` (their defaults: the
+learner's). It reports the median step, its phases (pi_old, forward+backward, optimizer), real tokens/s,
+MFU (8 N FLOPs per real token: forward, backward and the pi_old forward; no recompute, no attention; N =
+`matmul_params`, the input embedding left out unless tied to the LM head, a MoE model's active parameters
+as prime-rl counts them) against the dense bf16 peak, the peak device memory, the memory plan, the
+attention kernel and the settings the learner chose; with `--profile`, one more step's device time by kind
+of kernel (benchmarks/learner_profile.py). `--smoke`: the same path on a hidden-64 model and the batch's
+lengths / 64 (seconds on CPU).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
 from learner_profile import profile_step
 from offpolicy.buffer.embedded import EmbeddedRedis
@@ -54,7 +58,8 @@ from offpolicy.learner.distributed.split import shares
 from offpolicy.learner.metrics import PHASES
 from offpolicy.learner.model import build_char_tokenizer, make_tiny_model
 from offpolicy.learner.model.policy import pack
-from offpolicy.learner.plan.memory import GIB
+from offpolicy.learner.plan.memory import GIB, HEADROOM, ModelShape, estimate
+from offpolicy.learner.plan.shape import count
 from offpolicy.learner.rl.microbatches import (
     micro_batches,
     no_grad_logprobs,
@@ -77,6 +82,33 @@ SHAPES = {  # the model shapes of the full-scale batch: architecture, then its c
         "head_dim": 128, "intermediate_size": 9728, "vocab_size": 151936, "tie_word_embeddings": True,
     }),
 }  # fmt: skip
+QWEN3_30B_A3B = {  # Qwen3-30B-A3B's layer (deploy/models/qwen3-30b-a3b/config.json), fewer of them
+    "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "intermediate_size": 6144,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936, "tie_word_embeddings": False,
+    "model_type": "qwen3_moe", "max_position_embeddings": 16384,
+}  # fmt: skip
+MOE_GPU_GIB = 80  # the smallest GPU the shape is for (H100 80 GB; an H200's 141 GB holds it with room)
+
+
+def moe_layers_that_fit(gpu_gib: float = MOE_GPU_GIB) -> int:
+    """The most Qwen3-30B-A3B decoder layers one process trains within 90 % of `gpu_gib` per the memory plan
+    (learner/plan/memory.py: bf16_mixed, every layer checkpointed, 16,384-token micro-batches, its every
+    expert's fp32 masters, gradients, AdamW moments and bf16 copies: ~11 GB a layer)."""
+    config = LearnerConfig(model_path="unused", micro_batch_tokens=16384, compile_layers=False)
+    limit = HEADROOM * gpu_gib * GIB
+
+    def fits(layers: int) -> bool:
+        shape = ModelShape.of_dict(QWEN3_30B_A3B | {"num_hidden_layers": layers})
+        return estimate(config, shape, 1, False, True, cuda=True).total <= limit
+
+    return max(n for n in range(1, 49) if fits(n))
+
+
+SHAPES["longtail-moe"] = (Qwen3MoeConfig, {
+    k: v for k, v in QWEN3_30B_A3B.items() if k not in ("model_type", "max_position_embeddings")
+} | {"num_hidden_layers": moe_layers_that_fit()})  # fmt: skip
+MOE_SMOKE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 SMOKE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
          "head_dim": 32, "intermediate_size": 128, "vocab_size": 512}  # fmt: skip
 SMOKE_SCALE = 64
@@ -225,8 +257,9 @@ def save_model(folder: Path, shape: str, smoke: bool, device: torch.device) -> P
         return folder
     kind, dims = SHAPES[shape]
     tokenizer = build_char_tokenizer()
+    small = SMOKE | (MOE_SMOKE if kind is Qwen3MoeConfig else {})
     config = kind(
-        **(dims | SMOKE if smoke else dims), max_position_embeddings=16384,
+        **(dims | small if smoke else dims), max_position_embeddings=16384,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )  # fmt: skip
@@ -243,11 +276,16 @@ def matmul_params(model: torch.nn.Module) -> int:
     """The parameters a token's forward multiplies by: all of them but the input embedding, which is a
     lookup (no FLOPs), unless it is tied to the LM head (then it is the head's matrix, counted once).
     torchtitan and PaLM count MFU on these; counting the untied embedding too overstates it (by 13 % for
-    the 1.78B's 233M-parameter embedding)."""
+    the 1.78B's 233M-parameter embedding). A mixture-of-experts model counts its active parameters, as
+    prime-rl does (`PerfCounter.get_active_mm_params`, src/prime_rl/trainer/perf.py: attention, dense MLPs,
+    shared experts, top_k routed experts of 3 x hidden x moe_intermediate_size each, the router, the LM
+    head): the routed experts a token is not sent to are left out (learner/plan/shape.py `count`)."""
     total = sum(p.numel() for p in model.parameters())  # tied tensors counted once
     embedding = model.get_input_embeddings().weight
     tied = embedding is getattr(model.get_output_embeddings(), "weight", None)
-    return total if tied else total - embedding.numel()
+    counts = count(model.config.to_dict())
+    inactive = counts.total - counts.active  # 0 for a dense model
+    return (total if tied else total - embedding.numel()) - inactive
 
 
 def budget(value: str | None) -> int | str | None:
@@ -288,6 +326,12 @@ def release_device_memory(device: torch.device) -> float | None:
 def run_shape(args: argparse.Namespace) -> dict:
     """The long-tailed batch through the learner on `args.shape` with the levers of the flags."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.shape == "longtail-moe" and device.type != "cuda" and not args.smoke:
+        layers = SHAPES["longtail-moe"][1]["num_hidden_layers"]
+        raise SystemExit(
+            f"longtail-moe is a GPU shape ({layers} Qwen3-30B-A3B layers: ~{11 * layers + 11} GB of weights, "
+            f"gradients and AdamW state): run it on CUDA, or --smoke on {device.type}"
+        )
     scale = SMOKE_SCALE if args.smoke else 1
     vocab = (SMOKE if args.smoke else SHAPES[args.shape][1])["vocab_size"]
     groups = longtail_groups(16, 8, vocab, seed=0, scale=scale)

@@ -1,4 +1,5 @@
-"""Sizing of a deployment for 1.5B, 7B and 70B models: GPUs, host memory, volumes, Redis memory.
+"""Sizing of a deployment for 1.5B, 7B and 70B models and two mixture-of-experts models (Qwen3-30B-A3B,
+DeepSeek-V3): GPUs, host memory, volumes, Redis memory.
 
 The arithmetic of docs/deploy.md "Sizing", as code, so that the table there and the shipped manifests'
 defaults (the 7B row) are checked against it (tests/unit/deploy/test_sizing.py):
@@ -6,9 +7,12 @@ defaults (the 7B row) are checked against it (tests/unit/deploy/test_sizing.py):
 - learner GPUs: the fewest ranks (1, 2, 4, 8, then whole 8-GPU nodes) whose memory plan per rank
   (`offpolicy.learner.plan.memory.estimate`, the same the learner refuses to start above) fits 90 % of an 80
   GiB GPU,
-  with configs/learner.yaml's settings (bf16_mixed, packing, `micro_batch_tokens`, checkpointing on);
-- actor GPUs: vLLM's tensor-parallel size, the fewest GPUs holding the bf16 weights (2 B x P) in half of
-  each GPU (the other half for the KV cache);
+  with configs/learner.yaml's settings (bf16_mixed, packing, `micro_batch_tokens`, checkpointing on); a
+  MoE model's plan counts every expert's weights, gradients and AdamW state (sharded over the ranks), the
+  gathered layer's experts (/ `ep`, its expert-parallel size) and the routed activations; its shape is
+  read from the committed config.json (deploy/models/<name>/config.json, plan/shape.py's counts);
+- actor GPUs: vLLM's tensor-parallel size, the fewest GPUs holding the bf16 weights (2 B x P, every
+  expert) in half of each GPU (the other half for the KV cache);
 - host memory of the learner's first node (the leader's; the others hold less): the learner's own host plan
   (`offpolicy.learner.plan.host.node_bytes`, the plan it refuses to start above: DCP's pinned checkpoint
   stager, the background gather's snapshot, the leader's published sets, the lean start's reads, 4 GiB of
@@ -35,10 +39,13 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import json
+
 from offpolicy.learner.config import LearnerConfig
 from offpolicy.learner.plan.host import node_bytes
 from offpolicy.learner.plan.memory import GIB, HEADROOM, ModelShape, estimate
 
+MODELS = Path(__file__).resolve().parent / "models"  # committed config.json files of the MoE rows
 GPU_GIB = 80  # H100 / A100 80 GB
 GROUP_OVERHEAD = 1024  # bytes: the frame's header and the entry's keys (checked against the codec)
 SHM_GIB = 16  # the learner pod's /dev/shm (memory-backed: counts against the pod's limit)
@@ -55,6 +62,7 @@ class Workload:
     prompt_tokens: int
     group_size: int  # n: sampling.n
     buffer_groups: int  # buffer.max_size
+    ep: int = 1  # expert-parallel size (MoE): each MoE layer's experts divided over this many ranks
 
 
 ROWS = (
@@ -64,6 +72,20 @@ ROWS = (
     Workload("70B", ModelShape(70_553_706_496, 8192, 28_672, 80, 128_256, 131_072), 4096, 1024, 16, 10_000),
 )
 DEFAULT = "7B"
+
+
+def config_json(name: str) -> dict:
+    """deploy/models/<name>/config.json (the published model's, verbatim but for FP8 quantization and remote
+    code keys, which a plan does not need)."""
+    return json.loads((MODELS / name / "config.json").read_text())
+
+
+MOE_ROWS = (
+    Workload("Qwen3-30B-A3B", ModelShape.of_dict(config_json("qwen3-30b-a3b")), 4096, 1024, 16, 10_000),
+    # its experts placed 8 to a node (ep 8): with ep 1 a gathered layer holds 2 x 11.3B parameters
+    Workload("DeepSeek-V3", ModelShape.of_dict(config_json("deepseek-v3")), 4096, 1024, 16, 10_000, ep=8),
+)
+RANKS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 192, 256, 384, 512)
 
 
 def ceil_to(value_gib: float, step: int) -> int:
@@ -93,13 +115,13 @@ def size(w: Workload, config: LearnerConfig | None = None) -> Sizing:
     cfg = config or LearnerConfig(model_path="unused")
     p = w.shape.params
     limit = HEADROOM * GPU_GIB * GIB
-    for gpus in (1, 2, 4, 8, 16, 24, 32, 48, 64):
-        plan = estimate(cfg, w.shape, gpus, gpus > 1, checkpointing=True, cuda=True)
+    for gpus in (g for g in RANKS if g % w.ep == 0):
+        plan = estimate(cfg, w.shape, gpus, gpus > 1, checkpointing=True, cuda=True, ep=w.ep)
         if plan.total <= limit:
             break
     else:
-        raise ValueError(f"{w.name}: no rank count up to 64 fits")
-    actor = next(tp for tp in (1, 2, 4, 8) if 2 * p / tp <= GPU_GIB * GIB / 2)
+        raise ValueError(f"{w.name}: no rank count up to {RANKS[-1]} fits")
+    actor = next(tp for tp in (1, 2, 4, 8, 16, 32, 64) if 2 * p / tp <= GPU_GIB * GIB / 2)
     per_node = min(gpus, 8)
     host = node_bytes(cfg, p, gpus, per_node, leader_node=True) / GIB
     data = w.buffer_groups * group_bytes(w)
@@ -126,7 +148,7 @@ def table(config: LearnerConfig | None = None) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
     )
     rows = []
-    for w in ROWS:
+    for w in ROWS + MOE_ROWS:
         s = size(w, config)
         rows.append(
             f"| {w.name} | {w.response_tokens} x {w.group_size}, {w.prompt_tokens}, {w.buffer_groups} "

@@ -1,6 +1,7 @@
 """Encode/decode `TrajectoryGroup` as a versioned zero-copy frame: msgpack header + raw little-endian arrays.
 
-Wire format (schema_version 4; 3 and 2 decode too), every number little-endian:
+Wire format (schema_version 4, or 5 for a group with routed experts; 3 and 2 decode too), every number
+little-endian:
 
     bytes 0-3    magic b"OPTG"
     bytes 4-5    schema_version, uint16
@@ -8,7 +9,7 @@ Wire format (schema_version 4; 3 and 2 decode too), every number little-endian:
     bytes 10..   the header: a msgpack map of H bytes (below)
     zero padding to the next multiple of 8 bytes: the array section starts there
     arrays       int32 lens[n] | int32 prompt_ids[P] | int32 response_ids[T] | int32 versions[V]
-                 | float32 behavior_logprobs[T]
+                 | float32 behavior_logprobs[T] | schema 5: uint8|uint16 routed_experts[T', L, K]
 
 The header (schema 4) names each value by the record's own field name (docs/glossary.md): `{"group_id",
 "prompt_id", "policy_version", "actor_id", "created_at", "sampling": [temperature, top_p, top_k,
@@ -20,6 +21,12 @@ user turns) as flat half-open spans `[start0, end0, ...]`, empty when the policy
 the previous ends, the first at 0; the last end is the section's length). `response_ids` and
 `behavior_logprobs` hold every trajectory's tokens in order (`lens[i]` each); `versions` those of the
 trajectories whose `has_versions` is true.
+
+Schema 5 is schema 4 plus MoE routing: the header's `routed_experts` entry (`{"num_experts", "layers",
+"top_k", "has": [bool] * n}`) and, after the log-probs (past `array_ends[4]`, to the frame's end), the
+routed trajectories' expert indices (buffer/routing.py). Only a group that carries routed experts is
+written as schema 5, so readers of schema 4 keep reading every other group, and refuse a routed one by its
+version (`unknown schema version 5`) instead of dropping its routing.
 
 Schemas 2 and 3 wrote the same values under short keys (`SHORT_KEYS`: `gid`, `pid`, `pv`, `aid`, `t`,
 `s`, `m`, `pr`, `rw`, `fr`, `hv`, `env`, `a`); schema 2 has no `env` (all-policy trajectories). Their
@@ -34,9 +41,7 @@ Never pickle.
 
 from __future__ import annotations
 
-import math
 import struct
-from collections.abc import Sequence
 from itertools import accumulate, compress, repeat
 from operator import attrgetter
 from typing import Any
@@ -44,10 +49,14 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from offpolicy.buffer.codec_plain import plain
 from offpolicy.buffer.config import CodecLimits
 from offpolicy.buffer.errors import InvalidTrajectory
+from offpolicy.buffer.routing import KEY, frame_routing, header_entry, routed_arrays, split
 from offpolicy.buffer.types import (
+    PLAIN_SCHEMA_VERSION,
     READABLE_SCHEMA_VERSIONS,
+    ROUTED_SCHEMA_VERSION,
     SCHEMA_VERSION,
     SamplingParams,
     Trajectory,
@@ -64,7 +73,6 @@ from offpolicy.buffer.validation import (
     check_spans,
     check_values,
     header_ok,
-    mask_ok,
     raise_bad_values,
     validate_group,
 )
@@ -88,14 +96,9 @@ PREFIX = struct.Struct("<4sHI")  # magic, schema_version, header length
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
 _PAD = bytes(8)
-_NUM = frozenset((float, int))
-_STR = frozenset((str,))
-_ARRAY = frozenset((np.ndarray,))
-_PACKED = frozenset(((4,),))  # the strides of a 1-D C-contiguous array of 4-byte items
-_dtype, _strides = attrgetter("dtype"), attrgetter("strides")
 _ids, _behavior_logprobs = attrgetter("response_ids"), attrgetter("behavior_logprobs")
 _versions = attrgetter("versions")
-_reward, _reason, _prompt = attrgetter("reward"), attrgetter("finish_reason"), attrgetter("prompt_ids")
+_reward, _reason = attrgetter("reward"), attrgetter("finish_reason")
 SHORT_KEYS = {  # schemas 2 and 3's header keys -> schema 4's (the record's field names)
     "gid": "group_id",
     "pid": "prompt_id",
@@ -119,67 +122,6 @@ def _array_section(header_bytes: int) -> int:
 
 
 # --- encode
-
-
-def _plain_header(g: TrajectoryGroup, limits: CodecLimits) -> bool:
-    s, trs = g.sampling, g.trajectories
-    return (
-        g.schema_version in READABLE_SCHEMA_VERSIONS
-        and type(g.group_id) is str
-        and type(g.prompt_id) is str
-        and type(g.actor_id) is str
-        and g.group_id != ""
-        and g.prompt_id != ""
-        and g.actor_id != ""
-        and type(g.policy_version) is int
-        and g.policy_version >= 0
-        and type(g.created_at) in _NUM
-        and math.isfinite(g.created_at)
-        and type(trs) is list
-        and 0 < len(trs) <= limits.max_completions_per_group
-        and (
-            g.priority is None or (type(g.priority) in _NUM and math.isfinite(g.priority) and g.priority >= 0)
-        )
-        and type(s) is SamplingParams
-        and set(map(type, (s.temperature, s.top_p, s.top_k, s.max_tokens))) <= _NUM
-        and math.isfinite(s.temperature)
-        and s.temperature > 0
-        and 0 < s.top_p <= 1
-        and s.max_tokens >= 1
-        and type(g.metadata) is dict
-        and set(map(type, g.metadata)) <= _STR
-        and set(map(type, g.metadata.values())) <= _STR
-        and len(g.prompt_ids) <= limits.max_prompt_tokens
-    )
-
-
-def plain(groups: Sequence[TrajectoryGroup], limits: CodecLimits) -> bool:
-    """True when every group can be framed as it is: every type exact (int32 / float32 C-contiguous 1-D
-    arrays, plain str / int / float fields) and every check but the array values passed. Checked over a
-    whole batch at once; anything else goes through `validate_group`, which names the field or accepts
-    what only looked unusual (and converts it)."""
-    if not all(_plain_header(g, limits) for g in groups):
-        return False
-    trs = [t for g in groups for t in g.trajectories]
-    ids, rewards = list(map(_ids, trs)), list(map(_reward, trs))
-    behavior_logprobs_list = list(map(_behavior_logprobs, trs))
-    versioned = [t for t in trs if t.versions is not None]
-    ints = [*map(_prompt, groups), *ids, *map(_versions, versioned)]
-    lens = list(map(len, ids))
-    return (
-        set(map(type, ints)) | set(map(type, behavior_logprobs_list)) <= _ARRAY
-        and set(map(_dtype, ints)) <= {_I32}
-        and set(map(_dtype, behavior_logprobs_list)) <= {_F32}
-        and set(map(_strides, ints)) | set(map(_strides, behavior_logprobs_list)) <= _PACKED  # 1-D, packed
-        and lens == list(map(len, behavior_logprobs_list))
-        and min(lens) >= 1
-        and max(lens) <= limits.max_tokens_per_completion
-        and all(len(t.versions) == len(t.response_ids) for t in versioned)
-        and all(mask_ok(t.policy_mask, len(t.response_ids)) for t in trs)
-        and set(map(type, rewards)) <= _NUM
-        and all(map(math.isfinite, rewards))
-        and set(map(type, map(_reason, trs))) <= _STR
-    )
 
 
 def _converted(g: TrajectoryGroup) -> tuple[np.ndarray, list, list, list]:
@@ -221,31 +163,34 @@ def frame(
         versions = [t.versions for t in trs if t.versions is not None]
     lens = list(map(len, ids))
     tokens = 4 * sum(lens)
+    routed = routed_arrays(g)  # the routed experts (the exact path checked them), compact dtype
     ends = list(accumulate((4 * len(lens), prompt.nbytes, tokens, 4 * sum(map(len, versions)), tokens)))
     s = g.sampling
-    head = msgpack.packb(
-        {
-            "group_id": g.group_id,
-            "prompt_id": g.prompt_id,
-            "policy_version": g.policy_version,
-            "actor_id": g.actor_id,
-            "created_at": float(g.created_at),
-            "sampling": [float(s.temperature), float(s.top_p), int(s.top_k), int(s.max_tokens)],
-            "metadata": dict(g.metadata),
-            "priority": None if g.priority is None else float(g.priority),
-            "reward": list(map(float, map(_reward, trs))),
-            "finish_reason": list(map(_reason, trs)),
-            "has_versions": [t.versions is not None for t in trs],
-            "env_spans": [env_spans(t.policy_mask) for t in trs],
-            "array_ends": ends,
-        },
-        use_bin_type=True,
-    )
+    doc = {
+        "group_id": g.group_id,
+        "prompt_id": g.prompt_id,
+        "policy_version": g.policy_version,
+        "actor_id": g.actor_id,
+        "created_at": float(g.created_at),
+        "sampling": [float(s.temperature), float(s.top_p), int(s.top_k), int(s.max_tokens)],
+        "metadata": dict(g.metadata),
+        "priority": None if g.priority is None else float(g.priority),
+        "reward": list(map(float, map(_reward, trs))),
+        "finish_reason": list(map(_reason, trs)),
+        "has_versions": [t.versions is not None for t in trs],
+        "env_spans": [env_spans(t.policy_mask) for t in trs],
+        "array_ends": ends,
+    }
+    if routed:
+        doc[KEY] = header_entry(g, routed)
+    head = msgpack.packb(doc, use_bin_type=True)
     base = _array_section(len(head))
-    prefix = PREFIX.pack(MAGIC, SCHEMA_VERSION, len(head))
+    version = ROUTED_SCHEMA_VERSION if routed else PLAIN_SCHEMA_VERSION
+    prefix = PREFIX.pack(MAGIC, version, len(head))
     pad = _PAD[: base - PREFIX.size - len(head)]
     lens_bytes = struct.pack(f"<{len(lens)}i", *lens)
-    data = b"".join([prefix, head, pad, lens_bytes, prompt, *ids, *versions, *behavior_logprobs_list])
+    arrays = [prefix, head, pad, lens_bytes, prompt, *ids, *versions, *behavior_logprobs_list, *routed]
+    data = b"".join(arrays)
     if len(data) > limits.max_payload_bytes:
         raise InvalidTrajectory(
             "payload", f"{len(data)} bytes exceeds max_payload_bytes={limits.max_payload_bytes}"
@@ -263,8 +208,9 @@ def frame(
 # --- decode
 
 
-def _frame_header(data: bytes, limits: CodecLimits) -> tuple[dict, int, int]:
-    """Check the prefix and parse the header: (header, number of trajectories, array section offset)."""
+def _frame_header(data: bytes, limits: CodecLimits) -> tuple[dict, int, int, bool]:
+    """Check the prefix and parse the header: (header, number of trajectories, array section offset,
+    whether routed experts follow the arrays)."""
     size = len(data)
     if size > limits.max_payload_bytes:
         raise InvalidTrajectory(
@@ -292,7 +238,8 @@ def _frame_header(data: bytes, limits: CodecLimits) -> tuple[dict, int, int]:
         raise InvalidTrajectory("payload", f"the header is not valid msgpack: {e}") from e
     if version < 4:  # short keys (schemas 2 and 3): renamed once, then read as schema 4's
         doc = _full_names(doc)
-    return doc, len(doc["reward"]) if header_ok(doc, limits) else check_header(doc, limits), base
+    n = len(doc["reward"]) if header_ok(doc, limits) else check_header(doc, limits)
+    return doc, n, base, version >= ROUTED_SCHEMA_VERSION and doc.get(KEY) is not None
 
 
 def _full_names(doc: Any) -> Any:
@@ -313,14 +260,19 @@ def _version_views(vers: np.ndarray, lens: list[int], hv: list[bool]) -> list[np
     return out
 
 
-def parse(data: bytes, limits: CodecLimits) -> tuple[dict, list[int], np.ndarray, np.ndarray]:
-    """Everything of a frame checked but its array values: (header, trajectory lengths, the int32 values
-    after the lengths (prompt ids, token ids, versions), the log-probs); views, no copies."""
-    doc, n, base = _frame_header(data, limits)
+def parse(
+    data: bytes, limits: CodecLimits
+) -> tuple[dict, list[int], np.ndarray, np.ndarray, np.ndarray | None]:
+    """Everything of a frame checked but its int32 and log-prob values: (header, trajectory lengths, the
+    int32 values after the lengths (prompt ids, token ids, versions), the log-probs, the routed experts
+    [T', L, K] of the routed trajectories or None (checked whole)); views, no copies."""
+    doc, n, base, routed = _frame_header(data, limits)
     ends, hv = doc["array_ends"], doc["has_versions"]
     e0, e1, e2, e3, e4 = ends
-    if (e0 | e1 | e2 | e3 | e4) & 3 or not 0 <= e0 <= e1 <= e2 <= e3 <= e4 == len(data) - base:
-        check_offsets(ends, len(data) - base)
+    section = len(data) - base  # routed experts (schema 5) follow the five arrays
+    arrays_end = e4 if routed and e4 <= section else section
+    if (e0 | e1 | e2 | e3 | e4) & 3 or not 0 <= e0 <= e1 <= e2 <= e3 <= e4 == arrays_end:
+        check_offsets(ends, arrays_end)
     ints = np.frombuffer(data, _I32, e3 >> 2, base)  # lens, prompt, ids, versions
     lens = ints[:n].tolist()
     tokens = 4 * sum(lens)
@@ -336,7 +288,8 @@ def parse(data: bytes, limits: CodecLimits) -> tuple[dict, list[int], np.ndarray
     env = doc.get("env_spans")
     if env is not None and (type(env) is not list or len(env) != n or any(env)):
         check_spans(env, lens)  # environment tokens (schema >= 3): checked only where there are any
-    return doc, lens, ints[n:], np.frombuffer(data, _F32, (e4 - e3) >> 2, base + e3)
+    view = frame_routing(doc, lens, data, base + e4, len(data))[0] if routed else None
+    return doc, lens, ints[n:], np.frombuffer(data, _F32, (e4 - e3) >> 2, base + e3), view
 
 
 def _split(doc: dict, ints: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -355,7 +308,13 @@ def raise_frame_values(
     raise_bad_values(np.array(lens), prompt, ids, behavior_logprobs, versions, limits)
 
 
-def build(doc: dict, lens: list[int], ints: np.ndarray, behavior_logprobs: np.ndarray) -> TrajectoryGroup:
+def build(
+    doc: dict,
+    lens: list[int],
+    ints: np.ndarray,
+    behavior_logprobs: np.ndarray,
+    routed: np.ndarray | None = None,
+) -> TrajectoryGroup:
     """The group of a parsed, checked frame; its arrays are views of the frame."""
     prompt, ids, vers = _split(doc, ints)
     hv, env = doc["has_versions"], doc.get("env_spans")
@@ -363,11 +322,14 @@ def build(doc: dict, lens: list[int], ints: np.ndarray, behavior_logprobs: np.nd
     masks = (
         (mask_from_spans(s, n) for s, n in zip(env, lens, strict=True)) if env and any(env) else repeat(None)
     )
+    entry = doc.get(KEY) if routed is not None else None
+    experts = split(routed, lens, entry["has"]) if entry else repeat(None)
     trajs, a = [], 0
     rewards, reasons = doc["reward"], doc["finish_reason"]
-    for length, r, f, v, m in zip(lens, rewards, reasons, versions, masks, strict=False):  # repeat(None)
+    rows = zip(lens, rewards, reasons, versions, masks, experts, strict=False)  # repeat(None)
+    for length, r, f, v, m, x in rows:
         b = a + length
-        trajs.append(Trajectory(ids[a:b], behavior_logprobs[a:b], float(r), f, v, m))
+        trajs.append(Trajectory(ids[a:b], behavior_logprobs[a:b], float(r), f, v, m, x))
         a = b
     pr = doc.get("priority")
     return TrajectoryGroup(
@@ -382,6 +344,7 @@ def build(doc: dict, lens: list[int], ints: np.ndarray, behavior_logprobs: np.nd
         doc["metadata"],
         None if pr is None else float(pr),
         SCHEMA_VERSION,
+        entry["num_experts"] if entry else None,
     )
 
 
@@ -389,7 +352,7 @@ def decode_group(data: bytes, limits: CodecLimits = DEFAULT_LIMITS) -> Trajector
     """Decode and validate one frame; any problem raises `InvalidTrajectory` naming the field.
 
     The arrays are views into `data` (read-only for `bytes`), no copies."""
-    doc, lens, ints, behavior_logprobs = parse(data, limits)
+    doc, lens, ints, behavior_logprobs, routed = parse(data, limits)
     if not check_values(ints, behavior_logprobs):
         raise_frame_values(doc, lens, ints, behavior_logprobs, limits)
-    return build(doc, lens, ints, behavior_logprobs)
+    return build(doc, lens, ints, behavior_logprobs, routed)

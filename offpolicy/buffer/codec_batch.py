@@ -73,5 +73,5 @@ def decode_groups(payloads: Sequence[bytes], limits: CodecLimits) -> list[Trajec
     if not (small and check_values(np.concatenate(ints), np.concatenate(behavior_logprobs_list))):
         for f in frames:
             if not check_values(f[2], f[3]):
-                raise_frame_values(*f, limits)
+                raise_frame_values(*f[:4], limits)
     return [build(*f) for f in frames]

@@ -2,13 +2,15 @@
 
     {"group_id": "...", "prompt_id": "...", "prompt_ids": [int], "policy_version": int, "actor_id": "...",
      "created_at": float, "sampling": {"temperature", "top_p", "top_k", "max_tokens"},
-     "metadata": {str: str}, "priority": float | null,
+     "metadata": {str: str}, "priority": float | null, "num_experts": int | null,
      "trajectories": [{"response_ids": [int], "behavior_logprobs": [float], "reward": float,
-                       "finish_reason": str, "versions": [int] | null, "policy_mask": [bool] | null}]}
+                       "finish_reason": str, "versions": [int] | null, "policy_mask": [bool] | null,
+                       "routed_experts": [[[int]]] | null}]}
 
 `group_id` defaults to a fresh uuid4 hex, `created_at` to now, `sampling` fields, `metadata`, `priority`,
-`versions` and `policy_mask` to the record's defaults. A document of the wrong shape raises
-`InvalidTrajectory` naming the field; the values are checked by the codec when the group is inserted.
+`versions`, `policy_mask`, `routed_experts` and `num_experts` to the record's defaults. A document of the
+wrong shape raises `InvalidTrajectory` naming the field; the values are checked by the codec when the group
+is inserted.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def group_from_json(doc: Any) -> TrajectoryGroup:
         trajectories=[_trajectory(t, i) for i, t in enumerate(trajs)],
         metadata=doc.get("metadata", {}),
         priority=None if doc.get("priority") is None else _float(doc["priority"], "priority"),
+        num_experts=doc.get("num_experts"),
     )
 
 
@@ -67,6 +70,7 @@ def group_to_json(g: TrajectoryGroup) -> dict[str, Any]:
         },
         "metadata": dict(g.metadata),
         "priority": g.priority,
+        "num_experts": g.num_experts,
         "trajectories": [
             {
                 "response_ids": np.asarray(t.response_ids).tolist(),
@@ -75,6 +79,7 @@ def group_to_json(g: TrajectoryGroup) -> dict[str, Any]:
                 "finish_reason": t.finish_reason,
                 "versions": None if t.versions is None else np.asarray(t.versions).tolist(),
                 "policy_mask": None if t.policy_mask is None else np.asarray(t.policy_mask).tolist(),
+                "routed_experts": None if t.routed_experts is None else np.asarray(t.routed_experts).tolist(),
             }
             for t in g.trajectories
         ],
@@ -93,7 +98,21 @@ def _trajectory(doc: Any, i: int) -> Trajectory:
         finish_reason=doc.get("finish_reason", "stop"),
         versions=None if versions is None else _array(versions, np.int64, f"{pre}.versions"),
         policy_mask=None if mask is None else _array(mask, np.bool_, f"{pre}.policy_mask"),
+        routed_experts=_routed(doc.get("routed_experts"), f"{pre}.routed_experts"),
     )
+
+
+def _routed(values: Any, field: str) -> np.ndarray | None:
+    """Nested JSON lists of integers [tokens][layers][top_k] as an int64 array (the codec checks the rest)."""
+    if values is None:
+        return None
+    try:
+        a = np.asarray(values)
+    except ValueError as exc:  # ragged
+        raise InvalidTrajectory(field, "must be [tokens][layers][top_k] lists of integers") from exc
+    if a.ndim != 3 or a.dtype.kind not in "iu":
+        raise InvalidTrajectory(field, "must be [tokens][layers][top_k] lists of integers")
+    return a.astype(np.int64, copy=False)
 
 
 def _float(value: Any, field: str) -> float:

@@ -6,10 +6,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+# 5: + routed experts (MoE), written only for groups that carry them (the others are still written as 4);
 # 4: the frame header's keys are the record's field names; 3: + environment-token spans (agents);
 # 2: the zero-copy frame (buffer/codec.py); 1: msgpack
-SCHEMA_VERSION = 4
-READABLE_SCHEMA_VERSIONS = (2, 3, 4)  # frames of schema 2 decode as all-policy trajectories
+SCHEMA_VERSION = 5
+READABLE_SCHEMA_VERSIONS = (2, 3, 4, 5)  # frames of schema 2 decode as all-policy trajectories
+ROUTED_SCHEMA_VERSION = 5  # the first schema with routed experts: a group carrying them needs a reader of it
+PLAIN_SCHEMA_VERSION = 4  # the schema a group without routed experts is written as (readers of 4 read it)
+MAX_EXPERTS = 65_536  # most experts per MoE layer a record can name (uint16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +34,16 @@ class Trajectory:
     the tokens the policy generated (`policy_mask` True: trained, their log-probs and versions meaningful)
     and the tokens the environment inserted (False: tool results, user turns; attended, never trained).
 
+    `routed_experts` (MoE models whose actor captures routing, `engine.return_routed_experts`): row `j` holds,
+    for each of the model's L MoE layers, the K experts (top_k, in the router's order) that the actor's
+    forward at the position before response token `j` (prompt length + j - 1, the forward whose logits
+    sampled token j) routed to. Every response token has a row, environment tokens included: theirs are
+    the routing of the prefill that read them (the next turn's request, under that turn's weights); rows
+    no forward computed (environment tokens after the last policy turn, or a first response token with
+    an empty prompt) hold experts `0..K-1`, and no trained token depends on them. The prompt's positions
+    but its last carry no rows: the learner routes them itself (no replay there). The expert indices are
+    in [0, `TrajectoryGroup.num_experts`), dtype `routed_dtype(num_experts)` (uint8 up to 256 experts).
+
     Decoded groups (`decode_group`, `ReplayBuffer.sample`) hold read-only views into their payload (no
     copies; the payload stays in memory while any view does): a consumer that writes to an array
     copies it first (`a.copy()`).
@@ -43,6 +57,13 @@ class Trajectory:
     policy_mask: np.ndarray | None = (
         None  # bool[R]: True on policy tokens, False on environment ones; None = all
     )
+    routed_experts: np.ndarray | None = None  # uint8|uint16[R, L, K]: MoE routing per token (see below)
+
+
+def routed_dtype(num_experts: int) -> np.dtype:
+    """The compact dtype of routed experts (expert indices in [0, num_experts)): uint8 up to 256 experts,
+    else uint16 (up to `MAX_EXPERTS`)."""
+    return np.dtype(np.uint8) if num_experts <= 256 else np.dtype("<u2")
 
 
 def env_spans(policy_mask: np.ndarray | None) -> list[int]:
@@ -80,6 +101,7 @@ class TrajectoryGroup:
     metadata: dict[str, str] = field(default_factory=dict)
     priority: float | None = None  # for the `prioritized` sampler; None = |advantage| proxy
     schema_version: int = SCHEMA_VERSION
+    num_experts: int | None = None  # experts per MoE layer of the model; set when a trajectory has routing
 
     @property
     def num_tokens(self) -> int:

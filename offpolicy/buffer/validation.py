@@ -21,6 +21,7 @@ import numpy as np
 
 from offpolicy.buffer.config import CodecLimits
 from offpolicy.buffer.errors import InvalidTrajectory
+from offpolicy.buffer.routing import check_group as check_routing
 from offpolicy.buffer.types import READABLE_SCHEMA_VERSIONS, Trajectory, TrajectoryGroup
 
 __all__ = [
@@ -177,6 +178,7 @@ def validate_group(group: TrajectoryGroup, limits: CodecLimits = DEFAULT_LIMITS)
     raise_bad_values(lens, np.zeros(0, np.int32), ids, behavior_logprobs, [None] * len(trs), limits)
     s = group.sampling
     _check_rest(group.priority, group.metadata, (s.temperature, s.top_p, s.top_k, s.max_tokens))
+    check_routing(group)  # routed experts (MoE): buffer/routing.py
 
 
 # --- array values (a frame's views, or validate_group's concatenations)

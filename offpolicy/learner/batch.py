@@ -43,6 +43,10 @@ class Batch:
     versions: torch.Tensor  # (B, R) long: per-token policy version (the group's, unless it spans a reload)
     temperatures: torch.Tensor  # (B,) float: the sampling temperature of each row's group
     prompt_width: int  # P: column where every response starts
+    # MoE (model/moe.py): the experts the rollout chose at the position predicting each response token,
+    # (B, R, L, K) int16 (int32 past 32767 experts), -1 = no row (padding, a trajectory without routing)
+    routed_experts: torch.Tensor | None = None
+    replay_experts: torch.Tensor | None = None  # (B, R, L, K): what the forward replays (moe.routing_replay)
     # Filled in by the loop (spec §5.1):
     old_log_probs: torch.Tensor | None = None  # (B, R) pi_old (decoupled) or pi_rollout (bypass)
     advantages: torch.Tensor | None = None  # (B, R)
@@ -69,7 +73,7 @@ class Batch:
         for k, v in sub.items():
             if v.dim() == 2 and v.shape[1] == self.input_ids.shape[1]:
                 sub[k] = v[:, drop_left : self.prompt_width + keep_r]
-            elif v.dim() == 2:
+            elif v.dim() >= 2:  # (b, R) and (b, R, L, K)
                 sub[k] = v[:, :keep_r]
         return dataclasses.replace(self, prompt_width=self.prompt_width - drop_left, **sub)
 
@@ -126,6 +130,7 @@ def collate(groups: Sequence[TrajectoryGroup], pad_token_id: int) -> Batch:
         for _, g, t in rows
     ]
     input_ids, attention_mask = torch.from_numpy(ids), torch.from_numpy(attn)
+    routed = _routed(rows, R)
     response_mask = torch.from_numpy(policy)  # (B, R)
     return Batch(
         input_ids=input_ids,
@@ -141,7 +146,26 @@ def collate(groups: Sequence[TrajectoryGroup], pad_token_id: int) -> Batch:
         versions=torch.from_numpy(versions),
         temperatures=torch.tensor([g.sampling.temperature for _, g, _ in rows], dtype=torch.float32),
         prompt_width=P,
+        routed_experts=routed,
     )
+
+
+def _routed(rows: list[tuple[int, TrajectoryGroup, Trajectory]], R: int) -> torch.Tensor | None:
+    """The rows' routed experts (B, R, L, K), -1 where a row has none; None when no row has any."""
+    have = [t.routed_experts for _, _, t in rows if t.routed_experts is not None]
+    if not have:
+        return None
+    shape = have[0].shape[1:]
+    if any(a.shape[1:] != shape for a in have):
+        raise BatchError(
+            f"routed experts of (layers, top_k) {sorted({a.shape[1:] for a in have})} in one batch"
+        )
+    wide = max(g.num_experts or 0 for _, g, _ in rows) > np.iinfo(np.int16).max
+    out = np.full((len(rows), R, *shape), -1, dtype=np.int32 if wide else np.int16)
+    for b, (_, _, t) in enumerate(rows):
+        if t.routed_experts is not None:
+            out[b, : len(t.routed_experts)] = t.routed_experts
+    return torch.from_numpy(out)
 
 
 def staleness(batch: Batch, consumer_version: int) -> torch.Tensor:

@@ -31,10 +31,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from offpolicy.learner.config import LearnerConfig, OptimizerConfig
+from offpolicy.learner.distributed import expert_parallel
 from offpolicy.learner.distributed.fsdp import decoder_layers, fsdp_mesh, shard
 from offpolicy.learner.distributed.lean import fill, meta_model, unique_names
 from offpolicy.learner.distributed.ranks import Ranks, local_device
-from offpolicy.learner.model import attention, lora
+from offpolicy.learner.model import attention, lora, moe
 from offpolicy.learner.model.compile import compile_layers
 from offpolicy.learner.model.critic import ValueModel
 from offpolicy.learner.model.load import load_model, unique_state
@@ -99,8 +100,11 @@ def build_trainables(
         model = meta_model(config.model_path, base, attn_implementation=attn)
     else:
         model = load_model(config.model_path, "cpu" if sharded else device, base, attn_implementation=attn)
+    router = moe.prepare(model, device, config.moe, config.model_path)  # MoE: grouped GEMMs, routers hooked
     if config.lora is not None:  # before the checkpointing, compile and FSDP wrappers see the layers
         lora.inject(model, config.lora, config.seed, masters=dtype)  # lean: factors on meta, drawn by `fill`
+        if router is not None:
+            moe.check_lora_targets(model)
     layers = model.config.num_hidden_layers
     checkpointing = checkpointed(config, layers, checkpointing)  # True: `checkpoint_layers`, else all
     checkpoint_layers(model, decoder_layers(model, layers), checkpointing)
@@ -108,11 +112,16 @@ def build_trainables(
         publish_keys = set(lora.adapter_names(model))
     else:
         publish_keys = set(unique_names(model) if lean else unique_state(model))
-    policy = LogProbs(model, config.logprob_head)  # what the loop calls for log-probs
+    policy = LogProbs(model, config.logprob_head, router)  # what the loop calls for log-probs
+    if compiled and router is not None and not sharded and base != torch.bfloat16:
+        # under torch.compile transformers runs non-bf16 experts through its per-expert loop (grouped_mm
+        # compiles for bf16 alone): an MoE policy with fp32 weights on one process stays eager
+        log.info("compile_layers off: an MoE policy's %s experts run grouped_mm eagerly", base)
+        compiled = False
     if compiled:
         compile_layers(decoder_layers(model, model.config.num_hidden_layers))
     if sharded:
-        shard(policy, model.config.num_hidden_layers, precision, offload, mesh)
+        shard(policy, model.config.num_hidden_layers, precision, offload, mesh, config.fsdp.expert_parallel)
     way = ("whole, sharded" if sharded else "whole") if not lean else ""
     if lean:
         way = fill(
@@ -213,6 +222,7 @@ def build_frozen(
         model = meta_model(path, dtype, attn_implementation=attn)
     else:
         model = load_model(path, "cpu" if sharded or offload else device, dtype, attn_implementation=attn)
+    moe.select_experts(model, device)  # an MoE scorer's experts as grouped GEMMs too
     frozen = freeze(LogProbs(model, config.logprob_head))
     layers = model.config.num_hidden_layers
     if sharded:
@@ -359,6 +369,7 @@ def build_models(config: LearnerConfig, ranks: Ranks) -> Built:
     """The device and precision, the memory plan checked against the device (before any weight loads),
     then the trainables, the KL reference and the distillation teacher, with the host memory their build
     took."""
+    expert_parallel.check_config(config, ranks)  # fsdp.expert_parallel refused before any plan or weight
     device = local_device(ranks, pick_device(config.device))
     precision = Precision.resolve(config.precision, device)
     # the ranks a parameter is sharded over: all of them, or one replica group's (fsdp.replicate)

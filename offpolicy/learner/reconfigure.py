@@ -62,8 +62,11 @@ class ConfigSwitch:
 
     def submit(self, new: LearnerConfig, version: int) -> None:
         """Queue `new` as config `version`; it takes effect at the next step boundary (a newer submit
-        replaces a queued one). Frozen fields raise `FrozenFieldChange` at once, and nothing is queued."""
+        replaces a queued one). Frozen fields raise `FrozenFieldChange` at once, and nothing is queued; so do
+        router-loss coefficients above 0 (`moe`) for a dense policy, which has no routers."""
         changed = frozen_field_changes(self._config, new)
+        if new.moe.on and getattr(self._trainables.policy, "router", None) is None:  # a dense policy
+            changed += [f"moe.{k}" for k in ("aux_loss_coef", "z_loss_coef") if getattr(new.moe, k) > 0]
         if changed:
             raise FrozenFieldChange(changed)
         with self._lock:

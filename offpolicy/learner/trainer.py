@@ -60,7 +60,7 @@ from offpolicy.learner.durability import Durability
 from offpolicy.learner.intake import Intake
 from offpolicy.learner.loop import run_loop
 from offpolicy.learner.metrics import LearnerMetrics, timed
-from offpolicy.learner.model import checkpoint_dtype, load_tokenizer
+from offpolicy.learner.model import checkpoint_dtype, load_tokenizer, moe
 from offpolicy.learner.model.precision import Precision
 from offpolicy.learner.model.reference import check_teacher_tokenizer
 from offpolicy.learner.persist import BackgroundWriter, Persistence
@@ -105,9 +105,11 @@ class Learner:
         """Where and how the learner trains, and its models (read through the properties below)."""
         self.metrics.start_way.labels(way=self.built.start_way).set(1)
         self.tokenizer = load_tokenizer(config.model_path)
+        replayed = config.moe.routing_replay == "rollout"  # groups without routed experts refused
         self.limits = ModelLimits(
             vocab_size=self.model.get_input_embeddings().num_embeddings,
             max_positions=self.model.config.max_position_embeddings,
+            routed=moe.replay_shape(self.built.parts.policy) if replayed else None,
         )
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         # --- experiment trackers (rank 0): the JSONL file, TensorBoard, W&B, MLflow as configured

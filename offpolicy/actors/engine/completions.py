@@ -29,6 +29,8 @@ class Completion:
     policy_mask: np.ndarray | None = (
         None  # bool[R]: False on an episode's environment tokens; None = all policy
     )
+    routed_experts: np.ndarray | None = None  # uint8|uint16[R, L, K] (engine.return_routed_experts)
+    num_experts: int | None = None  # experts per MoE layer, with `routed_experts`
 
 
 def _versions(c, n_tokens: int) -> np.ndarray | None:
@@ -46,9 +48,10 @@ def _versions(c, n_tokens: int) -> np.ndarray | None:
     return out
 
 
-def _completion(c, version: int | None = None) -> Completion:
+def _completion(c, version: int | None = None, routed: np.ndarray | None = None, experts: int | None = None):
     """Our `Completion` of vLLM's output `c`. `version` (LoRA: the request's adapter) stamps every token;
-    None = vLLM's weight-version spans do."""
+    None = vLLM's weight-version spans do. `routed`: its checked routed experts (engine/routing.py) of
+    a model of `experts` experts."""
     ids = np.asarray(c.token_ids, dtype=np.int32)  # (R,)
     flat = c.logprobs  # FlatLogprobs: with logprobs=0, exactly the sampled token at each position
     if len(ids) and (
@@ -64,4 +67,6 @@ def _completion(c, version: int | None = None) -> Completion:
         finish_reason=str(c.finish_reason),
         text=c.text,
         versions=versions,  # (R,) or None
+        routed_experts=routed,  # (rows, L, K) or None
+        num_experts=None if routed is None else experts,
     )

@@ -53,9 +53,17 @@ class RunView:
     def sampling_params(self, sampling: SamplingConfig, n: int | None = None, **overrides: Any) -> Any:
         return self.engine.sampling_params(sampling, n, **overrides)
 
-    async def generate_group(self, request_id: str, prompt_ids: Sequence[int], params: Any) -> list[Any]:
+    @property
+    def return_routed_experts(self) -> bool:
+        return self.engine.return_routed_experts
+
+    async def generate_group(
+        self, request_id: str, prompt_ids: Sequence[int], params: Any, routed_start: int | None = None
+    ) -> list[Any]:
         """One request of this run: it carries the run's newest adapter, its tokens that version."""
-        return await self.engine.generate_group(request_id, prompt_ids, params, run_id=self.run_id)
+        return await self.engine.generate_group(
+            request_id, prompt_ids, params, run_id=self.run_id, routed_start=routed_start
+        )
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         await self.engine.abort(request_ids)

@@ -45,16 +45,17 @@ from typing import Any, TypeVar
 import numpy as np
 
 from offpolicy.actors.config import EngineConfig, SamplingConfig
+from offpolicy.actors.engine import transfer as weight_transfer
 from offpolicy.actors.engine.adapters import Adapters, AdapterTable
 from offpolicy.actors.engine.completions import Completion, _completion
 from offpolicy.actors.engine.lora_serving import LoraServing
+from offpolicy.actors.engine.routing import capture_args, explain_refusal, routed_rows, with_start
 from offpolicy.actors.engine.run_view import RunView
+from offpolicy.actors.engine.transfer import STALL_GRACE_S as STALL_GRACE_S  # re-exported
 from offpolicy.actors.errors import EngineError, InvalidSampling, PromptFailed, WeightLoadError
 
 log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 1.0  # seconds vLLM's engine core and workers get to exit at shutdown, then killed
-STALL_GRACE_S = 5.0
-"""Seconds past a transfer's `timeout_s` after which a receive that has not returned counts as stalled."""
 T = TypeVar("T")
 
 
@@ -66,7 +67,10 @@ class VLLMEngine:
 
     Construct it in the main thread of a process whose entry point is guarded by
     `if __name__ == "__main__":` (vLLM spawns worker processes). `shutdown()` stops it by handle.
+    Weights through vLLM's weight-transfer engine: engine/transfer.py (the methods below call it).
     """
+
+    num_experts: int | None = None  # experts per MoE layer with engine.return_routed_experts; None: off
 
     def __init__(
         self,
@@ -99,6 +103,7 @@ class VLLMEngine:
                 "max_cpu_loras": config.lora.max_cpu_loras,
                 "fully_sharded_loras": config.lora.fully_sharded,
             }
+        routed, self.num_experts = capture_args(config.return_routed_experts, model_path)  # None: off
         self.config = config
         self.kind = "full" if config.lora is None else "lora"
         self.base_loads = 0  # weight loads into the base model (files or transfers) since start
@@ -116,11 +121,16 @@ class VLLMEngine:
             **({} if config.max_num_seqs is None else {"max_num_seqs": config.max_num_seqs}),
             **transfer,
             **lora,
+            **routed,
         )
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-async", daemon=True)
         self._thread.start()
-        self.llm = self.call(_start(AsyncLLM, args))  # built on its own loop, even when the caller runs
+        try:
+            self.llm = self.call(_start(AsyncLLM, args))  # built on its own loop, even when the caller runs
+        except ValueError as e:  # vLLM's config checks (pydantic's errors are ValueErrors)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            raise (explain_refusal(e) if routed else e) from e
         # one (the service's lifespan): AsyncLLM binds its output handler to the loop it is built in
         self.tokenizer = self.llm.get_tokenizer()
         self.loaded_version = initial_version
@@ -175,8 +185,18 @@ class VLLMEngine:
         except VLLMValidationError as e:  # translated: the parameter vLLM names, when it names one
             raise InvalidSampling(e.parameter or "sampling", str(e)) from e
 
+    @property
+    def return_routed_experts(self) -> bool:
+        """Whether completions carry routed experts (`engine.return_routed_experts`, engine/routing.py)."""
+        return self.num_experts is not None
+
     async def _generate(
-        self, request_id: str, prompt_ids: list[int], params, run_id: str | None = None
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params,
+        run_id: str | None = None,
+        routed_start: int | None = None,
     ) -> list[Completion]:
         from vllm.exceptions import VLLMError
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -187,6 +207,9 @@ class VLLMEngine:
         # the request's adapter's version, or its run's base version before any (None: full weights)
         version = None if adapters is None else adapters.base_version if adapter is None else adapter.version
         lora_request = None if adapter is None else adapter.request
+        start = max(len(prompt_ids) - 1, 0) if routed_start is None else routed_start
+        if self.num_experts is not None:  # row j: the forward that sampled response token j
+            params = with_start(params, start)
         try:
             async for out in self.llm.generate(
                 {"prompt_token_ids": prompt_ids}, params, request_id, lora_request=lora_request
@@ -201,15 +224,25 @@ class VLLMEngine:
                 self.lora.release(adapters, adapter, request_id)  # removed once superseded and unused
         if final is None:
             raise EngineError(f"request {request_id}: vLLM returned no output")
-        return [_completion(c, version) for c in final.outputs]
+        if self.num_experts is None:
+            return [_completion(c, version) for c in final.outputs]
+        e, p = self.num_experts, len(prompt_ids)
+        return [_completion(c, version, routed_rows(c, p, start, e), e) for c in final.outputs]
 
     async def generate_group(
-        self, request_id: str, prompt_ids: Sequence[int], params, run_id: str | None = None
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params,
+        run_id: str | None = None,
+        routed_start: int | None = None,
     ) -> list[Completion]:
         """The completions of one request (`params.n` of them, `finish_reason="abort"` when aborted); with
-        `run_id` (a pool's run, `add_run`), the request carries that run's newest adapter."""
+        `run_id` (a pool's run, `add_run`), the request carries that run's newest adapter. With
+        `engine.return_routed_experts` each carries its routed experts from prompt position
+        `routed_start` (None: the prompt's last, one row per sampled token; engine/routing.py)."""
         ids = np.asarray(prompt_ids).tolist()
-        return await self.acall(self._generate(request_id, ids, params, run_id))
+        return await self.acall(self._generate(request_id, ids, params, run_id, routed_start))
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests; their `generate_group` calls return what was sampled, marked `abort`."""
@@ -290,68 +323,19 @@ class VLLMEngine:
         """The engine process runs and the weights are known (False once either is lost)."""
         return self.broken is None and not self.llm.errored
 
-    # --- weights through vLLM's weight-transfer engine (actors/transport/)
+    # --- weights through vLLM's weight-transfer engine (actors/transport/): engine/transfer.py
 
     async def join_transfer(self, init_info: dict[str, Any], timeout_s: float) -> None:
-        """Join a transfer group (`init_weight_transfer_engine` on every worker), waiting at most
-        `timeout_s`; raises `WeightLoadError` (`transfer`)."""
-        try:
-            await self.acall(
-                self.llm.collective_rpc(
-                    "init_weight_transfer_engine", timeout=timeout_s, kwargs={"init_info": init_info}
-                )
-            )
-        except Exception as e:  # translated: the rendezvous fails in many ways (timeout, refused, shape)
-            raise WeightLoadError(self.loaded_version, "transfer", f"join: {type(e).__name__}: {e}") from e
+        await weight_transfer.join_transfer(self, init_info, timeout_s)
 
     async def discard_partial_loads(self, timeout_s: float | None = None) -> None:
-        """After a failed receive, before loading a file generation: the workers drop what the receive had
-        buffered for modules it had not filled (weights/engines/worker_ext.py)."""
-        await self.acall(self.llm.collective_rpc("offpolicy_discard_partial_loads", timeout=timeout_s))
+        await weight_transfer.discard_partial_loads(self, timeout_s)
 
     async def leave_transfer(self) -> None:
-        """Drop the transfer group (the engine keeps serving)."""
-        with contextlib.suppress(Exception):  # a broken group may not shut down cleanly; it is gone anyway
-            await self.acall(self.llm.collective_rpc("shutdown_weight_transfer_engine", timeout=30))
+        await weight_transfer.leave_transfer(self)
 
     async def receive_weights(self, update_info: Any, version: int, timeout_s: float) -> None:
-        """Receive `version` from the transfer group into the engine; then `loaded_version = version`.
-
-        Call it inside `paused()`. vLLM's three calls (`start_weight_update`, `update_weights`, which
-        receives, and `finish_weight_update`, which tags the version on the tokens sampled from now on),
-        then the prefix cache is reset as after a file load. Raises `WeightLoadError` (`transfer`): the
-        engine may then hold partly received weights, and the caller loads a file generation back.
-        `EngineError` when the calls have not returned `STALL_GRACE_S` after `timeout_s`: the engine is
-        blocked in the receive, marked broken, and the actor must end (its restart loads from files).
-        """
-        rpc = self.llm.collective_rpc
-        bound = timeout_s + STALL_GRACE_S
-        stall = asyncio.timeout(bound)
-        try:
-            # vLLM's one-process executor (TP=1) ignores collective_rpc's timeout: a receive stalled in a
-            # collective would hold this engine paused for good, so the wait is bounded here too
-            async with stall:
-                await self.acall(rpc("start_weight_update", timeout=timeout_s))
-                await self.acall(
-                    rpc("update_weights", timeout=timeout_s, kwargs={"update_info": update_info})
-                )
-                await self.acall(rpc("finish_weight_update", timeout=timeout_s))
-        except Exception as e:  # translated: a dead peer, a timeout, or a shape/dtype mismatch
-            if not stall.expired():
-                raise WeightLoadError(version, "transfer", f"{type(e).__name__}: {e}") from e
-            # the engine's worker is blocked in the receive: it cannot be reused
-            self.broken = (
-                f"the transfer of v{version} stalled for {bound:g} s inside the engine (a blocked collective "
-                "that vLLM's executor does not time out): the actor exits, and its restart loads the newest "
-                "file generation"
-            )
-            raise EngineError(self.broken) from e
-        await self.acall(self.llm.update_weight_version(str(version)))
-        if not await self.acall(self.llm.reset_prefix_cache(reset_running_requests=True)):
-            raise WeightLoadError(version, "engine", "vLLM refused to reset the prefix cache")
-        self.loaded_version = version
-        self.loaded_path = ""  # no folder holds exactly these weights (a restore must read a generation)
-        self.base_loads += 1
+        await weight_transfer.receive_weights(self, update_info, version, timeout_s)
 
     # --- LoRA adapters (engine.lora): `lora` owns them
 

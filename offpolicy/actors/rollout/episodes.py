@@ -21,6 +21,11 @@ The episode returns its reward (and metadata). `sampling.n` episodes of one prom
 form one group, pushed as soon as all are done, as single-turn groups are. `finish_reason` is the last
 policy turn's; an episode whose budget (`sampling.max_tokens` response tokens, the environment's
 included) runs out ends there: a message that does not fit is not added and later turns return "".
+
+With `engine.return_routed_experts` (MoE) each turn asks the engine for the routing of every position from
+where the episode's rows end (the first turn: from position 0), so the rows stay contiguous: the
+environment tokens between turns get the routing of the prefill that read them. The completion carries
+one row per response token (buffer/types.py `Trajectory.routed_experts`).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from offpolicy.actors.engine.chat import (
     render_messages,
     render_prompt,
 )
+from offpolicy.actors.engine.routing import filler
 from offpolicy.actors.engine.vllm import Completion
 from offpolicy.actors.errors import BudgetExceeded, ChatRequestError, RewardError
 
@@ -128,6 +134,8 @@ class Episode:
         self._behavior_logprobs: list[float] = []
         self._versions: list[int] = []
         self._policy: list[bool] = []
+        self._routed: list[np.ndarray] = []  # routed experts of positions 0.. (engine.return_routed_experts)
+        self._routed_len, self._num_experts = 0, None
         self._budget, self._version = budget, version
         self.finish_reason = "length"
         self.turns = 0
@@ -178,8 +186,14 @@ class Episode:
     async def _sample(self, params: Any) -> str:
         """One policy turn with `params` (built and checked by the caller), recorded."""
         request, t0 = f"episode-{next(_ids)}", time.perf_counter()
-        (out,) = await self._engine.generate_group(request, self.tokens, params)
+        routing = getattr(self._engine, "return_routed_experts", False)
+        kw = {"routed_start": self._routed_len} if routing else {}  # contiguous rows (module docstring)
+        (out,) = await self._engine.generate_group(request, self.tokens, params, **kw)
         self.engine_seconds_last = time.perf_counter() - t0
+        if routing and out.routed_experts is not None:  # positions routed_len.. (len(tokens) + R - 2)
+            self._routed.append(out.routed_experts)
+            self._routed_len += len(out.routed_experts)
+            self._num_experts = out.num_experts
         self.last_turn = out
         self._ids += out.token_ids.tolist()
         self._behavior_logprobs += out.behavior_logprobs.tolist()
@@ -287,8 +301,23 @@ class Episode:
         the template's prompt for the next assistant turn: environment tokens."""
         self.add_tokens(render_message(self._tokenizer, role, content))
 
+    def routed_rows(self, first: int, count: int) -> np.ndarray | None:
+        """Routed experts of the `count` positions from `first` (uint8|uint16[count, L, K]); the rows no
+        forward computed (a negative position, or past the last turn) are `routing.filler`. None without
+        routing."""
+        if not self._routed:
+            return None
+        rows = np.concatenate(self._routed)  # (routed_len, L, K)
+        _, layers, top_k = rows.shape
+        lo, hi = max(first, 0), min(first + count, len(rows))
+        parts = [filler(lo - first, layers, top_k, rows.dtype), rows[lo:hi]]
+        parts.append(filler(count - (lo - first) - max(hi - lo, 0), layers, top_k, rows.dtype))
+        return np.concatenate(parts)  # (count, L, K)
+
     def completion(self) -> Completion:
-        """The episode as one completion: every response token, with the policy mask."""
+        """The episode as one completion: every response token, with the policy mask (and, with routing,
+        the routed experts of every response token)."""
+        routed = self.routed_rows(len(self._prompt) - 1, len(self._ids))
         mask = np.array(self._policy, dtype=bool)
         return Completion(
             token_ids=np.array(self._ids, dtype=np.int32),
@@ -297,6 +326,8 @@ class Episode:
             text=self._tokenizer.decode([t for t, p in zip(self._ids, self._policy, strict=True) if p]),
             versions=np.array(self._versions, dtype=np.int32),
             policy_mask=None if mask.all() else mask,
+            routed_experts=routed,  # (R, L, K) or None
+            num_experts=None if routed is None else self._num_experts,
         )
 
 
@@ -334,6 +365,8 @@ def group_completions(episodes: Sequence[Episode]) -> tuple[np.ndarray, list[Com
                 text=c.text,
                 versions=np.concatenate([np.full(len(extra), ep.version, np.int32), versions]),
                 policy_mask=mask,
+                routed_experts=ep.routed_rows(shared - 1, len(extra) + len(c.token_ids)),  # (R', L, K)
+                num_experts=c.num_experts,
             )
         completions.append(c)
     return np.asarray(prompts[0][:shared], dtype=np.int32), completions

@@ -83,6 +83,10 @@ def make_group(
     return stamp_group(prompt, prompt_ids, completions, rewards, policy_version, actor_id, sampling)
 
 
+def _routed(c: Completion) -> np.ndarray | None:
+    return getattr(c, "routed_experts", None)  # (R, L, K) or None
+
+
 def stamp_group(
     prompt: Prompt,
     prompt_ids: np.ndarray,
@@ -94,7 +98,7 @@ def stamp_group(
 ) -> TrajectoryGroup:
     """The group of one prompt's scored completions. `policy_version` is the engine's version when the
     prompt was admitted; tokens the engine stamped with their own versions override it (the group gets the
-    oldest)."""
+    oldest). Their routed experts (`engine.return_routed_experts`) go with them."""
     oldest, versions = token_versions(completions, policy_version)
     return TrajectoryGroup(
         group_id=uuid.uuid4().hex,
@@ -105,10 +109,11 @@ def stamp_group(
         created_at=time.time(),
         sampling=sampling,
         trajectories=[
-            Trajectory(c.token_ids, c.behavior_logprobs, r, c.finish_reason, v, c.policy_mask)
+            Trajectory(c.token_ids, c.behavior_logprobs, r, c.finish_reason, v, c.policy_mask, _routed(c))
             for c, r, v in zip(completions, rewards, versions, strict=True)
         ],
         metadata=dict(prompt.metadata),
+        num_experts=next((c.num_experts for c in completions if _routed(c) is not None), None),
     )
 
 

@@ -26,6 +26,7 @@ from offpolicy.learner.config.models import (
     ReferenceConfig,
     TeacherConfig,
 )
+from offpolicy.learner.config.moe import MoeConfig
 from offpolicy.learner.config.priorities import PrioritiesConfig
 from offpolicy.learner.config.publish import CheckpointConfig, PublishConfig
 from offpolicy.learner.config.screening import ScreeningConfig
@@ -178,6 +179,9 @@ class LearnerConfig(ConfigModel):
     lora: LoraConfig | None = Field(None, json_schema_extra=FROZEN)
     """Train a LoRA adapter on the frozen base model instead of the full weights, and publish only the
     adapter (docs/lora.md); None = full weights."""
+    moe: MoeConfig = MoeConfig()
+    """A mixture-of-experts policy's router losses (load balancing, z-loss); off by default, refused above 0
+    for a dense policy (docs/learner.md "MoE models")."""
     entropy_coeff: float = Field(0.0, ge=0.0)
     """Weight of the entropy bonus subtracted from the policy loss (`pg_loss - entropy_coeff * entropy`,
     the entropy of the policy's distribution at each trained token, at its temperature, aggregated with

@@ -67,6 +67,13 @@ class FsdpConfig(ConfigModel):
     all-gathers and reduce-scatters then stay inside a node; only the gradient all-reduce crosses) and
     a node's GPUs hold the model's shards. 1 = one flat mesh over every rank (the least memory per rank).
     Must divide the world size."""
+    expert_parallel: int = Field(1, ge=1, json_schema_extra=FROZEN)
+    """Expert parallelism (EP) for a mixture-of-experts policy: each MoE layer's routed experts are cut
+    over groups of this many consecutive ranks (each rank computes E / ep experts; tokens travel to their
+    experts' ranks with all-to-all) and FSDP2 shards them over the N / ep groups; every other parameter
+    is sharded over all ranks as before. Must divide the world size and the model's experts per layer;
+    > 1 is refused for a dense model and with `replicate` > 1 or `cpu_offload`. 1 = no EP (FSDP2 gathers
+    every expert of a layer for its compute). learner/distributed/expert_parallel.py."""
     grad_sync: Literal["auto", "mini_batch", "micro_batch"] = Field("auto", json_schema_extra=FROZEN)
     """When the ranks reduce gradients. `mini_batch`: once per optimizer step, after its last micro-batch
     (every rank holds the unsharded gradients between, in fp32: 4 bytes x parameters, the critic's

@@ -25,6 +25,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from offpolicy.learner.distributed import expert_parallel as expert_parallel_
+
 if TYPE_CHECKING:
     from offpolicy.learner.distributed.ranks import Ranks
     from offpolicy.learner.model.precision import Precision
@@ -72,9 +74,12 @@ def shard(
     precision: Precision,
     cpu_offload: bool,
     mesh: DeviceMesh | None = None,
+    expert_parallel: int = 1,
 ) -> nn.Module:
     """`fully_shard` each decoder layer of `root`, then `root` itself (in place; returned), over `mesh`
-    (`fsdp_mesh`; None = every rank, one dimension)."""
+    (`fsdp_mesh`; None = every rank, one dimension). `expert_parallel` > 1: a MoE model's experts are
+    first cut over ep groups of that many ranks and sharded over the rest (distributed/expert_parallel.py;
+    checked there: `fsdp.expert_parallel` must divide the ranks and the experts)."""
     kwargs: dict = {} if mesh is None else {"mesh": mesh}
     if precision.compute_dtype is not None:  # bf16_mixed: bf16 compute copies, fp32 masters and reduction
         kwargs["mp_policy"] = MixedPrecisionPolicy(
@@ -82,6 +87,14 @@ def shard(
         )
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    if expert_parallel > 1:
+        modules = expert_parallel_.experts_modules(root)
+        expert_parallel_.check(
+            expert_parallel, dist.get_world_size(), modules[0].num_experts if modules else 0,
+            replicate=1 if mesh is None else mesh.size(0), cpu_offload=cpu_offload,
+        )  # fmt: skip
+        expert_kwargs = {k: v for k, v in kwargs.items() if k != "mesh"}  # the experts' mesh is their own
+        expert_parallel_.shard_experts(root, expert_parallel, expert_parallel_.rank_device(), expert_kwargs)
     for layer in decoder_layers(root, num_layers):
         fully_shard(layer, **kwargs)
     fully_shard(root, **kwargs)
@@ -109,10 +122,17 @@ def loss_scale(ranks: Ranks) -> float:
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Clip to `max_norm` by the total norm over every rank's shards; returns that norm (a plain tensor)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()  # the shards' norms reduced across the ranks
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    """Clip to `max_norm` by the total norm over every rank's shards; returns that norm (a plain tensor).
+    The gradients are normed per device mesh (expert parallelism's experts live on a mesh of their own)."""
+    by_mesh: dict[object, list[nn.Parameter]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # reduced across the ranks
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total

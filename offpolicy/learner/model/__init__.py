@@ -1,12 +1,17 @@
 """What the learner trains on: loading a Hugging Face causal LM, its attention kernels on packed rows, the
 policy's forward (log-probs of the sampled tokens through the fused LM head), the GAE critic, numerical
-precision, and the tiny local model of the quickstart and tests."""
+precision, mixture-of-experts models (model/moe.py), and the tiny local models of the quickstart and tests."""
 
 from offpolicy.learner.model.critic import ValueModel
 from offpolicy.learner.model.load import checkpoint_dtype, load_model, load_tokenizer, unique_state
 from offpolicy.learner.model.policy import LogProbs, response_hidden_states, token_logprobs
 from offpolicy.learner.model.precision import Precision, PrecisionName, pick_device
-from offpolicy.learner.model.tiny import build_char_tokenizer, make_tiny_model, sample_completions
+from offpolicy.learner.model.tiny import (
+    build_char_tokenizer,
+    make_tiny_model,
+    make_tiny_moe_model,
+    sample_completions,
+)
 
 __all__ = [
     "LogProbs",
@@ -18,6 +23,7 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "make_tiny_model",
+    "make_tiny_moe_model",
     "pick_device",
     "response_hidden_states",
     "sample_completions",

@@ -28,6 +28,13 @@ from torch import nn
 
 from offpolicy.learner.model.attention import packed_kwargs
 from offpolicy.learner.model.head import head_logprobs
+from offpolicy.learner.model.moe import (
+    RouterLogits,
+    experts_per_token,
+    forward_routes,
+    response_routes,
+    router_losses,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -38,17 +45,51 @@ if TYPE_CHECKING:
 
 class LogProbs(nn.Module):
     """`forward(batch, chunk_tokens, packed, entropy)` = `token_stats(lm, ..., head=head)`: (log-probs
-    (B, R), entropy (B, R) or None); `head` = `fused` (learner/model/head.py) or `chunked`."""
+    (B, R), entropy (B, R) or None); `head` = `fused` (learner/model/head.py) or `chunked`.
 
-    def __init__(self, lm: nn.Module, head: LogprobHead = "fused") -> None:
+    `router` (an MoE policy: model/moe.py `RouterLogits` of `lm`): each forward with gradients also leaves
+    its router losses in `router_losses` ((load balancing, z-loss), 0-d fp32 tensors in the graph), read
+    by the loss right after (learner/rl/update.py); None after a pass without gradients or for a dense
+    policy. The log-prob path is the same either way.
+
+    Routing replay (model/moe.py `RouterLogits`): a batch's `replay_experts` are replayed, else its
+    `routed_experts` (the rollout's) only compared; `router_agreement` is then (2,) long (token-layers whose
+    own top-k equals the given one, token-layers with a row) after each forward, else None. With
+    `recording` True, each forward leaves its own choices in `routes` ((b, R, L, K) long), else None."""
+
+    def __init__(
+        self, lm: nn.Module, head: LogprobHead = "fused", router: RouterLogits | None = None
+    ) -> None:
         super().__init__()
         self.lm = lm
         self.logprob_head = head
+        self.router = router
+        self.router_losses: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.router_agreement: torch.Tensor | None = None
+        self.recording = False
+        self.routes: torch.Tensor | None = None
 
     def forward(
         self, batch: Batch, chunk_tokens: int, packed: bool = False, entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return token_stats(self.lm, batch, chunk_tokens, packed, entropy, self.logprob_head)
+        self.router_losses = self.router_agreement = self.routes = None
+        if self.router is None:
+            return token_stats(self.lm, batch, chunk_tokens, packed, entropy, self.logprob_head)
+        given = batch.replay_experts if batch.replay_experts is not None else batch.routed_experts
+        flat = None if given is None else forward_routes(batch, given.to(batch.input_ids.device), packed)
+        self.router.set_routes(flat, batch.replay_experts is not None)  # kept for the backward's recompute
+        with self.router.counting(self.recording):
+            if not torch.is_grad_enabled():
+                out = token_stats(self.lm, batch, chunk_tokens, packed, entropy, self.logprob_head)
+            else:
+                with self.router.collect() as logits:  # one (T, E) per sparse layer
+                    out = token_stats(self.lm, batch, chunk_tokens, packed, entropy, self.logprob_head)
+                mask = None if packed else batch.attention_mask.reshape(-1)  # (B * L,): padded layout's
+                self.router_losses = router_losses(logits, experts_per_token(self.lm.config), mask)
+        self.router_agreement = self.router.agreement
+        if self.recording:
+            self.routes = response_routes(self.router.record or [], batch, packed)
+        return out
 
 
 # --- the packed layout

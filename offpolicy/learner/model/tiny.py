@@ -1,4 +1,5 @@
-"""The tiny local model of the quickstart, tests and benchmarks: a random Llama and a character tokenizer.
+"""The tiny local models of the quickstart, tests and benchmarks: a random Llama (or a random Qwen3-MoE:
+`make_tiny_moe_model`) and a character tokenizer.
 
 The tiny model is a random Llama (hidden 128, 2 layers, 2 heads of head_dim 64, the smallest head size the
 vLLM CPU attention backend accepts) with a character-level tokenizer, saved with `save_pretrained` so that
@@ -13,7 +14,14 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
 # Printable ASCII without \r, \v and \f (newline and tab kept): 97 characters.
@@ -90,6 +98,58 @@ def make_tiny_model(
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def make_tiny_moe_model(
+    out_dir: str | Path,
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    num_experts: int = 4,
+    experts_per_token: int = 2,
+    moe_intermediate_size: int = 64,
+    max_position_embeddings: int = 1024,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> Path:
+    """Write a tiny random Qwen3-MoE (every layer sparse: `num_experts` experts, top-`experts_per_token`
+    routing with the top-k weights renormalised, head_dim 64 as vLLM's CPU backend needs) and the character
+    tokenizer to `out_dir`; return the folder. `save_pretrained` writes the Hugging Face checkpoint layout
+    (one tensor per expert and projection), which transformers and vLLM both load."""
+    head_dim = hidden_size // num_heads
+    if head_dim not in (64, 128):
+        raise ValueError(f"head_dim = hidden_size / num_heads = {head_dim}; vLLM on CPU needs 64 or 128")
+    if not 1 <= experts_per_token <= num_experts:
+        raise ValueError(f"experts_per_token={experts_per_token} must lie in [1, num_experts={num_experts}]")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_char_tokenizer()
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,  # the dense MLP of `mlp_only_layers` (none here)
+        moe_intermediate_size=moe_intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        head_dim=head_dim,
+        num_experts=num_experts,
+        num_experts_per_tok=experts_per_token,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        max_position_embeddings=max_position_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+        dtype=dtype,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config).to(getattr(torch, dtype))
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out

@@ -53,6 +53,8 @@ from offpolicy.learner.model.lora import (
     is_adapter_name,
     published_name,
 )
+from offpolicy.learner.model.moe import is_moe
+from offpolicy.learner.model.moe_names import checkpoint_entries, to_checkpoint
 from offpolicy.learner.persist.safetensors_io import (
     Arrivals,
     Entry,
@@ -228,6 +230,8 @@ def write_version(snap: WeightsSnapshot, weights_dir: str | Path, max_shard_byte
 def _write_folder(snap: WeightsSnapshot, tmp: Path, max_shard_bytes: int) -> None:
     """Write the files of `snap` and their manifest into the new folder `tmp` (fsynced)."""
     stream = snap.tensors if isinstance(snap.tensors, TensorStream) else TensorStream.whole(snap.tensors)
+    if snap.adapter is None and is_moe(snap.config):  # fused experts written per expert, as checkpoints are
+        stream = _checkpoint_layout(stream, snap.config)
     arrivals = Arrivals(stream.chunks)
     try:
         tmp.parent.mkdir(parents=True, exist_ok=True)
@@ -244,6 +248,17 @@ def _write_folder(snap: WeightsSnapshot, tmp: Path, max_shard_bytes: int) -> Non
         files |= _write_model_files(tmp, snap, files)
     write_small(tmp / MANIFEST, encode_manifest(manifest_doc(snap.version, files)))
     fsync_dir(tmp)
+
+
+def _checkpoint_layout(stream: TensorStream, config: PretrainedConfig) -> TensorStream:
+    """`stream` under the MoE checkpoint's names (learner/model/moe_names.py): each fused expert tensor as
+    one tensor per expert, split in its chunk as it arrives."""
+    entries = [
+        (n, shape, dtype)
+        for name, shape, dtype in stream.entries
+        for n, shape in checkpoint_entries(name, shape, config)
+    ]
+    return TensorStream(entries, (to_checkpoint(chunk, config) for chunk in stream.chunks))
 
 
 def _write_weights(

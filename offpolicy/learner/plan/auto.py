@@ -102,11 +102,12 @@ def choose(
     precision = config.precision or ("bf16_mixed" if cuda else "fp32")
     stream = activation_precision(precision, sharded or config.lora is not None)
     compiled = compiles(config, cuda, sharded)
+    ep = config.fsdp.expert_parallel if sharded else 1  # the mesh's expert-parallel size (one process: 1)
 
     def largest(layers: int | None) -> int:  # tokens that fit beside the fixed parts (None: no-grad)
         if limit is None:
             return DEFAULT_TOKENS
-        fixed = estimate(config, shape, ranks, sharded, 0, cuda, reference, tokens=0, teacher=teacher)
+        fixed = estimate(config, shape, ranks, sharded, 0, cuda, reference, tokens=0, teacher=teacher, ep=ep)
         kept = token_bytes(shape, stream, layers, compiled)
         layer = 0 if layers is None else shape.in_flight_bytes(stream, layers > 0, compiled)
         room = limit - fixed.total + fixed.lm_head_chunk  # the head's chunk, or a layer in flight
@@ -130,7 +131,7 @@ def choose(
     elif no_grad == "auto":
         no_grad = tokens if limit is None else max(tokens, largest(None))
     tokens_planned = tokens if config.packing else None
-    plan = estimate(config, shape, ranks, sharded, layers, cuda, reference, tokens_planned, teacher)
+    plan = estimate(config, shape, ranks, sharded, layers, cuda, reference, tokens_planned, teacher, ep=ep)
     return Settings(layers, tokens, no_grad, plan, shape.layers, compiled)
 
 

@@ -1,7 +1,8 @@
 """The host memory plan of a learner node, estimated before any weight is loaded, and refused at start when
 it exceeds the container's memory limit (its cgroup's `memory.max`).
 
-Per rank, for P parameters sharded over S ranks (FSDP2; S = 1 on one process):
+Per rank, for P parameters sharded over S ranks (FSDP2; S = 1 on one process; a mixture-of-experts model's
+P counts every expert, learner/plan/shape.py `total`: each is checkpointed, published and offloaded):
 
 - `process`: CUDA context, Python, NCCL, the libraries: 4 GiB (`PROCESS_BYTES`).
 - `startup`: what the build reads before the weights are on the device: lean start, the rank's fp32 shards

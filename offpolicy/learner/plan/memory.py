@@ -38,6 +38,19 @@ under FSDP, 1 on one process):
 - the teacher of on-policy distillation (`teacher.model_path` set): counted as the reference is, with its
   own shape and `teacher.cpu_offload`.
 
+Mixture-of-experts models (`ModelShape.moe`, read from config.json by learner/plan/shape.py): P is every
+parameter, the routed experts' E of them included, so the weights, gradients and AdamW state are P as
+above, the experts' share E / N per rank (`expert_state`). `ep` (expert parallelism, default 1) divides
+each MoE layer's experts over `ep` ranks and FSDP shards them over the N / ep ranks of each group: the
+state per rank is E / N still, but the layer FSDP gathers for its compute copies holds its experts / ep
+(with ep = 1, every expert of two decoder layers: 2 x 3 x h x i_e x experts each). Activations per token of
+a MoE layer: the MLP term counted on the width a token passes through (top_k x `moe_intermediate_size` +
+the shared experts'), plus the routing: the router's logits in the compute dtype and its fp32
+probabilities (experts per token) and the routed copies of the token, into the experts and out of them
+(2 x top_k x h in the stream's dtype); dense layers of the same model (DeepSeek's first ones) as above; the
+routing's part is counted from what the experts' backward needs, not yet measured with hooks as the dense
+coefficients were.
+
 Deliberately simple: an estimate for decoder-only transformers (coefficients measured with
 saved-tensor hooks on Llama and Qwen3 layers), not a measurement (no allocator fragmentation, no NCCL
 buffers beyond the 10 % headroom). `check` refuses a plan above 90 % of the device's memory (or
@@ -56,6 +69,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from offpolicy.learner.config import LearnerConfig
 from offpolicy.learner.config.lora import LoraConfig
 from offpolicy.learner.errors import MemoryPlanError
+from offpolicy.learner.plan.shape import Experts, count, experts_of, text_config
 
 HEADROOM = 0.9
 """The share of the device's memory a plan may use (the rest: CUDA context, NCCL, fragmentation)."""
@@ -78,6 +92,15 @@ class ModelShape:
     kv_width: int = 0  # key/value heads x head_dim; 0 = hidden
     qk_norm: bool = False  # per-head RMSNorm of queries and keys (Qwen3)
     adapter: int = 0  # the LoRA adapter's parameters (`lora` set; `adapter_params`); 0 = none
+    moe: Experts | None = None  # the mixture-of-experts part (plan/shape.py); None = a dense model
+    expert_params: int = 0  # the routed experts' parameters, all layers (part of `params`)
+    active: int = 0  # parameters a token passes through (plan/shape.py); 0 = `params` (dense)
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token passes through: all of a dense model's; a MoE's but the routed experts
+        it is not sent to."""
+        return self.active or self.params
 
     @classmethod
     def of(cls, hf: PretrainedConfig, lora: LoraConfig | None = None) -> ModelShape:
@@ -89,17 +112,61 @@ class ModelShape:
         params, names = sum(p.numel() for p in named.values()), list(named)
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        moe, experts, active = experts_of(hf.to_dict()), 0, 0
+        if moe is not None:  # the experts counted from the config, the total on the meta device
+            counts = count(hf.to_dict())
+            experts, active = counts.experts, params - (counts.total - counts.active)
         return cls(
             params, hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers, hf.vocab_size,
             hf.max_position_embeddings, hf.num_attention_heads * head_dim, kv_heads * head_dim,
             any(n.endswith("q_norm.weight") for n in names),
-            0 if lora is None else adapter_params(model, lora),
+            0 if lora is None else adapter_params(model, lora), moe, experts, active,
         )  # fmt: skip
 
-    def layer_bytes(self, precision: str, compiled: bool = False) -> int:
+    @classmethod
+    def of_dict(cls, config: dict) -> ModelShape:
+        """The shape of a config.json dict, counted by plan/shape.py (no transformers, nothing built; no
+        LoRA adapter): what deploy/sizing.py plans a model by."""
+        c, counts = text_config(config), count(config)
+        heads, h = c["num_attention_heads"], c["hidden_size"]
+        head_dim = c.get("head_dim") or h // heads
+        kv = (c.get("num_key_value_heads") or heads) * head_dim
+        if c.get("kv_lora_rank"):  # MLA: per head q and k of nope + rope, v of v_head_dim (kv: their mean)
+            qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+            kv = heads * (qk + c["v_head_dim"]) // 2
+        q = heads * (c["qk_nope_head_dim"] + c["qk_rope_head_dim"] if c.get("kv_lora_rank") else head_dim)
+        return cls(
+            counts.total, h, c.get("intermediate_size") or 0, c["num_hidden_layers"], c["vocab_size"],
+            c["max_position_embeddings"], q, kv, c.get("model_type") in ("qwen3", "qwen3_moe"), 0,
+            counts.moe, counts.experts, counts.active if counts.moe else 0,
+        )  # fmt: skip
+
+    def gathered_layer_params(self, ep: int = 1) -> int:
+        """The parameters of the decoder layer FSDP gathers whole (its compute copy): the layers' mean for a
+        dense model; for a MoE one, the mean of the rest and one MoE layer's routed experts / `ep`."""
+        body = self.params - 2 * self.vocab * self.hidden
+        if self.moe is None:
+            return body // self.layers
+        return (body - self.expert_params) // self.layers + self.expert_params // (self.moe.moe_layers * ep)
+
+    def layer_bytes(self, precision: str, compiled: bool = False, largest: bool = False) -> int:
         """Bytes one decoder layer keeps for the backward pass per token (module docstring); `compiled`:
-        the layer under `compile_layers` (inductor's partitioner keeps fewer of them)."""
-        h, i = self.hidden, self.intermediate
+        the layer under `compile_layers` (inductor's partitioner keeps fewer of them). A MoE model's
+        layers differ: their mean (rounded up), or with `largest` the largest."""
+        if self.moe is None:
+            return self.mlp_layer_bytes(self.intermediate, precision, compiled)
+        elt = 4 if precision == "fp32" else 2  # the stream's dtype
+        routing = self.moe.routed * (elt + 4) + 2 * self.moe.top_k * self.hidden * elt
+        sparse = self.mlp_layer_bytes(self.moe.active_width, precision, compiled) + routing
+        dense_layers = self.layers - self.moe.moe_layers
+        dense = self.mlp_layer_bytes(self.moe.dense_width, precision, compiled) if dense_layers else 0
+        if largest:
+            return max(sparse, dense)
+        return -(-(self.moe.moe_layers * sparse + dense_layers * dense) // self.layers)
+
+    def mlp_layer_bytes(self, i: int, precision: str, compiled: bool = False) -> int:
+        """`layer_bytes` of a decoder layer whose MLP a token passes through is `i` wide."""
+        h = self.hidden
         q, kv = self.q_width or h, self.kv_width or h
         norm = self.qk_norm
         if compiled and precision in ("bf16_mixed", "bf16_pure"):
@@ -117,8 +184,9 @@ class ModelShape:
         saved tensors already counted in the activations) the gradients it makes on the way, the
         residual's and the MLP's."""
         if recomputed:
-            return self.layer_bytes(precision, compiled)
-        return 8 * self.hidden + 4 * self.intermediate
+            return self.layer_bytes(precision, compiled, largest=True)
+        width = self.intermediate if self.moe is None else max(self.moe.active_width, self.moe.dense_width)
+        return 8 * self.hidden + 4 * width
 
 
 def adapter_params(model: torch.nn.Module, lora: LoraConfig) -> int:
@@ -171,13 +239,17 @@ def estimate(
     reference: ModelShape | None = None,
     tokens: int | None = None,
     teacher: ModelShape | None = None,
+    ep: int = 1,
 ) -> MemoryPlan:
     """The memory plan of one of `ranks` ranks training `shape` (`sharded`: FSDP2 over the ranks) on
     micro-batches of `tokens` tokens (None = `micro_batch_tokens`, `DEFAULT_TOKENS` for `auto`; padded
     rows: `micro_batch_size` rows at the model's context length); the KL loss's reference is of shape
     `reference` (None = `shape`), the distillation teacher of shape `teacher` (None = `shape`).
     `checkpointing`: the number of checkpointed decoder layers, or True (`checkpoint_layers`, else all of
-    them) / False (none)."""
+    them) / False (none). `ep`: the expert-parallel size of a MoE model (module docstring; a divisor of
+    `ranks`, sharded)."""
+    if ep != 1 and (shape.moe is None or not sharded or ranks % ep):
+        raise ValueError(f"ep {ep}: expert parallelism needs a MoE model sharded over a multiple of ep ranks")
     precision = config.precision or ("bf16_mixed" if cuda else "fp32")
     master = 2 if precision == "bf16_pure" else 4
     compute = 4 if precision == "fp32" else 2
@@ -194,7 +266,7 @@ def estimate(
     if precision != "bf16_mixed":
         copies = 0
     elif sharded:
-        layer = (shape.params - 2 * shape.vocab * shape.hidden) // shape.layers
+        layer = shape.gathered_layer_params(ep)
         copies = 2 * (2 * layer + 2 * shape.vocab * shape.hidden)
     else:  # autocast's bf16 copies of the fp32 weights (under LoRA: of the adapter and the critic alone)
         copies = 2 * (critic + shape.adapter if lora else params)
@@ -221,6 +293,21 @@ def estimate(
         layer_in_flight=tokens * shape.in_flight_bytes(stream, layers > 0, compiled),
         teacher=teacher_device,
     )
+
+
+def expert_state(
+    config: LearnerConfig, shape: ModelShape, ranks: int, sharded: bool, cuda: bool
+) -> dict[str, int]:
+    """The routed experts' part of `estimate`'s weights, gradients and optimizer on one rank, in bytes (the
+    same under any `ep`: E / N per rank); in host memory under `fsdp.cpu_offload`. All 0 for a dense model.
+    Under LoRA the experts are frozen: weights in the compute dtype, no gradients or moments."""
+    precision = config.precision or ("bf16_mixed" if cuda else "fp32")
+    master, compute = (2 if precision == "bf16_pure" else 4), (4 if precision == "fp32" else 2)
+    share = ranks if sharded else 1
+    lora = config.lora is not None
+    trained = 0 if lora else shape.expert_params * master // share
+    weights = shape.expert_params * (compute if lora else master) // share
+    return {"weights": weights, "gradients": trained, "optimizer": 2 * trained}
 
 
 def compiles(config: LearnerConfig, cuda: bool, sharded: bool) -> bool:
@@ -256,7 +343,7 @@ def token_bytes(
     all) only their input; None: a pass without gradients, which keeps one layer's working set alone (its
     eager one: an upper bound); and the states outside the layers."""
     if checkpointed is None:
-        return shape.layer_bytes(stream) + 11 * shape.hidden
+        return shape.layer_bytes(stream, largest=True) + 11 * shape.hidden
     k = shape.layers if checkpointed is True else int(checkpointed)
     layer_input = shape.hidden * (2 if stream == "bf16_pure" else 4)
     saved = shape.layer_bytes(stream, compiled)

@@ -123,14 +123,19 @@ def grad_off(ranks: Ranks) -> contextlib.AbstractContextManager:
 
 
 def rows_forward(
-    fn: Callable[[Batch], torch.Tensor], batch: Batch, cfg: LearnerConfig, ranks: Ranks = SINGLE
+    fn: Callable[[Batch], torch.Tensor],
+    batch: Batch,
+    cfg: LearnerConfig,
+    ranks: Ranks = SINGLE,
+    trailing: tuple[int, ...] = (),
 ) -> torch.Tensor:
     """`fn` (a (b, r) result per micro-batch: log-probs, values) over the whole batch, (B, R): each rank
     runs its share, the results are summed across ranks (exact: the other rows are zeros). Packed, its
-    micro-batches hold `no_grad_micro_batch_tokens` (no activations are kept: larger than training's)."""
+    micro-batches hold `no_grad_micro_batch_tokens` (no activations are kept: larger than training's).
+    `trailing`: the dims of each result after (b, r) (the result is then (B, R, *trailing))."""
     width = batch.response_ids.shape[1]
     rows = torch.arange(batch.num_rows, device=batch.response_ids.device)
-    out = torch.zeros(batch.num_rows, width, device=rows.device)  # a normal tensor: the loss reads it
+    out = torch.zeros(batch.num_rows, width, *trailing, device=rows.device)  # a normal tensor: loss reads it
     budget = cfg.no_grad_micro_batch_tokens
     for mb_rows in rank_micro_batches(batch, rows, cfg, ranks, budget if isinstance(budget, int) else None):
         with grad_off(ranks):

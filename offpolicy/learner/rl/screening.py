@@ -32,10 +32,13 @@ class Rejection:
 
 @dataclass(frozen=True, slots=True)
 class ModelLimits:
-    """What the model accepts: ids in [0, vocab_size), at most `max_positions` tokens per sequence."""
+    """What the model accepts: ids in [0, vocab_size), at most `max_positions` tokens per sequence; with
+    `routed` ((sparse layers, top-k): `moe.routing_replay: rollout`) every trajectory's `routed_experts` of
+    that shape, a group without them refused rather than trained unreplayed."""
 
     vocab_size: int
     max_positions: int
+    routed: tuple[int, int] | None = None
 
 
 def _check(group: TrajectoryGroup, limits: ModelLimits) -> tuple[str, str] | None:
@@ -65,6 +68,15 @@ def _check(group: TrajectoryGroup, limits: ModelLimits) -> tuple[str, str] | Non
         if prompt.size + ids.size > limits.max_positions:
             total = f"prompt {prompt.size} + response {ids.size} tokens"
             return f"{where}.response_ids", f"{total} exceed the model's {limits.max_positions} positions"
+        if limits.routed is not None:
+            if t.routed_experts is None:
+                return (
+                    f"{where}.routed_experts",
+                    "none: moe.routing_replay=rollout replays the rollout's experts",
+                )
+            if tuple(t.routed_experts.shape[1:]) != limits.routed:
+                got = tuple(t.routed_experts.shape[1:])
+                return f"{where}.routed_experts", f"(layers, top_k) {got}, the policy routes {limits.routed}"
     return None
 
 

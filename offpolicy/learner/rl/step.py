@@ -14,6 +14,7 @@ from offpolicy.learner.batch import Batch, collate, token_staleness
 from offpolicy.learner.correction import compute_rollout_correction
 from offpolicy.learner.distributed.ranks import all_reduce_sum, reduce_means
 from offpolicy.learner.metrics import metric_sums, timed
+from offpolicy.learner.rl import routing
 from offpolicy.learner.rl.advantages import compute_advantages, distill, gae, grpo, token_rewards
 from offpolicy.learner.rl.context import StepContext, StepResult
 from offpolicy.learner.rl.dynamic_sampling import truncated_rows
@@ -35,6 +36,7 @@ def train_on(ctx: StepContext, groups: list, phases: dict[str, float]) -> StepRe
         if cfg.screening.overlong == "filter":  # no loss on truncated completions (dynamic_sampling.py)
             kept = ~truncated_rows(groups).to(ctx.device)  # (B,)
             batch.response_mask = batch.response_mask * kept.unsqueeze(-1)  # (B, R)
+        routing.choose(cfg, batch)  # MoE routing replay: the rollout's choices (R3), or pi_old's below (R2)
         staleness = ctx.version - batch.policy_versions  # (B,)
         tokens = batch.response_mask.sum()
     host: dict[str, float] = {}
@@ -43,6 +45,10 @@ def train_on(ctx: StepContext, groups: list, phases: dict[str, float]) -> StepRe
     with timed(phases, "old_logprob"):
         if rc.bypass_mode:
             batch.old_log_probs = batch.behavior_logprobs
+        elif cfg.moe.routing_replay == "old":  # R2: pi_old routes freely, the update replays its choices
+            batch.old_log_probs, batch.replay_experts = routing.old_pass(
+                ctx.trainables.policy, batch, cfg, ctx.precision, ctx.ranks
+            )
         else:
             batch.old_log_probs = no_grad_logprobs(
                 ctx.trainables.policy, batch, cfg, ctx.precision, ctx.ranks

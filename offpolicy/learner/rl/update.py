@@ -43,12 +43,16 @@ def policy_loss_terms(
     mb: Batch,
     cfg: LearnerConfig,
     den: dict[str, Any],
+    router: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Loss of one micro-batch, scaled by the mini-batch's denominators `den` so that the micro-batch
     losses add up to the mini-batch's loss (gradient accumulation), as verl's actor: `pg_loss - entropy_coeff
     * entropy + kl_loss_coef * kl_loss`, the entropy (computed only with `entropy_coeff > 0`) and the KL to
     the reference (`mb.ref_log_probs`, when the KL loss is on) aggregated like the policy loss over the same
-    response mask. Returns (loss, metrics
+    response mask; an MoE policy's `router` losses (load balancing, z-loss: model/moe.py) weighted by
+    `moe.aux_loss_coef` and `moe.z_loss_coef` and by the micro-batch's share of the mini-batch's tokens
+    (`den["seq_tokens"]`: prompt and response; the z-loss then adds up to the mini-batch's token mean, the
+    load-balancing loss, a product of means, stays a per-micro-batch loss). Returns (loss, metrics
     that average over micro-batches, the terms: 0-d tensors that add up over micro-batches and ranks)."""
     rc = cfg.rollout_correction
     agg = {
@@ -82,6 +86,11 @@ def policy_loss_terms(
         kl = aggregate_loss(kld, mb.response_mask, cfg.loss_agg_mode, **agg)
         loss = loss + cfg.kl_loss_coef * kl
         terms["actor/kl_loss"] = kl.detach()
+    if router is not None:  # an MoE policy: its routers' losses, this micro-batch's share of the mini-batch's
+        share = mb.attention_mask.sum() / den["seq_tokens"].clamp(min=1)  # tokens the routers saw
+        aux, z = router[0] * share, router[1] * share
+        loss = loss + cfg.moe.aux_loss_coef * aux + cfg.moe.z_loss_coef * z
+        terms["moe/aux_loss"], terms["moe/z_loss"] = aux.detach(), z.detach()
     return loss, out.metrics, terms
 
 
@@ -105,6 +114,7 @@ def optimizer_step(
     cfg, t, precision = ctx.config, ctx.trainables, ctx.precision
     mask = batch.response_mask[mini]  # (b, R)
     denominators = {"tokens": mask.sum(), "rows": (mask.sum(-1) > 0).sum(), "width": mask.shape[1]}
+    denominators["seq_tokens"] = batch.attention_mask[mini].sum()  # every token the routers see (MoE losses)
     value_tokens = batch.sampled_mask[mini].sum().clamp(min=1.0)  # the critic's token-mean denominator
     scale = loss_scale(
         ctx.ranks
@@ -113,6 +123,12 @@ def optimizer_step(
     entropy_on = cfg.entropy_coeff > 0  # the entropy costs a softmax-sized pass per LM-head chunk
     keys = ("actor/pg_loss", *(("actor/entropy",) if entropy_on else ()))
     keys += ("actor/kl_loss",) if ctx.reference is not None else ()
+    keys += ("moe/aux_loss", "moe/z_loss") if getattr(t.policy, "router", None) is not None else ()
+    given = batch.replay_experts if batch.replay_experts is not None else batch.routed_experts
+    routed = getattr(t.policy, "router", None) is not None and given is not None
+    if routed:  # shares of the mini-batch: token-layers with a row (replayed or rollout), response tokens
+        keys += ("moe/router_agreement", "moe/logprob_gap")
+        routed_rows = (given[mini][..., 0] >= 0).sum().clamp(min=1)  # token-layers with a row
     step_terms = torch.zeros(len(keys), device=mask.device)  # lock-step: the same keys on every rank
     with timed(phases, "forward_backward"):
         passes = list(rank_micro_batches(batch, mini, cfg, ctx.ranks))  # the same count on every rank
@@ -125,7 +141,13 @@ def optimizer_step(
             mb = batch.select(rows)
             with precision.autocast():
                 log_prob, entropy = t.policy(mb, cfg.logprob_chunk_tokens, cfg.packing, entropy_on)  # (b, r)
-            loss, m, terms = policy_loss_terms(log_prob, entropy, mb, cfg, denominators)
+            router = getattr(t.policy, "router_losses", None)  # an MoE policy's, of this forward
+            loss, m, terms = policy_loss_terms(log_prob, entropy, mb, cfg, denominators, router)
+            if routed:  # own top-k == the replayed (else the rollout's) set; |log pi_theta - log mu|
+                agree = t.policy.router_agreement  # (2,) long
+                terms["moe/router_agreement"] = agree[0].float() / routed_rows
+                gap = (log_prob.detach() - mb.behavior_logprobs).abs() * mb.response_mask  # (b, r)
+                terms["moe/logprob_gap"] = gap.sum() / denominators["tokens"].clamp(min=1)
             (loss * scale).backward()
             step_loss += loss.detach()
             step_terms += torch.stack([terms[k] for k in keys])

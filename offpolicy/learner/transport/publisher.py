@@ -191,9 +191,16 @@ def make_publisher(
     if control is None:
         return publisher
     from offpolicy.learner.model.load import unique_state
+    from offpolicy.learner.model.moe import is_moe
+    from offpolicy.learner.model.moe_names import to_checkpoint
     from offpolicy.learner.transport.vllm import VllmTransport
 
     state = publisher.gathered if ranks.distributed else (lambda: unique_state(model))
+    if is_moe(
+        model.config
+    ):  # fused experts sent per expert, under the checkpoint's names (model/moe_names.py)
+        named, config = state, model.config
+        state = lambda: to_checkpoint(named(), config)  # noqa: E731
     publisher.transport = VllmTransport(config.publish.transfer, control, state, dtype, ranks.local_rank)
     publisher.metrics = metrics
     return publisher

@@ -4,7 +4,9 @@ Nothing is started and no service is called: each file is validated (field paths
 environment and evaluation reward are imported by their dotted paths, the dataset's first records are read
 with the configured keys (a known layout read with the wrong keys is named: `dataset.preset: verl`), and
 the learner's memory plan per rank is estimated for `--gpus` (`offpolicy.learner.plan.memory.estimate`,
-the plan the learner refuses to start above), against `--gpu-memory-gib` when given. Only local files are
+the plan the learner refuses to start above), against `--gpu-memory-gib` when given; a mixture-of-experts
+model's plan counts its experts (total and active parameters, the routed experts' weights, gradients and
+AdamW state per rank, their routed activations). Only local files are
 read: a model or dataset that is not on this machine (a hub id not in the cache) is a reason, not a
 download. Exit codes: 0 every check passed, 1 at least one failed (each reason on stderr), 2 bad usage.
 """
@@ -122,7 +124,7 @@ def _plan(learner: Any, where: str, gpus: int, gpu_memory_gib: float | None, rep
     """The learner's memory plan per rank on `gpus` GPUs (bf16 on CUDA), against the GPU's memory."""
     from offpolicy.learner.errors import MemoryPlanError
     from offpolicy.learner.plan.auto import choose
-    from offpolicy.learner.plan.memory import GIB, HEADROOM, check, estimate
+    from offpolicy.learner.plan.memory import GIB, HEADROOM, check, estimate, expert_state
 
     try:
         shape = _model_shape(str(learner.model_path), learner.lora)
@@ -148,6 +150,16 @@ def _plan(learner: Any, where: str, gpus: int, gpu_memory_gib: float | None, rep
         f"memory plan: {plan.total / GIB:.1f} GiB per rank on {gpus} GPU(s) "
         f"({'FSDP2' if gpus > 1 else 'one process'}, {shape.params:,} parameters; {parts} GiB)"
     )
+    if shape.moe is not None:
+        moe, state = shape.moe, expert_state(learner, shape, gpus, gpus > 1, cuda=True)
+        report.lines.append(
+            f"experts: {moe.routed} routed, top {moe.top_k}, in {moe.moe_layers} of {shape.layers} layers; "
+            f"{shape.params:,} parameters, {shape.active_params:,} active per token, "
+            f"{shape.expert_params:,} in routed experts, whose weights {state['weights'] / GIB:.1f}, "
+            f"gradients {state['gradients'] / GIB:.1f} and AdamW state {state['optimizer'] / GIB:.1f} GiB "
+            f"per rank are in the plan (FSDP over {gpus} rank(s)), with the routed activations of "
+            f"top_k x {moe.width} per token and MoE layer"
+        )
     if gpu_memory_gib is not None and limit is not None:
         try:
             check(plan, limit, learner, gpus, checkpointing)

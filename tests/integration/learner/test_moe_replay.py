@@ -1,0 +1,62 @@
+"""Routing replay through the real learner (embedded Redis): a tiny Qwen3-MoE under `moe.routing_replay:
+rollout` trains on groups carrying the behaviour model's own routed experts (agreement reported, near 1
+at the behaviour's weights), and a group without routed experts in the same batch is dead-lettered by
+name while its neighbours train."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from offpolicy.buffer.replay_buffer import ReplayBuffer
+from offpolicy.learner.model import load_model, make_tiny_moe_model, moe
+from offpolicy.learner.trainer import Learner
+from tests.integration.learner.test_loop import config, make_groups
+
+pytestmark = pytest.mark.redis
+TINY_MOE = {"hidden_size": 64, "num_heads": 1, "num_layers": 2, "num_experts": 4, "moe_intermediate_size": 32}
+
+
+def with_routes(model: torch.nn.Module, group):
+    """`group` with each trajectory's routed experts as `model` routes them (row j: the position before
+    response token j), as an actor capturing routing would record them."""
+    router = moe.RouterLogits(model)
+    trs = []
+    try:
+        for t in group.trajectories:
+            ids = torch.as_tensor(np.concatenate([group.prompt_ids, t.response_ids]), dtype=torch.long)[None]
+            with torch.no_grad(), router.counting(record=True):
+                model(input_ids=ids)
+            own = torch.stack(router.record, 1).numpy().astype(np.uint8)  # (T, L, K)
+            p = len(group.prompt_ids)
+            trs.append(dataclasses.replace(t, routed_experts=own[p - 1 : p - 1 + len(t.response_ids)]))
+    finally:
+        router.remove()
+    return dataclasses.replace(group, trajectories=trs, num_experts=TINY_MOE["num_experts"])
+
+
+def test_rollout_replay_trains_and_refuses_a_group_without_routes(tmp_path_factory, redis_url, tmp_path):
+    moe_dir = make_tiny_moe_model(tmp_path_factory.mktemp("tiny_moe") / "model", **TINY_MOE)
+    behaviour = load_model(moe_dir, "cpu").eval()
+    cfg = config(
+        moe_dir, redis_url, tmp_path, groups_per_step=3, checkpoint={"checkpoint_dir": None},
+        moe={"routing_replay": "rollout"},
+    )  # fmt: skip
+    groups = make_groups(behaviour, 3, version=0, temperature=0.9)
+    routed = [with_routes(behaviour, g) for g in groups[:2]]
+    with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:
+        assert buf.insert_many([routed[0], groups[2], routed[1]]).ok
+    learner = Learner(cfg)
+    try:
+        metrics = learner.step()
+        dead = {d["group_id"]: d for d in learner.buffer.dead_letters()}
+    finally:
+        learner.close()
+    assert metrics["groups"] == 2.0  # the routed neighbours trained
+    assert set(dead) == {groups[2].group_id}
+    assert dead[groups[2].group_id]["field"] == "trajectories[0].routed_experts"
+    assert 0.9 <= metrics["moe/router_agreement"] <= 1.0  # the behaviour's weights: its own choices
+    assert 0 <= metrics["moe/logprob_gap"] < 0.05, metrics["moe/logprob_gap"]
