@@ -75,14 +75,10 @@ def make_tiny_model(
     (None = the tokenizer's 101) pads the embedding to a real model's vocabulary, and with the other sizes
     and `dtype` builds the benchmarks' Llama-shaped models; the tokenizer stays the character one.
     """
-    head_dim = hidden_size // num_heads
-    if head_dim not in (64, 128):
-        raise ValueError(f"head_dim = hidden_size / num_heads = {head_dim}; vLLM on CPU needs 64 or 128")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_char_tokenizer()
-    config = LlamaConfig(
-        vocab_size=vocab_size or len(tokenizer),
+    head_dim = _head_dim(hidden_size, num_heads)
+    return _write(
+        out_dir, LlamaForCausalLM, LlamaConfig, seed, dtype,
+        vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
@@ -90,17 +86,7 @@ def make_tiny_model(
         num_key_value_heads=num_kv_heads or num_heads,
         head_dim=head_dim,
         max_position_embeddings=max_position_embeddings,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
-        dtype=dtype,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    return out
+    )  # fmt: skip
 
 
 def make_tiny_moe_model(
@@ -120,16 +106,11 @@ def make_tiny_moe_model(
     routing with the top-k weights renormalised, head_dim 64 as vLLM's CPU backend needs) and the character
     tokenizer to `out_dir`; return the folder. `save_pretrained` writes the Hugging Face checkpoint layout
     (one tensor per expert and projection), which transformers and vLLM both load."""
-    head_dim = hidden_size // num_heads
-    if head_dim not in (64, 128):
-        raise ValueError(f"head_dim = hidden_size / num_heads = {head_dim}; vLLM on CPU needs 64 or 128")
+    head_dim = _head_dim(hidden_size, num_heads)
     if not 1 <= experts_per_token <= num_experts:
         raise ValueError(f"experts_per_token={experts_per_token} must lie in [1, num_experts={num_experts}]")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_char_tokenizer()
-    config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer),
+    return _write(
+        out_dir, Qwen3MoeForCausalLM, Qwen3MoeConfig, seed, dtype,
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,  # the dense MLP of `mlp_only_layers` (none here)
         moe_intermediate_size=moe_intermediate_size,
@@ -142,6 +123,26 @@ def make_tiny_moe_model(
         norm_topk_prob=True,
         decoder_sparse_step=1,
         max_position_embeddings=max_position_embeddings,
+    )  # fmt: skip
+
+
+def _head_dim(hidden_size: int, num_heads: int) -> int:
+    head_dim = hidden_size // num_heads
+    if head_dim not in (64, 128):
+        raise ValueError(f"head_dim = hidden_size / num_heads = {head_dim}; vLLM on CPU needs 64 or 128")
+    return head_dim
+
+
+def _write(
+    out_dir: str | Path, model_class: type, config_class: type, seed: int, dtype: str, **fields
+) -> Path:
+    """A random `model_class` of `config_class(**fields)` with the character tokenizer's ids (vocabulary:
+    the tokenizer's unless `fields` pads it), untied embeddings, saved with the tokenizer to `out_dir`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_char_tokenizer()
+    config = config_class(
+        **{**fields, "vocab_size": fields.get("vocab_size") or len(tokenizer)},
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -149,7 +150,7 @@ def make_tiny_moe_model(
         dtype=dtype,
     )
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config).to(getattr(torch, dtype))
+    model = model_class(config).to(getattr(torch, dtype))
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
