@@ -75,6 +75,16 @@ def _kl_fall(out: dict[str, Any]) -> float | None:
 _kl_fall.__doc__ = "1 - distill_kl_last / distill_kl_first"
 
 
+def _replay_gap_change(out: dict[str, Any]) -> float | None:
+    replay, free = out.get("logprob_gap_replay"), out.get("logprob_gap_no_replay")
+    if not isinstance(replay, int | float) or not isinstance(free, int | float):
+        return None
+    return replay - free
+
+
+_replay_gap_change.__doc__ = "logprob_gap_replay - logprob_gap_no_replay"
+
+
 @dataclass(frozen=True)
 class Target:
     """One bound on one figure of one benchmark."""
@@ -199,6 +209,16 @@ TARGETS: tuple[Target, ...] = (
     Target("lora_pool", "lora", "tokens/s per run, two runs on one engine / one run alone",
            _key("pool_tokens_per_s_ratio"), ">=", 0.8, "one run alone on the same engine", device="cuda",
            note="an engine below its batch limit: a 1-core CPU engine is saturated by one run"),
+    Target("moe_replay_used", "moe", "token-layers whose experts the learner used = vLLM's, replay on",
+           _key("router_agreement_replay"), "==", 1.0, "its own top-k (router_agreement_no_replay)"),
+    Target("moe_replay_gap", "moe", "mean |log pi_learner - log mu|, bf16, replay on - off (nats)",
+           _replay_gap_change, "<=", 0.0, "routing freely (logprob_gap_no_replay), same completions"),
+    Target("moe_replay_fp32", "moe", "max |log pi_learner - log mu|, fp32, replay on (nats)",
+           _key("fp32.logprob_gap_max_replay"), "<=", 1e-4, "vLLM's behaviour log-probs"),
+    Target("moe_ep_weights", "moe", "max |weight diff|, 2 ranks with 2-way expert parallelism, 2 steps",
+           _key("ep_max_abs_weight_diff"), "<=", 1e-5, "the one-process learner on the same groups"),
+    Target("moe_routed_bytes", "moe", "routed experts' buffer bytes per response token / (layers x top_k)",
+           _key("routed_bytes_per_choice"), "<=", 2.0, "the same groups encoded without them"),
     Target("soak_redis_memory", "soak", "Redis used memory growth after warm-up, 10 minutes",
            _key("redis_used_memory_growth"), "<", 0.1, "the memory after warm-up", ("--minutes", "10")),
     Target("soak_learner_rss", "soak", "learner RSS growth after warm-up, 10 minutes",

