@@ -77,7 +77,20 @@ SCALARS = {  # step-dict key -> (metric name suffix, help)
         "published_lag_versions",
         "Trained policy version minus the newest version published to the actors (background writer lag).",
     ),
+    "moe/aux_loss": ("moe_aux_loss", "Load-balancing loss of an MoE policy's routers (last step)."),
+    "moe/z_loss": ("moe_z_loss", "Router z-loss of an MoE policy (last step)."),
+    "moe/router_agreement": (
+        "moe_router_agreement",
+        "Share of token-layers whose learner top-k equals the rollout's (or, under replay, the replayed) "
+        "experts, last step (MoE groups with routed experts).",
+    ),
+    "moe/logprob_gap": (
+        "moe_logprob_gap",
+        "Mean |log pi_theta - log mu| over the last step's response tokens (MoE groups with routed experts).",
+    ),
 }
+MOE_BY_STALENESS = ("router_agreement", "logprob_gap")
+"""`moe/<key>/<bucket>` of a step: gauges `offpolicy_learner_moe_<key>_by_staleness{staleness}`."""
 REJECTION_FIELDS = (
     "sampling.temperature", "prompt_ids", "trajectories.response_ids", "trajectories.behavior_logprobs",
 )  # fmt: skip
@@ -292,6 +305,15 @@ class LearnerMetrics:
             "k1 KL(pi_rollout || pi_train) over the last step's tokens, by staleness bucket (steps).",
             ["staleness"], registry=registry,
         )  # fmt: skip
+        self.moe_by_staleness = {
+            key: Gauge(
+                f"{PREFIX}moe_{key}_by_staleness",
+                f"{SCALARS['moe/' + key][1]} By staleness bucket (steps) of the tokens.",
+                ["staleness"],
+                registry=registry,
+            )
+            for key in MOE_BY_STALENESS
+        }
 
     def _gauge(self, key: str) -> Gauge:
         with self._lock:
@@ -320,6 +342,10 @@ class LearnerMetrics:
         for key, value in step_metrics.items():
             if key.startswith(("rollout_corr/", "actor/", "critic/", "eval/", "distill/")) or key in SCALARS:
                 self._gauge(key).set(value)
+            elif key.startswith("moe/") and key.count("/") == 2:  # moe/<key>/<bucket>
+                _, name, bucket = key.split("/")
+                if name in self.moe_by_staleness and bucket in STALENESS_BUCKETS:
+                    self.moe_by_staleness[name].labels(staleness=bucket).set(value)
         for phase, seconds in phases.items():
             self.phase_seconds.labels(phase=phase).observe(seconds)
         self.step_seconds.observe(sum(phases.values()))

@@ -151,7 +151,8 @@ class RouterLogits:
     `replay` False the routes are only compared. The routes stay set until the next `set_routes`, so the
     recomputation of checkpointed layers in the backward pass routes as the forward did. Inside
     `counting()` the hooks also count `agreement` ((2,) long: token-layers whose own top-k set equals the
-    given one, token-layers with a row) and, with `record` set, append each layer's own indices (T, K)."""
+    given one, token-layers with a row), `token_agreement` ((T,) long: each token's layers whose own top-k
+    set equals the given one) and, with `record` set, append each layer's own indices (T, K)."""
 
     def __init__(self, model: nn.Module) -> None:
         cls, self.index = router_class(model)
@@ -164,6 +165,7 @@ class RouterLogits:
         self.replay = False
         self.record: list[torch.Tensor] | None = None  # own indices (T, K) per layer, inside counting()
         self.agreement: torch.Tensor | None = None  # (2,) long, inside counting()
+        self.token_agreement: torch.Tensor | None = None  # (T,) long: agreeing layers per token, counting()
         self._counting = False
         self._handles = [m.register_forward_hook(self._hook) for m in self.routers]
 
@@ -185,6 +187,8 @@ class RouterLogits:
             same = (own.detach().sort(-1).values == given.sort(-1).values).all(-1) & has  # (T,)
             count = torch.stack([same.sum(), has.sum()])  # (2,)
             self.agreement = count if self.agreement is None else self.agreement + count
+            prior = self.token_agreement
+            self.token_agreement = same.long() if prior is None else prior + same  # (T,)
         if not self.replay:
             return None
         chosen = torch.where(has[:, None], given, own)  # (T, K)
@@ -200,7 +204,7 @@ class RouterLogits:
     @contextlib.contextmanager
     def counting(self, record: bool = False) -> Iterator[None]:
         """Count `agreement` (and with `record` keep the own indices in `record`) in the forwards inside."""
-        self._counting, self.agreement = True, None
+        self._counting, self.agreement, self.token_agreement = True, None, None
         self.record = [] if record else None
         try:
             yield
@@ -233,17 +237,22 @@ def forward_routes(batch: Any, routes: torch.Tensor, packed: bool) -> torch.Tens
     return full[batch.attention_mask.bool()] if packed else full.flatten(0, 1)  # (T, L, K)
 
 
-def response_routes(record: list[torch.Tensor], batch: Any, packed: bool) -> torch.Tensor:
-    """The recorded own indices (one (T, K) per layer) in the response layout (b, R, L, K) long."""
-    own = torch.stack(record, 1)  # (T, L, K)
+def response_layout(flat: torch.Tensor, batch: Any, packed: bool, fill: int = -1) -> torch.Tensor:
+    """Per-token values of a forward (T, ...) in the response layout (b, R, ...): column j = the position
+    predicting response token j; positions a packed forward did not compute hold `fill`."""
     b, width = batch.input_ids.shape
     if packed:
-        full = own.new_full((b, width, *own.shape[1:]), -1)  # (b, P+R, L, K)
-        full[batch.attention_mask.bool()] = own
+        full = flat.new_full((b, width, *flat.shape[1:]), fill)  # (b, P+R, ...)
+        full[batch.attention_mask.bool()] = flat
     else:
-        full = own.view(b, width, *own.shape[1:])
+        full = flat.view(b, width, *flat.shape[1:])
     P, R = batch.prompt_width, batch.response_ids.shape[1]
-    return full[:, P - 1 : P - 1 + R]  # (b, R, L, K)
+    return full[:, P - 1 : P - 1 + R]  # (b, R, ...)
+
+
+def response_routes(record: list[torch.Tensor], batch: Any, packed: bool) -> torch.Tensor:
+    """The recorded own indices (one (T, K) per layer) in the response layout (b, R, L, K) long."""
+    return response_layout(torch.stack(record, 1), batch, packed)  # (b, R, L, K)
 
 
 def replay_shape(policy: nn.Module) -> tuple[int, int]:

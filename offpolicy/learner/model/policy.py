@@ -32,6 +32,7 @@ from offpolicy.learner.model.moe import (
     RouterLogits,
     experts_per_token,
     forward_routes,
+    response_layout,
     response_routes,
     router_losses,
 )
@@ -54,7 +55,9 @@ class LogProbs(nn.Module):
 
     Routing replay (model/moe.py `RouterLogits`): a batch's `replay_experts` are replayed, else its
     `routed_experts` (the rollout's) only compared; `router_agreement` is then (2,) long (token-layers whose
-    own top-k equals the given one, token-layers with a row) after each forward, else None. With
+    own top-k equals the given one, token-layers with a row) after each forward, else None, and
+    `router_agreement_tokens` (b, R) float the share of layers agreeing at each response-predicting
+    position (0 where the position has no row: read it under the rows' mask). With
     `recording` True, each forward leaves its own choices in `routes` ((b, R, L, K) long), else None."""
 
     def __init__(
@@ -66,13 +69,14 @@ class LogProbs(nn.Module):
         self.router = router
         self.router_losses: tuple[torch.Tensor, torch.Tensor] | None = None
         self.router_agreement: torch.Tensor | None = None
+        self.router_agreement_tokens: torch.Tensor | None = None
         self.recording = False
         self.routes: torch.Tensor | None = None
 
     def forward(
         self, batch: Batch, chunk_tokens: int, packed: bool = False, entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        self.router_losses = self.router_agreement = self.routes = None
+        self.router_losses = self.router_agreement = self.router_agreement_tokens = self.routes = None
         if self.router is None:
             return token_stats(self.lm, batch, chunk_tokens, packed, entropy, self.logprob_head)
         given = batch.replay_experts if batch.replay_experts is not None else batch.routed_experts
@@ -87,6 +91,10 @@ class LogProbs(nn.Module):
                 mask = None if packed else batch.attention_mask.reshape(-1)  # (B * L,): padded layout's
                 self.router_losses = router_losses(logits, experts_per_token(self.lm.config), mask)
         self.router_agreement = self.router.agreement
+        if self.router.token_agreement is not None:  # (T,) -> (b, R): share of layers agreeing per token
+            layers = len(self.router.routers)
+            share = self.router.token_agreement.float() / layers
+            self.router_agreement_tokens = response_layout(share, batch, packed, fill=0)  # (b, R)
         if self.recording:
             self.routes = response_routes(self.router.record or [], batch, packed)
         return out

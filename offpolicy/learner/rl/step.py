@@ -20,7 +20,7 @@ from offpolicy.learner.rl.context import StepContext, StepResult
 from offpolicy.learner.rl.dynamic_sampling import truncated_rows
 from offpolicy.learner.rl.microbatches import mini_batches, no_grad_logprobs, rows_forward
 from offpolicy.learner.rl.priorities import group_is_deviation, row_weights
-from offpolicy.learner.rl.staleness_kl import StalenessKL
+from offpolicy.learner.rl.staleness_kl import RoutingByStaleness, StalenessKL
 from offpolicy.learner.rl.update import optimizer_step
 
 
@@ -41,6 +41,8 @@ def train_on(ctx: StepContext, groups: list, phases: dict[str, float]) -> StepRe
         tokens = batch.response_mask.sum()
     host: dict[str, float] = {}
     kl = StalenessKL()
+    moe_policy = getattr(ctx.trainables.policy, "router", None) is not None
+    routing_ages = RoutingByStaleness() if moe_policy else None
     # --- pi_old and the correction (decoupled: once per batch; its mask replaces the response mask)
     with timed(phases, "old_logprob"):
         if rc.bypass_mode:
@@ -82,7 +84,7 @@ def train_on(ctx: StepContext, groups: list, phases: dict[str, float]) -> StepRe
     for epoch in range(cfg.ppo_epochs):
         for mini in mini_batches(batch, cfg.mini_batch_groups, order):
             bypass_kl = (kl, ctx.version + steps) if epoch == 0 and rc.bypass_mode else None
-            skipped += not optimizer_step(ctx, batch, mini, acc, phases, bypass_kl)
+            skipped += not optimizer_step(ctx, batch, mini, acc, phases, bypass_kl, routing_ages)
             steps += 1
     if ctx.metrics is not None:  # the histograms are exported by rank 0 alone
         if batch.is_weights is not None:
@@ -93,6 +95,10 @@ def train_on(ctx: StepContext, groups: list, phases: dict[str, float]) -> StepRe
     if rc.bypass_mode:  # pi_theta's KL was taken on each rank's own rows
         kl.sums, kl.counts = (all_reduce_sum(ctx.ranks, t.to(ctx.device)) for t in (kl.sums, kl.counts))
     host |= {f"offpolicy_kl/{b}": v for b, v in kl.result().items()}
+    if routing_ages is not None:  # each rank's own micro-batches: summed over ranks (every rank an MoE)
+        summed = all_reduce_sum(ctx.ranks, torch.stack([x.to(ctx.device) for x in routing_ages.tensors()]))
+        routing_ages.set_tensors(list(summed))  # one all-reduce of (4, buckets)
+        host |= routing_ages.result()
     scalars = torch.stack([tokens, batch.rewards.mean(), staleness.float().mean()]).cpu().tolist()
     host |= {
         "tokens": scalars[0],

@@ -32,7 +32,7 @@ from offpolicy.learner.rl.losses import (
     value_loss,
 )
 from offpolicy.learner.rl.microbatches import idle_rows, rank_micro_batches
-from offpolicy.learner.rl.staleness_kl import StalenessKL
+from offpolicy.learner.rl.staleness_kl import RoutingByStaleness, StalenessKL
 
 log = logging.getLogger(__name__)
 
@@ -101,11 +101,13 @@ def optimizer_step(
     acc: dict[str, list[torch.Tensor]],
     phases: dict[str, float],
     kl: tuple[StalenessKL, int] | None = None,
+    routing: RoutingByStaleness | None = None,
 ) -> bool:
     """Gradient accumulation over the micro-batches of rows `mini`, then one AdamW step; whether it was
     taken: a non-finite gradient norm (a NaN or inf anywhere, on any rank: the norm is global) skips it,
     the weights, AdamW state and LR schedule unchanged (one host sync per optimizer step). Metrics (0-d
-    tensors) are appended to `acc`; `kl = (accumulator, policy version)` adds pi_theta's off-policy KL.
+    tensors) are appended to `acc`; `kl = (accumulator, policy version)` adds pi_theta's off-policy KL;
+    `routing` (an MoE policy's) gets each forward's router agreement and log-prob gap by token age.
     Forward passes run under the precision's autocast; backward passes and the optimizer outside it.
     `ctx.before_update(phases)` runs just before the weights change (the learner waits there for host
     snapshots of the previous step boundary, which read the weights while this step's passes ran).
@@ -146,8 +148,14 @@ def optimizer_step(
             if routed:  # own top-k == the replayed (else the rollout's) set; |log pi_theta - log mu|
                 agree = t.policy.router_agreement  # (2,) long
                 terms["moe/router_agreement"] = agree[0].float() / routed_rows
-                gap = (log_prob.detach() - mb.behavior_logprobs).abs() * mb.response_mask  # (b, r)
-                terms["moe/logprob_gap"] = gap.sum() / denominators["tokens"].clamp(min=1)
+                gap = (log_prob.detach() - mb.behavior_logprobs).abs()  # (b, r)
+                tokens = denominators["tokens"].clamp(min=1)
+                terms["moe/logprob_gap"] = (gap * mb.response_mask).sum() / tokens
+                if routing is not None:
+                    mb_given = mb.replay_experts if mb.replay_experts is not None else mb.routed_experts
+                    rows = (mb_given[..., 0, 0] >= 0).float()  # (b, r): positions with a routed row
+                    ages = ctx.version - mb.versions  # (b, r): each token's age (batch.token_staleness)
+                    routing.add(t.policy.router_agreement_tokens, rows, gap, mb.response_mask, ages)
             (loss * scale).backward()
             step_loss += loss.detach()
             step_terms += torch.stack([terms[k] for k in keys])

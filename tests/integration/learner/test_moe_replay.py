@@ -60,3 +60,8 @@ def test_rollout_replay_trains_and_refuses_a_group_without_routes(tmp_path_facto
     assert dead[groups[2].group_id]["field"] == "trajectories[0].routed_experts"
     assert 0.9 <= metrics["moe/router_agreement"] <= 1.0  # the behaviour's weights: its own choices
     assert 0 <= metrics["moe/logprob_gap"] < 0.05, metrics["moe/logprob_gap"]
+    # by staleness bucket: the groups are the learner's own version's, all in bucket 0
+    by_bucket = {k for k in metrics if k.startswith(("moe/router_agreement/", "moe/logprob_gap/"))}
+    assert by_bucket == {"moe/router_agreement/0", "moe/logprob_gap/0"}
+    assert metrics["moe/router_agreement/0"] == pytest.approx(metrics["moe/router_agreement"], abs=1e-6)
+    assert metrics["moe/logprob_gap/0"] == pytest.approx(metrics["moe/logprob_gap"], rel=1e-5)

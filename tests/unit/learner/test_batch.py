@@ -164,3 +164,31 @@ def test_staleness_kl_buckets_tokens_by_their_own_age():
     per_row = StalenessKL()  # (B,) staleness: every token of a row in the row's bucket, as before
     per_row.add(train, rollout, mask, torch.tensor([2, 0]))
     assert per_row.result() == pytest.approx({"0": 0.25, "2-3": 0.0})
+
+
+def test_moe_routing_by_staleness_reaches_the_labelled_gauges():
+    """An MoE step's router agreement counts the positions with routed rows, its log-prob gap every response
+    token, each in its tokens' staleness bucket; the learner exports both as gauges labelled by bucket."""
+    from prometheus_client import CollectorRegistry
+
+    from offpolicy.learner.metrics import LearnerMetrics
+    from offpolicy.learner.rl.staleness_kl import RoutingByStaleness
+
+    agreement = torch.tensor([[1.0, 0.5, 0.0], [0.25, 1.0, 1.0]])  # share of layers agreeing per token
+    rows = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])  # (0, 2): no routed row
+    gap = torch.tensor([[0.1, 0.3, 0.5], [0.2, 0.4, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])  # (1, 2): not a response token
+    ages = torch.tensor([[0, 0, 0], [5, 5, 5]])
+    routing = RoutingByStaleness()
+    routing.add(agreement, rows, gap, mask, ages)
+    out = routing.result()
+    assert out == pytest.approx({
+        "moe/router_agreement/0": 0.75, "moe/router_agreement/4-7": (0.25 + 1.0) / 2,
+        "moe/logprob_gap/0": 0.3, "moe/logprob_gap/4-7": 0.3,
+    })  # fmt: skip
+    registry = CollectorRegistry()
+    LearnerMetrics(registry).record_step(out | {"moe/router_agreement": 0.7}, {})
+    value = registry.get_sample_value
+    assert value("offpolicy_learner_moe_router_agreement_by_staleness", {"staleness": "4-7"}) == 0.625
+    assert value("offpolicy_learner_moe_logprob_gap_by_staleness", {"staleness": "0"}) == pytest.approx(0.3)
+    assert value("offpolicy_learner_moe_router_agreement") == 0.7

@@ -180,10 +180,12 @@ def test_recorded_routes_replayed_through_the_batch_are_exact(model, packed):
         assert torch.allclose(free, replayed, atol=1e-6, rtol=0)
         agree = policy.router_agreement
         assert agree[0] == agree[1] == int(real.sum()) * 2
+        assert torch.equal(policy.router_agreement_tokens, real.float())  # every layer, at each real row
         batch.replay_experts = (routes + 1) % 4 * (routes >= 0) - (routes < 0).long()  # other experts
         other, _ = policy(batch, 4096, packed)
         assert not torch.allclose(free, other, atol=1e-4)
         assert policy.router_agreement[0] == 0
+        assert not policy.router_agreement_tokens.any()
     finally:
         policy.router.remove()
 
