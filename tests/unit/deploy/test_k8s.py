@@ -336,3 +336,45 @@ def test_gpu_pods_may_pin_memory_for_rdma_and_keep_everything_else_dropped():
         assert ctx["allowPrivilegeEscalation"] is False and ctx["readOnlyRootFilesystem"] is True
         shm = next(v for v in spec["volumes"] if v["name"] == "shm")
         assert shm["emptyDir"]["medium"] == "Memory" and quantity_bytes(shm["emptyDir"]["sizeLimit"]) >= 2**33
+
+
+def _offpolicy_containers(docs: tuple[dict, ...]) -> list[tuple[str, dict, dict]]:
+    """(kind/name, pod spec, container) of every learner and actor container: Deployments, StatefulSets and
+    the JobSet's replicated jobs."""
+    found = []
+    for doc in docs:
+        templates = []
+        if doc["kind"] in ("Deployment", "StatefulSet"):
+            templates = [doc["spec"]["template"]]
+        elif doc["kind"] == "JobSet":
+            templates = [job["template"]["spec"]["template"] for job in doc["spec"]["replicatedJobs"]]
+        for template in templates:
+            spec = template["spec"]
+            for c in spec["containers"]:
+                if c["name"] in ("learner", "actor"):
+                    found.append((f"{doc['kind']}/{doc['metadata']['name']}", spec, c))
+    return found
+
+
+@pytest.mark.parametrize(
+    "overlay", (*OVERLAYS, "multinode", "qwen2.5-7b-gsm8k"), ids=lambda o: f"{o}-overlay"
+)
+def test_pods_read_hf_token_and_learners_have_writable_compiler_caches(overlay):
+    """Every container that loads a model gets HF_TOKEN from the Secret (optional key hf-token: gated models);
+    every learner has a writable HOME and Triton / inductor caches on it (the root filesystem is read-only,
+    and Triton writes ~/.triton/cache while the fused head compiles)."""
+    containers = _offpolicy_containers(build(overlay))
+    assert {c["name"] for _, _, c in containers} == {"learner", "actor"}, [w for w, _, _ in containers]
+    for where, spec, c in containers:
+        env = {e["name"]: e for e in c["env"]}
+        ref = env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert ref["name"].startswith("offpolicy-secrets"), where  # dev: a generated name, hashed
+        assert (ref["key"], ref["optional"]) == ("hf-token", True), where
+        if c["name"] != "learner":
+            continue
+        home = env["HOME"]["value"]
+        mount, volume = volume_at(spec, c, home)
+        assert "emptyDir" in volume and not mount.get("readOnly"), where
+        for cache in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+            assert env[cache]["value"].startswith(home + "/"), (where, cache)
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True, where
