@@ -6,8 +6,8 @@ rank (a collective) takes a snapshot of its own shards of the weights to publish
 dtype, into host memory (`persist.file_generation.HostCopy`: on CUDA a side stream into pinned buffers,
 overlapping the next forward). That is all the step waits for, at its next optimizer step (`released`), as
 on one process. Once started (`start`), a helper thread on every rank of rank 0's shard group runs the
-bucketed gather over a process group of its own (the training's collectives go on in the main thread
-meanwhile). Rank 0 either
+bucketed gather over a gloo process group of its own, from and into host memory (the training's
+collectives go on in the main thread meanwhile). Rank 0 either
 
 - streams each bucket, as its tensors complete, to the writer (`stream()`: a queue of at most
   `STREAM_DEPTH` buckets; the writer writes them into the version's files as they come), so it never holds
@@ -15,10 +15,25 @@ meanwhile). Rank 0 either
 - copies them into full host tensors (`wait()`), reused version after version, for a transport that sends
   a version from rank 0's host memory (`keep=True`).
 
-The ranks' memory for it: their shards in pinned host memory, one bucket on the device for NCCL (rank 0:
-the gathered bucket); rank 0: `STREAM_DEPTH` + 2 buckets streamed, or the full host tensors kept. One
+The ranks' memory for it: their shards in pinned host memory and one bucket in host memory (rank 0: the
+gathered bucket); rank 0: `STREAM_DEPTH` + 2 buckets streamed, or the full host tensors kept. One
 gather is in flight at a time (every rank in step, so that the group's gathers pair up in order: the
 caller, persist/durable_writes.py, decides when the next starts).
+
+Why gloo, on CUDA too: the helper thread must never touch the device. A gather over NCCL from this thread
+would copy each bucket to the device and back on the thread's current stream, the device's default stream,
+which training uses: its copies would queue behind the training kernels already issued, and
+ProcessGroupNCCL makes that stream wait for the gather. Rank A's training then waits for gather k, which
+needs rank B's bucket, whose copy waits behind rank B's training, which waits in an FSDP collective for
+rank A: a deadlock until the NCCL timeout, on every step whose publish overlaps training (the default,
+`publish_every: 1`). A side stream would remove that wait but not the other: two NCCL communicators with
+kernels in flight at once, issued in different orders on different ranks, which NCCL documents as a
+source of hangs. Over gloo the thread only reads host memory the snapshot's copy finished (`released`,
+an event the thread waits for on the host), sends and receives over TCP, and writes host memory: nothing
+it does is ordered after or before any kernel of the training, so training and gather can interleave in
+any order on any rank. The cost is bandwidth: a gather runs at the host network's speed (TCP between
+nodes, loopback within one), not NVLink's; it is off the step's critical path, and a publish that outlasts
+a step is coalesced with the next (persist/durable_writes.py), which `published_lag` shows.
 
 Tensors that are not FSDP2 row shards (none in a model sharded by `distributed.fsdp.shard`) are gathered
 whole at once, in the step, as `distributed.gather.GatheredWeights` does.
@@ -52,12 +67,16 @@ _END = object()
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
+PUBLISH_BACKEND = "gloo"
+"""The background gathers' backend, whatever the training's (module docstring: why never NCCL)."""
+
+
 def publish_group(ranks: list[int]) -> dist.ProcessGroup:
-    """The process group the background gathers of `ranks` run on, created once per process: a collective
-    of every rank (`new_group`), so every rank asks for it at the same publish."""
+    """The gloo process group the background gathers of `ranks` run on, created once per process: a
+    collective of every rank (`new_group`), so every rank asks for it at the same publish."""
     key = tuple(ranks)
     if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(list(ranks))
+        _GROUPS[key] = dist.new_group(list(ranks), backend=PUBLISH_BACKEND)
     return _GROUPS[key]
 
 
@@ -104,7 +123,6 @@ class BackgroundGather:
         shards: dict[str, torch.Tensor] = {}
         group_ranks: list[int] | None = None
         sends = False
-        self._device = torch.device("cpu")
         for name, t in ((k, v.detach()) for k, v in module.state_dict().items() if k in keys):
             want = dtype if t.is_floating_point() else t.dtype
             if leader and keep:
@@ -119,9 +137,6 @@ class BackgroundGather:
                 continue
             _, parts, sends = layout
             group_ranks = group_ranks or _group_ranks(t)  # type: ignore[arg-type]
-            self._device = t.to_local().device if t.device_mesh.device_type == "cuda" else torch.device("cpu")
-            if t.to_local().device.type == "cpu" and t.device_mesh.device_type == "cuda":
-                self._device = torch.device("cuda", torch.cuda.current_device())  # CPU-offloaded shards
             shards[name] = t.to_local()
             self._entries.append((name, tuple(t.shape), want, parts))
         self._leader, self._keep, self._bucket_bytes = leader, keep, bucket_bytes
@@ -179,9 +194,7 @@ class BackgroundGather:
         try:
             if self._snapshot is None:
                 return  # not in rank 0's shard group (HSDP), or nothing row-sharded
-            local = self._snapshot.wait()
-            if self._device.type == "cuda":
-                torch.cuda.set_device(self._device)  # the thread's own current device: the rank's
+            local = self._snapshot.wait()  # host tensors (pinned on CUDA), their copy complete
             bucket: list[tuple[str, tuple[int, ...], torch.dtype, int]] = []
             size = 0
             for entry in self._entries:
@@ -213,19 +226,14 @@ class BackgroundGather:
                 nbytes = shard.numel() * shard.dtype.itemsize
                 flat[at : at + nbytes].copy_(shard.contiguous().view(-1).view(torch.uint8))
                 at += nbytes
-        flat = flat.to(self._device)
-        out = (
-            [torch.empty(width, dtype=torch.uint8, device=self._device) for _ in range(parts)]
-            if me == 0
-            else None
-        )
-        dist.gather(flat, out, group_dst=0, group=self._group)
+        out = [torch.empty(width, dtype=torch.uint8) for _ in range(parts)] if me == 0 else None
+        dist.gather(flat, out, group_dst=0, group=self._group)  # host memory, gloo: no device work here
         if me != 0 or not self._leader:
             return
         self.buckets += 1
         entries = [(name, shape, want) for name, shape, want, _ in bucket]
         into = self.tensors if self._keep else {n: torch.empty(s, dtype=w) for n, s, w in entries}
         for r, part in enumerate(out):  # type: ignore[arg-type]
-            unpack_rows(into, entries, parts, r, part[: sizes[r]].cpu())
+            unpack_rows(into, entries, parts, r, part[: sizes[r]])
         if not self._keep:
             self._queue.put(into)  # blocks while the writer is STREAM_DEPTH buckets behind
