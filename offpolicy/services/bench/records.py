@@ -204,10 +204,15 @@ def new_record(
     load_after: list[float],
     replaces: list[dict[str, Any]] | None = None,
     note: str | None = None,
+    git_before: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The record of one run of `repeats` (each {"wall_s", "loadavg_before", "loadavg_after", "output"})."""
+    """The record of one run of `repeats` (each {"wall_s", "loadavg_before", "loadavg_after", "output"}).
+    `git_before`: the checkout's state when the run began; a run whose checkout changed while it ran (a
+    commit, an edit) is recorded under the commit it began on, dirty, with `sha_end`."""
     now = datetime.now(UTC)
     git = git_state(root)
+    if git_before is not None and git_before != git:
+        git = {"sha": git_before["sha"], "dirty": True, "sha_end": git["sha"], "dirty_end": git["dirty"]}
     stamp = now.strftime("%Y-%m-%dT%H%M%SZ")
     sha = (git["sha"] or "nogit")[:9] + ("-dirty" if git["dirty"] else "")
     data: dict[str, Any] = {

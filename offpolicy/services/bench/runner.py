@@ -16,7 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from offpolicy.services.bench.records import Record, loadavg, new_record, timed_repeat, write_record
+from offpolicy.services.bench.records import (
+    Record,
+    git_state,
+    loadavg,
+    new_record,
+    timed_repeat,
+    write_record,
+)
 from offpolicy.services.bench.targets import TARGETS, Target, newest, targets_of
 
 BENCHMARKS = (
@@ -88,7 +95,7 @@ def run_benchmark(
             raise BenchmarkFailed(f"{name}: exit {done.returncode}\n{done.stderr[-4000:]}")
         return _json_tail(done.stdout, name)
 
-    before = loadavg()
+    before, git_before = loadavg(), git_state(root)
     results = [timed_repeat(once) for _ in range(repeats)]
     data = new_record(
         name,
@@ -100,6 +107,7 @@ def run_benchmark(
         load_before=before,
         load_after=loadavg(),
         note=note,
+        git_before=git_before,
     )
     path = None if results_dir is None else write_record(results_dir, data)
     return Run(Record(path or Path(f"{data['id']}.json"), data), written=path is not None)

@@ -199,3 +199,27 @@ def test_junit_counts_of_a_real_pytest_run(tmp_path: Path) -> None:
     counts = junit_counts(xml)
     assert (counts["tests"], counts["passed"], counts["failed"], counts["skipped"]) == (3, 1, 1, 1)
     assert counts["failures"] == ["test_x::test_bad"]
+
+
+def test_a_checkout_changed_during_the_run_is_recorded_dirty_under_the_commit_it_began_on(
+    fake_root: Path,
+) -> None:
+    """The benchmark itself commits between repeats (as a developer committing while a long run goes on):
+    the record names the commit the run began on, dirty, and where it ended."""
+    git = ["git", "-C", str(fake_root), "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "one"], check=True)
+    first = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    script = fake_root / "benchmarks" / "learning_signal.py"
+    script.write_text(
+        FAKE + "import subprocess\nsubprocess.run(['git', '-c', 'user.email=t@t', '-c', 'user.name=t', "
+        "'commit', '-q', '--allow-empty', '-m', 'during'], check=True)\n"
+    )
+    subprocess.run([*git, "commit", "-qam", "two"], check=True)
+    start = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert start != first
+    run = run_benchmark(fake_root, "learning_signal", [], repeats=1, smoke=False, results_dir=None)
+    got = run.record.data["git"]
+    assert got["sha"] == start and got["dirty"] is True and got["sha_end"] not in (None, start)
+    assert run.record.data["id"].endswith(f"{start[:9]}-dirty")
