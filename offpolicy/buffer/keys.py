@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-_RUN_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+from offpolicy.config.base import check_run_id
 
 
 def _prefix(run_id: str) -> str:
-    if not _RUN_ID.match(run_id):
-        raise ValueError(f"run_id={run_id!r} must match {_RUN_ID.pattern} (no braces: it is the hash tag)")
-    return f"offpolicy:{{{run_id}}}"
+    return f"offpolicy:{{{check_run_id(run_id)}}}"
 
 
 @dataclass(frozen=True, slots=True)

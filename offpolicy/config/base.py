@@ -15,6 +15,7 @@ environment, a REST body):
 
 from __future__ import annotations
 
+import re
 import types
 from collections.abc import Mapping
 from functools import cache
@@ -110,4 +111,25 @@ PathStr = Annotated[str, Field(min_length=1, max_length=MAX_STR), AfterValidator
 """A filesystem path: 1..4096 characters, no NUL, no component over 255 bytes."""
 
 IdStr = Annotated[str, Field(min_length=1, max_length=MAX_ID)]
-"""An identifier (run id, actor id): 1..128 characters."""
+"""An identifier (actor id, experiment name): 1..128 characters."""
+
+RUN_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
+"""What a run id may hold: it names the run's Redis keys (their hash tag: no braces) and its folders."""
+_RUN_ID = re.compile(RUN_ID_PATTERN)
+
+
+def check_run_id(value: str) -> str:
+    """`value` when it is a run id (`RUN_ID_PATTERN`, and not `.` or `..`, which as a folder name leave
+    the runs' root), else ValueError saying what a run id is."""
+    if not _RUN_ID.match(value) or value in (".", ".."):
+        raise ValueError(
+            f"run_id {value[:40]!r}: 1-128 characters of A-Z a-z 0-9 _ . : - (it names the run's Redis keys "
+            "and folders), not '.' or '..'"
+        )
+    return value
+
+
+RunId = Annotated[
+    str, Field(min_length=1, max_length=MAX_ID, pattern=RUN_ID_PATTERN), AfterValidator(check_run_id)
+]
+"""A run id, the one type of every boundary that takes one (configs, REST bodies, the buffer's keys)."""

@@ -22,7 +22,7 @@ from offpolicy.actors.config.engine import LoraEngineConfig as LoraEngineConfig
 from offpolicy.actors.config.pool import INHERITED_FIELDS, run_refusal
 from offpolicy.actors.config.reload import ReloadConfig
 from offpolicy.buffer.config import BufferConfig
-from offpolicy.config.base import ConfigModel, IdStr, PathStr
+from offpolicy.config.base import ConfigModel, IdStr, PathStr, RunId
 from offpolicy.config.loader import load_layered
 
 
@@ -181,7 +181,7 @@ class ActorConfig(ConfigModel):
 
     redis_url: str = "redis://localhost:6379/0"
     """Redis holding the replay buffer and the policy record."""
-    run_id: IdStr = "default"
+    run_id: RunId = "default"
     """Namespace of this run's keys in Redis (must equal the learner's)."""
     actor_index: int = Field(0, ge=0)
     """This actor's shard of the dataset: records with index % num_actors == actor_index."""

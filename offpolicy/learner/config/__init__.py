@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from offpolicy.buffer.config import BufferConfig
-from offpolicy.config.base import FROZEN, ConfigModel, IdStr, PathStr
+from offpolicy.config.base import FROZEN, ConfigModel, PathStr, RunId
 from offpolicy.config.loader import env_overrides as env_overrides
 from offpolicy.config.loader import load_layered
 from offpolicy.config.loader import merge as merge
@@ -191,7 +191,7 @@ class LearnerConfig(ConfigModel):
     # --- the buffer
     redis_url: str = Field("redis://localhost:6379/0", json_schema_extra=FROZEN)
     """Redis holding the replay buffer and the policy record."""
-    run_id: IdStr = Field("default", json_schema_extra=FROZEN)
+    run_id: RunId = Field("default", json_schema_extra=FROZEN)
     """Namespace of this run's keys in Redis (the buffer's hash tag)."""
     buffer: BufferConfig = BufferConfig()
     """Replay table: sampler, staleness gate, remover, rate limiter."""

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends, Header, Path, Request
 from fastapi.responses import JSONResponse
 
-from offpolicy.config.base import MAX_ID
+from offpolicy.config.base import MAX_ID, RUN_ID_PATTERN
 from offpolicy.services.actor_api.runtime import ActorRuntime
 from offpolicy.services.actor_api.schemas import (
     ActorStatus,
@@ -25,7 +25,9 @@ from offpolicy.services.common.auth import Authorized, GatewayAuthorized
 from offpolicy.services.common.errors import InvalidConfig, error_responses
 
 EPISODE_ID = Path(min_length=1, max_length=64, pattern=r"^[0-9a-f]+$")
-RUN_ID = Path(min_length=1, max_length=MAX_ID, description="The run's id (its `run_id`)")
+RUN_ID = Path(
+    min_length=1, max_length=MAX_ID, pattern=RUN_ID_PATTERN, description="The run's id (its `run_id`)"
+)
 _RUN_BODY = Annotated[
     dict[str, Any],
     Body(

@@ -7,7 +7,7 @@ from typing import Annotated
 
 from pydantic import AllowInfNan, BaseModel, ConfigDict, Field
 
-from offpolicy.config.base import IdStr
+from offpolicy.config.base import IdStr, RunId
 
 FiniteFloat = Annotated[float, AllowInfNan(False)]
 
@@ -97,7 +97,7 @@ class OpenEpisode(BaseModel):
         default_factory=dict, max_length=64
     )
     """Stored with the group (strings)."""
-    run_id: IdStr | None = None
+    run_id: RunId | None = None
     """The run of the actor's pool whose gateway records the episode (its chat calls and finish find it by
     its id); null = the first run."""
 

@@ -154,3 +154,33 @@ def test_the_openapi_document_has_the_runs_routes_with_their_errors() -> None:
         post["409"]["content"]["application/json"]["schema"]["$ref"] == "#/components/schemas/ErrorResponse"
     )
     assert {"401", "404", "409", "422"} <= set(paths["/v1/runs/{run_id}"]["patch"]["responses"])
+
+
+def test_a_run_id_that_is_not_a_key_or_a_folder_name_is_a_422_and_changes_nothing() -> None:
+    """One run-id type for every boundary (offpolicy/config/base.py `RunId`): `../x`, `..`, a brace (the
+    Redis hash tag) are refused by POST with the field's path, by the run routes' path, and by the learner's
+    and the actor's configs; the pool is unchanged."""
+    import pytest
+    from pydantic import ValidationError
+
+    from offpolicy.buffer.keys import BufferKeys
+    from offpolicy.learner.config import LearnerConfig
+
+    app, engine = app_for()
+    with TestClient(app) as http:
+        for bad in ("../x", "..", "a{b}", "a/b", "x" * 129):
+            r = http.post("/v1/runs", json=run_body(bad), headers=AUTH)
+            assert r.status_code == 422, (bad, r.text)
+            assert r.json()["error"]["detail"][0]["field"] == "body.run_id", (bad, r.text)
+        assert http.delete("/v1/runs/..%2Fx", headers=AUTH).status_code in (404, 422)
+        assert http.patch("/v1/runs/a%7Bb%7D", json={}, headers=AUTH).status_code == 422
+        assert [r["run_id"] for r in http.get("/v1/runs").json()["runs"]] == ["a"] and engine.added == ["a"]
+    for bad in ("../x", ".", ".."):
+        with pytest.raises(ValidationError, match="run_id"):
+            LearnerConfig(model_path="/m", redis_url="redis://h:1/0", run_id=bad)
+        with pytest.raises(ValidationError, match="run_id"):
+            ActorConfig.model_validate({"model_path": "/m", "run_id": bad, "dataset": {"path": "/a.jsonl"}})
+        with pytest.raises(ValueError, match="run_id"):
+            BufferKeys.for_run(bad)
+    ok = LearnerConfig(model_path="/m", redis_url="redis://h:1/0", run_id="grpo-7b.v2:seed_1")
+    assert ok.weights_path.parts[-2] == "grpo-7b.v2:seed_1"
