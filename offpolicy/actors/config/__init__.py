@@ -25,6 +25,14 @@ from offpolicy.buffer.config import BufferConfig
 from offpolicy.config.base import ConfigModel, IdStr, PathStr, RunId
 from offpolicy.config.loader import load_layered
 
+MAX_INFLIGHT_PROMPTS = 4096
+"""Prompts one actor (or one run of a pool) keeps in its engine at most: a run cannot claim a shared engine
+beyond any engine's batch (vLLM's `max_num_seqs` is 256-1024 on GPUs)."""
+MAX_GROUP_SIZE = 1024
+"""Completions (or episodes) per prompt at most."""
+MAX_TOKENS = 1_048_576
+"""Tokens per completion at most (a model's context bounds it further, at the engine)."""
+
 
 class SamplingConfig(ConfigModel):
     """How completions are sampled; stamped on every group (the learner applies the same temperature)."""
@@ -35,9 +43,9 @@ class SamplingConfig(ConfigModel):
     """Nucleus truncation; 1.0 = off. The learner does not model truncation: keep 1.0 for training."""
     top_k: int = Field(-1, ge=-1)
     """Top-k truncation; -1 = off (vLLM's convention). Keep -1 for training, as for `top_p`."""
-    max_tokens: int = Field(256, ge=1)
+    max_tokens: int = Field(256, ge=1, le=MAX_TOKENS)
     """Most tokens per completion."""
-    n: int = Field(8, ge=1)
+    n: int = Field(8, ge=1, le=MAX_GROUP_SIZE)
     """Completions per prompt: the size of one group."""
 
     @model_validator(mode="after")
@@ -147,12 +155,12 @@ class GatewayConfig(ConfigModel):
 
     enabled: bool = False
     """Serve `/v1/episodes` and `/v1/chat/completions` (beside the dataset's prompts, if any)."""
-    group_size: int | None = Field(None, ge=1)
+    group_size: int | None = Field(None, ge=1, le=MAX_GROUP_SIZE)
     """Episodes per group when `POST /v1/episodes` names none; None = `sampling.n`."""
     episode_timeout_s: float = Field(600.0, gt=0.0, le=86_400.0)
     """An episode with no call or finish for this long expires (counted); its group is pushed with the
     episodes that did finish (none: nothing is pushed)."""
-    max_open_episodes: int = Field(4096, ge=1)
+    max_open_episodes: int = Field(4096, ge=1, le=65536)
     """Open episodes at most; `POST /v1/episodes` answers 429 beyond it."""
     model_name: str = Field("offpolicy", min_length=1, max_length=256)
     """The `model` the gateway answers with (any `model` is accepted in requests)."""
@@ -217,7 +225,7 @@ class ActorConfig(ConfigModel):
     """The replay buffer's config. Its table-wide fields are replaced by the learner's as soon as the
     learner has published them (docs/buffer.md "Producers follow the learner's config"); the local ones
     (`offpolicy.buffer.config.LOCAL_FIELDS`: pacing, timeouts, backoff) stay this actor's."""
-    max_inflight_prompts: int = Field(16, ge=1)
+    max_inflight_prompts: int = Field(16, ge=1, le=MAX_INFLIGHT_PROMPTS)
     """Prompts in the engine at once (each one request of `sampling.n` completions); a finished prompt's
     group is pushed and the next prompt admitted at once, so the engine's batch stays full."""
     reload: ReloadConfig = ReloadConfig()

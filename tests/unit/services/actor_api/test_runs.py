@@ -184,3 +184,23 @@ def test_a_run_id_that_is_not_a_key_or_a_folder_name_is_a_422_and_changes_nothin
             BufferKeys.for_run(bad)
     ok = LearnerConfig(model_path="/m", redis_url="redis://h:1/0", run_id="grpo-7b.v2:seed_1")
     assert ok.weights_path.parts[-2] == "grpo-7b.v2:seed_1"
+
+
+def test_a_run_cannot_claim_the_shared_engine_past_the_bounds() -> None:
+    """`max_inflight_prompts` 10^9 or 2^64, by POST or PATCH: a 422 naming the field and its limit; the run
+    keeps its share."""
+    app, _ = app_for()
+    with TestClient(app) as http:
+        for huge in (10**9, 2**64):
+            r = http.post("/v1/runs", json=run_body("b", max_inflight_prompts=huge), headers=AUTH)
+            assert (
+                r.status_code == 422
+                and r.json()["error"]["detail"][0]["field"] == "body.max_inflight_prompts"
+            )
+            assert "4096" in r.text
+            r = http.patch("/v1/runs/a", json={"max_inflight_prompts": huge}, headers=AUTH)
+            assert r.status_code == 422, r.text
+            r = http.post("/v1/runs", json=run_body("b", sampling={"n": huge}), headers=AUTH)
+            assert r.status_code == 422 and r.json()["error"]["detail"][0]["field"] == "body.sampling.n"
+        assert [r["run_id"] for r in http.get("/v1/runs").json()["runs"]] == ["a"]
+        assert http.get("/v1/runs").json()["runs"][0]["max_inflight_prompts"] == 16
