@@ -70,10 +70,11 @@ def moe_config(tiny_moe, redis_url, tmp_path, name: str, **kw):
     return make_config(tiny_moe, redis_url, tmp_path, name, **(base | kw))
 
 
+# every rank its own experts (ep = ranks) on 2, experts cut over 2 ranks and replicated twice on 4 (the
+# publish and checkpoint gather from a 2-D expert mesh); ~90 s each here. 4 ranks with ep 4 is the experts
+# module's case below.
 @pytest.mark.parametrize(
-    ("nproc", "ep", "resume"),
-    [(2, 2, True), (4, 4, False), (4, 2, False)],
-    ids=["2ranks-ep2", "4ranks-ep4", "4ranks-ep2"],
+    ("nproc", "ep", "resume"), [(2, 2, True), (4, 2, False)], ids=["2ranks-ep2", "4ranks-ep2"]
 )
 def test_ep_trains_like_one_process(nproc, ep, resume, tiny_moe, moe_groups, redis_url, tmp_path):
     one = moe_config(tiny_moe, redis_url, tmp_path, "one")
@@ -131,7 +132,7 @@ def test_ep_trains_like_one_process(nproc, ep, resume, tiny_moe, moe_groups, red
     assert max(diffs.values()) <= TOLERANCE, sorted(diffs.items(), key=lambda kv: -kv[1])[:5]
 
 
-@pytest.mark.parametrize(("nproc", "ep"), [(2, 2), (4, 2)], ids=["2ranks-ep2", "4ranks-ep2"])
+@pytest.mark.parametrize(("nproc", "ep"), [(2, 2), (4, 4)], ids=["2ranks-ep2", "4ranks-ep4"])
 def test_the_dispatched_experts_compute_what_one_process_computes(nproc, ep, tmp_path):
     """The experts module alone (8 experts, top-2): each rank's tokens through the all-to-all dispatch give
     the one-process outputs, and the FSDP2-reduced expert gradients the one-process gradients, for a random
