@@ -28,9 +28,11 @@ class TransferConfig(ConfigModel):
     heartbeat_s: float = Field(2.0, gt=0.0)
     """Actor: seconds between membership heartbeats in Redis; a member is gone after 3 missed ones."""
     address: str = Field("127.0.0.1", max_length=253)
-    """Learner: the address of the learner that the actors' workers connect to (its pod IP or service
-    name on Kubernetes, its service name on compose); with an m2n backend every learner rank connects to
-    it too (rank 0's node)."""
+    """Learner: the address of the learner that the actors' workers connect to. vLLM's rank 0 (the
+    learner) binds its rendezvous store to it, so it must be an address of the learner's own host: its pod
+    IP (or a headless Service's name) on Kubernetes, never a ClusterIP Service's name; its service name on
+    compose. Checked when the learner starts. With an m2n backend every learner rank connects to it too
+    (rank 0's node)."""
     port: int = Field(0, ge=0, le=65535)
     """Learner: the TCP port of the group's rendezvous store (0 = a free port, chosen per group)."""
     bucket_bytes: int = Field(512 << 20, ge=1 << 20)

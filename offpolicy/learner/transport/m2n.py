@@ -31,7 +31,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from offpolicy.learner.transport.base import TransferResult
-from offpolicy.learner.transport.vllm import FanoutClient, VllmTransport, _free_port, _inner, transfer_device
+from offpolicy.learner.transport.vllm import (
+    FanoutClient,
+    VllmTransport,
+    _free_port,
+    _inner,
+    check_bindable,
+    transfer_device,
+)
 
 if TYPE_CHECKING:
     from offpolicy.learner.distributed.ranks import Ranks
@@ -153,6 +160,8 @@ class ShardedTransport(VllmTransport):
         ranks: Ranks,
     ) -> None:
         self.config, self.control, self.ranks = config, control, ranks
+        if ranks.is_leader:  # rank 0 binds the group's rendezvous store; the others connect to it
+            check_bindable(config.address)
         self.device = transfer_device(config.backend, ranks.local_rank)
         if config.backend == "gloo_m2n":
             from offpolicy.weights.engines.plugin import register

@@ -177,6 +177,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_bindable(address: str) -> None:
+    """Refuse `publish.transfer.address` unless this host can bind it: vLLM's rank 0 (the learner) binds its
+    rendezvous store's listening socket to that address (IPv4), so a name that resolves elsewhere (a
+    ClusterIP Service's) fails every send later, only logged. ValueError naming the field and the fix."""
+    field = "publish.transfer.address"
+    try:
+        ips = sorted({info[4][0] for info in socket.getaddrinfo(address, None, socket.AF_INET)})
+    except socket.gaierror as e:
+        raise ValueError(f"{field} {address!r} does not resolve on the learner's host ({e})") from e
+    for ip in ips:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((ip, 0))
+                return
+            except OSError:
+                continue
+    raise ValueError(
+        f"{field} {address!r} ({', '.join(ips)}) is not an address of the learner's host: rank 0 binds its "
+        "rendezvous store there. Give the learner pod's own IP (status.podIP through the downward API) or a "
+        "headless Service's name, not a ClusterIP Service's (docs/deploy.md)"
+    )
+
+
 class VllmTransport:
     """The learner's side of `publish.transport: vllm` (one process: the learner is the only sender)."""
 
@@ -194,6 +217,7 @@ class VllmTransport:
         self.liveness = Liveness(1.25 * config.heartbeat_s)
         self.device = transfer_device(config.backend, local_rank)
         self.source = _weight_source(state, dtype, self.device)
+        check_bindable(config.address)  # at start, not as every send's logged failure
         _trainer_init_info(config, config.address, 0, 1)  # imports (and registers) now, not in a send's bound
         self._init_group_state()
 
