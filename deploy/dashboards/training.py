@@ -7,6 +7,7 @@ Every metric named here is declared in `buffer/metrics.py`, `learner/metrics.py`
 
 from __future__ import annotations
 
+from deploy.dashboards.moe import MOE_ROW
 from deploy.dashboards.panels import LC, RATE, DashboardSpec, Panel, mean_of, p90, q
 
 # --- the running config: on the Overview and the Learner dashboards (every change is also an annotation)
@@ -199,46 +200,7 @@ CORRECTION = DashboardSpec(
                 ),
             ),
         ),
-        (
-            "Mixture of experts (routing)",
-            (
-                Panel(
-                    "Router agreement by staleness bucket",
-                    (
-                        q(
-                            "avg by (staleness) (offpolicy_learner_moe_router_agreement_by_staleness)",
-                            "staleness {{staleness}}",
-                        ),
-                        q("avg(offpolicy_learner_moe_router_agreement)", "all tokens"),
-                    ),
-                    unit="percentunit",
-                    description="Share of token-layers whose learner top-k equals the rollout's experts "
-                    "(under moe.routing_replay, the replayed ones), by how many versions old the tokens "
-                    "were: "
-                    "the router's drift from the behaviour policy's choices as data ages.",
-                ),
-                Panel(
-                    "Log-prob gap |log pi - log mu| by staleness bucket",
-                    (
-                        q(
-                            "avg by (staleness) (offpolicy_learner_moe_logprob_gap_by_staleness)",
-                            "staleness {{staleness}}",
-                        ),
-                        q("avg(offpolicy_learner_moe_logprob_gap)", "all tokens"),
-                    ),
-                    description="Mean absolute gap between the learner's and the engine's log-probs of the "
-                    "sampled tokens (MoE groups with routed experts), with or without routing replay as "
-                    "configured.",
-                ),
-                Panel(
-                    "Router losses",
-                    (
-                        q("avg(offpolicy_learner_moe_aux_loss)", "load balancing"),
-                        q("avg(offpolicy_learner_moe_z_loss)", "z-loss"),
-                    ),
-                ),
-            ),
-        ),
+        MOE_ROW,
         (
             "Rejection sampling and loss",
             (

@@ -30,13 +30,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from offpolicy.learner.transport.address import check_bindable
 from offpolicy.learner.transport.base import TransferResult
 from offpolicy.learner.transport.vllm import (
     FanoutClient,
     VllmTransport,
     _free_port,
     _inner,
-    check_bindable,
     transfer_device,
 )
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from offpolicy.learner.transport.vllm import check_bindable
+from offpolicy.learner.transport.address import check_bindable
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1", "localhost", "0.0.0.0"])
