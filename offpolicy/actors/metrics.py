@@ -81,6 +81,12 @@ class ActorMetrics:
             "1 while more than half of the groups failed their reward (judged after the first 20), else 0",
             registry=r,
         )
+        self.run_failed = Gauge(
+            "offpolicy_actor_run_failed",
+            "1 once the run's loop died (GET /v1/runs says why; DELETE /v1/runs/{run_id} frees its share), "
+            "else 0",
+            registry=r,
+        )
         self.reward = Histogram(
             "offpolicy_actor_reward", "Reward of each scored completion", buckets=_REWARD_BUCKETS, registry=r
         )

@@ -6,7 +6,15 @@ from typing import Any, Literal, Self
 
 from pydantic import Field, model_validator
 
-from offpolicy.config.base import ConfigModel
+from offpolicy.config.base import (
+    MAX_AGE_S,
+    MAX_BATCH,
+    MAX_BYTES,
+    MAX_COUNT,
+    MAX_SEQ_TOKENS,
+    MAX_WAIT_S,
+    ConfigModel,
+)
 
 # Fields that belong to one producer or consumer, not to the table: the learner's changes never touch them.
 LOCAL_FIELDS = frozenset(
@@ -16,25 +24,29 @@ LOCAL_FIELDS = frozenset(
 Sampler = Literal["fifo", "newest", "uniform", "staleness_weighted", "prioritized"]
 
 
+MAX_PAYLOAD_BYTES = 512 * 1024 * 1024
+"""The largest encoded group `max_payload_bytes` may allow: Redis' largest string (`proto-max-bulk-len`)."""
+
+
 class CodecLimits(ConfigModel):
     """Limits `decode_group` / `validate_group` enforce; a group over any of them is `InvalidTrajectory`."""
 
-    max_tokens_per_completion: int = Field(32_768, ge=1)
+    max_tokens_per_completion: int = Field(32_768, ge=1, le=MAX_SEQ_TOKENS)
     """Most response tokens in one trajectory."""
-    max_prompt_tokens: int = Field(32_768, ge=1)
+    max_prompt_tokens: int = Field(32_768, ge=1, le=MAX_SEQ_TOKENS)
     """Most prompt tokens in a group."""
-    max_completions_per_group: int = Field(1_024, ge=1)
+    max_completions_per_group: int = Field(1_024, ge=1, le=MAX_BATCH)
     """Most trajectories in one group."""
-    max_payload_bytes: int = Field(64 * 1024 * 1024, ge=1)
+    max_payload_bytes: int = Field(64 * 1024 * 1024, ge=1, le=MAX_PAYLOAD_BYTES)
     """Largest encoded group, in bytes."""
 
 
 class BufferConfig(ConfigModel):
     """One replay table: Reverb's `max_size`, sampler, remover (`max_times_sampled`) and rate limiters."""
 
-    max_size: int = Field(10_000, ge=1)
+    max_size: int = Field(10_000, ge=1, le=MAX_COUNT)
     """Most groups stored; past it the oldest (by insert order) is evicted."""
-    max_bytes: int | None = Field(None, ge=0)
+    max_bytes: int | None = Field(None, ge=0, le=MAX_BYTES)
     """Most payload bytes stored (leased groups included); an insert past it raises `BufferFull`
     (back-pressure: the producer waits and retries). Groups sampled at least once are evicted, oldest
     first, to make room; a group nobody has trained on never is. None = `max_bytes_share` of Redis'
@@ -43,9 +55,9 @@ class BufferConfig(ConfigModel):
     """With `max_bytes` None: the share of Redis' `maxmemory` the payloads may take. The rest is the
     headroom of the indexes, the dedupe window, a lease's payload copies and the policy record, so that
     the learner's leases, acks and publishes never meet Redis' own out-of-memory refusal."""
-    max_times_sampled: int | None = Field(1, ge=1)
+    max_times_sampled: int | None = Field(1, ge=1, le=MAX_COUNT)
     """A group is removed once sampled this many times; None = never (replay until evicted or stale)."""
-    max_staleness: int | None = Field(None, ge=0)
+    max_staleness: int | None = Field(None, ge=0, le=MAX_COUNT)
     """Largest `consumer_version - policy_version` a sample may return, in policy versions (optimizer
     steps); older groups are dropped and counted. None = no staleness gate."""
     sampler: Sampler = "fifo"
@@ -58,36 +70,36 @@ class BufferConfig(ConfigModel):
     """The `prioritized` sampler's exponent (prioritized experience replay's alpha): a group is chosen
     with probability proportional to (priority + priority_epsilon)^alpha; 0 = uniform among the groups
     with a priority, 1 = proportional to the priority (the default, as before the exponent existed)."""
-    min_size_to_sample: int = Field(1, ge=1)
+    min_size_to_sample: int = Field(1, ge=1, le=MAX_COUNT)
     """Reverb's MinSize: sampling waits until the buffer holds this many groups."""
-    samples_per_insert: float | None = Field(None, gt=0.0)
+    samples_per_insert: float | None = Field(None, gt=0.0, le=MAX_COUNT)
     """Reverb's SampleToInsertRatio: target groups sampled per group inserted. None = no ratio limiter."""
-    error_buffer: float | None = Field(None, gt=0.0)
+    error_buffer: float | None = Field(None, gt=0.0, le=MAX_COUNT)
     """Allowed drift from the ratio, in samples, either side of `samples_per_insert * min_size_to_sample`.
     Required with `samples_per_insert`; must be >= max(1, samples_per_insert)."""
-    max_ahead: int | None = Field(None, ge=1)
+    max_ahead: int | None = Field(None, ge=1, le=MAX_COUNT)
     """Producer pacing: `wait_for_room` holds a producer while the buffer holds at least this many groups
     a learner at the producer's version could still sample. None = never hold producers."""
-    insert_timeout_s: float = Field(30.0, gt=0.0)
+    insert_timeout_s: float = Field(30.0, gt=0.0, le=MAX_WAIT_S)
     """How long an insert waits for the ratio limiter before raising `RateLimited`, in seconds."""
-    backoff_initial_s: float = Field(0.005, gt=0.0)
+    backoff_initial_s: float = Field(0.005, gt=0.0, le=MAX_WAIT_S)
     """First wait between retries of a limited call, in seconds (doubles up to `backoff_max_s`)."""
-    backoff_max_s: float = Field(0.25, gt=0.0)
+    backoff_max_s: float = Field(0.25, gt=0.0, le=MAX_WAIT_S)
     """Longest wait between retries of a limited call, in seconds."""
-    storage_timeout_s: float = Field(5.0, gt=0.0)
+    storage_timeout_s: float = Field(5.0, gt=0.0, le=MAX_WAIT_S)
     """Redis unreachable: how long calls retry (with backoff) before raising `StorageUnavailable`, s."""
-    socket_timeout_s: float = Field(10.0, gt=0.0)
+    socket_timeout_s: float = Field(10.0, gt=0.0, le=MAX_WAIT_S)
     """Redis socket read/write and connect timeout, in seconds."""
     limits: CodecLimits = CodecLimits()
     """Validation limits for every group inserted and sampled."""
-    dedupe_window: int | None = Field(100_000, ge=1)
+    dedupe_window: int | None = Field(100_000, ge=1, le=MAX_COUNT)
     """Dedupe window by count: the group ids of the last this many inserts are remembered (a stored group
     is always recognised). A duplicate arriving after its id left the window is stored again. None = no
     count bound (with `dedupe_window_s` None too: every id ever inserted is kept, the set grows forever)."""
-    dedupe_window_s: float | None = Field(None, gt=0.0)
+    dedupe_window_s: float | None = Field(None, gt=0.0, le=MAX_AGE_S)
     """Dedupe window by age, in seconds (Redis clock): ids inserted longer ago are forgotten (same
     consequence as `dedupe_window`). None = no age bound."""
-    dead_letter_max: int = Field(1_000, ge=1)
+    dead_letter_max: int = Field(1_000, ge=1, le=MAX_COUNT)
     """Most records the dead-letter list keeps (newest first); older ones are trimmed. The counters
     `dropped:invalid:<field>` keep counting every group set aside."""
 

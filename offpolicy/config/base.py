@@ -42,6 +42,26 @@ MAX_PATH_COMPONENT = 255
 """Longest path component, in bytes (NAME_MAX on Linux): a longer one fails at `open` ("File name too
 long"), so it is refused when the config is built, not when the loop first writes."""
 
+# Upper bounds of the numbers a config holds that spend something (time, memory, engine or disk room):
+# wide enough for any cluster run, there to refuse a typo or a hostile value with the field and the limit
+# (tests/unit/config/test_bounds.py walks every config model for a number without one).
+MAX_WAIT_S = 86_400.0
+"""The longest timeout, wait or period in seconds: a day."""
+MAX_AGE_S = 366 * 86_400.0
+"""The longest age a window keeps, in seconds: a year."""
+MAX_COUNT = 10**9
+"""A count of groups, steps, versions or entries (buffer sizes, windows, intervals): a billion."""
+MAX_BATCH = 65_536
+"""Groups in a step or a mini-batch, sequences in a micro-batch, ranks, actors, threads."""
+MAX_ATTEMPTS = 1_000
+"""Attempts, rounds and epochs of one thing."""
+MAX_SEQ_TOKENS = 2**24
+"""Tokens of one sequence, context or micro-batch budget (16M)."""
+MAX_BYTES = 2**50
+"""A byte budget (1 PiB)."""
+MAX_KEEP = 10_000
+"""Copies kept on disk (weight versions, checkpoints)."""
+
 
 class ConfigModel(BaseModel):
     """Frozen, closed, finite, bool-is-not-a-number, bounded strings (module docstring)."""

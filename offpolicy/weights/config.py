@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from offpolicy.config.base import ConfigModel
+from offpolicy.config.base import MAX_BYTES, MAX_WAIT_S, ConfigModel
 
 
 class TransferConfig(ConfigModel):
@@ -22,10 +22,10 @@ class TransferConfig(ConfigModel):
     `gloo_m2n` (CPU; its test stand-in, weights/engines/gloo_m2n.py); every learner rank then joins the
     group and must reach the actors. `sparse_nccl` (deltas) is vLLM's too, but the learner does not drive
     it yet: naming it is a config error. Learner and actors must name the same one."""
-    timeout_s: float = Field(60.0, gt=0.0)
+    timeout_s: float = Field(60.0, gt=0.0, le=MAX_WAIT_S)
     """Bound on every wait of one transfer: forming the group, the broadcast (a dead peer fails it), the
     actors' answers. The learner's step never waits longer for the actors."""
-    heartbeat_s: float = Field(2.0, gt=0.0)
+    heartbeat_s: float = Field(2.0, gt=0.0, le=MAX_WAIT_S)
     """Actor: seconds between membership heartbeats in Redis; a member is gone after 3 missed ones."""
     address: str = Field("127.0.0.1", max_length=253)
     """Learner: the address of the learner that the actors' workers connect to. vLLM's rank 0 (the
@@ -35,7 +35,7 @@ class TransferConfig(ConfigModel):
     (rank 0's node)."""
     port: int = Field(0, ge=0, le=65535)
     """Learner: the TCP port of the group's rendezvous store (0 = a free port, chosen per group)."""
-    bucket_bytes: int = Field(512 << 20, ge=1 << 20)
+    bucket_bytes: int = Field(512 << 20, ge=1 << 20, le=MAX_BYTES)
     """Size of the packed buckets the weights are broadcast in (vLLM's `packed_buffer_size_bytes`)."""
 
     @field_validator("backend")

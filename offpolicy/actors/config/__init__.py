@@ -22,7 +22,16 @@ from offpolicy.actors.config.engine import LoraEngineConfig as LoraEngineConfig
 from offpolicy.actors.config.pool import INHERITED_FIELDS, run_refusal
 from offpolicy.actors.config.reload import ReloadConfig
 from offpolicy.buffer.config import BufferConfig
-from offpolicy.config.base import ConfigModel, IdStr, PathStr, RunId
+from offpolicy.config.base import (
+    MAX_BATCH,
+    MAX_COUNT,
+    MAX_SEQ_TOKENS,
+    MAX_WAIT_S,
+    ConfigModel,
+    IdStr,
+    PathStr,
+    RunId,
+)
 from offpolicy.config.loader import load_layered
 
 MAX_INFLIGHT_PROMPTS = 4096
@@ -98,7 +107,7 @@ class RewardConfig(ConfigModel):
     length_penalty: float | None = Field(None, gt=0.0)
     """Wrap the reward with `length_penalty`: minus this much times len(completion) / `length_max_chars`;
     None = no penalty (per-completion `text` functions only)."""
-    length_max_chars: int = Field(1024, ge=1)
+    length_max_chars: int = Field(1024, ge=1, le=MAX_SEQ_TOKENS * 16)
     """Completion length (characters) at which the length penalty reaches its full `length_penalty`."""
 
     @model_validator(mode="after")
@@ -132,15 +141,15 @@ class EvalConfig(ConfigModel):
 
     dataset: DatasetConfig
     """The held-out prompts (the same record layout as training prompts)."""
-    every_versions: int = Field(5, ge=1)
+    every_versions: int = Field(5, ge=1, le=MAX_COUNT)
     """Evaluate the versions that are multiples of this (and the first version the actor holds)."""
     samples_per_prompt: int = Field(4, ge=1, le=256)
     """Completions per prompt (k of pass@k); 1 with `greedy`."""
     greedy: bool = False
     """Greedy decoding (temperature 0, one completion per prompt) instead of the actor's sampling."""
-    max_prompts: int | None = Field(None, ge=1)
+    max_prompts: int | None = Field(None, ge=1, le=MAX_COUNT)
     """Evaluate the first this many held-out prompts; None = all."""
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     """Completion length; None = `sampling.max_tokens`."""
     reward: RewardConfig | None = None
     """The reward function of evaluation; None = the actor's `reward`."""
@@ -169,11 +178,11 @@ class GatewayConfig(ConfigModel):
 class RetryConfig(ConfigModel):
     """Bounded waits when Redis is down or the buffer says back off (pacing, rate limiter)."""
 
-    initial_s: float = Field(0.5, gt=0.0)
+    initial_s: float = Field(0.5, gt=0.0, le=MAX_WAIT_S)
     """First wait after a failed insert or pacing check, in seconds; doubles up to `max_s`."""
-    max_s: float = Field(10.0, gt=0.0)
+    max_s: float = Field(10.0, gt=0.0, le=MAX_WAIT_S)
     """Longest single wait, in seconds. The actor never drops a generated group: it keeps retrying."""
-    pacing_timeout_s: float = Field(30.0, gt=0.0)
+    pacing_timeout_s: float = Field(30.0, gt=0.0, le=MAX_WAIT_S)
     """Seconds the actor waits for the learner to catch up before it logs that it still waits (it reads
     the buffer and its stop flag at least every second meanwhile: SIGTERM ends the wait at once)."""
 
@@ -191,9 +200,9 @@ class ActorConfig(ConfigModel):
     """Redis holding the replay buffer and the policy record."""
     run_id: RunId = "default"
     """Namespace of this run's keys in Redis (must equal the learner's)."""
-    actor_index: int = Field(0, ge=0)
+    actor_index: int = Field(0, ge=0, le=MAX_BATCH - 1)
     """This actor's shard of the dataset: records with index % num_actors == actor_index."""
-    num_actors: int = Field(1, ge=1)
+    num_actors: int = Field(1, ge=1, le=MAX_BATCH)
     """How many actors share the dataset."""
     actor_id: IdStr | None = None
     """Stamped on every group; None = `actor-<actor_index>`."""

@@ -8,7 +8,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from offpolicy.config.base import ConfigModel, PathStr
+from offpolicy.config.base import MAX_COUNT, ConfigModel, PathStr
 
 _KEY = r"^[^.\s][^\s]*$"  # a column name or a dotted path into nested objects
 
@@ -61,7 +61,7 @@ class DatasetConfig(ConfigModel):
     """Reshuffle this actor's shard at the start of every epoch (seeded by `seed` and the epoch)."""
     seed: int = Field(0, ge=0, lt=2**63)
     """Seed of the per-epoch shuffle."""
-    max_epochs: int | None = Field(None, ge=1)
+    max_epochs: int | None = Field(None, ge=1, le=MAX_COUNT)
     """Stop after this many passes over the shard; None = run until stopped."""
     optional_metadata_keys: list[Annotated[str, Field(pattern=_KEY, max_length=256)]] = Field(
         default_factory=list, max_length=64

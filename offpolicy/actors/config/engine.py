@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Literal, Self
 
 from pydantic import Field, model_validator
 
-from offpolicy.config.base import ConfigModel
+from offpolicy.config.base import MAX_BATCH, MAX_BYTES, MAX_SEQ_TOKENS, ConfigModel
 
 
 class LoraEngineConfig(ConfigModel):
@@ -51,20 +51,20 @@ class EngineConfig(ConfigModel):
     }
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights and activations dtype; `float32` on CPU (the log-prob parity check needs it)."""
-    max_model_len: int = Field(4096, ge=16)
+    max_model_len: int = Field(4096, ge=16, le=MAX_SEQ_TOKENS)
     """Prompt + completion tokens per sequence, in tokens."""
-    tensor_parallel_size: int = Field(1, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1, le=MAX_BATCH)
     """GPUs the engine shards the model over (vLLM tensor parallelism); 1 on CPU."""
     gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
     """Fraction of accelerator memory vLLM may take (weights + KV cache); small on CPU."""
-    cpu_kv_cache_gib: float | None = Field(None, gt=0.0)
+    cpu_kv_cache_gib: float | None = Field(None, gt=0.0, le=MAX_BYTES / 2**30)
     """KV cache size on CPU in GiB (exported as `VLLM_CPU_KVCACHE_SPACE` before the engine starts);
     None = leave the variable as the process environment has it."""
     enforce_eager: bool = False
     """True = no CUDA graphs / compilation (required on CPU, faster start-up for tests)."""
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prompt prefixes (the n completions of a group share their prompt)."""
-    max_num_seqs: int | None = Field(None, ge=1)
+    max_num_seqs: int | None = Field(None, ge=1, le=MAX_BATCH)
     """Sequences scheduled together; None = vLLM's default."""
     seed: int = Field(0, ge=0, lt=2**31)
     """Seed of vLLM's sampler (each actor adds its `actor_index`, so actors do not repeat each other)."""

@@ -195,6 +195,8 @@ class Actor:
         expiry = asyncio.create_task(self.gateway.expire_loop()) if self.gateway is not None else None
         self.state, finished, self._loop_running = "running", False, True
         try:
+            if cfg.reload.enabled:  # no request before the newest published policy is loaded
+                await self.sync.catch_up(stop)
             await self._admit_loop(buffer, stop)
             finished = True
         finally:

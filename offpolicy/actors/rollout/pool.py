@@ -27,6 +27,7 @@ from offpolicy.actors.config import ActorConfig
 from offpolicy.actors.config.pool import run_refusal
 from offpolicy.actors.engine.vllm import VLLMEngine
 from offpolicy.actors.errors import RunConflict, RunFieldFrozen, RunNotFound
+from offpolicy.actors.metrics import ActorMetrics
 from offpolicy.actors.rollout.actor import Actor
 from offpolicy.config.loader import changed_fields, merge
 
@@ -38,6 +39,8 @@ UPDATABLE = ("max_inflight_prompts", "sampling")
 
 class RunActor(Protocol):
     """What the pool calls on a run's `offpolicy.actors.rollout.actor.Actor`."""
+
+    metrics: ActorMetrics
 
     def run(self, stop_event: threading.Event) -> Any: ...
     def status(self) -> Mapping[str, Any]: ...
@@ -78,6 +81,7 @@ class Run:
             self.actor.run(self.stop)
         except Exception as exc:  # translated: kept for the run's status, handed to the pool's hook, logged
             self.error = exc
+            self.actor.metrics.run_failed.set(1)  # offpolicy_actor_run_failed{run_id}: the alert
             log.exception("run %s: its loop stopped with an error; the pool's other runs go on", self.run_id)
             on_failure(self.run_id, exc)
 
@@ -231,18 +235,21 @@ class Pool:
         return run.status()
 
     def remove(self, run_id: str, timeout_s: float = 60.0) -> dict[str, Any]:
-        """Stop run `run_id`: its loop ends (its requests in flight aborted, its groups pushed or counted as
-        dropped), its adapters leave the engine; its buffer keeps what it holds. Its last status."""
+        """Stop run `run_id` (running, stopped or failed): its loop ends (its requests in flight aborted,
+        its groups pushed or counted as dropped), its share of the engine is free at once, its adapters
+        leave the engine; its buffer keeps what it holds. Its last status: the versions it served, its
+        error if it failed, with state `removed`."""
         with self._lock:
             run = self._get(run_id)
             del self._runs[run_id]
         run.stop.set()
         self._join(run, timeout_s)
+        last = run.status()  # its loop ended: what it served last, before its adapters leave the engine
         if self.engine.kind == "lora":
             self.engine.call(self.engine.drop_run(run_id))
         run.actor.close()
         log.info("run %s removed from the pool (%d runs)", run_id, len(self._runs))
-        return run.status() | {"state": "removed"}
+        return last | {"state": "removed"}
 
     # --- the service's view
 

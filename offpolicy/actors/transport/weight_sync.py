@@ -126,6 +126,39 @@ class WeightSync:
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.retry.max_s)
 
+    async def catch_up(self, stop: threading.Event) -> None:
+        """Before the first request: read the policy record and load its version when the engine holds
+        another, so an actor that starts or restarts, and a run (re)added to a pool, generates from its
+        learner's newest policy (its newest adapter, or the base when it has none), not from the base.
+        Redis outages are waited out (bounded waits, counted) until the record is read or `stop` is set; a
+        load that fails is counted like any (`reload_failures`) and the loop starts on what the engine
+        holds, which its tokens are stamped with."""
+        delay = self.retry.initial_s
+        while True:
+            try:
+                record = await self.store.read()
+                break
+            except StorageUnavailable as e:
+                self.metrics.failures.labels("redis_unavailable").inc()
+                log.warning(
+                    "policy record unreachable before the first request (%s); retrying in %.1f s", e, delay
+                )
+            except InvalidTrajectory as e:
+                self.metrics.reload_failures.labels("missing").inc()
+                log.error("malformed policy record (%s): starting on v%d", e, self.engine.loaded_version)
+                return
+            deadline = time.monotonic() + delay
+            while time.monotonic() < deadline:  # the stop flag read at least every 0.2 s
+                if stop.is_set():
+                    return
+                await asyncio.sleep(min(0.2, deadline - time.monotonic()))
+            delay = min(delay * 2, self.retry.max_s)
+        if record is None:
+            return  # nothing published: the base is the policy
+        self.see(record)
+        if self.pending() is not None and not stop.is_set():
+            await self.maybe_reload()
+
     # --- reloading
 
     @property

@@ -14,7 +14,19 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from offpolicy.buffer.config import BufferConfig
-from offpolicy.config.base import FROZEN, ConfigModel, PathStr, RunId
+from offpolicy.config.base import (
+    FROZEN,
+    MAX_ATTEMPTS,
+    MAX_BATCH,
+    MAX_BYTES,
+    MAX_COUNT,
+    MAX_KEEP,
+    MAX_SEQ_TOKENS,
+    MAX_WAIT_S,
+    ConfigModel,
+    PathStr,
+    RunId,
+)
 from offpolicy.config.loader import env_overrides as env_overrides
 from offpolicy.config.loader import load_layered
 from offpolicy.config.loader import merge as merge
@@ -42,7 +54,7 @@ AttnImplementation = Literal[
     "auto", "torch_varlen", "sdpa_varlen", "sdpa", "flash_attention_2", "flash_attention_3",
     "flex_attention", "eager",
 ]  # fmt: skip
-TokenBudget = Annotated[int, Field(ge=1)] | Literal["auto"]
+TokenBudget = Annotated[int, Field(ge=1, le=MAX_SEQ_TOKENS)] | Literal["auto"]
 """Tokens per micro-batch, or `auto`: the largest the memory plan admits (learner/plan/memory.py)."""
 LogprobHead = Literal["fused", "chunked"]
 """How the LM head gives the sampled tokens' log-probs (learner/model/head.py)."""
@@ -77,7 +89,7 @@ class LearnerConfig(ConfigModel):
     `auto` = none when the memory plan fits the device without it, else the fewest layers that let the
     micro-batch fit (learner/plan/auto.py); on CPU (no device limit unless `memory_limit_gib`) none.
     None = `auto` on CUDA, off on CPU."""
-    checkpoint_layers: int | None = Field(None, ge=1, json_schema_extra=FROZEN)
+    checkpoint_layers: int | None = Field(None, ge=1, json_schema_extra=FROZEN, le=MAX_KEEP)
     """How many decoder layers are checkpointed when checkpointing is on, spread evenly through the stack
     (torchtitan's per-layer selective checkpointing); None = all under `true`, the plan's choice under
     `auto`. Above the model's layer count: all."""
@@ -95,12 +107,12 @@ class LearnerConfig(ConfigModel):
     `auto`: on where it was measured to pay, a learner of one process on CUDA without LoRA (the 4B's step
     1.6x faster on an H200, for a first step of ~27 s); off on CPU (Inductor's C++ build takes minutes),
     under FSDP on several ranks and under LoRA, where `true` turns it on (not yet measured there)."""
-    memory_limit_gib: float | None = Field(None, gt=0.0, json_schema_extra=FROZEN)
+    memory_limit_gib: float | None = Field(None, gt=0.0, json_schema_extra=FROZEN, le=MAX_BYTES / 2**30)
     """The memory one rank may plan for, GiB (learner/plan/memory.py: the learner refuses to start with a plan
     above it, naming the knobs). None = 90 % of the CUDA device's memory; no check on CPU."""
     fsdp: FsdpConfig = FsdpConfig()
     """Sharding across the ranks of a multi-GPU learner (learner/distributed/fsdp.py)."""
-    logprob_chunk_tokens: int = Field(4096, ge=1)
+    logprob_chunk_tokens: int = Field(4096, ge=1, le=MAX_SEQ_TOKENS)
     """Tokens of a micro-batch whose fp32 logits exist at once when computing log-probs (the LM head runs
     on chunks of response positions; `learner/model/policy.py` `token_logprobs`)."""
     logprob_head: LogprobHead = "fused"
@@ -110,17 +122,17 @@ class LearnerConfig(ConfigModel):
     chunk recomputed under activation checkpointing), kept for comparison (learner/model/head.py)."""
     seed: int = Field(0, ge=0, lt=2**63, json_schema_extra=FROZEN)
     """Seed of torch's and Python's generators at start (restored from the checkpoint on resume)."""
-    torch_threads: int | None = Field(None, ge=1, json_schema_extra=FROZEN)
+    torch_threads: int | None = Field(None, ge=1, json_schema_extra=FROZEN, le=MAX_BATCH)
     """Threads of torch's CPU intra-op pool (`torch.set_num_threads`, set once at start); None = torch's
     default (one per core). Set it when the learner shares a CPU machine with a vLLM CPU actor, whose
     worker pins a core of its own: oversubscribed cores slow both."""
 
     # --- the algorithm
-    groups_per_step: int = Field(8, ge=1)
+    groups_per_step: int = Field(8, ge=1, le=MAX_BATCH)
     """Groups sampled from the buffer for one learner step."""
-    ppo_epochs: int = Field(1, ge=1)
+    ppo_epochs: int = Field(1, ge=1, le=MAX_ATTEMPTS)
     """Passes over each sampled batch."""
-    mini_batch_groups: int | None = Field(None, ge=1)
+    mini_batch_groups: int | None = Field(None, ge=1, le=MAX_BATCH)
     """Groups per optimizer step; None = the whole batch (one optimizer step per epoch). Must divide
     `groups_per_step`. Policy version advances by `ppo_epochs * groups_per_step / mini_batch_groups`."""
     packing: bool = True
@@ -137,7 +149,7 @@ class LearnerConfig(ConfigModel):
     """With `packing`: the most tokens in one pass without gradients (pi_old, the KL reference's
     log-probs, the critic's values), which keeps no activations. None = `micro_batch_tokens`; `auto` = the
     largest the memory plan admits for a forward alone (at most 262,144)."""
-    micro_batch_size: int = Field(8, ge=1)
+    micro_batch_size: int = Field(8, ge=1, le=MAX_BATCH)
     """Without `packing`: completions (rows) per forward/backward; gradients accumulate over a mini-batch's
     micro-batches."""
     adv_estimator: AdvEstimator = "grpo"
@@ -195,7 +207,7 @@ class LearnerConfig(ConfigModel):
     """Namespace of this run's keys in Redis (the buffer's hash tag)."""
     buffer: BufferConfig = BufferConfig()
     """Replay table: sampler, staleness gate, remover, rate limiter."""
-    sample_timeout_s: float = Field(30.0, gt=0.0)
+    sample_timeout_s: float = Field(30.0, gt=0.0, le=MAX_WAIT_S)
     """How long one `sample` call waits for enough groups before the step is retried."""
     delivery: Literal["checkpoint", "step"] | None = Field(None, json_schema_extra=FROZEN)
     """When a trained group's lease is acknowledged (its use counted in the buffer; learner/delivery.py):
@@ -226,7 +238,7 @@ class LearnerConfig(ConfigModel):
     """Weight publication for the actors."""
     checkpoint: CheckpointConfig = CheckpointConfig()
     """Resumable checkpoints."""
-    max_steps: int | None = Field(None, ge=1)
+    max_steps: int | None = Field(None, ge=1, le=MAX_COUNT)
     """`run` returns after this many learner steps; None = until stopped."""
     metrics_jsonl: PathStr | None = Field(None, json_schema_extra=WRITABLE)
     """Append each step's metrics as one JSON line to this file; None = don't. A change while running is

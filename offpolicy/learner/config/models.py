@@ -7,7 +7,7 @@ from typing import Literal, Self
 
 from pydantic import Field, model_validator
 
-from offpolicy.config.base import FROZEN, ConfigModel, PathStr
+from offpolicy.config.base import FROZEN, MAX_BATCH, MAX_COUNT, ConfigModel, PathStr
 
 
 class OptimizerConfig(ConfigModel):
@@ -21,11 +21,11 @@ class OptimizerConfig(ConfigModel):
     """AdamW epsilon."""
     weight_decay: float = Field(0.0, ge=0.0)
     """Decoupled weight decay (AdamW)."""
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, le=MAX_COUNT)
     """Linear warm-up from 0 to `lr` over this many optimizer steps; 0 = start at `lr`."""
     decay: Literal["constant", "linear", "cosine"] = "constant"
     """Schedule after warm-up; `linear` and `cosine` reach `min_lr_ratio * lr` at `decay_steps`."""
-    decay_steps: int | None = Field(None, ge=1)
+    decay_steps: int | None = Field(None, ge=1, le=MAX_COUNT)
     """Optimizer step at which the decay ends (then the LR stays at its minimum). Required unless constant."""
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     """Final LR as a fraction of `lr` for `linear` / `cosine`."""
@@ -60,14 +60,14 @@ class FsdpConfig(ConfigModel):
     cpu_offload: bool = Field(False, json_schema_extra=FROZEN)
     """FSDP2's `CPUOffloadPolicy`: sharded parameters, gradients and AdamW state live in host memory and
     the optimizer steps on the CPU (fits larger models, slower steps)."""
-    replicate: int = Field(1, ge=1, json_schema_extra=FROZEN)
+    replicate: int = Field(1, ge=1, json_schema_extra=FROZEN, le=MAX_BATCH)
     """Hybrid sharding (HSDP): the ranks form this many replica groups of consecutive ranks; parameters,
     gradients and AdamW state are sharded within a group and replicated across groups. Set it to the
     number of nodes when the network between nodes is much slower than within one (each micro-batch's
     all-gathers and reduce-scatters then stay inside a node; only the gradient all-reduce crosses) and
     a node's GPUs hold the model's shards. 1 = one flat mesh over every rank (the least memory per rank).
     Must divide the world size."""
-    expert_parallel: int = Field(1, ge=1, json_schema_extra=FROZEN)
+    expert_parallel: int = Field(1, ge=1, json_schema_extra=FROZEN, le=MAX_BATCH)
     """Expert parallelism (EP) for a mixture-of-experts policy: each MoE layer's routed experts are cut
     over groups of this many consecutive ranks (each rank computes E / ep experts; tokens travel to their
     experts' ranks with all-to-all) and FSDP2 shards them over the N / ep groups; every other parameter

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from offpolicy.config.base import FROZEN, ConfigModel, PathStr
+from offpolicy.config.base import FROZEN, MAX_COUNT, MAX_KEEP, ConfigModel, PathStr
 from offpolicy.weights.config import TransferConfig
 
 STREAM_DEPTH = 2
@@ -20,9 +20,9 @@ class PublishConfig(ConfigModel):
     weights_dir: PathStr = Field("runs/{run_id}/weights", json_schema_extra=FROZEN)
     """Folder holding `v<version>/` (safetensors + manifest + config + tokenizer), shared with the actors;
     `{run_id}` is replaced by the run's id (`LearnerConfig.weights_path`), so runs never share a folder."""
-    publish_every: int = Field(1, ge=1)
+    publish_every: int = Field(1, ge=1, le=MAX_COUNT)
     """Publish after every this many learner steps."""
-    keep_versions: int = Field(3, ge=1)
+    keep_versions: int = Field(3, ge=1, le=MAX_KEEP)
     """How many published versions stay on disk; older folders are deleted."""
     weights_root: PathStr | None = Field(None, json_schema_extra=FROZEN)
     """Where the shared weights volume is mounted on the learner; `weights_dir` must lie under it, and the
@@ -34,7 +34,7 @@ class PublishConfig(ConfigModel):
     actors load it). `vllm`: every version is sent through vLLM's weight-transfer engine (`transfer`) to
     the actors in the group, and a file generation is still written every `persist_every` versions and at
     each checkpoint (what starting, restarted and failed actors load). docs/actor.md "Transports"."""
-    persist_every: int = Field(10, ge=1)
+    persist_every: int = Field(10, ge=1, le=MAX_COUNT)
     """`transport: vllm`: write a file generation every this many publishes (and at checkpoints)."""
     transfer: TransferConfig = TransferConfig()
     """The transfer group's settings (`transport: vllm`)."""
@@ -50,11 +50,11 @@ class CheckpointConfig(ConfigModel):
     checkpoint_dir: PathStr | None = Field("runs/{run_id}/checkpoints", json_schema_extra=FROZEN)
     """Folder of `ckpt-<version>/` checkpoints; the newest is resumed on start, and one written for another
     run or model is refused. `{run_id}` is replaced by the run's id. None = no checkpoints."""
-    checkpoint_every: int | None = Field(10, ge=1)
+    checkpoint_every: int | None = Field(10, ge=1, le=MAX_COUNT)
     """Checkpoint after every this many learner steps; None = only on demand (`POST /v1/checkpoints`)."""
-    keep_checkpoints: int = Field(2, ge=1)
+    keep_checkpoints: int = Field(2, ge=1, le=MAX_KEEP)
     """How many checkpoints stay on disk."""
-    max_undurable_steps: int | None = Field(None, ge=1)
+    max_undurable_steps: int | None = Field(None, ge=1, le=MAX_COUNT)
     """Durability bound while checkpoints fail (a full or broken checkpoint volume): at most this many
     learner steps not covered by a durable checkpoint (a crash would train their groups again; their leases
     stay unacknowledged). At the cap the learner stops taking new groups (state `waiting_for_checkpoint`,

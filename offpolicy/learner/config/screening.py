@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from offpolicy.config.base import ConfigModel
+from offpolicy.config.base import MAX_ATTEMPTS, MAX_SEQ_TOKENS, ConfigModel
 
 
 class ScreeningConfig(ConfigModel):
@@ -26,11 +26,11 @@ class ScreeningConfig(ConfigModel):
     `punish`: DAPO's soft overlong punishment added to the reward: 0 up to `max_tokens -
     overlong_buffer_tokens` response tokens, then falling linearly to `-overlong_penalty` at the group's
     `sampling.max_tokens` (and below it past that)."""
-    overlong_buffer_tokens: int = Field(512, ge=1)
+    overlong_buffer_tokens: int = Field(512, ge=1, le=MAX_SEQ_TOKENS)
     """The punishment's buffer: the last this many tokens before `max_tokens`."""
     overlong_penalty: float = Field(1.0, ge=0.0)
     """The punishment at `max_tokens` (DAPO: 1.0)."""
-    max_refill_rounds: int = Field(4, ge=0)
+    max_refill_rounds: int = Field(4, ge=0, le=MAX_ATTEMPTS)
     """Extra leases per step to replace dropped groups, so that a step trains as many groups as it
     sampled trainable ones (up to `groups_per_step`); after these rounds (or an empty one) the step trains
     what it has and says so (`screening/short` in its metrics)."""

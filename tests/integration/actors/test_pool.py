@@ -3,7 +3,8 @@ engine on the tiny base model serves run A (its learner's adapter), run F (whose
 group) and run B, added through `POST /v1/runs` while the others generate, with its own adapter. Each run's
 buffer holds only its own groups, and every token's behaviour log-prob is the learner's under its own run's
 adapter (not the other run's); F's failures (its reward, a full-weight record from its learner) cost A
-nothing; `DELETE /v1/runs/B` stops B's groups while A goes on."""
+nothing; `DELETE /v1/runs/B` stops B's groups while A goes on and answers what B served; B added back
+(like B added the first time) issues no request before its learner's adapter is loaded."""
 
 from __future__ import annotations
 
@@ -174,18 +175,31 @@ def test_one_pool_serves_runs_with_their_own_adapters_buffers_and_failures(
 
             r = http.delete(f"/v1/runs/{runs['b']}", headers=AUTH)
             assert r.status_code == 200 and r.json()["state"] == "removed"
+            last = r.json()  # what B served, not what is left once its adapters are gone
+            assert (last["adapter_version"], last["loaded_policy_version"]) == (1, 1), last
             assert runs["b"] not in engine.adapter_table.runs and engine.adapter_table.held == 1
             b_after, a_after = inserted(redis_url, runs["b"]), inserted(redis_url, runs["a"])
             collected["a"].extend(drain(redis_url, runs["a"], 1))
             wait_until(lambda: inserted(redis_url, runs["a"]) >= a_after + 4, 60, "run A going on")
             assert inserted(redis_url, runs["b"]) == b_after, "a removed run pushes nothing more"
             assert f_failures() > 3 and inserted(redis_url, runs["f"]) == 0
+            r = http.post("/v1/runs", json=body, headers=AUTH)  # B added back: it starts from its record
+            assert r.status_code == 201, r.text
+            wait_until(lambda: inserted(redis_url, runs["b"]) >= b_after + 4, 120, "run B added back")
         collected["a"].extend(drain(redis_url, runs["a"], 1))
         collected["b"].extend(drain(redis_url, runs["b"], 1))
     finally:
         engine.shutdown()
     assert {g.actor_id for g in collected["a"]} == {"actor-a"}, "each run's buffer holds its own groups"
     assert {g.actor_id for g in collected["b"]} == {"actor-b"}
+    # B was added (twice) after its learner published v1: no request of it ran before v1 was loaded
+    b_versions = {
+        v
+        for g in collected["b"]
+        for t in g.trajectories
+        for v in (t.versions.tolist() if t.versions is not None else [g.policy_version])
+    }
+    assert b_versions == {1} and len(collected["b"]) >= 8, (b_versions, len(collected["b"]))
     checked_a, teeth_a = check_logprobs(collected["a"][:40], {0: base, 1: policy_a}, policy_b)
     checked_b, teeth_b = check_logprobs(collected["b"][:40], {0: base, 1: policy_b}, policy_a)
     assert checked_a > 30 and checked_b > 30, (checked_a, checked_b)

@@ -254,3 +254,30 @@ def test_reward_failing_and_actor_down_alerts(tmp_path):
         [promtool(), "test", "rules", str(path)], capture_output=True, text=True, check=False
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_run_failed_alert_names_the_dead_run_of_a_pool(tmp_path):
+    """OffpolicyActorRunFailed fires at once for the run whose loop died (its gauge 1), not for the pool's
+    other run, and stops once the run is removed (its series gone)."""
+    rule = {r["alert"]: r for r in alert_rules()}["OffpolicyActorRunFailed"]
+    failed = 'offpolicy_actor_run_failed{instance="pool-0:8001",job="actor",run_id="%s"}'
+    firing = {
+        "exp_labels": {"severity": "critical", "instance": "pool-0:8001", "run_id": "b"},
+        "exp_annotations": {
+            "summary": "Run b on actor pool-0:8001 stopped with an error",
+            "description": rule["annotations"]["description"],
+        },
+    }
+    case = {
+        "interval": "1m",
+        "input_series": [
+            {"series": failed % "a", "values": "0x10"},
+            {"series": failed % "b", "values": "0 0 1x3 stale"},  # failed at 2m, removed at 6m
+        ],
+        "alert_rule_test": [
+            {"eval_time": "1m", "alertname": "OffpolicyActorRunFailed", "exp_alerts": []},
+            {"eval_time": "3m", "alertname": "OffpolicyActorRunFailed", "exp_alerts": [firing]},
+            {"eval_time": "10m", "alertname": "OffpolicyActorRunFailed", "exp_alerts": []},
+        ],
+    }
+    _promtool_test(tmp_path, "run_failed", [case])

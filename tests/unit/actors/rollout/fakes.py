@@ -16,6 +16,7 @@ class StubEngine:
         self.kind, self.base_loads, self.alive = kind, 0, True
         self.added: list[str] = []
         self.dropped: list[str] = []
+        self.views: dict[str, SimpleNamespace] = {}
         self.shut = False
 
     def call(self, coro: Coroutine[Any, Any, Any]) -> Any:
@@ -31,10 +32,16 @@ class StubEngine:
 
     async def add_run(self, run_id: str, base_version: int = 0) -> Any:
         self.added.append(run_id)
-        return SimpleNamespace(run_id=run_id, kind="lora", base_version=base_version)
+        self.views[run_id] = SimpleNamespace(
+            run_id=run_id, kind="lora", base_version=base_version, dropped=False
+        )
+        return self.views[run_id]
 
     async def drop_run(self, run_id: str) -> None:
+        """The run's adapters leave the engine: its view serves nothing more (`dropped`)."""
         self.dropped.append(run_id)
+        if run_id in self.views:
+            self.views[run_id].dropped = True
 
     def shutdown(self) -> None:
         self.shut = True

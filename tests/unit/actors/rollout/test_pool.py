@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from offpolicy.actors.config import ActorConfig
 from offpolicy.actors.errors import RunConflict, RunFieldFrozen, RunNotFound
+from offpolicy.actors.metrics import ActorMetrics
 from offpolicy.actors.rollout.pool import Pool
 from tests.unit.actors.rollout.fakes import StubEngine
 
@@ -26,6 +27,7 @@ class IdleActor:
 
     def __init__(self, config: ActorConfig, registry: CollectorRegistry, engine: Any) -> None:
         self.config, self.registry, self.engine = config, registry, engine
+        self.metrics = ActorMetrics(registry)
         self.reconfigured: list[ActorConfig] = []
         self.closed = False
 
@@ -35,7 +37,14 @@ class IdleActor:
         stop_event.wait()
 
     def status(self) -> dict[str, Any]:
-        return {"state": "running", "actor_id": "a0", "groups_pushed": 3}
+        """Version 7 served until its adapters leave the engine (a LoRA view dropped) or it is closed."""
+        gone = self.closed or getattr(self.engine, "dropped", False)
+        return {
+            "state": "running",
+            "actor_id": "a0",
+            "groups_pushed": 3,
+            "loaded_policy_version": None if gone else 7,
+        }
 
     def reconfigure(self, config: ActorConfig) -> None:
         self.reconfigured.append(config)
@@ -173,8 +182,37 @@ def test_a_run_whose_loop_dies_is_failed_alone():
         assert pool.run("doomed-b").state == "failed"
         assert pool.run("doomed-b").status()["error"] == "RuntimeError: the reward module is gone"
         assert pool.run("a").state == "running"
-        pool.remove("doomed-b")  # a failed run is removed like any
+        assert pool.run("doomed-b").registry.get_sample_value("offpolicy_actor_run_failed") == 1
+        assert pool.run("a").registry.get_sample_value("offpolicy_actor_run_failed") == 0
+        last = pool.remove("doomed-b")  # a failed run is removed like any, with its real last status
+        assert (last["state"], last["error"]) == ("removed", "RuntimeError: the reward module is gone")
         assert [r.run_id for r in pool.runs()] == ["a"]
+    finally:
+        pool.close(5)
+
+
+def test_a_failed_run_holds_its_share_until_removed_then_frees_it_at_once():
+    """Three runs fill the adapters' room (max_cpu_loras 6); one whose loop died still holds its share (a
+    fourth is refused) until DELETE, which frees it for the next run at once."""
+    pool, _ = started(run_config("a", runs=[{"run_id": "b", "dataset": {"path": "/b"}}]))
+    try:
+        pool.add(run_config("doomed-c"))
+        wait_for(lambda: pool.run("doomed-c").state == "failed")
+        with pytest.raises(RunConflict, match=r"4 runs need"):
+            pool.add(run_config("d"))
+        pool.remove("doomed-c")
+        assert pool.add(run_config("d"))["run_id"] == "d"
+        assert [r.run_id for r in pool.runs()] == ["a", "b", "d"]
+    finally:
+        pool.close(5)
+
+
+def test_removing_a_run_answers_what_it_served_before_its_adapters_left_the_engine():
+    pool, engine = started(run_config("a"))
+    try:
+        last = pool.remove("a")
+        assert (last["state"], last["loaded_policy_version"]) == ("removed", 7)
+        assert engine.views["a"].dropped and engine.dropped == ["a"]  # and they did leave
     finally:
         pool.close(5)
 

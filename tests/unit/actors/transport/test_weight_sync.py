@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import threading
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -12,6 +13,7 @@ from offpolicy.actors.config import ReloadConfig, RetryConfig
 from offpolicy.actors.errors import WeightLoadError
 from offpolicy.actors.metrics import ActorMetrics
 from offpolicy.actors.transport.weight_sync import WeightSync, weights_path
+from offpolicy.buffer.errors import StorageUnavailable
 from offpolicy.weights.manifest import file_sha256, weights_sha256
 from offpolicy.weights.record import PolicyRecord
 
@@ -98,6 +100,47 @@ async def test_reload_moves_version_and_lag(tmp_path):
     assert _value(reg, "offpolicy_actor_policy_lag_versions") == 0
     sync.see(PolicyRecord(2, "/old", "x", 0.0))  # a late announcement of an older publish: ignored
     assert sync.latest.version == 3 and await sync.maybe_reload() is False
+
+
+class OutageStore:
+    """A policy store whose first `outages` reads cannot reach Redis, then answer `record`."""
+
+    def __init__(self, record: PolicyRecord | None, outages: int = 0) -> None:
+        self.record, self.outages, self.reads = record, outages, 0
+
+    async def read(self) -> PolicyRecord | None:
+        self.reads += 1
+        if self.reads <= self.outages:
+            raise StorageUnavailable("read policy: connection refused")
+        return self.record
+
+
+def _sync_on(store, engine, **reload):
+    registry = CollectorRegistry()
+    retry = RetryConfig(initial_s=0.01, max_s=0.02)
+    return WeightSync(store, engine, ReloadConfig(**reload), retry, ActorMetrics(registry)), registry
+
+
+async def test_catching_up_loads_the_newest_published_version_through_an_outage(tmp_path):
+    """Before its first request an actor (or a run added to a pool) holds its learner's newest version:
+    the record is read through Redis outages (counted), then loaded, and only then does `catch_up` return."""
+    engine = FakeEngine()
+    store = OutageStore(_publish(tmp_path, 10), outages=2)
+    sync, reg = _sync_on(store, engine)
+    await sync.catch_up(threading.Event())
+    assert (store.reads, engine.loaded_version, engine.calls[-1][1]) == (3, 10, 10)
+    assert _value(reg, "offpolicy_actor_failures_total", reason="redis_unavailable") == 2
+    assert _value(reg, "offpolicy_actor_policy_version") == 10
+
+
+async def test_catching_up_with_nothing_published_or_stopped_loads_nothing(tmp_path):
+    engine = FakeEngine()
+    await _sync_on(OutageStore(None), engine)[0].catch_up(threading.Event())
+    stop = threading.Event()
+    stop.set()  # stopped while Redis is away: it returns without waiting for the record
+    store = OutageStore(_publish(tmp_path, 4), outages=10**6)
+    await _sync_on(store, engine)[0].catch_up(stop)
+    assert store.reads == 1 and engine.calls == [] and engine.loaded_version == 0
 
 
 async def test_a_rolled_back_learner_is_followed_back(tmp_path):

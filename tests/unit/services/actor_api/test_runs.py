@@ -13,7 +13,6 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from offpolicy.actors.config import ActorConfig
-from offpolicy.actors.metrics import ActorMetrics
 from offpolicy.services.actor_api.main import create_app
 from offpolicy.services.common.settings import ActorServiceSettings
 from tests.unit.actors.rollout.fakes import StubEngine
@@ -27,7 +26,6 @@ class MeteredActor(IdleActor):
 
     def __init__(self, config: ActorConfig, registry: CollectorRegistry, engine: Any) -> None:
         super().__init__(config, registry, engine)
-        self.metrics = ActorMetrics(registry)
         self.metrics.groups_pushed.inc(len(config.run_id))
 
     def status(self) -> dict[str, Any]:

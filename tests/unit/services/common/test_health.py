@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
 from offpolicy.actors.config import ActorConfig
+from offpolicy.actors.metrics import ActorMetrics
 from offpolicy.learner.config import LearnerConfig
 from offpolicy.services.actor_api.main import create_app as create_actor_app
 from offpolicy.services.common.background import EXIT_LOOP_FAILED, BackgroundLoop, ExitAfterGrace
@@ -113,6 +114,7 @@ def test_exit_after_grace_without_a_hook_only_logs(caplog: pytest.LogCaptureFixt
 class DyingActor:
     def __init__(self, config: Any, registry: CollectorRegistry, engine: Any) -> None:
         self.closed = False
+        self.metrics = ActorMetrics(registry)
 
     def run(self, stop_event: Any) -> None:
         raise ValueError("reward function crashed")
