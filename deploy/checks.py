@@ -284,15 +284,17 @@ SYNTHETIC_METRICS = {"up"}
 
 
 def declared_metric_names() -> set[str]:
-    """Every metric name that buffer/, learner/ and actors/metrics.py declare (counters with `_total`)."""
+    """Every metric name that buffer/, learner/ and actors/metrics.py declare, and the learner's transfer
+    metrics (learner/transport/publisher.py); counters with `_total`."""
     from prometheus_client import CollectorRegistry
 
     from offpolicy.actors.metrics import ActorMetrics
     from offpolicy.buffer.metrics import BufferMetrics
     from offpolicy.learner.metrics import LearnerMetrics
+    from offpolicy.learner.transport.publisher import TransferMetrics
 
     registry = CollectorRegistry()
-    for metrics_class in (BufferMetrics, LearnerMetrics, ActorMetrics):
+    for metrics_class in (BufferMetrics, LearnerMetrics, ActorMetrics, TransferMetrics):
         metrics_class(registry)
     names = set()
     for family in registry.collect():

@@ -315,6 +315,7 @@ class Learner:
             "host_memory_plan": built.host_plan,
             "groups_dropped": dict(self.intake.groups_dropped) if self.intake is not None else {},
             "writes_failing": {kind: dict(t) for kind, t in dict(self.persist.troubles).items()},
+            "transfer": self.publisher.status(),
             "intake_stopped": self.retrying if self.state == "waiting_for_checkpoint" else None,
             "undurable_steps": self.undurable_steps(),
         }

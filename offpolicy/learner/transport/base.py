@@ -24,6 +24,10 @@ class WeightTransport(Protocol):
     """Sends the learner's current weights as `version` to the actors."""
 
     name: str
+    stuck: int  # sends and teardowns that outlived their bound (a hung rendezvous, collective or sync)
+
+    @property
+    def busy(self) -> bool: ...  # a send or teardown past its bound still unwinds: sends fail at once
 
     def send(self, version: int) -> TransferResult: ...
 

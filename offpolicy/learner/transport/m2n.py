@@ -193,7 +193,8 @@ class ShardedTransport(VllmTransport):
             )
             self._thread.start()
             self._thread.join(self.config.timeout_s)
-            if self._thread.is_alive():
+            if self._thread.is_alive():  # stuck: it ends in the background, sends fail at once until then
+                self.stuck += 1
                 outcome.setdefault("error", f"no result in {self.config.timeout_s:g} s")
         seconds = time.perf_counter() - t0
         members = self._members

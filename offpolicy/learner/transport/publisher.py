@@ -16,7 +16,7 @@ backend (`nccl_m2n`, `gloo_m2n`) nothing is gathered: every rank sends its own s
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from prometheus_client import Counter, Gauge, Histogram
@@ -71,6 +71,12 @@ class TransferMetrics:
             "Members found dead during a send (heartbeats stopped) and left out of it",
             registry=r,
         )
+        self.stuck = Counter(
+            "offpolicy_learner_transfer_stuck",
+            "Sends and transfer-group teardowns that outlived their bound (a hung rendezvous, collective or "
+            "device sync): sends fail at once until it ends, the actors go on with file generations",
+            registry=r,
+        )
         self.dead_wait = Histogram(
             "offpolicy_learner_transfer_dead_wait_seconds",
             "Seconds a send spent on members that died in it (finding them, sending again to the others)",
@@ -112,6 +118,7 @@ class Publisher:
         self.last: TransferResult | None = None
         self._gather = gather
         self._gathered: dict[str, torch.Tensor] = {}
+        self._stuck = 0  # the transport's stuck teardowns counted so far
 
     @property
     def transfers(self) -> bool:
@@ -138,13 +145,32 @@ class Publisher:
                 self.last = self.transport.send(version)
             finally:
                 self._gathered = {}  # the host copy lives for one send
+            stuck = getattr(self.transport, "stuck", 0)
             if self.metrics is not None:
                 self.metrics.observe(self.last)
+                self.metrics.stuck.inc(stuck - self._stuck)
+            self._stuck = stuck
             if self.last.ok and self.last.group_size and self.metrics is not None:
                 log.info(
                     "sent v%d to %d actor(s) in %.3f s (%d bytes)",
                     version, self.last.group_size, self.last.seconds, self.last.bytes,
                 )  # fmt: skip
+
+    def status(self) -> dict[str, Any] | None:
+        """`/v1/status`'s `transfer` (None with `transport: files`): the last send's version, outcome and
+        error, the members it reached, whether a stuck send or teardown still unwinds (sends fail at once
+        meanwhile) and how many teardowns outlived their bound."""
+        if self.transport is None:
+            return None
+        last = self.last
+        return {
+            "last_version": None if last is None else last.version,
+            "ok": None if last is None else last.ok,
+            "error": None if last is None or last.ok else last.error,
+            "group_size": 0 if last is None else last.group_size,
+            "unwinding": bool(getattr(self.transport, "busy", False)),
+            "stuck": self._stuck,
+        }
 
     def persist_files(self, version: int, gather: set[str] | None) -> None:
         """Write `version` as a file generation unless it already is."""

@@ -208,13 +208,16 @@ class VllmTransport:
         self._benched: dict[str, tuple[str, int, int]] = {}  # id -> (incarnation, until send no., strikes)
         self._sends = 0
         self._thread: threading.Thread | None = None  # a send that outlived its bound, still unwinding
+        self._closing: threading.Thread | None = None  # a teardown that outlived its bound, still closing
+        self.stuck = 0  # sends and teardowns that outlived their bound (a hung rendezvous, collective, sync)
         self._broken: FanoutClient | None = None  # the group of the last failed send, if it formed
         self.last_retry: tuple[float, float, int] | None = None  # a broken send's: find s, resend s, resent
 
     @property
     def busy(self) -> bool:
-        """A send that outlived its bound is still unwinding (the next `send` fails at once until it ends)."""
-        return self._thread is not None and self._thread.is_alive()
+        """A send or a group's teardown that outlived its bound is still unwinding (the next `send` fails at
+        once until it ends; the actors go on with file generations)."""
+        return any(t is not None and t.is_alive() for t in (self._thread, self._closing))
 
     @property
     def group_size(self) -> int:
@@ -277,7 +280,8 @@ class VllmTransport:
         self._thread.start()
         self._thread.join(self.config.timeout_s)
         seconds = time.perf_counter() - t0
-        if self._thread.is_alive():
+        if self._thread.is_alive():  # stuck: it ends in the background, sends fail at once until then
+            self.stuck += 1
             error = f"no result in {self.config.timeout_s:g} s"
         else:
             error = outcome.get("error", "")
@@ -358,14 +362,36 @@ class VllmTransport:
         self._teardown()
 
     def _teardown(self) -> None:
+        """Close the group, bounded: vLLM's shutdown (NCCL's synchronizes the device before it aborts the
+        communicator, and may hang behind a collective that never completes) and the members' `leave` run
+        on a helper thread that the caller (the training thread, after a failed send) waits for at most
+        `_inner(timeout_s)`. Past it the teardown is counted as stuck (`stuck`, the learner's
+        `offpolicy_learner_transfer_stuck_total`, `/v1/status`), logged, and left to end in the background:
+        until it does, sends fail at once (`busy`) and the actors go on with file generations."""
         engine, client, self.engine, self.client = self.engine, self.client, None, None
-        if engine is not None:
-            try:
-                engine.shutdown()  # closes the group: members still receiving fail at once
-            except Exception as e:  # translated: a broken group may not shut down cleanly
-                log.warning("transfer group shutdown: %s", e)
-        if client is not None:
-            client.leave()
+        if engine is None and client is None:
+            return
+
+        def close() -> None:
+            if engine is not None:
+                try:
+                    engine.shutdown()  # closes the group: members still receiving fail at once
+                except Exception as e:  # translated: a broken group may not shut down cleanly
+                    log.warning("transfer group shutdown: %s", e)
+            if client is not None:
+                client.leave()
+
+        closing = threading.Thread(target=close, name="offpolicy-transfer-teardown", daemon=True)
+        closing.start()
+        closing.join(_inner(self.config))
+        if closing.is_alive():
+            self.stuck += 1
+            self._closing = closing
+            log.error(
+                "the transfer group's teardown did not end in %.0f s (a hung collective or device sync): "
+                "sends fail at once until it does; the actors go on with file generations",
+                _inner(self.config),
+            )
 
     def close(self) -> None:
         self._teardown()

@@ -167,6 +167,7 @@ class LearnerRuntime:
             start_way=raw.get("start_way"),
             host_memory_plan=raw.get("host_memory_plan"),
             writes_failing=raw.get("writes_failing") or {},
+            transfer=raw.get("transfer"),
             intake_stopped=raw.get("intake_stopped"),
             undurable_steps=int(raw.get("undurable_steps", 0)),
             groups_dropped={k: int(v) for k, v in (raw.get("groups_dropped") or {}).items()},

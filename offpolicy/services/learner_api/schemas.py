@@ -145,6 +145,12 @@ class LearnerStatus(BaseModel):
     """The background writes failing now with an `OSError` (a full disk, an I/O error), by kind
     (`weights`, `checkpoint`): `path`, `reason` (errno name), `error`, `version`, `bytes_needed`, `since`
     (Unix seconds), `failures`, `retry_in_s`. Retried with backoff while training goes on; empty when none."""
+    transfer: dict[str, Any] | None = None
+    """`publish.transport: vllm`: the last send's `last_version`, `ok`, `error` and `group_size`;
+    `unwinding` while a send or a group's teardown that outlived its bound still ends in the background
+    (sends fail at once meanwhile, the actors go on with file generations); `stuck`, the sends and
+    teardowns that outlived their bound (`offpolicy_learner_transfer_stuck_total`, the
+    `OffpolicyTransferStuck` alert). Null with `transport: files`."""
     intake_stopped: str | None = None
     """Why the learner takes no new groups (state `waiting_for_checkpoint`); null when it takes them."""
     undurable_steps: int = 0

@@ -133,3 +133,40 @@ def test_a_broken_send_is_made_again_only_to_survivors_without_the_version(
         print(f"survivor {survivor_answer}: dead member cost {result.dead_wait_s:.3f} s (bound {bound:g} s)")
     finally:
         transport.close()
+
+
+class HangsOnShutdown:
+    """A transfer engine whose `shutdown` hangs (NCCL's synchronizes the device behind a collective that
+    never completes) until `release` is set."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def shutdown(self) -> None:
+        self.release.wait(60)
+
+
+def test_a_teardown_that_hangs_costs_its_bound_once_and_sends_fail_at_once_until_it_ends(
+    redis_url: str, run_id: str
+) -> None:
+    """The training thread waits for a group's teardown at most 0.6 x timeout_s; past it the teardown is
+    counted stuck and ends in the background, and every send fails at once meanwhile (no stacking)."""
+    cfg = CFG.model_copy(update={"timeout_s": 2.0})
+    transport = VllmTransport(cfg, LearnerControl(redis_url, run_id), lambda: WEIGHTS, torch.float32)
+    hung = HangsOnShutdown()
+    try:
+        transport.engine = hung
+        t0 = time.monotonic()
+        transport._teardown()  # what a failed send does on the training thread
+        took = time.monotonic() - t0
+        assert 0.6 * cfg.timeout_s <= took < 0.6 * cfg.timeout_s + 1.0, took
+        assert (transport.stuck, transport.busy, transport.engine) == (1, True, None)
+        t0 = time.monotonic()
+        result = transport.send(1)
+        assert not result.ok and "still unwinding" in result.error and time.monotonic() - t0 < 0.5
+        hung.release.set()
+        transport._closing.join(5)
+        assert not transport.busy and transport.stuck == 1
+    finally:
+        hung.release.set()
+        transport.close()

@@ -281,3 +281,30 @@ def test_run_failed_alert_names_the_dead_run_of_a_pool(tmp_path):
         ],
     }
     _promtool_test(tmp_path, "run_failed", [case])
+
+
+def test_transfer_stuck_alert_fires_while_a_teardown_was_stuck_in_the_last_ten_minutes(tmp_path):
+    rule = {r["alert"]: r for r in alert_rules()}["OffpolicyTransferStuck"]
+    stuck = 'offpolicy_learner_transfer_stuck_total{instance="learner:8000",job="learner",run_id="r"}'
+    case = {
+        "interval": "1m",
+        "input_series": [{"series": stuck, "values": "0 0 0 1x30"}],
+        "alert_rule_test": [
+            {"eval_time": "2m", "alertname": "OffpolicyTransferStuck", "exp_alerts": []},
+            {
+                "eval_time": "5m",
+                "alertname": "OffpolicyTransferStuck",
+                "exp_alerts": [
+                    {
+                        "exp_labels": {"severity": "warning", "run_id": "r"},
+                        "exp_annotations": {
+                            "summary": "A weight-transfer group of the learner is stuck",
+                            "description": rule["annotations"]["description"],
+                        },
+                    }
+                ],
+            },
+            {"eval_time": "30m", "alertname": "OffpolicyTransferStuck", "exp_alerts": []},
+        ],
+    }
+    _promtool_test(tmp_path, "transfer_stuck", [case])

@@ -27,13 +27,16 @@ class Files:
 class Sent:
     name = "fake"
 
-    def __init__(self, fail_on: set[int] = frozenset()) -> None:
+    def __init__(self, fail_on: set[int] = frozenset(), stuck_on: set[int] = frozenset()) -> None:
         self.sent: list[int] = []
-        self.fail_on = fail_on
+        self.fail_on, self.stuck_on = fail_on, stuck_on
+        self.stuck, self.busy = 0, False
 
     def send(self, version: int) -> TransferResult:
         self.sent.append(version)
         ok = version not in self.fail_on
+        if version in self.stuck_on:  # its group's teardown outlived the bound: still closing
+            self.stuck, self.busy = self.stuck + 1, True
         return TransferResult(version, 0.2, 1000 if ok else 0, 2, ok, "" if ok else "dead peer")
 
     def close(self) -> None:
@@ -79,6 +82,25 @@ def test_metrics_count_transfers_bytes_group_and_failures():
     assert val("offpolicy_learner_transfer_group_size") == 2
     assert val("offpolicy_learner_transfer_version") == 3
     assert pub.last is not None and pub.last.version == 3
+
+
+def test_a_stuck_teardown_is_counted_once_and_shown_in_the_status():
+    reg = CollectorRegistry()
+    sent = Sent(fail_on={2}, stuck_on={2})
+    pub = Publisher(Cfg(transport="vllm"), Files(), sent, TransferMetrics(reg))
+    assert pub.status() == {
+        "last_version": None, "ok": None, "error": None, "group_size": 0, "unwinding": False, "stuck": 0
+    }  # fmt: skip
+    for v in (1, 2):
+        pub.publish(v, None)
+    assert pub.status() == {
+        "last_version": 2, "ok": False, "error": "dead peer", "group_size": 2, "unwinding": True, "stuck": 1
+    }  # fmt: skip
+    sent.busy = False  # it ended
+    pub.publish(3, None)
+    assert reg.get_sample_value("offpolicy_learner_transfer_stuck_total") == 1
+    assert pub.status()["unwinding"] is False and pub.status()["ok"] is True
+    assert Publisher(Cfg(transport="files"), Files(), None, None).status() is None
 
 
 def test_files_checkpoint_writes_nothing_extra():
