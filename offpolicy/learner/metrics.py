@@ -261,6 +261,11 @@ class LearnerMetrics:
         for sink in TRACKING_SINKS:
             self.tracking_errors.labels(sink=sink)
         self.paused = Gauge(PREFIX + "paused", "1 while the learner is paused, else 0.", registry=registry)
+        self.nccl_net = Gauge(
+            PREFIX + "nccl_net_info", "1 for the network NCCL can use between the nodes of a multi-node CUDA "
+            "learner, as read at start (learner/distributed/nccl_net.py): ib, plugin:<name> or socket.",
+            ["net"], registry=registry,
+        )  # fmt: skip
         self.start_way = Gauge(
             PREFIX + "start_way_info", "1 for how this learner read its policy weights at start: slices "
             "(lean start, each rank its own), broadcast (lean start, rank 0 read the whole checkpoint), "

@@ -54,6 +54,7 @@ from offpolicy.learner.distributed import (
     barrier,
     broadcast_command,
     current,
+    nccl_net,
     run_follower,
 )
 from offpolicy.learner.durability import Durability
@@ -104,6 +105,8 @@ class Learner:
         self.built: Built = build_models(config, ranks)
         """Where and how the learner trains, and its models (read through the properties below)."""
         self.metrics.start_way.labels(way=self.built.start_way).set(1)
+        if ranks.distributed and (config.device or "").startswith("cuda") and nccl_net.spans_nodes():
+            self.metrics.nccl_net.labels(net=nccl_net.network().net).set(1)
         self.tokenizer = load_tokenizer(config.model_path)
         replayed = config.moe.routing_replay == "rollout"  # groups without routed experts refused
         self.limits = ModelLimits(

@@ -27,6 +27,9 @@ import msgpack
 import torch
 import torch.distributed as dist
 
+from offpolicy.learner.distributed.nccl_net import network as nccl_network
+from offpolicy.learner.distributed.nccl_net import spans_nodes
+
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
@@ -89,7 +92,23 @@ def init_from_env(device_type: str) -> Ranks:
     control = dist.new_group(backend="gloo", timeout=timeout)
     ranks = _current = Ranks(dist.get_rank(), dist.get_world_size(), local_rank, control)
     log.info("learner rank %d of %d (local rank %d)", ranks.rank, ranks.world_size, local_rank)
+    if device_type == "cuda" and spans_nodes():
+        _log_network(ranks)
     return ranks
+
+
+def _log_network(ranks: Ranks) -> None:
+    """A multi-node CUDA learner: what NCCL can use between the nodes (distributed/nccl_net.py), a warning
+    when it is TCP sockets alone."""
+    net = nccl_network()
+    if net.sockets_only:
+        log.warning(
+            "rank %d: NCCL between nodes on %s: gradients cross the nodes 10-100x slower than over RDMA; "
+            "give the pods their RDMA device or network plugin (docs/deploy.md \"NCCL on the cluster\")",
+            ranks.rank, net.detail,
+        )  # fmt: skip
+    else:
+        log.info("rank %d: NCCL between nodes can use %s (%s)", ranks.rank, net.net, net.detail)
 
 
 def node_store(env: Mapping[str, str]) -> dist.Store | None:
