@@ -261,3 +261,39 @@ def test_the_learner_pods_are_ready_for_nccl_across_nodes():
     shm = next(v for v in pod["volumes"] if v["name"] == "shm")
     assert shm["emptyDir"]["medium"] == "Memory"
     assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+
+
+@pytest.mark.parametrize(
+    "base", ["multinode", "gpu"], ids=["on-multinode", "on-one-pod"]
+)  # not "gpu": a mark
+def test_the_rdma_component_gives_the_learner_and_the_actors_their_rdma_device(tmp_path, base):
+    """k8s/components/rdma, added to an overlay: the RDMA device plugin's resource on every learner pod (the
+    JobSet's, or gpu's one pod) and on the actors (the weight transfer), requested and limited."""
+    copy_sources(tmp_path)
+    overlay = tmp_path / "k8s" / "overlays" / "with-rdma"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [f"../{base}"],
+                "components": ["../../components/rdma"],
+            }
+        )
+    )
+    built = build_dir(overlay)
+    pods = {}
+    for doc in built:
+        if doc["kind"] == "JobSet":
+            pods["learner"] = learner_container(doc)
+        elif doc["kind"] in ("Deployment", "StatefulSet") and doc["metadata"]["name"] in ("learner", "actor"):
+            pods[doc["metadata"]["name"]] = doc["spec"]["template"]["spec"]["containers"][0]
+    assert set(pods) == {"learner", "actor"}
+    for name, container in pods.items():
+        for part in ("requests", "limits"):
+            assert container["resources"][part]["rdma/hca_shared_devices_a"] == "1", (name, part)
+    if base == "multinode":
+        validate_jobset(jobset(built))
+    plain = build_dir(ROOT / "k8s" / "overlays" / base)  # without the component: no device asked
+    assert "rdma/" not in json.dumps(plain)
