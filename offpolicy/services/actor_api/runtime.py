@@ -120,7 +120,9 @@ class ActorRuntime:
                 reloads=0,
             )
         first = self._run_status(runs[0])
-        return ActorStatus(**(_fields(first, ActorStatus) | {"runs": {r.run_id: r.state for r in runs}}))
+        failed = {r.run_id: self.redactor.scrub(_describe(r)) for r in runs if r.error is not None}
+        states = {"runs": {r.run_id: r.state for r in runs}, "failed_runs": failed}
+        return ActorStatus(**(_fields(first, ActorStatus) | states))
 
     def runs(self) -> RunList:
         return RunList(runs=[self._run_status(r) for r in self._pool().runs()])

@@ -57,6 +57,9 @@ class ActorStatus(BaseModel):
     runs: dict[str, str] = Field(default_factory=dict)
     """Every run the actor serves (an actor pool: `GET /v1/runs`) and its state: `running`, `stopped` or
     `failed`; the status above is the first run's."""
+    failed_runs: dict[str, str] = Field(default_factory=dict)
+    """The runs whose loop died and why (their `error`): each holds its share of the pool until `DELETE
+    /v1/runs/{run_id}` frees it (`offpolicy_actor_run_failed`). Empty when none."""
 
 
 # --- the runs of an actor pool (actors/rollout/pool.py)

@@ -126,7 +126,12 @@ def test_one_runs_death_is_its_own_and_the_service_dies_with_the_last() -> None:
         runs = {r["run_id"]: r for r in http.get("/v1/runs").json()["runs"]}
         assert runs["doomed-b"]["error"] == "RuntimeError: the reward module is gone"
         assert runs["a"]["state"] == "running"
+        status = http.get("/v1/status").json()  # the first run's status, and every failed run's reason
+        assert status["failed_runs"] == {"doomed-b": "RuntimeError: the reward module is gone"}
+        assert status["state"] == "running" and status["error"] is None  # a's
         assert http.get("/healthz").status_code == 200 and app.state.runtime.readiness() is None
+        assert http.delete("/v1/runs/doomed-b", headers=AUTH).status_code == 200
+        assert http.get("/v1/status").json()["failed_runs"] == {}
 
     app, _ = app_for("doomed-a", runs=[run_body("doomed-b")])
     with TestClient(app) as http:
