@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+from collections.abc import Mapping
 from typing import Literal, Self
 
 from pydantic import Field, field_validator, model_validator
@@ -21,9 +23,10 @@ class WandbConfig(ConfigModel):
 
     project: IdStr
     """W&B project the run goes to."""
-    mode: Literal["offline", "online"] = "offline"
+    mode: Literal["auto", "offline", "online"] = "auto"
     """`offline` writes the run under `dir` only (`wandb sync` uploads it later); `online` streams it to
-    the W&B server (needs `WANDB_API_KEY` in the learner's environment)."""
+    the W&B server (needs `WANDB_API_KEY` in the learner's environment); `auto`: online when
+    `WANDB_API_KEY` is set in the learner's environment, else offline (`resolved_mode`)."""
     dir: PathStr | None = None
     """Folder W&B writes its `wandb/` run folders into; None = the working directory."""
     run_name: IdStr | None = None
@@ -33,6 +36,12 @@ class WandbConfig(ConfigModel):
     def _installed(self) -> Self:
         require_package("wandb", "wandb")
         return self
+
+    def resolved_mode(self, env: Mapping[str, str] = os.environ) -> Literal["offline", "online"]:
+        """The mode the run starts in: `auto` is online with a `WANDB_API_KEY` in `env`, else offline."""
+        if self.mode != "auto":
+            return self.mode
+        return "online" if env.get("WANDB_API_KEY") else "offline"
 
 
 class MlflowConfig(ConfigModel):

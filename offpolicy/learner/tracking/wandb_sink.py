@@ -27,7 +27,7 @@ class WandbSink(MetricsSink):
         self.run = wandb.init(
             project=cfg.project,
             name=cfg.run_name or run_id,
-            mode=cfg.mode,
+            mode=cfg.resolved_mode(),
             dir=cfg.dir,
             tags=[f"run_id:{run_id}"],
             reinit="create_new",  # a run per learner, also when tests start several in one process

@@ -155,3 +155,14 @@ def test_a_tracker_whose_package_is_missing_is_a_field_error(monkeypatch, tracki
     (error,) = info.value.detail
     assert error["field"] == field
     assert "pip install 'offpolicy[" in error["message"]
+
+
+def test_wandb_goes_online_by_itself_when_a_key_is_present():
+    pytest.importorskip("wandb")
+    from offpolicy.learner.config.tracking import WandbConfig
+
+    auto = WandbConfig(project="p")
+    assert auto.mode == "auto" and auto.resolved_mode({}) == "offline"
+    assert auto.resolved_mode({"WANDB_API_KEY": "k"}) == "online"
+    assert WandbConfig(project="p", mode="offline").resolved_mode({"WANDB_API_KEY": "k"}) == "offline"
+    assert WandbConfig(project="p", mode="online").resolved_mode({}) == "online"
