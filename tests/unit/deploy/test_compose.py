@@ -371,3 +371,17 @@ def test_the_dns_lookup_of_the_replica_name_is_gone():
     for path in (BASE, CPU, GPU8):
         assert "--scale actor" not in path.read_text().replace("never `--scale actor=N`", ""), path.name
     assert "ACTOR_REPLICAS" not in read_env_file(ROOT / ".env.example")
+
+
+def test_healthchecks_call_the_interpreter_every_image_has():
+    """The vLLM-based GPU images have `python3` and may have no `python` (the slim CPU ones have both): a
+    healthcheck on `python` would fail on the GPU learner and leave the actors waiting on it forever."""
+    for name, stack in (("base", base()), ("cpu", merged_cpu()), ("8gpu", merged_8gpu())):
+        for service, spec in stack["services"].items():
+            test = spec.get("healthcheck", {}).get("test", [])
+            if any("healthcheck.py" in str(part) for part in test):
+                assert test[:2] == ["CMD", "python3"], (name, service, test)
+    for dockerfile in (ROOT / "deploy" / "docker").glob("*.Dockerfile"):
+        text = dockerfile.read_text()
+        gpu = text[text.index(" AS gpu") :]
+        assert '["python3", "/usr/local/lib/offpolicy/healthcheck.py"]' in gpu, dockerfile.name
