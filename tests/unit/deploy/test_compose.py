@@ -385,3 +385,17 @@ def test_healthchecks_call_the_interpreter_every_image_has():
         text = dockerfile.read_text()
         gpu = text[text.index(" AS gpu") :]
         assert '["python3", "/usr/local/lib/offpolicy/healthcheck.py"]' in gpu, dockerfile.name
+
+
+def test_the_readme_and_the_deploy_page_name_every_secret_compose_requires():
+    """Compose refuses to start without each of `SECRETS` (`${X:?...}`): the set-up steps say all of them."""
+    required = set(re.findall(r"\$\{(\w+):\?", BASE.read_text()))
+    assert required == set(SECRETS)
+    for doc in (ROOT / "README.md", ROOT / "docs" / "deploy.md"):
+        step = next(
+            line for line in doc.read_text().splitlines() if "OFFPOLICY_API_TOKEN" in line and "set " in line
+        )
+        text = doc.read_text()
+        around = text[text.index(step) : text.index(step) + 300]
+        missing = [s for s in SECRETS if s not in around]
+        assert not missing, f"{doc.name}'s set-up step leaves out {missing}"
