@@ -51,8 +51,29 @@ def checkpoint_dtype(path_or_id: str | Path) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+"""A model folder's tokenizer is in at least one of these (Hugging Face's fast and slow layouts)."""
+
+
+def missing_tokenizer(path_or_id: str | Path) -> str | None:
+    """Why a local model folder gives no tokenizer (it holds none of `TOKENIZER_FILES`: weights copied without
+    them), with the fix; None for a folder with one, or a hub id."""
+    path = Path(path_or_id)
+    if not path.is_dir() or any((path / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    return (
+        f"{path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the model's tokenizer files "
+        f"into it, e.g. `huggingface-cli download <hub id> --include 'tokenizer*' 'vocab*' 'merges.txt' "
+        f"--local-dir {path}`"
+    )
+
+
 def load_tokenizer(path_or_id: str | Path) -> PreTrainedTokenizerBase:
-    """Load the tokenizer that goes with a model path or hub id."""
+    """Load the tokenizer that goes with a model path or hub id; `FileNotFoundError` naming the files for a
+    model folder without one (`missing_tokenizer`)."""
+    why = missing_tokenizer(path_or_id)
+    if why is not None:
+        raise FileNotFoundError(why)
     return AutoTokenizer.from_pretrained(str(path_or_id))
 
 

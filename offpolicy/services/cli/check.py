@@ -6,7 +6,8 @@ with the configured keys (a known layout read with the wrong keys is named: `dat
 the learner's memory plan per rank is estimated for `--gpus` (`offpolicy.learner.plan.memory.estimate`,
 the plan the learner refuses to start above), against `--gpu-memory-gib` when given; a mixture-of-experts
 model's plan counts its experts (total and active parameters, the routed experts' weights, gradients and
-AdamW state per rank, their routed activations). Only local files are
+AdamW state per rank, their routed activations); a model folder holding weights but no tokenizer is
+named with the files to copy. Only local files are
 read: a model or dataset that is not on this machine (a hub id not in the cache) is a reason, not a
 download. Exit codes: 0 every check passed, 1 at least one failed (each reason on stderr), 2 bad usage.
 """
@@ -182,6 +183,11 @@ def run_check(
     learner = _load("learner", learner_path, report, environ)
     if learner is not None:
         _plan(learner, str(learner_path), gpus, gpu_memory_gib, report)
+        from offpolicy.learner.model.load import missing_tokenizer
+
+        weights = Path(learner.model_path).is_dir() and any(Path(learner.model_path).glob("*.safetensors"))
+        if weights and (why := missing_tokenizer(learner.model_path)) is not None:  # (a config alone: sizing)
+            report.fail(str(learner_path), f"model_path: {why}")
     if actor_path is None:
         return report
     actor = _load("actor", actor_path, report, environ)

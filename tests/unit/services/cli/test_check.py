@@ -76,6 +76,21 @@ def test_a_model_that_is_not_here_is_a_reason_not_a_download(here: Path, capsys:
     assert "model_path: its config.json cannot be read here" in capsys.readouterr().err
 
 
+def test_a_model_folder_without_its_tokenizer_is_a_reason_naming_the_files(here: Path, capsys):
+    """Weights copied without the tokenizer: named at check time (not, later, as advice to drop the chat
+    template, which would train an Instruct model on raw text)."""
+    from offpolicy.learner.model.load import load_tokenizer
+
+    model = here / "runs" / "tiny-model"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).unlink()
+    assert main(["config", "check", str(CONFIGS / "learner.yaml")]) == 1
+    err = capsys.readouterr().err
+    assert "model_path:" in err and "holds no tokenizer (none of tokenizer.json, tokenizer_config.json" in err
+    with pytest.raises(FileNotFoundError, match="huggingface-cli download <hub id> --include 'tokenizer"):
+        load_tokenizer(model)
+
+
 def test_each_run_of_an_actor_pool_is_checked_and_the_learner_may_be_any_of_its_runs(
     here: Path, capsys: pytest.CaptureFixture[str]
 ):
