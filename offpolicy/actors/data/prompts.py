@@ -219,8 +219,9 @@ def uses_chat_template(tokenizer: PreTrainedTokenizerBase, chat_template: bool |
         return has
     if chat_template and not has:
         raise DatasetError(
-            "dataset.chat_template is true but the tokenizer has no chat template: "
-            "set it to false (or null) for a base model's raw-text prompts"
+            "dataset.chat_template is true but the tokenizer has no chat template: an Instruct model's is in "
+            "its chat_template.jinja (or tokenizer_config.json's `chat_template`), copy it into the model "
+            "folder; set dataset.chat_template to false only for a base model's raw-text prompts"
         )
     return chat_template
 
