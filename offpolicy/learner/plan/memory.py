@@ -421,20 +421,36 @@ def device_limit(config: LearnerConfig, device: torch.device) -> int | None:
 
 
 def check(
-    plan: MemoryPlan, limit: int | None, config: LearnerConfig, ranks: int, checkpointing: bool | int
+    plan: MemoryPlan,
+    limit: int | None,
+    config: LearnerConfig,
+    ranks: int,
+    checkpointing: bool | int,
+    layers: int | None = None,
 ) -> None:
-    """Refuse a plan above `limit` (`MemoryPlanError`), naming the parts and the knobs that lower them."""
+    """Refuse a plan above `limit` (`MemoryPlanError`), naming the parts and the knobs that lower them (the
+    levers left: checkpointing more layers only while fewer than all `layers` are)."""
     if limit is None or plan.total <= limit:
         return
     parts = ", ".join(
         f"{k} {v:.1f}" for k, v in plan.as_dict().items() if k not in ("total", "host_offloaded")
     )
+    every_layer = checkpointing is True or (
+        bool(layers) and checkpointing is not False and checkpointing >= layers
+    )
+    now = f"{checkpointing} of {layers or 'all'}"
+    levers = [
+        f"lower micro_batch_tokens (now {config.micro_batch_tokens})",
+        f"shard over more ranks (--nproc-per-node, now {ranks})",
+        *([] if config.fsdp.cpu_offload else ["set fsdp.cpu_offload: true"]),
+        *([] if every_layer else [f"checkpoint more layers (gradient_checkpointing: true, now {now})"]),
+        f"lower logprob_chunk_tokens (now {config.logprob_chunk_tokens})",
+        *([] if config.lora is not None else ["train a LoRA adapter (lora:)"]),
+    ]
     raise MemoryPlanError(
         f"the memory plan needs ~{plan.total / GIB:.1f} GiB per rank ({parts} GiB) but {limit / GIB:.1f} GiB "
-        f"are available: lower micro_batch_tokens (now {config.micro_batch_tokens}), shard over more ranks "
-        f"(--nproc-per-node, now {ranks}), set fsdp.cpu_offload: true (now {config.fsdp.cpu_offload}), "
-        f"checkpoint more layers (gradient_checkpointing: true, now {checkpointing}), or lower "
-        f"logprob_chunk_tokens (now {config.logprob_chunk_tokens})"
+        f"are available: {', '.join(levers[:-1])} or {levers[-1]}"
+        + ("; every layer is checkpointed already" if every_layer else "")
         + (
             f"; the KL loss's reference takes {plan.reference / GIB:.1f}: set reference.cpu_offload: true"
             if plan.reference and not config.reference.cpu_offload

@@ -163,7 +163,7 @@ def _plan(learner: Any, where: str, gpus: int, gpu_memory_gib: float | None, rep
         )
     if gpu_memory_gib is not None and limit is not None:
         try:
-            check(plan, limit, learner, gpus, checkpointing)
+            check(plan, limit, learner, gpus, checkpointing, shape.layers)
         except MemoryPlanError as e:
             report.fail(where, f"memory plan: {e}")
         else:

@@ -82,7 +82,7 @@ def refusal(model: str, learner_gpus: int, lora: bool, gpu_gib: float) -> str | 
     plans = LearnerPlans(model, limit)
     config, settings = plans.config(lora), plans.settings(learner_gpus, lora)
     try:  # the learner's own check at start
-        check(settings.plan, limit, config, learner_gpus, settings.checkpointed_layers)
+        check(settings.plan, limit, config, learner_gpus, settings.checkpointed_layers, settings.layers)
     except MemoryPlanError:
         pass
     else:

@@ -38,10 +38,19 @@ def test_one_gpu_bf16_mixed_needs_about_16_bytes_per_parameter_before_activation
     states = plan.weights + plan.gradients + plan.optimizer + plan.compute_copies
     assert states == 18 * shape_7b.params  # 4 masters + 4 grads + 8 AdamW + 2 bf16 copies
     assert plan.total > 80 * GIB  # does not fit one H100
-    with pytest.raises(
-        MemoryPlanError, match=r"micro_batch_tokens.*nproc-per-node.*cpu_offload.*gradient_check"
-    ):
+    with pytest.raises(MemoryPlanError, match=r"micro_batch_tokens.*nproc-per-node.*cpu_offload") as e:
         check(plan, int(0.9 * 80 * GIB), cfg(), 1, True)
+    # every layer checkpointed: that lever is not offered again, and the message says so
+    assert "checkpoint more layers" not in str(e.value) and "every layer is checkpointed already" in str(
+        e.value
+    )
+    with pytest.raises(
+        MemoryPlanError, match=r"checkpoint more layers \(gradient_checkpointing: true, now 7 of 28\)"
+    ):
+        check(plan, int(0.9 * 80 * GIB), cfg(), 1, 7, layers=28)
+    with pytest.raises(MemoryPlanError) as e:  # all 28 of 28: none to add; a LoRA run is not told to use LoRA
+        check(plan, int(0.9 * 80 * GIB), cfg(lora={"rank": 8}), 1, 28, layers=28)
+    assert "checkpoint more layers" not in str(e.value) and "LoRA" not in str(e.value)
 
 
 def test_eight_gpus_shard_the_states_and_checkpointing_shrinks_activations(shape_7b):
