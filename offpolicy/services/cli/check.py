@@ -188,10 +188,11 @@ def run_check(
         weights = Path(learner.model_path).is_dir() and any(Path(learner.model_path).glob("*.safetensors"))
         if weights and (why := missing_tokenizer(learner.model_path)) is not None:  # (a config alone: sizing)
             report.fail(str(learner_path), f"model_path: {why}")
-    if actor_path is None:
-        return report
-    actor = _load("actor", actor_path, report, environ)
-    if actor is None:
+    actor = None if actor_path is None else _load("actor", actor_path, report, environ)
+    if learner is not None:  # the cadences in versions and learner steps (a version = an optimizer step)
+        every = actor.eval.every_versions if actor is not None and actor.eval is not None else None
+        report.lines.append(f"units: {learner.units(every)}")
+    if actor_path is None or actor is None:
         return report
     # an actor pool: each of its runs (`runs`) checked as the file's own
     runs = [(str(actor_path), actor), *((f"{actor_path} runs.{i}", r) for i, r in enumerate(actor.runs))]

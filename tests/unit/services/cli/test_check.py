@@ -35,6 +35,10 @@ def test_the_toy_configs_pass_and_the_plan_is_printed(here: Path, capsys: pytest
     out = capsys.readouterr().out
     assert "memory plan:" in out and "per rank on 8 GPU(s) (FSDP2" in out and "fits 90% of 80 GiB" in out
     assert "reward: math_answer (signature text)" in out and out.rstrip().endswith("every check passed")
+    units = next(line for line in out.splitlines() if line.startswith("units: "))  # versions vs learner steps
+    assert (
+        "a policy version is one optimizer step; a learner step takes" in units and "learner step(s)" in units
+    )
     assert main(["config", "check", learner]) == 0  # the learner alone
 
 
