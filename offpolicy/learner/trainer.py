@@ -305,6 +305,7 @@ class Learner:
             "world_size": self.ranks.world_size,
             "policy_version": self.version,
             "step": self.step_count,
+            "versions_per_step": self.config.optimizer_steps_per_step,
             "config_version": self.configs.version,
             "config_applied_at_step": self.configs.applied_at_step,
             "tokens_per_s": self.step_log.tokens_per_s,

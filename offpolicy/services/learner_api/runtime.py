@@ -155,6 +155,7 @@ class LearnerRuntime:
             state=state,
             policy_version=int(raw["policy_version"]),
             step=int(raw["step"]),
+            versions_per_step=raw.get("versions_per_step"),
             config_version=running,
             pending_config_version=pending,
             tokens_per_s=raw.get("tokens_per_s"),

@@ -109,6 +109,10 @@ class LearnerStatus(BaseModel):
     """Optimizer steps taken so far (= the version the actors load)."""
     step: int
     """Learner steps taken (each step samples one batch)."""
+    versions_per_step: int | None = None
+    """Policy versions (optimizer steps) a learner step takes: `ppo_epochs x groups_per_step /
+    mini_batch_groups` of the running config (`buffer.max_staleness` counts versions, `publish_every` learner
+    steps: the start log's `units:` line); null before it starts."""
     config_version: int
     """Version of the config the loop is running now."""
     pending_config_version: int | None

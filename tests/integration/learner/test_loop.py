@@ -266,6 +266,7 @@ def test_buffer_change_reconfigures_the_same_buffer_at_the_boundary(tiny_dir, gr
         assert applied == [(7, 1)]
         status = learner.status()
         assert (status["config_version"], status["config_applied_at_step"], status["step"]) == (7, 1, 1)
+        assert status["versions_per_step"] == cfg.optimizer_steps_per_step == 1  # one mini-batch a step
         assert registry.get_sample_value("offpolicy_learner_config_version") == 7.0
         assert registry.get_sample_value("offpolicy_learner_max_staleness_steps") == 0.0
         assert registry.get_sample_value("offpolicy_buffer_leased_total") == 2.0
