@@ -261,6 +261,11 @@ class LearnerMetrics:
         for sink in TRACKING_SINKS:
             self.tracking_errors.labels(sink=sink)
         self.paused = Gauge(PREFIX + "paused", "1 while the learner is paused, else 0.", registry=registry)
+        self.transfer_stuck = Counter(
+            PREFIX + "transfer_stuck", "Weight-transfer sends and group teardowns that outlived their "
+            "bound (a hung rendezvous, collective or device sync; publish.transport: vllm): sends fail at "
+            "once until it ends, the actors go on with file generations.", registry=registry,
+        )  # fmt: skip
         self.nccl_net = Gauge(
             PREFIX + "nccl_net_info", "1 for the network NCCL can use between the nodes of a multi-node CUDA "
             "learner, as read at start (learner/distributed/nccl_net.py): ib, plugin:<name> or socket.",

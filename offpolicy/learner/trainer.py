@@ -154,7 +154,9 @@ class Learner:
             config, self.model, self.tokenizer, dtype, self.store, self.metrics, self.durability.on_durable,
             ranks,
         )  # fmt: skip
-        self.publisher = make_publisher(config, self.persist, self.model, dtype, self.metrics.registry, ranks)
+        self.publisher = make_publisher(
+            config, self.persist, self.model, dtype, self.metrics.registry, ranks, self.metrics.transfer_stuck
+        )
         self.intake = (  # lease, screen, dynamic sampling, acks with priorities: learner/intake.py
             Intake(self.buffer, self.delivery, self.metrics, self.limits)
             if self.buffer is not None and self.delivery is not None

@@ -71,12 +71,6 @@ class TransferMetrics:
             "Members found dead during a send (heartbeats stopped) and left out of it",
             registry=r,
         )
-        self.stuck = Counter(
-            "offpolicy_learner_transfer_stuck",
-            "Sends and transfer-group teardowns that outlived their bound (a hung rendezvous, collective or "
-            "device sync): sends fail at once until it ends, the actors go on with file generations",
-            registry=r,
-        )
         self.dead_wait = Histogram(
             "offpolicy_learner_transfer_dead_wait_seconds",
             "Seconds a send spent on members that died in it (finding them, sending again to the others)",
@@ -111,8 +105,10 @@ class Publisher:
         transport: WeightTransport | None,
         metrics: TransferMetrics | None,
         gather: tuple[torch.nn.Module, torch.dtype, int, bool] | None = None,
+        stuck: Counter | None = None,
     ) -> None:
         self.config, self.persist, self.transport, self.metrics = config, persist, transport, metrics
+        self.stuck_counter = stuck  # LearnerMetrics.transfer_stuck: declared whatever the transport
         self.publishes = 0  # the same count on every rank: file writes stay a collective in step
         self.persisted: int | None = None  # newest version written as files by this publisher
         self.last: TransferResult | None = None
@@ -148,7 +144,8 @@ class Publisher:
             stuck = getattr(self.transport, "stuck", 0)
             if self.metrics is not None:
                 self.metrics.observe(self.last)
-                self.metrics.stuck.inc(stuck - self._stuck)
+            if self.stuck_counter is not None:
+                self.stuck_counter.inc(stuck - self._stuck)
             self._stuck = stuck
             if self.last.ok and self.last.group_size and self.metrics is not None:
                 log.info(
@@ -195,6 +192,7 @@ def make_publisher(
     dtype: torch.dtype,
     registry: CollectorRegistry,
     ranks: Ranks,
+    stuck: Counter | None = None,
 ) -> Publisher:
     """The publish path for `offpolicy.learner.config.publish.transport`, on every rank: with a broadcast
     backend the leader
@@ -209,11 +207,11 @@ def make_publisher(
         from offpolicy.learner.transport.m2n import ShardedTransport
 
         transport = ShardedTransport(config.publish.transfer, control, model, dtype, ranks)
-        return Publisher(config, persist, transport, metrics)
+        return Publisher(config, persist, transport, metrics, stuck=stuck)
     bucket = config.publish.gather_bucket_mb * 2**20
     gather = (model, dtype, bucket, ranks.is_leader) if ranks.distributed else None
     persist.keep_gathered = gather is not None  # the leader sends each version from its host memory
-    publisher = Publisher(config, persist, None, None, gather=gather)
+    publisher = Publisher(config, persist, None, None, gather=gather, stuck=stuck)
     if control is None:
         return publisher
     from offpolicy.learner.model.load import unique_state

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from offpolicy.actors.config import ReloadConfig
 from offpolicy.learner.config.publish import PublishConfig
+from offpolicy.learner.metrics import LearnerMetrics
 from offpolicy.learner.transport.base import TransferResult
 from offpolicy.learner.transport.publisher import Publisher, TransferMetrics
 from offpolicy.weights.config import TransferConfig
@@ -87,7 +88,8 @@ def test_metrics_count_transfers_bytes_group_and_failures():
 def test_a_stuck_teardown_is_counted_once_and_shown_in_the_status():
     reg = CollectorRegistry()
     sent = Sent(fail_on={2}, stuck_on={2})
-    pub = Publisher(Cfg(transport="vllm"), Files(), sent, TransferMetrics(reg))
+    stuck = LearnerMetrics(reg).transfer_stuck  # declared whatever the transport: the alert's series
+    pub = Publisher(Cfg(transport="vllm"), Files(), sent, TransferMetrics(reg), stuck=stuck)
     assert pub.status() == {
         "last_version": None, "ok": None, "error": None, "group_size": 0, "unwinding": False, "stuck": 0
     }  # fmt: skip
