@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from offpolicy.learner.config import LearnerConfig, OptimizerConfig
+from offpolicy.learner.config.units import units
 from offpolicy.learner.distributed import expert_parallel
 from offpolicy.learner.distributed.fsdp import decoder_layers, fsdp_mesh, shard
 from offpolicy.learner.distributed.lean import fill, meta_model, unique_names
@@ -381,7 +382,7 @@ def build_models(config: LearnerConfig, ranks: Ranks) -> Built:
     plan, grad_sync = resolve_grad_sync(config, settings.plan, shard_ranks, limit, ranks)
     check(plan, limit, config, shard_ranks, checkpointing, settings.layers)
     log.info("memory plan %.1f GiB per rank with %s", plan.total / GIB, settings.as_dict())
-    log.info("units: %s", config.units())
+    log.info("units: %s", units(config))
     host = plan_host(config, ranks, shard_ranks)  # refused here when the node's host plan exceeds its limit
     with host_plan.PeakHostMemory() as startup:  # the models' host memory at start-up (lean start: ~shards)
         parts, publish_keys, start_way = build_trainables(

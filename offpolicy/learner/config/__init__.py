@@ -326,34 +326,6 @@ class LearnerConfig(ConfigModel):
         """Optimizer steps (= policy versions) per learner step."""
         return self.ppo_epochs * self.groups_per_step // (self.mini_batch_groups or self.groups_per_step)
 
-    def units(self, eval_every_versions: int | None = None) -> str:
-        """The config's cadences in both units: a policy version is one optimizer step, a learner step
-        takes `optimizer_steps_per_step` of them; `buffer.max_staleness` (and an actor's
-        `eval.every_versions`) count versions, `publish_every` and `checkpoint_every` learner steps. Said at
-        start and by `offpolicy config check`."""
-        n = self.optimizer_steps_per_step
-        mb = self.mini_batch_groups or self.groups_per_step
-        parts = [
-            f"a policy version is one optimizer step; a learner step takes {n} (ppo_epochs "
-            f"{self.ppo_epochs} x groups_per_step {self.groups_per_step} / mini_batch_groups {mb})"
-        ]
-        s = self.buffer.max_staleness
-        parts.append(
-            "buffer.max_staleness unbounded"
-            if s is None
-            else f"buffer.max_staleness {s} versions = {s / n:g} learner step(s)"
-        )
-        publish = self.publish.publish_every
-        parts.append(f"publish_every {publish} learner step(s) = {publish * n} versions")
-        if self.checkpoint.checkpoint_every is not None:
-            every = self.checkpoint.checkpoint_every
-            parts.append(f"checkpoint_every {every} learner step(s) = {every * n} versions")
-        if eval_every_versions is not None:
-            parts.append(
-                f"eval.every_versions {eval_every_versions} = {eval_every_versions / n:g} learner step(s)"
-            )
-        return "; ".join(parts)
-
 
 # --- loading
 

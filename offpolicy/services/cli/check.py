@@ -191,7 +191,9 @@ def run_check(
     actor = None if actor_path is None else _load("actor", actor_path, report, environ)
     if learner is not None:  # the cadences in versions and learner steps (a version = an optimizer step)
         every = actor.eval.every_versions if actor is not None and actor.eval is not None else None
-        report.lines.append(f"units: {learner.units(every)}")
+        from offpolicy.learner.config.units import units
+
+        report.lines.append(f"units: {units(learner, every)}")
     if actor_path is None or actor is None:
         return report
     # an actor pool: each of its runs (`runs`) checked as the file's own

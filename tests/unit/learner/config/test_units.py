@@ -1,9 +1,10 @@
-"""The learner config's cadences said in both units (`LearnerConfig.units`): a policy version is one
+"""The learner config's cadences said in both units (learner/config/units.py): a policy version is one
 optimizer step, a learner step takes ppo_epochs x groups_per_step / mini_batch_groups of them."""
 
 from __future__ import annotations
 
 from offpolicy.learner.config import LearnerConfig
+from offpolicy.learner.config.units import units
 
 
 def test_the_cadences_are_said_in_versions_and_learner_steps():
@@ -21,6 +22,6 @@ def test_the_cadences_are_said_in_versions_and_learner_steps():
         "checkpoint_every 10 learner step(s) = 40 versions",
         "eval.every_versions 8 = 2 learner step(s)",
     ]
-    assert cfg.units(eval_every_versions=8) == "; ".join(expected)
-    unbounded = LearnerConfig.model_validate({"model_path": "/m"}).units()
+    assert units(cfg, eval_every_versions=8) == "; ".join(expected)
+    unbounded = units(LearnerConfig.model_validate({"model_path": "/m"}))
     assert "buffer.max_staleness unbounded" in unbounded and "eval" not in unbounded
