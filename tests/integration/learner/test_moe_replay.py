@@ -38,13 +38,19 @@ def with_routes(model: torch.nn.Module, group):
     return dataclasses.replace(group, trajectories=trs, num_experts=TINY_MOE["num_experts"])
 
 
-def test_rollout_replay_trains_and_refuses_a_group_without_routes(tmp_path_factory, redis_url, tmp_path):
-    moe_dir = make_tiny_moe_model(tmp_path_factory.mktemp("tiny_moe") / "model", **TINY_MOE)
-    behaviour = load_model(moe_dir, "cpu").eval()
+def moe_learner(folder, redis_url, tmp_path, replay: str, groups_per_step: int):
+    """The tiny MoE built in `folder`, its behaviour policy (eval mode) and a learner config replaying
+    `replay` routing on it (no checkpoints)."""
+    moe_dir = make_tiny_moe_model(folder / "model", **TINY_MOE)
     cfg = config(
-        moe_dir, redis_url, tmp_path, groups_per_step=3, checkpoint={"checkpoint_dir": None},
-        moe={"routing_replay": "rollout"},
+        moe_dir, redis_url, tmp_path, groups_per_step=groups_per_step, checkpoint={"checkpoint_dir": None},
+        moe={"routing_replay": replay},
     )  # fmt: skip
+    return load_model(moe_dir, "cpu").eval(), cfg
+
+
+def test_rollout_replay_trains_and_refuses_a_group_without_routes(tmp_path_factory, redis_url, tmp_path):
+    behaviour, cfg = moe_learner(tmp_path_factory.mktemp("tiny_moe"), redis_url, tmp_path, "rollout", 3)
     groups = make_groups(behaviour, 3, version=0, temperature=0.9)
     routed = [with_routes(behaviour, g) for g in groups[:2]]
     with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:
@@ -70,12 +76,7 @@ def test_rollout_replay_trains_and_refuses_a_group_without_routes(tmp_path_facto
 def test_old_replay_keeps_the_rollout_correction(tmp_path_factory, redis_url, tmp_path):
     """`moe.routing_replay: old` (R2) computes pi_old with its own pass: the rollout correction and the
     off-policy KL still run on it (they were skipped under `old`, found by the dashboards' scrape test)."""
-    moe_dir = make_tiny_moe_model(tmp_path_factory.mktemp("tiny_moe_old") / "model", **TINY_MOE)
-    behaviour = load_model(moe_dir, "cpu").eval()
-    cfg = config(
-        moe_dir, redis_url, tmp_path, groups_per_step=2, checkpoint={"checkpoint_dir": None},
-        moe={"routing_replay": "old"},
-    )  # fmt: skip
+    behaviour, cfg = moe_learner(tmp_path_factory.mktemp("tiny_moe_old"), redis_url, tmp_path, "old", 2)
     with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:
         assert buf.insert_many(make_groups(behaviour, 2, version=0, temperature=0.9)).ok
     learner = Learner(cfg)
