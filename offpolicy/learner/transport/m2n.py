@@ -32,8 +32,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from offpolicy.learner.transport.address import check_bindable
 from offpolicy.learner.transport.base import TransferResult
+from offpolicy.learner.transport.fanout import FanoutClient
 from offpolicy.learner.transport.vllm import (
-    FanoutClient,
     VllmTransport,
     _free_port,
     _inner,

@@ -14,7 +14,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from offpolicy.learner.transport.vllm import FanoutClient, VllmTransport
+from offpolicy.learner.transport.fanout import FanoutClient
+from offpolicy.learner.transport.vllm import VllmTransport
 from offpolicy.weights.config import TransferConfig
 from offpolicy.weights.control import ActorControl, LearnerControl, Liveness
 
