@@ -288,10 +288,35 @@ class LearnerMetrics:
         )  # fmt: skip
         self._info_labels: tuple[str, str] | None = None
         self.max_staleness = Gauge(
-            PREFIX + "max_staleness_steps", "The running config's buffer.max_staleness (+Inf = unbounded): "
-            "groups more than this many policy versions behind the learner are never sampled.",
+            PREFIX + "max_staleness_steps", "The staleness bound in force: the running config's "
+            "buffer.max_staleness, or the controller's under `control.mode: auto` (+Inf = unbounded): groups "
+            "more than this many policy versions behind the learner are never sampled.",
             registry=registry,
         )  # fmt: skip
+        self.control_auto = Gauge(
+            PREFIX + "control_auto", "1 while `control.mode: auto` sets the staleness bound "
+            "(max_staleness_steps), 0 when it is fixed or the controller fell back to it (no IS or mask "
+            "metrics to judge by).",
+            registry=registry,
+        )  # fmt: skip
+        self.control_changes = Counter(
+            PREFIX + "control_changes", "Changes of the staleness bound by the controller, by reason "
+            "(ess_below_floor, masked_above_ceiling, learner_waiting, learner_fed, start, mode_fixed, "
+            "limits, missing_metrics).",
+            ["reason"], registry=registry,
+        )  # fmt: skip
+        self.wait_share = Gauge(
+            PREFIX + "wait_share", "Share of the learner's time spent waiting for data over the controller's "
+            "last window (end of a step to the next step's groups in hand).",
+            registry=registry,
+        )  # fmt: skip
+        self.actor_capacity_ratio = Gauge(
+            PREFIX + "actor_capacity_ratio", "The actors the learner wants over the actors it has "
+            "(1 = enough): its demand when fed over the usable groups/s the actors add, >= 1 while it "
+            "waits, <= 1 while it does not; the autoscaler's input.",
+            registry=registry,
+        )  # fmt: skip
+        self.actor_capacity_ratio.set(1.0)
         self.phase_seconds = Histogram(
             PREFIX + "step_phase_seconds", "Time per learner step phase.", ["phase"],
             buckets=PHASE_BUCKETS, registry=registry,

@@ -49,6 +49,8 @@ class ConfigSwitch:
         on_applied: ConfigApplied | None = None,
     ) -> None:
         self._config, self.version, self.applied_at_step = config, 0, 0
+        self._bound: int | None = None  # the staleness controller's bound (learner/control/); None: given
+        self._effective = config
         self._ranks, self._trainables, self._metrics, self._tracker = ranks, trainables, metrics, tracker
         self._buffer, self._channel, self._on_applied = buffer, channel, on_applied
         self._pending: tuple[LearnerConfig, int] | None = None
@@ -57,8 +59,33 @@ class ConfigSwitch:
 
     @property
     def config(self) -> LearnerConfig:
-        """The config the learner trains with now (read-only: it changes only at a step boundary)."""
+        """The config the learner trains with now (read-only: it changes only at a step boundary): the
+        given one, with the staleness controller's bound as `buffer.max_staleness` while it sets one."""
+        return self._effective
+
+    @property
+    def given(self) -> LearnerConfig:
+        """The config as given (start-up file, resumed checkpoint, PUT / PATCH): what checkpoints keep and
+        PATCHes merge into."""
         return self._config
+
+    def set_staleness(self, bound: int | None) -> None:
+        """At a step boundary: train with `bound` as `buffer.max_staleness` (None: the given value); the
+        buffer's table follows at once, as after a PATCH of it."""
+        self._bound = bound
+        self._apply(self._config)
+
+    def _apply(self, given: LearnerConfig) -> None:
+        """Make `given` (with the controller's bound) the config in force; the buffer follows."""
+        buffer = given.buffer
+        if self._bound is not None and buffer.max_staleness != self._bound:
+            buffer = buffer.model_copy(update={"max_staleness": self._bound})
+        effective = given if buffer is given.buffer else given.model_copy(update={"buffer": buffer})
+        if effective.buffer != self._effective.buffer and self._buffer is not None:
+            self._buffer.reconfigure(effective.buffer)  # same buffer object, connections and metrics registry
+        self._config, self._effective = given, effective
+        s = effective.buffer.max_staleness
+        self._metrics.max_staleness.set(float("inf") if s is None else s)
 
     def submit(self, new: LearnerConfig, version: int) -> None:
         """Queue `new` as config `version`; it takes effect at the next step boundary (a newer submit
@@ -86,7 +113,7 @@ class ConfigSwitch:
         with self._lock:
             if self._pending is pending:  # a newer config queued meanwhile stays queued
                 self._pending = None
-        self._metrics.record_config(version, new)
+        self._metrics.record_config(version, self._effective)
         self._tracker.log_config(new, "api", version, step)
         log.info("rank %d applied config version %d at step %d", self._ranks.rank, version, step)
         if self._on_applied is not None:
@@ -105,11 +132,9 @@ class ConfigSwitch:
         re-aligned with it (learning rate and schedule included)."""
         self._switch(config, force=True)
         self.version, self.applied_at_step = 1, step
-        self._metrics.record_config(1, config)
+        self._metrics.record_config(1, self._effective)
 
     def _switch(self, new: LearnerConfig, force: bool) -> None:
         """Train with `new` from now on: the hyper-parameters and the buffer's table follow it."""
         set_hparams(self._trainables, None if force else self._config, new)
-        if new.buffer != self._config.buffer and self._buffer is not None:
-            self._buffer.reconfigure(new.buffer)  # same buffer object, connections and metrics registry
-        self._config = new
+        self._apply(new)

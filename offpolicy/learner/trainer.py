@@ -46,6 +46,7 @@ from offpolicy.buffer.replay_buffer import ReplayBuffer
 from offpolicy.learner.build import Built, Trainables, build_models
 from offpolicy.learner.config import LearnerConfig
 from offpolicy.learner.config.resume import ResumedConfig, resumed_config
+from offpolicy.learner.control import StalenessControl
 from offpolicy.learner.delivery import Delivery
 from offpolicy.learner.distributed import (
     Command,
@@ -133,6 +134,7 @@ class Learner:
             config, ranks, self.trainables, self.metrics, self.tracker, self.buffer, self.channel,
             on_config_applied,
         )  # fmt: skip
+        self.control = StalenessControl(self.metrics)  # `control.mode: auto` sets the staleness bound
         # --- state shared with the control thread
         self.version = 0  # optimizer steps taken = policy version
         self.step_count = 0  # learner steps taken
@@ -324,6 +326,8 @@ class Learner:
             "transfer": self.publisher.status(),
             "intake_stopped": self.retrying if self.state == "waiting_for_checkpoint" else None,
             "undurable_steps": self.undurable_steps(),
+            "control": {"mode": self.configs.given.control.mode}
+            | self.control.status(self.configs.given.buffer.max_staleness),
         }
 
     def run(self, stop_event: threading.Event) -> None:
@@ -346,6 +350,7 @@ class Learner:
         self.persist.poll()
         self.delivery.ack_durable()  # leases of checkpoints that became durable since the last step
         self.configs.take(self.step_count)
+        self.control.decide(self.configs, self.step_count, self.buffer.stats)  # the bound for this step
         cfg, phases = self.config, {}
         self.durability.check(cfg, self.step_count, self.persist, self._checkpoint_now)
         if self._table_published != cfg.buffer:  # at start and after a `buffer` change: producers follow
@@ -357,6 +362,7 @@ class Learner:
         if not groups:  # nothing trainable in this sample: no update, the loop samples again
             self.heartbeat()
             return {"groups_dropped": float(taken.dropped)}
+        self.control.fed()
         command = self._command("step", groups)
         self.intake.prefetch_after(
             cfg, self.version, len(groups), self.step_count, self.device.type == "cuda"
@@ -373,9 +379,11 @@ class Learner:
                 self._execute(command, groups, phases, trained, applied)
             except BaseException:
                 if applied:  # applied, then an ack, publish or background write failed: it still counts
-                    self._record(applied | sifted, phases, groups)
+                    timing = self.control.trained(applied, len(groups))
+                    self._record(applied | sifted | timing, phases, groups)
                 raise
-        return self._record(applied | sifted, phases, groups)
+        timing = self.control.trained(applied, len(groups))  # the controller's record of the step
+        return self._record(applied | sifted | timing, phases, groups)
 
     def _record(self, metrics: dict[str, float], phases: dict[str, float], groups: list) -> dict[str, float]:
         """The metrics line (trackers) and Prometheus record of a step whose update was applied."""
@@ -444,7 +452,7 @@ class Learner:
         self.durability.queued(self.version, self.step_count)
         return self.persist.checkpoint(
             self.trainables, self.version, self.step_count, position, leases, self.configs.version,
-            lease_priorities=priorities, config=self.config,
+            lease_priorities=priorities, config=self.configs.given,
         )  # fmt: skip
 
     def _checkpoint_now(self) -> None:

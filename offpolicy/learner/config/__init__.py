@@ -30,6 +30,7 @@ from offpolicy.config.base import (
 from offpolicy.config.loader import env_overrides as env_overrides
 from offpolicy.config.loader import load_layered
 from offpolicy.config.loader import merge as merge
+from offpolicy.learner.config.control import ControlConfig
 from offpolicy.learner.config.lora import LoraConfig
 from offpolicy.learner.config.models import (
     CriticConfig,
@@ -218,6 +219,10 @@ class LearnerConfig(ConfigModel):
     screening: ScreeningConfig = ScreeningConfig()
     """Dynamic sampling: groups that teach nothing dropped, truncated completions filtered or punished, the
     batch kept full by sampling more (learner/rl/dynamic_sampling.py); off by default."""
+    control: ControlConfig = ControlConfig()
+    """The staleness bound: `fixed` (`buffer.max_staleness` as given) or `auto` (set each step from the
+    rollout correction's IS ESS and masked share and the learner's wait for data, within the limits given);
+    the actor capacity the learner asks for (learner/control/)."""
     priorities: PrioritiesConfig = PrioritiesConfig()
     """Prioritized replay kept current: the priority the learner writes back with each ack, and the
     importance weights (`beta`) that undo the `prioritized` sampler's bias (learner/rl/priorities.py)."""

@@ -122,8 +122,8 @@ def validate_config(
 
 
 @router.get("/config/history", response_model=ConfigHistory, tags=["config"], summary="Every config version")
-def config_history(control: Control) -> ConfigHistory:
-    return ConfigHistory(entries=with_changes(control.history()))
+def config_history(control: Control, runtime: Runtime) -> ConfigHistory:
+    return ConfigHistory(entries=with_changes(control.history()), control=runtime.control_history())
 
 
 @router.get("/presets", response_model=PresetList, tags=["presets"], summary="Rollout-correction presets")

@@ -98,6 +98,11 @@ class LearnerRuntime:
         if close is not None:  # queued publishes and checkpoints made durable, leases settled
             close()
 
+    def control_history(self) -> list[dict[str, Any]]:
+        """The staleness controller's changes, oldest first (learner/control/); none before it starts."""
+        control = getattr(self.learner, "control", None)
+        return control.history() if control is not None else []
+
     def require(self) -> LearnerLike:
         if self.learner is None:
             raise NotReady("the learner is still starting (loading the model)")
@@ -171,6 +176,7 @@ class LearnerRuntime:
             transfer=raw.get("transfer"),
             intake_stopped=raw.get("intake_stopped"),
             undurable_steps=int(raw.get("undurable_steps", 0)),
+            control=raw.get("control"),
             groups_dropped={k: int(v) for k, v in (raw.get("groups_dropped") or {}).items()},
             error=error,
         )

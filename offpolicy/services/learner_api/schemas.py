@@ -50,10 +50,31 @@ class ConfigEntry(BaseModel):
     `GET /v1/config/history` answers it (the Redis password masked in both)."""
 
 
+class StalenessChange(BaseModel):
+    """One change of the staleness bound by the learner's controller (`control.mode: auto`)."""
+
+    step: int
+    """Learner steps completed at the boundary where it took effect."""
+    at: float
+    """Unix seconds."""
+    old: int | None
+    """The bound before (null: `buffer.max_staleness` as given)."""
+    new: int | None
+    """The bound after (null: back to `buffer.max_staleness` as given)."""
+    reason: str
+    """`start`, `ess_below_floor`, `masked_above_ceiling`, `learner_waiting`, `learner_fed`, `limits`,
+    `mode_fixed` or `missing_metrics`."""
+    detail: str
+    """The figures it judged (ESS, masked share, wait share over its window) or what changed."""
+
+
 class ConfigHistory(BaseModel):
-    """Every config version, oldest first."""
+    """Every config version, oldest first; and the controller's changes of the staleness bound."""
 
     entries: list[ConfigEntry]
+    control: list[StalenessChange] = []
+    """The staleness controller's changes (the last 1,000), oldest first; empty under `control.mode:
+    fixed`."""
 
 
 class ConfigChange(BaseModel):
@@ -157,6 +178,12 @@ class LearnerStatus(BaseModel):
     `OffpolicyTransferStuck` alert). Null with `transport: files`."""
     intake_stopped: str | None = None
     """Why the learner takes no new groups (state `waiting_for_checkpoint`); null when it takes them."""
+    control: dict[str, Any] | None = None
+    """The staleness bound and the actor capacity (`control`, learner/control/): `mode` (`fixed` or
+    `auto`), `state` (`fixed`, `auto` or `fallback`: no IS or mask metrics to judge by), `staleness_bound`
+    in force, `given_max_staleness` (the config's), `judged` (the last window's `ess`, `masked`,
+    `wait_share`, `demand_gps`, `supply_gps`), `actor_capacity_ratio`, `changes_total` and the last 20
+    `changes` (step, at, old, new, reason, detail)."""
     undurable_steps: int = 0
     """Learner steps not covered by a durable checkpoint (capped by `checkpoint.max_undurable_steps`)."""
     groups_dropped: dict[str, int] = {}

@@ -80,6 +80,19 @@ CASES: dict[str, Case] = {
         (pytest.mark.redis,),
         timeout_s=180,
     ),
+    "control.py": Case(
+        _keys(
+            "arms best_fixed_arm best_fixed_idle_share auto_reward_vs_sync auto_idle_share auto_met setup "
+            "changes"
+        ),
+        lambda o: (
+            [r["arm"] for r in o["arms"]] == ["sync", "eta1", "auto"]
+            and all(0 <= r["idle_share_mean"] < 1 for r in o["arms"])
+            and [c["reason"] for c in o["changes"]["auto/0"]][:1] == ["start"]
+        ),
+        (pytest.mark.redis,),
+        timeout_s=180,
+    ),
     "learning_signal.py": Case(
         _keys(
             "runs steps_to_target mean_steps_to_target ratio_dynamic_vs_plain ratio_prioritized_vs_plain "
