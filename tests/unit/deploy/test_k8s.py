@@ -12,7 +12,7 @@ import pytest
 import yaml
 from kubernetes_validate import utils as kv
 
-from deploy.checks import ALERTS_FILE, ROOT, nproc_per_node
+from deploy.checks import ALERTS_FILE, ROOT, declared_metric_names, nproc_per_node
 
 OVERLAYS = ("dev", "gpu", "lora-pool")
 K8S_VERSION = kv.latest_version()  # the newest Kubernetes the installed kubernetes-validate knows
@@ -143,6 +143,17 @@ def test_gpu_overlay_requests_gpus_and_scales_actors():
     assert by_kind("gpu", "StatefulSet")["actor"]["spec"]["replicas"] == 4
     hpa = build("gpu")[[d["kind"] for d in build("gpu")].index("HorizontalPodAutoscaler")]
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "actor"}
+    (metric,) = hpa["spec"]["metrics"]  # the learner's capacity ratio as the factor itself (Value 1)
+    assert metric["object"]["metric"]["name"] == "offpolicy_learner_actor_capacity_ratio"
+    assert metric["object"]["describedObject"] == {"apiVersion": "v1", "kind": "Service", "name": "learner"}
+    assert metric["object"]["target"] == {"type": "Value", "value": "1"}
+    # prometheus-adapter's one rule serves that name from the learner's gauge of the same name
+    values = yaml.safe_load((ROOT / "deploy/prometheus/adapter-values.yaml").read_text())
+    (rule,) = values["rules"]["custom"]
+    assert rule["name"]["as"] == metric["object"]["metric"]["name"]
+    assert rule["seriesQuery"].startswith("offpolicy_learner_actor_capacity_ratio{")
+    assert rule["resources"]["overrides"]["service"] == {"resource": "service"}
+    assert "offpolicy_learner_actor_capacity_ratio" in declared_metric_names()
     assert not any(d["kind"] == "Secret" for d in build("gpu")), "gpu secrets are created out of band"
 
 
