@@ -336,6 +336,9 @@ def summarise(traces: list[Trace], setup: Setup) -> dict:
         "best_fixed_idle_share": best["idle_share_mean"] if best else None,
         "auto_reward_vs_sync": auto["reward_vs_sync"] if auto else None,
         "auto_idle_share": auto["idle_share_mean"] if auto else None,
+        "auto_idle_excess": (auto["idle_share_mean"] - (best["idle_share_mean"] if best else 1.0))
+        if auto
+        else None,
         "auto_met": met,
     }
 

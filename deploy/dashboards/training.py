@@ -146,7 +146,7 @@ OVERVIEW = DashboardSpec(
                     ),
                     width=6,
                     description="The controller's changes: ess_below_floor and masked_above_ceiling halve "
-                    "the bound, learner_waiting raises it, learner_fed lowers it by one (learner/control/).",
+                    "the bound, learner_waiting doubles it (learner/control/).",
                 ),
                 Panel(
                     "Learner wait for data",

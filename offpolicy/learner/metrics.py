@@ -301,8 +301,8 @@ class LearnerMetrics:
         )  # fmt: skip
         self.control_changes = Counter(
             PREFIX + "control_changes", "Changes of the staleness bound by the controller, by reason "
-            "(ess_below_floor, masked_above_ceiling, learner_waiting, learner_fed, start, mode_fixed, "
-            "limits, missing_metrics).",
+            "(ess_below_floor, masked_above_ceiling, learner_waiting, start, mode_fixed, limits, "
+            "missing_metrics).",
             ["reason"], registry=registry,
         )  # fmt: skip
         self.wait_share = Gauge(

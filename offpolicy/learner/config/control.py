@@ -20,12 +20,14 @@ class ControlConfig(ConfigModel):
 
     - down (halved) when the correction is unhealthy: the mean IS effective sample size below `ess_floor`,
       or the masked-token share (RS rejections plus vetoes) above `masked_ceiling`;
-    - up (x1.5, at least +1) when the correction is healthy and the learner waited for data more than
+    - up (doubled, at least +1) when the correction is healthy and the learner waited for data more than
       `wait_ceiling` of its time;
-    - down by one when the correction is healthy and the learner waited less than a quarter of
-      `wait_ceiling` for two windows in a row (fresher data it does not have to wait for);
-    - else it holds. A correction that reports neither IS weights nor a rejection mask gives nothing to
-      judge by: the learner falls back to `buffer.max_staleness` and says why (`/v1/status` `control`).
+    - else it holds: a healthy correction is the target, so a fed learner keeps the bound it has (a
+      first version also stepped down by one after two windows fed; benchmarks/control.py measured that
+      it cost the learner's idle share and bought nothing the target asks for).
+
+    A correction that reports neither IS weights nor a rejection mask gives nothing to judge by: the
+    learner falls back to `buffer.max_staleness` and says why (`/v1/status` `control`).
 
     A change reconfigures the buffer at a step boundary, as a PATCH of `buffer.max_staleness` would: leases
     and acknowledgements are untouched, so no group is lost or trained twice; groups past a tighter bound

@@ -43,7 +43,7 @@ KEEP_CHANGES = 1000
 """Changes kept for `/v1/config/history` (the oldest go first); `/v1/status` shows the last 20."""
 Reason = Literal[
     "start", "mode_fixed", "limits", "ess_below_floor", "masked_above_ceiling", "learner_waiting",
-    "learner_fed", "missing_metrics",
+    "missing_metrics",
 ]  # fmt: skip
 REASONS: tuple[str, ...] = Reason.__args__  # type: ignore[attr-defined]
 
@@ -100,7 +100,6 @@ class StalenessControl:
         self.judged: dict[str, float | None] = {}
         """The last decision's inputs: ess, masked, wait_share, demand_gps, supply_gps."""
         self._samples: list[Sample] = []
-        self._fed_windows = 0
         self._done_at: float | None = None  # the last applied step's end
         self._fed_at: float | None = None  # this step's groups in hand
         self._wait_s = 0.0
@@ -219,24 +218,12 @@ class StalenessControl:
         )
         said += f"waited {wait_share:.0%} (ceiling {cfg.wait_ceiling:.0%}) over {len(window)} steps"
         if ess is not None and ess < cfg.ess_floor:
-            self._fed_windows = 0
             return self._set(switch, step, _clamp(bound // 2, cfg), "ess_below_floor", said)
         if masked is not None and masked > cfg.masked_ceiling:
-            self._fed_windows = 0
             return self._set(switch, step, _clamp(bound // 2, cfg), "masked_above_ceiling", said)
         if wait_share > cfg.wait_ceiling:
-            self._fed_windows = 0
-            return self._set(
-                switch, step, _clamp(max(bound + 1, math.ceil(bound * 1.5)), cfg), "learner_waiting", said
-            )
-        if wait_share < cfg.wait_ceiling / 4:
-            self._fed_windows += 1
-            if self._fed_windows >= 2:
-                self._fed_windows = 0
-                return self._set(switch, step, _clamp(bound - 1, cfg), "learner_fed", said)
-        else:
-            self._fed_windows = 0
-        return None
+            return self._set(switch, step, _clamp(max(bound + 1, 2 * bound), cfg), "learner_waiting", said)
+        return None  # healthy and fed: the bound holds
 
     def _set(self, switch: Bounded, step: int, new: int | None, reason: str, detail: str) -> Change | None:
         old, self.bound = self.bound, new

@@ -204,6 +204,12 @@ TARGETS: tuple[Target, ...] = (
            ("--eta", "2", *SIX_SEEDS)),
     Target("distill_kl_fall", "learning_signal", "distillation: reverse KL's fall over 20 steps",
            _kl_fall, ">=", 0.5, "the student's first steps"),
+    Target("control_auto_reward", "control", "control.mode auto: final reward / the synchronous arm's, "
+           "phases changing under the run, 3 seeds", _key("auto_reward_vs_sync"), ">=", 0.95,
+           "the synchronous arm (eta 0)"),
+    Target("control_auto_idle", "control", "control.mode auto: learner idle share minus the best fixed "
+           "eta's that reaches 0.95x sync", _key("auto_idle_excess"), "<=", 0.0,
+           "the best fixed bound (eta 1, 4, 16) at >= 0.95x sync's reward"),
     Target("lora_swap", "lora", "adapter swap / paused full reload, same engine",
            _key("adapter_swap_ratio"), "<=", 0.1, "a paused in-place reload of the full weights"),
     Target("lora_pool", "lora", "tokens/s per run, two runs on one engine / one run alone",

@@ -62,7 +62,7 @@ class StalenessChange(BaseModel):
     new: int | None
     """The bound after (null: back to `buffer.max_staleness` as given)."""
     reason: str
-    """`start`, `ess_below_floor`, `masked_above_ceiling`, `learner_waiting`, `learner_fed`, `limits`,
+    """`start`, `ess_below_floor`, `masked_above_ceiling`, `learner_waiting`, `limits`,
     `mode_fixed` or `missing_metrics`."""
     detail: str
     """The figures it judged (ESS, masked share, wait share over its window) or what changed."""

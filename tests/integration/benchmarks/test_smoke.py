@@ -82,8 +82,8 @@ CASES: dict[str, Case] = {
     ),
     "control.py": Case(
         _keys(
-            "arms best_fixed_arm best_fixed_idle_share auto_reward_vs_sync auto_idle_share auto_met setup "
-            "changes"
+            "arms best_fixed_arm best_fixed_idle_share auto_reward_vs_sync auto_idle_share auto_idle_excess "
+            "auto_met setup changes"
         ),
         lambda o: (
             [r["arm"] for r in o["arms"]] == ["sync", "eta1", "auto"]
