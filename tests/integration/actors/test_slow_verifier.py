@@ -28,7 +28,6 @@ from offpolicy.actors.data.toy import write_target_token_dataset
 from offpolicy.actors.engine.vllm import VLLMEngine
 from offpolicy.actors.rollout.actor import Actor
 from offpolicy.buffer.embedded import EmbeddedRedis
-from offpolicy.learner.model import make_tiny_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow]
 
@@ -81,15 +80,16 @@ class SamplingVerifier(BaseHTTPRequestHandler):
         pass
 
 
-def test_the_engine_stays_full_while_a_slow_verifier_scores(tmp_path: Path) -> None:
-    model = make_tiny_model(tmp_path / "model")
+def test_the_engine_stays_full_while_a_slow_verifier_scores(
+    original_engine: VLLMEngine, model_dir: Path, tmp_path: Path
+) -> None:
+    model, engine = model_dir, original_engine  # the package's engine (tests/integration/actors/conftest.py)
     dataset = write_target_token_dataset(tmp_path / "toy.jsonl", 16)
     server = ThreadingHTTPServer(("127.0.0.1", 0), SamplingVerifier)
     server.daemon_threads = True
     server.lock, server.samples = threading.Lock(), []
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}/score"
-    engine = VLLMEngine(EngineConfig.cpu_tiny(max_model_len=256), str(model))
     server.engine = CountingEngine(engine)
     params = engine.sampling_params(SamplingConfig(temperature=0.7, max_tokens=TOKENS, n=4), ignore_eos=True)
 
@@ -120,7 +120,6 @@ def test_the_engine_stays_full_while_a_slow_verifier_scores(tmp_path: Path) -> N
             thread.join(timeout=60)
             actor.close()
     finally:
-        engine.shutdown()
         server.shutdown()
         server.server_close()
     assert not thread.is_alive()

