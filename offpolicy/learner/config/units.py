@@ -26,6 +26,9 @@ def units(config: LearnerConfig, eval_every_versions: int | None = None) -> str:
         if s is None
         else f"buffer.max_staleness {s} versions = {s / n:g} learner step(s)"
     )
+    if config.control.mode == "auto":
+        lo, hi = config.control.min_staleness, config.control.max_staleness
+        parts[-1] += f" at start, then set by control.mode auto within [{lo}, {hi}] versions"
     publish = config.publish.publish_every
     parts.append(f"publish_every {publish} learner step(s) = {publish * n} versions")
     if config.checkpoint.checkpoint_every is not None:

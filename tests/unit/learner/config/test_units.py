@@ -25,3 +25,7 @@ def test_the_cadences_are_said_in_versions_and_learner_steps():
     assert units(cfg, eval_every_versions=8) == "; ".join(expected)
     unbounded = units(LearnerConfig.model_validate({"model_path": "/m"}))
     assert "buffer.max_staleness unbounded" in unbounded and "eval" not in unbounded
+    control = {"mode": "auto", "max_staleness": 12}
+    given = {"model_path": "/m", "buffer": {"max_staleness": 4}, "control": control}
+    said = "buffer.max_staleness 4 versions = 4 learner step(s) at start, then set by control.mode auto "
+    assert said + "within [1, 12] versions" in units(LearnerConfig.model_validate(given))
