@@ -15,8 +15,9 @@ class ControlConfig(ConfigModel):
     """The staleness bound's controller and the actor capacity the learner asks for; `fixed` by default.
 
     In `auto` the bound moves between `min_staleness` and `max_staleness` (policy versions, as
-    `buffer.max_staleness` counts them), at most once per `window` learner steps, judged on the steps
-    trained under the current bound:
+    `buffer.max_staleness` counts them), judged at every step boundary on the last `window` steps trained
+    under the current bound (so at most once per `window` steps, and within `window` steps of a change
+    of conditions):
 
     - down (halved) when the correction is unhealthy: the mean IS effective sample size below `ess_floor`,
       or the masked-token share (RS rejections plus vetoes) above `masked_ceiling`;
@@ -50,7 +51,8 @@ class ControlConfig(ConfigModel):
     """Highest acceptable share of the learner's time spent waiting for data (from the end of one step to
     the lease of the next step's groups, over that plus the step's training)."""
     window: int = Field(4, ge=1, le=MAX_ATTEMPTS)
-    """Learner steps judged per decision, and the least number of steps between two changes."""
+    """Learner steps judged per decision (a moving window), and the least number of steps between two
+    changes; the actor capacity ratio is judged once per `window` steps."""
     capacity_min_ratio: float = Field(0.5, gt=0.0, le=1.0)
     """Lowest actor capacity ratio the learner exports (`offpolicy_learner_actor_capacity_ratio`): the
     autoscaler removes at most this share of the actors per decision."""

@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol
 
+from offpolicy.config.base import MAX_ATTEMPTS
 from offpolicy.learner.config import LearnerConfig
 from offpolicy.learner.config.control import ControlConfig
 from offpolicy.learner.control.capacity import Capacity, Sample, Supply
@@ -99,7 +100,8 @@ class StalenessControl:
         self.capacity = Capacity(metrics.actor_capacity_ratio)
         self.judged: dict[str, float | None] = {}
         """The last decision's inputs: ess, masked, wait_share, demand_gps, supply_gps."""
-        self._samples: list[Sample] = []
+        self._samples: deque[Sample] = deque(maxlen=MAX_ATTEMPTS)  # the steps since the last change
+        self._unjudged: list[Sample] = []  # the steps since the capacity ratio was last judged
         self._done_at: float | None = None  # the last applied step's end
         self._fed_at: float | None = None  # this step's groups in hand
         self._wait_s = 0.0
@@ -119,15 +121,15 @@ class StalenessControl:
         busy = 0.0 if self._fed_at is None else max(0.0, now - self._fed_at)
         masks = [metrics[k] for k in MASK_KEYS if k in metrics and math.isfinite(metrics[k])]
         ess = metrics.get(ESS_KEY)
-        self._samples.append(
-            Sample(
-                ess=ess if ess is not None and math.isfinite(ess) else None,
-                masked=min(1.0, sum(masks)) if masks else None,
-                wait_s=self._wait_s,
-                busy_s=busy,
-                groups=groups,
-            )
+        sample = Sample(
+            ess=ess if ess is not None and math.isfinite(ess) else None,
+            masked=min(1.0, sum(masks)) if masks else None,
+            wait_s=self._wait_s,
+            busy_s=busy,
+            groups=groups,
         )
+        self._samples.append(sample)
+        self._unjudged.append(sample)
         self._done_at, self._fed_at = now, None
         out = {"control/wait_s": self._wait_s, "control/busy_s": busy}
         if self.bound is not None:
@@ -138,18 +140,27 @@ class StalenessControl:
 
     def decide(self, switch: Bounded, step: int, supply: Callable[[], Supply] | None = None) -> Change | None:
         """At the boundary after `step` learner steps: the bound for the next step (module docstring);
-        `supply()` reads the buffer's counters (once per judged window). Returns the change made, if any."""
+        `supply()` reads the buffer's counters (once per `window` steps, for the capacity ratio). Returns
+        the change made, if any.
+
+        The bound is judged at every boundary on the last `window` steps trained under it (a moving
+        window), once `window` steps have passed since it last changed: a change of conditions is seen
+        within `window` steps, and two changes are at least `window` steps apart."""
         cfg = switch.given.control
+        if len(self._unjudged) >= cfg.window:  # the capacity ratio, in every mode, on disjoint windows
+            window, self._unjudged = self._unjudged[-cfg.window :], []
+            share = _wait_share(window)
+            self.metrics.wait_share.set(share)
+            self.judged["wait_share"] = share  # the bound's judgement (auto) says it on its own window
+            if supply is not None:
+                self.capacity.judge(cfg, window, share, supply(), self.clock())
+                self.judged |= self.capacity.judged
         if cfg.mode == "fixed":
-            change = None
             if self.state != "fixed":
                 self.state = "fixed"
                 self.metrics.control_auto.set(0)
-                change = self._set(switch, step, None, "mode_fixed", "control.mode set to fixed")
-            if len(self._samples) >= cfg.window:  # the capacity ratio is judged in every mode
-                window, self._samples = self._samples[-cfg.window :], []
-                self._inputs(cfg, window, supply)
-            return change
+                return self._set(switch, step, None, "mode_fixed", "control.mode set to fixed")
+            return None
         if self.state == "fixed":
             self.state = "auto"
             self.metrics.control_auto.set(1)
@@ -166,34 +177,14 @@ class StalenessControl:
             )  # fmt: skip
         if len(self._samples) < cfg.window:
             return None
-        window, self._samples = self._samples[-cfg.window :], []
-        return self._judge(switch, step, cfg, window, supply)
+        return self._judge(switch, step, cfg, list(self._samples)[-cfg.window :])
 
-    def _inputs(
-        self, cfg: ControlConfig, window: list[Sample], supply: Callable[[], Supply] | None
-    ) -> tuple[float | None, float | None, float]:
-        """A window's means (ESS, masked share) and wait share; the capacity ratio judged from them."""
+    def _judge(self, switch: Bounded, step: int, cfg: ControlConfig, window: list[Sample]) -> Change | None:
         ess = _mean([s.ess for s in window if s.ess is not None])
         masked = _mean([s.masked for s in window if s.masked is not None])
-        waited = sum(s.wait_s for s in window)
-        spent = waited + sum(s.busy_s for s in window)
-        wait_share = waited / spent if spent > 0 else 0.0
+        wait_share = _wait_share(window)
         self.metrics.wait_share.set(wait_share)
-        self.judged = {"ess": ess, "masked": masked, "wait_share": wait_share}
-        if supply is not None:
-            self.capacity.judge(cfg, window, wait_share, supply(), self.clock())
-            self.judged |= self.capacity.judged
-        return ess, masked, wait_share
-
-    def _judge(
-        self,
-        switch: Bounded,
-        step: int,
-        cfg: ControlConfig,
-        window: list[Sample],
-        supply: Callable[[], Supply] | None,
-    ) -> Change | None:
-        ess, masked, wait_share = self._inputs(cfg, window, supply)
+        self.judged |= {"ess": ess, "masked": masked, "wait_share": wait_share}
         if ess is None and masked is None:  # nothing to judge the correction by
             if self.state == "fallback":
                 return None
@@ -254,6 +245,13 @@ class StalenessControl:
     def history(self) -> list[dict[str, Any]]:
         """Every kept change, oldest first (`/v1/config/history` `control`)."""
         return [asdict(c) for c in self.changes]
+
+
+def _wait_share(window: list[Sample]) -> float:
+    """The share of a window's time the learner spent waiting for data."""
+    waited = sum(s.wait_s for s in window)
+    spent = waited + sum(s.busy_s for s in window)
+    return waited / spent if spent > 0 else 0.0
 
 
 def _clamp(bound: int, cfg: ControlConfig) -> int:

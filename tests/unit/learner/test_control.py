@@ -117,6 +117,7 @@ def test_waiting_raises_the_bound_only_while_the_correction_is_healthy() -> None
         run.step(wait_s=1.0, busy_s=1.0, ess=0.9)  # waits half its time
     assert run.switch.bounds == [2, 4, 8, 12]  # doubled (at least +1), capped at max_staleness
     assert set(run.reasons[1:]) == {"learner_waiting"}
+    assert [c.step for c in run.changes] == [0, 2, 4, 6]  # two changes at least `window` steps apart
     zero = Run(config(given=0, min_staleness=0, wait_ceiling=0.2))
     for _ in range(3):
         zero.step(wait_s=1.0)
@@ -125,6 +126,17 @@ def test_waiting_raises_the_bound_only_while_the_correction_is_healthy() -> None
     for _ in range(5):
         sick.step(wait_s=1.0, ess=0.3)  # waiting, but the correction is failing: the bound never rises
     assert sick.switch.bounds == [2, 1]
+
+
+def test_the_bound_is_judged_on_a_moving_window_so_a_change_is_seen_within_window_steps() -> None:
+    run = Run(config(given=2, window=4, wait_ceiling=0.2))
+    for _ in range(5):
+        run.step()  # steps 0-4 fed
+    while len(run.changes) < 2:
+        run.step(wait_s=1.0)  # from step 5 on the learner waits half its time
+    # the boundary after step 6 judges steps 3-6 (two of them waiting: 2 s of 6): up at once, not at the
+    # end of the block 4-7
+    assert [(c.step, c.reason) for c in run.changes] == [(0, "start"), (7, "learner_waiting")]
 
 
 def test_a_healthy_fed_learner_keeps_its_bound() -> None:
