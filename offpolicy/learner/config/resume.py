@@ -85,7 +85,8 @@ def resumed_config(file: LearnerConfig, meta: dict[str, Any]) -> ResumedConfig:
         detail = "the checkpoint's config needs another model layout (critic, reference): the file's is used"
         log.warning("resume: %s", detail)
         return ResumedConfig(file, saved_version, [], detail)
-    disagreeing = changed_fields(file_data, candidate.model_dump(mode="json"))
+    saved_data = candidate.model_dump(mode="json")
+    disagreeing = changed_fields(file_data, saved_data)
     rule = file.checkpoint.resume_config
     if not disagreeing:
         detail = f"reapplied config version {saved_version} of the checkpoint; the file agrees with it"
@@ -93,14 +94,32 @@ def resumed_config(file: LearnerConfig, meta: dict[str, Any]) -> ResumedConfig:
     if rule == "checkpoint":
         detail = (
             f"reapplied config version {saved_version} of the checkpoint; it overrides the file's "
-            f"{', '.join(disagreeing)} (checkpoint.resume_config: checkpoint)"
+            f"{_values(disagreeing, file_data, saved_data)} (checkpoint.resume_config: checkpoint; to run "
+            "the file's values instead, restart with checkpoint.resume_config: file, or PATCH them now)"
         )
         chosen = candidate
     else:
         detail = (
             f"the file replaces the checkpoint's (config version {saved_version}) "
-            f"{', '.join(disagreeing)} (checkpoint.resume_config: file)"
+            f"{_values(disagreeing, file_data, saved_data)} (checkpoint.resume_config: file; to go on with "
+            "the run's own values, restart with checkpoint.resume_config: checkpoint)"
         )
         chosen = file
     log.warning("resume: %s", detail)
     return ResumedConfig(chosen, saved_version, disagreeing, detail)
+
+
+SHOWN = 8
+"""Disagreeing fields whose two values the resume message shows (the rest by name)."""
+
+
+def _values(paths: list[str], file: dict[str, Any], saved: dict[str, Any]) -> str:
+    """`path` (file X, checkpoint Y) for the first `SHOWN` paths, the others by name."""
+
+    def value(data: dict[str, Any], path: str) -> Any:
+        leaf = _leaf(data, path)
+        return leaf[0].get(leaf[1]) if leaf is not None else None
+
+    shown = [f"{p} (file {value(file, p)!r}, checkpoint {value(saved, p)!r})" for p in paths[:SHOWN]]
+    rest = f" and {', '.join(paths[SHOWN:])}" if paths[SHOWN:] else ""
+    return ", ".join(shown) + rest

@@ -29,6 +29,10 @@ def test_the_checkpoint_wins_for_changeable_fields_and_the_file_for_frozen_ones(
     assert out.saved_version == 3
     assert out.disagreeing == ["optimizer.lr", "rollout_correction.rollout_is"]
     assert "checkpoint.resume_config: checkpoint" in out.detail
+    # each key with both values, and how to choose the other way
+    assert "optimizer.lr (file 0.0001, checkpoint 0.005)" in out.detail
+    assert "rollout_correction.rollout_is (file None, checkpoint 'sequence')" in out.detail
+    assert "restart with checkpoint.resume_config: file, or PATCH them now" in out.detail
 
 
 def test_the_file_wins_when_told() -> None:
@@ -37,6 +41,8 @@ def test_the_file_wins_when_told() -> None:
     out = resumed_config(file, _meta(saved))
     assert out.config == file
     assert out.disagreeing == ["optimizer.lr"] and "checkpoint.resume_config: file" in out.detail
+    assert "optimizer.lr (file 0.0001, checkpoint 0.005)" in out.detail
+    assert "restart with checkpoint.resume_config: checkpoint" in out.detail
 
 
 def test_the_rule_itself_is_always_the_files() -> None:
