@@ -157,3 +157,17 @@ def no_grad_logprobs(
         return rows_forward(
             lambda mb: policy(mb, cfg.logprob_chunk_tokens, cfg.packing)[0], batch, cfg, ranks
         )
+
+
+def no_grad_logprobs_entropy(
+    policy: torch.nn.Module, batch: Batch, cfg: LearnerConfig, precision: Precision, ranks: Ranks = SINGLE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`no_grad_logprobs` and, from the same pass, each token's entropy, both (B, R): pi_old's pass, as
+    verl's `compute_log_prob(calculate_entropy=True)`, so the entropy is logged every step whatever
+    `entropy_coeff` (the LM head's chunks compute it beside the log-probs)."""
+    with precision.autocast(), lora.dropout_off(policy):
+        both = rows_forward(
+            lambda mb: torch.stack(policy(mb, cfg.logprob_chunk_tokens, cfg.packing, True), dim=-1),
+            batch, cfg, ranks, trailing=(2,),
+        )  # fmt: skip
+    return both[..., 0], both[..., 1]

@@ -18,7 +18,12 @@ from offpolicy.learner.rl import routing
 from offpolicy.learner.rl.advantages import compute_advantages, distill, gae, grpo, token_rewards
 from offpolicy.learner.rl.context import StepContext, StepResult
 from offpolicy.learner.rl.dynamic_sampling import truncated_rows
-from offpolicy.learner.rl.microbatches import mini_batches, no_grad_logprobs, rows_forward
+from offpolicy.learner.rl.microbatches import (
+    mini_batches,
+    no_grad_logprobs,
+    no_grad_logprobs_entropy,
+    rows_forward,
+)
 from offpolicy.learner.rl.priorities import group_is_deviation, row_weights
 from offpolicy.learner.rl.staleness_kl import RoutingByStaleness, StalenessKL
 from offpolicy.learner.rl.update import optimizer_step
@@ -40,6 +45,7 @@ def train_on(ctx: StepContext, groups: list, phases: dict[str, float]) -> StepRe
         staleness = ctx.version - batch.policy_versions  # (B,)
         tokens = batch.response_mask.sum()
     host: dict[str, float] = {}
+    old_entropy: torch.Tensor | None = None  # pi_old's token-mean entropy (decoupled, not R2)
     kl = StalenessKL()
     moe_policy = getattr(ctx.trainables.policy, "router", None) is not None
     routing_ages = RoutingByStaleness() if moe_policy else None
@@ -52,10 +58,12 @@ def train_on(ctx: StepContext, groups: list, phases: dict[str, float]) -> StepRe
                 batch.old_log_probs, batch.replay_experts = routing.old_pass(
                     ctx.trainables.policy, batch, cfg, ctx.precision, ctx.ranks
                 )
-            else:
-                batch.old_log_probs = no_grad_logprobs(
+            else:  # the entropy from the same pass, every step (verl's `actor/entropy`)
+                batch.old_log_probs, entropy = no_grad_logprobs_entropy(
                     ctx.trainables.policy, batch, cfg, ctx.precision, ctx.ranks
                 )
+                mask = batch.response_mask  # (B, R) before the correction's mask replaces it
+                old_entropy = (entropy * mask).sum() / mask.sum().clamp(min=1.0)  # read with the scalars
             ages = token_staleness(batch, ctx.version)  # (B, R): each token's own age
             kl.add(batch.old_log_probs, batch.behavior_logprobs, batch.response_mask, ages)
             corr = compute_rollout_correction(
@@ -100,7 +108,10 @@ def train_on(ctx: StepContext, groups: list, phases: dict[str, float]) -> StepRe
         summed = all_reduce_sum(ctx.ranks, torch.stack([x.to(ctx.device) for x in routing_ages.tensors()]))
         routing_ages.set_tensors(list(summed))  # one all-reduce of (4, buckets)
         host |= routing_ages.result()
-    scalars = torch.stack([tokens, batch.rewards.mean(), staleness.float().mean()]).cpu().tolist()
+    tail = [] if old_entropy is None else [old_entropy.float()]
+    scalars = torch.stack([tokens, batch.rewards.mean(), staleness.float().mean(), *tail]).cpu().tolist()
+    if old_entropy is not None and "actor/entropy" not in host:  # the update's own (entropy_coeff > 0) wins
+        host["actor/entropy"] = scalars[3]
     host |= {
         "tokens": scalars[0],
         "groups": float(len(groups)),

@@ -2,7 +2,7 @@
 same order, with the same seeds, a few steps at a high learning rate end closer to the reference with
 `kl_loss_coef > 0` than without, and with a higher entropy with `entropy_coeff > 0` than without. The
 reference is loaded only with the KL loss; `actor/kl_loss` and `actor/entropy` reach the step's metrics,
-the JSONL line and /metrics."""
+the JSONL line and /metrics; pi_old's entropy is logged at every step whatever `entropy_coeff`."""
 
 from __future__ import annotations
 
@@ -99,7 +99,12 @@ def test_the_entropy_bonus_keeps_the_entropy_higher(tiny_dir, groups, redis_url,
     _, ent_bonus = measure(model.eval(), model, groups)
     print(f"entropy after {STEPS} steps: {ent_free:.4f} without, {ent_bonus:.4f} with entropy_coeff 0.5")
     assert ent_bonus > ent_free + 0.05
-    assert "actor/entropy" not in free[-1]  # entropy_coeff 0: not computed
+    # entropy_coeff 0: no bonus, but pi_old's entropy is logged every step from its own pass (as verl's
+    # actor/entropy), the first step's that of the initial policy on the first 4 groups
+    assert all("actor/entropy" in m for m in free)
+    initial = load_model(tiny_dir, "cpu").eval()
+    assert free[0]["actor/entropy"] == pytest.approx(measure(initial, initial, groups[:4])[1], rel=1e-5)
+    assert free[-1]["actor/entropy"] != pytest.approx(free[0]["actor/entropy"])  # the policy moved
     assert bonus[-1]["loss"] < bonus[-1]["actor/pg_loss"]  # the bonus is subtracted
     gauge = registry.get_sample_value("offpolicy_learner_actor_entropy")
     assert gauge == pytest.approx(bonus[-1]["actor/entropy"])
