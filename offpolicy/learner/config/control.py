@@ -14,18 +14,22 @@ from offpolicy.config.base import MAX_ATTEMPTS, MAX_COUNT, ConfigModel
 class ControlConfig(ConfigModel):
     """The staleness bound's controller and the actor capacity the learner asks for; `fixed` by default.
 
-    In `auto` the bound moves between `min_staleness` and `max_staleness` (policy versions, as
-    `buffer.max_staleness` counts them), judged at every step boundary on the last `window` steps trained
-    under the current bound (so at most once per `window` steps, and within `window` steps of a change
-    of conditions):
+    In `auto` the bound (policy versions, as `buffer.max_staleness` counts them) starts at `max_staleness`,
+    the loosest the user allows (the bound is a safety limit: as loose as the correction's health permits),
+    and moves between `min_staleness` and `max_staleness`, judged at every step boundary on the last
+    `window` steps trained under the current bound (so at most once per `window` steps, and within
+    `window` steps of a change of conditions):
 
     - down (halved) when the correction is unhealthy: the mean IS effective sample size below `ess_floor`,
       or the masked-token share (RS rejections plus vetoes) above `masked_ceiling`;
     - up (doubled, at least +1) when the correction is healthy and the learner waited for data more than
       `wait_ceiling` of its time;
-    - else it holds: a healthy correction is the target, so a fed learner keeps the bound it has (a
-      first version also stepped down by one after two windows fed; benchmarks/control.py measured that
-      it cost the learner's idle share and bought nothing the target asks for).
+    - else it holds: a healthy correction is the target, so a fed learner keeps the bound it has.
+
+    (benchmarks/control.py measured three earlier versions, kept in its records: one that started from
+    `buffer.max_staleness`, rose x1.5 and stepped down by one after two windows fed; one that doubled and
+    held; one that judged on a moving window. Each left the learner idle about twice as long as the
+    loosest fixed bound on a task where that bound cost no reward.)
 
     A correction that reports neither IS weights nor a rejection mask gives nothing to judge by: the
     learner falls back to `buffer.max_staleness` and says why (`/v1/status` `control`).
@@ -35,12 +39,13 @@ class ControlConfig(ConfigModel):
     are dropped by the buffer as `stale`, counted."""
 
     mode: Literal["fixed", "auto"] = "fixed"
-    """`fixed`: `buffer.max_staleness` as given. `auto`: the controller sets it; one PATCH back to `fixed`
-    restores the given bound at the next step boundary."""
+    """`fixed`: `buffer.max_staleness` as given. `auto`: the controller sets it, from `max_staleness` (the
+    given `buffer.max_staleness` is then the fallback's); one PATCH back to `fixed` restores the given
+    bound at the next step boundary."""
     min_staleness: int = Field(1, ge=0, le=MAX_COUNT)
     """Lowest bound `auto` may set, in policy versions."""
     max_staleness: int = Field(16, ge=0, le=MAX_COUNT)
-    """Highest bound `auto` may set, in policy versions."""
+    """Highest bound `auto` may set, in policy versions, and the one it starts from."""
     ess_floor: float = Field(0.5, ge=0.0, le=1.0)
     """Lowest acceptable mean `rollout_corr/rollout_is_eff_sample_size` (verl's normalised ESS, 1 = on
     policy)."""

@@ -164,11 +164,11 @@ class StalenessControl:
         if self.state == "fixed":
             self.state = "auto"
             self.metrics.control_auto.set(1)
-            given = switch.given.buffer.max_staleness
             return self._set(
-                switch, step, _clamp(cfg.max_staleness if given is None else given, cfg), "start",
-                f"control.mode auto, from buffer.max_staleness {given} within [{cfg.min_staleness}, "
-                f"{cfg.max_staleness}]",
+                switch, step, cfg.max_staleness, "start",
+                f"control.mode auto: from the loosest bound, within [{cfg.min_staleness}, "
+                f"{cfg.max_staleness}] (buffer.max_staleness {switch.given.buffer.max_staleness} is the "
+                "fallback's)",
             )  # fmt: skip
         if self.bound is not None and self.bound != _clamp(self.bound, cfg):
             return self._set(
@@ -198,11 +198,7 @@ class StalenessControl:
         if self.state == "fallback":  # the metrics are back: start again from the given bound
             self.state = "auto"
             self.metrics.control_auto.set(1)
-            given = switch.given.buffer.max_staleness
-            return self._set(
-                switch, step, _clamp(cfg.max_staleness if given is None else given, cfg), "start",
-                "the correction's metrics are back",
-            )  # fmt: skip
+            return self._set(switch, step, cfg.max_staleness, "start", "the correction's metrics are back")
         bound = self.bound if self.bound is not None else cfg.max_staleness
         said = (
             f"ESS {_fmt(ess)} (floor {cfg.ess_floor}), masked {_fmt(masked)} (ceiling {cfg.masked_ceiling}), "

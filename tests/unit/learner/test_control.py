@@ -86,17 +86,15 @@ def test_fixed_never_sets_a_bound() -> None:
     assert run.control.status(4)["staleness_bound"] == 4
 
 
-def test_auto_starts_from_the_given_bound_clamped() -> None:
-    run = Run(config(given=40, max_staleness=8))
-    run.step()
-    assert run.switch.bounds == [8] and run.reasons == ["start"]
-    unbounded = Run(config(given=None, max_staleness=6))
-    unbounded.step()
-    assert unbounded.switch.bounds == [6]
+def test_auto_starts_from_the_loosest_bound_whatever_the_given_one() -> None:
+    for given in (40, 2, None):
+        run = Run(config(given=given, max_staleness=8))
+        run.step()
+        assert run.switch.bounds == [8] and run.reasons == ["start"]
 
 
 def test_low_ess_halves_the_bound_down_to_the_minimum() -> None:
-    run = Run(config(given=8, min_staleness=2, ess_floor=0.5))
+    run = Run(config(max_staleness=8, min_staleness=2, ess_floor=0.5))
     for _ in range(12):
         run.step(ess=0.2)
     assert run.switch.bounds == [8, 4, 2]  # then held at the minimum
@@ -105,42 +103,52 @@ def test_low_ess_halves_the_bound_down_to_the_minimum() -> None:
 
 
 def test_a_high_masked_share_halves_the_bound() -> None:
-    run = Run(config(given=8, masked_ceiling=0.3))
+    run = Run(config(max_staleness=8, masked_ceiling=0.3))
     for _ in range(3):
         run.step(ess=None, masked=0.6)
     assert run.switch.bounds == [8, 4] and run.reasons[-1] == "masked_above_ceiling"
 
 
 def test_waiting_raises_the_bound_only_while_the_correction_is_healthy() -> None:
-    run = Run(config(given=2, max_staleness=12, wait_ceiling=0.2))
-    for _ in range(9):
-        run.step(wait_s=1.0, busy_s=1.0, ess=0.9)  # waits half its time
-    assert run.switch.bounds == [2, 4, 8, 12]  # doubled (at least +1), capped at max_staleness
-    assert set(run.reasons[1:]) == {"learner_waiting"}
-    assert [c.step for c in run.changes] == [0, 2, 4, 6]  # two changes at least `window` steps apart
-    zero = Run(config(given=0, min_staleness=0, wait_ceiling=0.2))
+    run = Run(config(max_staleness=12, wait_ceiling=0.2, ess_floor=0.5))
+    for _ in range(5):
+        run.step(ess=0.3)  # unhealthy: 12 -> 6 -> 3
+    for _ in range(8):
+        run.step(wait_s=1.0, busy_s=1.0, ess=0.9)  # healthy, waits half its time
+    assert run.switch.bounds == [12, 6, 3, 6, 12]  # doubled (at least +1), capped at max_staleness
+    assert run.reasons[3:] == ["learner_waiting"] * 2
+    assert [c.step for c in run.changes] == [0, 2, 4, 6, 8]  # two changes at least `window` steps apart
+    zero = Run(config(min_staleness=0, max_staleness=1, ess_floor=0.5))
     for _ in range(3):
+        zero.step(ess=0.3)
+    for _ in range(2):
         zero.step(wait_s=1.0)
-    assert zero.switch.bounds == [0, 1]  # at least +1 from 0
-    sick = Run(config(given=2, wait_ceiling=0.2, ess_floor=0.5))
+    assert zero.switch.bounds == [1, 0, 1]  # at least +1 from 0
+    sick = Run(config(max_staleness=2, wait_ceiling=0.2, ess_floor=0.5))
     for _ in range(5):
         sick.step(wait_s=1.0, ess=0.3)  # waiting, but the correction is failing: the bound never rises
     assert sick.switch.bounds == [2, 1]
 
 
 def test_the_bound_is_judged_on_a_moving_window_so_a_change_is_seen_within_window_steps() -> None:
-    run = Run(config(given=2, window=4, wait_ceiling=0.2))
+    run = Run(config(max_staleness=8, window=4, wait_ceiling=0.2, ess_floor=0.5))
+    for _ in range(4):
+        run.step(ess=0.3)  # steps 0-3 unhealthy: 8 -> 4 at the boundary after step 3
     for _ in range(5):
-        run.step()  # steps 0-4 fed
-    while len(run.changes) < 2:
-        run.step(wait_s=1.0)  # from step 5 on the learner waits half its time
-    # the boundary after step 6 judges steps 3-6 (two of them waiting: 2 s of 6): up at once, not at the
-    # end of the block 4-7
-    assert [(c.step, c.reason) for c in run.changes] == [(0, "start"), (7, "learner_waiting")]
+        run.step()  # steps 4-8 healthy and fed
+    for _ in range(3):
+        run.step(wait_s=1.0)  # from step 9 on the learner waits half its time
+    # the boundary after step 10 judges steps 7-10 (two of them waiting: 2 s of 6): up at once, not at the
+    # end of the block 8-11
+    assert [(c.step, c.reason) for c in run.changes] == [
+        (0, "start"),
+        (4, "ess_below_floor"),
+        (11, "learner_waiting"),
+    ]
 
 
 def test_a_healthy_fed_learner_keeps_its_bound() -> None:
-    run = Run(config(given=5, wait_ceiling=0.2))
+    run = Run(config(max_staleness=5, wait_ceiling=0.2))
     for _ in range(12):
         run.step(wait_s=0.0, ess=0.6)
     for _ in range(6):
@@ -149,7 +157,7 @@ def test_a_healthy_fed_learner_keeps_its_bound() -> None:
 
 
 def test_no_ess_and_no_mask_falls_back_to_the_given_bound_until_they_come_back() -> None:
-    run = Run(config(given=3))
+    run = Run(config(max_staleness=3))
     for _ in range(3):
         run.step(ess=None)
     assert run.switch.bounds == [3, None] and run.control.state == "fallback"
@@ -164,7 +172,7 @@ def test_no_ess_and_no_mask_falls_back_to_the_given_bound_until_they_come_back()
 
 
 def test_a_patch_to_fixed_restores_the_given_bound_at_the_next_boundary() -> None:
-    run = Run(config(given=8, ess_floor=0.5))
+    run = Run(config(given=8, max_staleness=8, ess_floor=0.5))
     for _ in range(3):
         run.step(ess=0.1)
     assert run.switch.bounds == [8, 4]
@@ -180,7 +188,7 @@ def test_new_limits_clamp_the_bound_at_once() -> None:
     run.step()
     run.switch.given = config(given=8, max_staleness=3)
     run.step()
-    assert run.switch.bounds == [8, 3] and run.reasons[-1] == "limits"
+    assert run.switch.bounds == [16, 3] and run.reasons[-1] == "limits"
 
 
 @pytest.mark.parametrize("seed", range(5))
