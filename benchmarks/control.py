@@ -18,7 +18,8 @@ clock runs `actors` generation slots beside the learner, as an asynchronous depl
 
 Phases change under the run, by learner step, the same in every arm: `normal` (the actors supply
 `supply` x what the learner trains), `slowed` (generation 3x slower), `fast` (3x faster than normal), and
-`lr_up` (normal speed, the learning rate x3 by a config change, as a PATCH of `optimizer.lr` would).
+`lr_up` (normal speed, the learning rate x`--lr-up` (3) by a config change, as a PATCH of `optimizer.lr`
+would).
 
 Arms: `sync` (the learner waits for `groups_per_step` fresh groups from the current weights each step:
 the reference reward; its wait is the slowest of them), fixed bounds eta in `etas`, and `auto`
@@ -28,6 +29,7 @@ idle share (virtual wait over wait + training), the mean staleness of what it tr
 IS ESS fell below the controller's floor (`ess_floor_violations`), and the groups dropped stale.
 
     python benchmarks/control.py [--smoke] [--json] [--seeds 0 1 2] [--steps-per-phase 10] [--etas 1 4 16]
+                                 [--lr-up 3]
 
 Target (what `auto` must do): a final reward >= 0.95x `sync`'s, with an idle share no worse than the best
 fixed arm that also reaches 0.95x (`auto_met`). Every arm's figures are printed either way.
@@ -66,7 +68,8 @@ from staleness import make_groups
 PHASES = ("normal", "slowed", "fast", "lr_up")
 SLOWDOWN = {"normal": 1.0, "slowed": 3.0, "fast": 1 / 3, "lr_up": 1.0}
 """Generation time of a group relative to `normal`, per phase."""
-LR_FACTOR = {"normal": 1.0, "slowed": 1.0, "fast": 1.0, "lr_up": 3.0}
+LR_PHASES = ("lr_up",)
+"""The phases whose learning rate is `Setup.lr_up` x `Setup.lr`."""
 CORRECTION = "decoupled_token_is"
 ESS_FLOOR = 0.5
 """The controller's default `ess_floor`: the floor every arm's violations are counted against."""
@@ -86,7 +89,9 @@ class Setup:
     max_new_tokens: int = 12
     num_prompts: int = 64
     lr: float = 2e-3
-    """The learning rate of the first three phases (`lr_up` multiplies it by 3)."""
+    """The learning rate of the first three phases."""
+    lr_up: float = 3.0
+    """`lr_up`'s learning rate over `lr` (a config change at the phase's first step)."""
     actors: int = 16
     """Generation slots (each one group at a time)."""
     step_s: float = 1.0
@@ -210,9 +215,9 @@ def run_async(arm: str, seed: int, setup: Setup, redis_url: str, tmp: Path) -> T
             free_at = 0.0
             while learner.step_count < setup.steps:
                 phase = phase_of(learner.step_count, setup)
-                if LR_FACTOR[phase] != 1.0 and learner.config.optimizer.lr == setup.lr:  # a PATCH of the lr
+                if phase in LR_PHASES and learner.config.optimizer.lr == setup.lr:  # a PATCH of the lr
                     data = learner.configs.given.model_dump(mode="json")
-                    data["optimizer"]["lr"] = setup.lr * LR_FACTOR[phase]
+                    data["optimizer"]["lr"] = setup.lr * setup.lr_up
                     learner.apply_config(LearnerConfig.model_validate(data), learner.config_version + 1)
                 finish_until(free_at, buf)
                 t = free_at
@@ -261,9 +266,9 @@ def run_sync(seed: int, setup: Setup, redis_url: str, tmp: Path) -> Trace:
         with ReplayBuffer(redis_url, run_id, cfg.buffer) as buf:
             for step in range(setup.steps):
                 phase = phase_of(step, setup)
-                if LR_FACTOR[phase] != 1.0 and learner.config.optimizer.lr == setup.lr:
+                if phase in LR_PHASES and learner.config.optimizer.lr == setup.lr:
                     data = learner.configs.given.model_dump(mode="json")
-                    data["optimizer"]["lr"] = setup.lr * LR_FACTOR[phase]
+                    data["optimizer"]["lr"] = setup.lr * setup.lr_up
                     learner.apply_config(LearnerConfig.model_validate(data), learner.config_version + 1)
                 gen.manual_seed(7_919 * seed + step)
                 picked = [prompts[int(i)] for i in rng.integers(len(prompts), size=setup.groups_per_step)]
@@ -367,10 +372,11 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", help="seeds (default 0 1 2)")
     ap.add_argument("--steps-per-phase", type=int, help="learner steps per phase (default 10; 4 phases)")
     ap.add_argument("--etas", type=int, nargs="+", help="the fixed arms' bounds (default 1 4 16)")
+    ap.add_argument("--lr-up", type=float, help="the last phase's learning rate over the first's (default 3)")
     args = ap.parse_args()
     setup = Setup.smoke() if args.smoke else Setup()
     given = {"seeds": args.seeds and tuple(args.seeds), "steps_per_phase": args.steps_per_phase,
-             "etas": args.etas and tuple(args.etas)}  # fmt: skip
+             "etas": args.etas and tuple(args.etas), "lr_up": args.lr_up}  # fmt: skip
     setup = replace(setup, **{k: v for k, v in given.items() if v is not None})
     log = (lambda *a, **k: print(*a, **k, file=sys.stderr)) if args.json else print
     begin = time.perf_counter()
@@ -395,7 +401,7 @@ def main() -> None:
         "setup": {"steps_per_phase": setup.steps_per_phase, "phases": list(PHASES),
                   "seeds": list(setup.seeds), "etas": list(setup.etas),
                   "groups_per_step": setup.groups_per_step, "n": setup.n, "lr": setup.lr,
-                  "actors": setup.actors, "supply": setup.supply,
+                  "lr_up": setup.lr_up, "actors": setup.actors, "supply": setup.supply,
                   "gen_sigma": setup.gen_sigma, "correction": CORRECTION, "ess_floor": ESS_FLOOR},
         "changes": {f"auto/{t.seed}": t.changes for t in traces if t.arm == "auto"},
         "wall_s": time.perf_counter() - begin,
