@@ -164,16 +164,31 @@ def learner_config(arm: str, seed: int, setup: Setup, model_dir: Path, redis_url
     )  # fmt: skip
 
 
-def run_async(arm: str, seed: int, setup: Setup, redis_url: str, tmp: Path) -> Trace:
-    """One fixed-eta or `auto` run of `setup.steps` learner steps (module docstring)."""
+def start_run(arm: str, seed: int, setup: Setup, redis_url: str, tmp: Path):
+    """The seed's tiny model (built once), its tokenizer, the prompts, and a learner for `arm` on a run id
+    of its own: (learner, tokenizer, prompts)."""
     model_dir = tmp / f"model-{seed}"
     if not model_dir.exists():
         make_tiny_model(model_dir, seed=seed)
-    tok = load_tokenizer(model_dir)
     prompts = [json.loads(line) for line in (tmp / "prompts.jsonl").read_text().splitlines()]
     run_id = f"{arm}-{seed}-{uuid.uuid4().hex[:6]}"
     cfg = learner_config(arm, seed, setup, model_dir, redis_url, run_id, setup.lr)
-    learner = Learner(cfg)
+    return Learner(cfg), load_tokenizer(model_dir), prompts
+
+
+def patch_lr(learner: Learner, setup: Setup, phase: str) -> None:
+    """At the first step of a phase of `LR_PHASES`: the learning rate x `lr_up`, by a config change (as a
+    PATCH of `optimizer.lr`; it applies at the next step boundary)."""
+    if phase in LR_PHASES and learner.config.optimizer.lr == setup.lr:
+        data = learner.configs.given.model_dump(mode="json")
+        data["optimizer"]["lr"] = setup.lr * setup.lr_up
+        learner.apply_config(LearnerConfig.model_validate(data), learner.config_version + 1)
+
+
+def run_async(arm: str, seed: int, setup: Setup, redis_url: str, tmp: Path) -> Trace:
+    """One fixed-eta or `auto` run of `setup.steps` learner steps (module docstring)."""
+    learner, tok, prompts = start_run(arm, seed, setup, redis_url, tmp)
+    cfg = learner.config
     clock = VirtualClock()
     learner.control.clock = clock
     fed = learner.control.fed
@@ -209,16 +224,12 @@ def run_async(arm: str, seed: int, setup: Setup, redis_url: str, tmp: Path) -> T
             start(at)
 
     try:
-        with ReplayBuffer(redis_url, run_id, cfg.buffer) as buf:
+        with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:
             for _ in range(setup.actors):
                 start(0.0)
             free_at = 0.0
             while learner.step_count < setup.steps:
-                phase = phase_of(learner.step_count, setup)
-                if phase in LR_PHASES and learner.config.optimizer.lr == setup.lr:  # a PATCH of the lr
-                    data = learner.configs.given.model_dump(mode="json")
-                    data["optimizer"]["lr"] = setup.lr * setup.lr_up
-                    learner.apply_config(LearnerConfig.model_validate(data), learner.config_version + 1)
+                patch_lr(learner, setup, phase_of(learner.step_count, setup))
                 finish_until(free_at, buf)
                 t = free_at
                 while True:  # the learner leases at t, or waits for the next group to finish
@@ -251,25 +262,16 @@ def run_async(arm: str, seed: int, setup: Setup, redis_url: str, tmp: Path) -> T
 def run_sync(seed: int, setup: Setup, redis_url: str, tmp: Path) -> Trace:
     """The reference: each step the learner waits for `groups_per_step` groups from its current weights
     (generated in parallel; the wait is the slowest of them) and trains on them (eta 0)."""
-    model_dir = tmp / f"model-{seed}"
-    if not model_dir.exists():
-        make_tiny_model(model_dir, seed=seed)
-    tok = load_tokenizer(model_dir)
-    prompts = [json.loads(line) for line in (tmp / "prompts.jsonl").read_text().splitlines()]
-    run_id = f"sync-{seed}-{uuid.uuid4().hex[:6]}"
-    cfg = learner_config("eta0", seed, setup, model_dir, redis_url, run_id, setup.lr)
-    learner = Learner(cfg)
+    learner, tok, prompts = start_run("eta0", seed, setup, redis_url, tmp)
+    cfg = learner.config
     rng = np.random.default_rng(1_000 + seed)
     gen = torch.Generator()
     trace = Trace("sync", seed)
     try:
-        with ReplayBuffer(redis_url, run_id, cfg.buffer) as buf:
+        with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:
             for step in range(setup.steps):
                 phase = phase_of(step, setup)
-                if phase in LR_PHASES and learner.config.optimizer.lr == setup.lr:
-                    data = learner.configs.given.model_dump(mode="json")
-                    data["optimizer"]["lr"] = setup.lr * setup.lr_up
-                    learner.apply_config(LearnerConfig.model_validate(data), learner.config_version + 1)
+                patch_lr(learner, setup, phase)
                 gen.manual_seed(7_919 * seed + step)
                 picked = [prompts[int(i)] for i in rng.integers(len(prompts), size=setup.groups_per_step)]
                 groups = make_groups(learner.model, tok, picked, learner.version, _sizes(setup), gen)
