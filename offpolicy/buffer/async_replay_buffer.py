@@ -32,6 +32,7 @@ from offpolicy.buffer.storage import (
     call_async,
     insert_transaction_async,
     read_maxmemory_async,
+    read_snapshot_async,
     sample_transaction_async,
 )
 from offpolicy.buffer.types import BufferStats, InsertResult, TrajectoryGroup
@@ -164,23 +165,14 @@ class AsyncReplayBuffer(BufferHandle, AsyncLeaseOps):
         k = self._core.keys
 
         async def read():
-            pipe = self._client.pipeline(transaction=True)
-            pipe.zmscore(k.priority, ids).hmget(k.held, ids)
-            return await pipe.execute()
+            queue = lambda pipe: pipe.zmscore(k.priority, ids).hmget(k.held, ids)  # noqa: E731
+            return await read_snapshot_async(self._client, queue)
 
         return merge_priorities(*(await self._call(read, "priorities")))
 
     async def stats(self) -> BufferStats:
         """See `ReplayBuffer.stats`."""
-        k = self._core.keys
-
-        async def read():
-            pipe = self._client.pipeline(transaction=True)
-            pipe.hgetall(k.counters).zcard(k.order)
-            pipe.zrange(k.by_version, 0, 0, withscores=True).zrevrange(k.by_version, 0, 0, withscores=True)
-            pipe.hlen(k.held).hlen(k.leases)
-            return await pipe.execute()
-
+        read = lambda: read_snapshot_async(self._client, self._core.queue_stats)  # noqa: E731
         return self._core.stats(*(await self._call(read, "stats")))
 
     async def clear(self) -> None:

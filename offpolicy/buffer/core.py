@@ -259,6 +259,13 @@ class Core:
             return "-inf"
         return str(producer_version - self.cfg.max_staleness)
 
+    def queue_stats(self, pipe) -> None:
+        """Queue the reads `stats` decodes: counters, size, the stored version range, held and leases."""
+        k = self.keys
+        pipe.hgetall(k.counters).zcard(k.order)
+        pipe.zrange(k.by_version, 0, 0, withscores=True).zrevrange(k.by_version, 0, 0, withscores=True)
+        pipe.hlen(k.held).hlen(k.leases)
+
     def stats(self, counters: dict, size: int, lo: list, hi: list, held: int, leases: int) -> BufferStats:
         c = {k.decode(): int(v) for k, v in counters.items()}
         size += held

@@ -33,7 +33,13 @@ from offpolicy.buffer.handle import BufferHandle
 from offpolicy.buffer.leases import LeaseOps
 from offpolicy.buffer.rate_limiter import SampleStatus, sample_refused
 from offpolicy.buffer.script_io import LeaseArgs
-from offpolicy.buffer.storage import call_sync, insert_transaction, read_maxmemory, sample_transaction
+from offpolicy.buffer.storage import (
+    call_sync,
+    insert_transaction,
+    read_maxmemory,
+    read_snapshot,
+    sample_transaction,
+)
 from offpolicy.buffer.types import BufferStats, InsertResult, TrajectoryGroup
 
 __all__ = ["AsyncReplayBuffer", "ReplayBuffer"]  # AsyncReplayBuffer: buffer/async_replay_buffer.py
@@ -179,9 +185,8 @@ class ReplayBuffer(BufferHandle, LeaseOps):
         k = self._core.keys
 
         def read():
-            pipe = self._client.pipeline(transaction=True)
-            pipe.zmscore(k.priority, ids).hmget(k.held, ids)
-            return pipe.execute()
+            queue = lambda pipe: pipe.zmscore(k.priority, ids).hmget(k.held, ids)  # noqa: E731
+            return read_snapshot(self._client, queue)
 
         return merge_priorities(*self._call(read, "priorities"))
 
@@ -192,15 +197,7 @@ class ReplayBuffer(BufferHandle, LeaseOps):
 
     def stats(self) -> BufferStats:
         """Size, lifetime counters (the learner's buffer position) and the stored version range."""
-        k = self._core.keys
-
-        def read():
-            pipe = self._client.pipeline(transaction=True)
-            pipe.hgetall(k.counters).zcard(k.order)
-            pipe.zrange(k.by_version, 0, 0, withscores=True).zrevrange(k.by_version, 0, 0, withscores=True)
-            pipe.hlen(k.held).hlen(k.leases)
-            return pipe.execute()
-
+        read = lambda: read_snapshot(self._client, self._core.queue_stats)  # noqa: E731
         return self._core.stats(*self._call(read, "stats"))
 
     def clear(self) -> None:

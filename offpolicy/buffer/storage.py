@@ -203,6 +203,37 @@ def _plain_after_oom(e: redis.RedisError, allowed: bool) -> bool:
     return allowed and is_oom(e)
 
 
+def read_snapshot(client: redis.Redis, queue: Callable[[Any], None]) -> list:
+    """Run the reads `queue` fills in as one MULTI/EXEC (a consistent snapshot); return their replies.
+    Past maxmemory Redis queues nothing in a MULTI, reads included, so a transaction it refused for its
+    maxmemory is sent again as a plain pipeline (one round trip, in order; reads never grow memory): the
+    stats and priorities a learner reads while producers hold Redis at its limit."""
+    try:
+        pipe = client.pipeline(transaction=True)
+        queue(pipe)
+        return pipe.execute()
+    except redis.RedisError as e:
+        if not is_oom(e):
+            raise
+    pipe = client.pipeline(transaction=False)
+    queue(pipe)
+    return pipe.execute()
+
+
+async def read_snapshot_async(client: aioredis.Redis, queue: Callable[[Any], None]) -> list:
+    """The asyncio twin of `read_snapshot`."""
+    try:
+        pipe = client.pipeline(transaction=True)
+        queue(pipe)
+        return await pipe.execute()
+    except redis.RedisError as e:
+        if not is_oom(e):
+            raise
+    pipe = client.pipeline(transaction=False)
+    queue(pipe)
+    return await pipe.execute()
+
+
 async def _transaction_async(
     client: aioredis.Redis, script: AsyncScript, queue: Callable[[Any], None], at_maxmemory: bool = False
 ) -> list:

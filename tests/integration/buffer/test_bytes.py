@@ -159,6 +159,40 @@ def test_redis_out_of_memory_is_buffer_full_not_an_outage(tmp_path, run_id) -> N
             assert b.insert(build_group(0, tokens=1024, seed=10_001))  # the acks made room
 
 
+def test_stats_and_priorities_answer_while_redis_is_past_its_maxmemory(tmp_path, run_id) -> None:
+    """Past maxmemory Redis queues nothing in a MULTI, reads included: the learner's stats and priorities
+    (read as one snapshot) are sent again as a plain pipeline, not reported as an outage (CI saw the
+    learner wait for Redis on `stats failed ... OutOfMemoryError` while producers held it at its limit)."""
+    with EmbeddedRedis.start(tmp_path / "redis") as server:
+        with redis.Redis.from_url(server.url) as c:
+            used = int(c.info("memory")["used_memory"])
+            c.config_set("maxmemory", used + 2 * 1024 * 1024)
+            c.config_set("maxmemory-policy", "noeviction")
+        cfg = BufferConfig(**FAST, max_bytes=0, sampler="prioritized")
+        with ReplayBuffer(server.url, run_id, cfg) as b:
+            first = build_group(0, tokens=1024, seed=0)
+            b.insert(first)
+            with pytest.raises(BufferFull, match="maxmemory"):
+                for i in range(1, 10_000):
+                    b.insert_many([build_group(0, tokens=1024, seed=i)])
+            with (
+                redis.Redis.from_url(server.url) as c,
+                c.pipeline(transaction=True) as pipe,
+                pytest.raises(redis.exceptions.OutOfMemoryError),  # a MULTI is refused outright
+            ):
+                pipe.hgetall(b._core.keys.counters).execute()
+            stats = b.stats()
+            assert stats.size == stats.inserted_total > 1
+            assert b.priorities([first.group_id, "absent"])[0] is not None
+
+            async def read_async():
+                async with AsyncReplayBuffer(server.url, run_id, cfg) as a:
+                    return await a.stats(), await a.priorities([first.group_id])
+
+            async_stats, async_priorities = asyncio.run(read_async())
+            assert async_stats.size == stats.size and async_priorities == b.priorities([first.group_id])
+
+
 def test_the_pusher_waits_on_a_full_buffer_and_resumes_when_drained(
     redis_url, run_id, group_bytes, caplog
 ) -> None:
