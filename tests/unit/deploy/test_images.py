@@ -7,6 +7,7 @@ import shutil
 import subprocess
 
 import pytest
+import yaml
 
 from deploy.checks import ROOT
 from deploy.docker import entrypoint
@@ -139,6 +140,22 @@ def test_gpu_images_carry_the_rdma_user_space_nccl_needs(name):
     gpu = next(body for head, body in stages(ROOT / "deploy" / "docker" / name) if head.endswith(" AS gpu"))
     installed = " ".join(gpu)
     assert all(pkg in installed for pkg in ("libibverbs1", "librdmacm1", "ibverbs-providers"))
+
+
+@pytest.mark.parametrize("target", ["cpu", "gpu"])
+def test_the_actor_images_take_a_rewards_packages_as_build_arguments(target):
+    """REWARD_PACKAGES installed with their dependencies, REWARD_PACKAGES_NO_DEPS without (verl's scorers
+    without Ray); compose passes both from .env, `make images` from its variables."""
+    body = next(
+        b for h, b in stages(ROOT / "deploy" / "docker" / "actor.Dockerfile") if h.endswith(f" AS {target}")
+    )
+    text = "\n".join(body)
+    assert 'ARG REWARD_PACKAGES=""' in body and 'ARG REWARD_PACKAGES_NO_DEPS=""' in body
+    assert re.search(r"pip install --no-cache-dir \$\{REWARD_PACKAGES\}", text)
+    assert re.search(r"pip install --no-cache-dir --no-deps \$\{REWARD_PACKAGES_NO_DEPS\}", text)
+    args = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["actor"]["build"]["args"]
+    assert set(args) == {"REWARD_PACKAGES", "REWARD_PACKAGES_NO_DEPS"}
+    assert "--build-arg REWARD_PACKAGES_NO_DEPS=" in (ROOT / "Makefile").read_text()
 
 
 def test_the_gpu_extra_pins_the_vllm_api_the_actor_uses():
