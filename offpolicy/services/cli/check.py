@@ -9,7 +9,11 @@ model's plan counts its experts (total and active parameters, the routed experts
 AdamW state per rank, their routed activations); a model folder holding weights but no tokenizer is
 named with the files to copy. Only local files are
 read: a model or dataset that is not on this machine (a hub id not in the cache) is a reason, not a
-download. Exit codes: 0 every check passed, 1 at least one failed (each reason on stderr), 2 bad usage.
+download. The configs' in-container paths are replaced by this machine's with `--model-dir` (the model
+folder: `OFFPOLICY_MODEL_PATH`), `--data` (a dataset file, or a folder holding each dataset's file by
+its name: `OFFPOLICY_DATASET__PATH`, `OFFPOLICY_EVAL__DATASET__PATH`) and `--code` (the reward's folder, on
+the import path as compose mounts it); the check says which overrides it read.
+Exit codes: 0 every check passed, 1 at least one failed (each reason on stderr), 2 bad usage.
 """
 
 from __future__ import annotations
@@ -170,16 +174,78 @@ def _plan(learner: Any, where: str, gpus: int, gpu_memory_gib: float | None, rep
             report.lines.append(f"memory plan: fits {HEADROOM:.0%} of {gpu_memory_gib:g} GiB per GPU")
 
 
+def _host_paths(
+    actor_path: Path | None, environ: Mapping[str, str], model_dir: Path | None, data: Path | None
+) -> dict[str, str]:
+    """The `OFFPOLICY_*` overrides that put this machine's model folder and dataset in the configs'
+    places: a `data` folder keeps each dataset's file name (compose mounts the folder)."""
+    out: dict[str, str] = {}
+    if model_dir is not None:
+        out["OFFPOLICY_MODEL_PATH"] = str(model_dir.expanduser())
+    if data is None:
+        return out
+    data = data.expanduser()
+    if not data.is_dir():
+        out["OFFPOLICY_DATASET__PATH"] = str(data)
+        return out
+    names = {"OFFPOLICY_DATASET__PATH": "train.parquet"}
+    if actor_path is not None:
+        from offpolicy.actors.config import load_config
+
+        try:
+            actor = load_config(actor_path, environ)
+        except (ValidationError, OSError, ValueError, yaml.YAMLError):
+            actor = None  # its reasons come with the check itself
+        if actor is not None and actor.dataset is not None:
+            names["OFFPOLICY_DATASET__PATH"] = Path(actor.dataset.path).name
+        if actor is not None and actor.eval is not None:
+            names["OFFPOLICY_EVAL__DATASET__PATH"] = Path(actor.eval.dataset.path).name
+    return out | {key: str(data / name) for key, name in names.items()}
+
+
+def _read_overrides(environ: Mapping[str, str], given: Mapping[str, str], report: Report) -> None:
+    """Which `OFFPOLICY_*` variables the configs took: the flags' (with their values) and the
+    environment's (names only: a value may be a secret)."""
+    from offpolicy.actors.config import ActorConfig
+    from offpolicy.config.loader import ENV_NESTING, ENV_PREFIX
+    from offpolicy.learner.config import LearnerConfig
+
+    fields = set(LearnerConfig.model_fields) | set(ActorConfig.model_fields)
+    read = sorted(
+        key
+        for key in environ
+        if key.startswith(ENV_PREFIX) and key not in given
+        and key[len(ENV_PREFIX) :].lower().split(ENV_NESTING)[0] in fields
+    )  # fmt: skip
+    flags = ", ".join(f"{key}={value}" for key, value in given.items())
+    report.lines.append(
+        f"overrides read: {flags or 'none from flags'}; from the environment: {', '.join(read) or 'none'}"
+    )
+
+
 def run_check(
     learner_path: Path,
     actor_path: Path | None,
     gpus: int = 1,
     gpu_memory_gib: float | None = None,
     environ: Mapping[str, str] | None = None,
+    model_dir: Path | None = None,
+    data: Path | None = None,
+    code: Path | None = None,
 ) -> Report:
     """Every check of the module docstring; the report of what passed and why the rest failed."""
     environ = os.environ if environ is None else environ
     report = Report()
+    given = _host_paths(actor_path, environ, model_dir, data)
+    environ = {**environ, **given}
+    _read_overrides(environ, given, report)
+    if code is not None:
+        folder = str(code.expanduser().resolve())
+        if not Path(folder).is_dir():
+            report.fail("--code", f"{folder} is not a folder here")
+        elif folder not in sys.path:
+            sys.path.insert(0, folder)
+            report.lines.append(f"--code: {folder} on the import path (the actor's PYTHONPATH)")
     learner = _load("learner", learner_path, report, environ)
     if learner is not None:
         _plan(learner, str(learner_path), gpus, gpu_memory_gib, report)
@@ -216,7 +282,10 @@ def run_check(
 
 
 def _check(args: argparse.Namespace) -> int:
-    report = run_check(args.learner, args.actor, args.gpus, args.gpu_memory_gib)
+    report = run_check(
+        args.learner, args.actor, args.gpus, args.gpu_memory_gib,
+        model_dir=args.model_dir, data=args.data, code=args.code,
+    )  # fmt: skip
     print("\n".join(report.lines))
     if report.reasons:
         print(f"{len(report.reasons)} problem(s):", file=sys.stderr)
@@ -227,7 +296,8 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def add_check_parser(config_sub: argparse._SubParsersAction) -> None:
-    """`offpolicy config check LEARNER [ACTOR] [--gpus N] [--gpu-memory-gib M]`."""
+    """`offpolicy config check LEARNER [ACTOR] [--gpus N] [--gpu-memory-gib M] [--model-dir D] [--data P]
+    [--code D]`."""
     check = config_sub.add_parser(
         "check",
         help="check a learner (and an actor) config offline: fields, imports, dataset, memory plan",
@@ -237,4 +307,12 @@ def add_check_parser(config_sub: argparse._SubParsersAction) -> None:
     check.add_argument("actor", type=Path, nargs="?", metavar="ACTOR_YAML", help="the actor's config")
     check.add_argument("--gpus", type=int, default=1, help="learner GPUs (ranks) to plan for (default 1)")
     check.add_argument("--gpu-memory-gib", type=float, help="memory of one GPU; the plan must fit 90%% of it")
+    check.add_argument(
+        "--model-dir", type=Path, help="the model folder on this machine (OFFPOLICY_MODEL_PATH)"
+    )
+    check.add_argument(
+        "--data", type=Path,
+        help="a dataset file here, or the folder holding each dataset's file by its name (train and eval)",
+    )  # fmt: skip
+    check.add_argument("--code", type=Path, help="the reward's folder here, put on the import path")
     check.set_defaults(func=_check)
