@@ -14,6 +14,10 @@ READABLE_SCHEMA_VERSIONS = (2, 3, 4, 5)  # frames of schema 2 decode as all-poli
 ROUTED_SCHEMA_VERSION = 5  # the first schema with routed experts: a group carrying them needs a reader of it
 PLAIN_SCHEMA_VERSION = 4  # the schema a group without routed experts is written as (readers of 4 read it)
 MAX_EXPERTS = 65_536  # most experts per MoE layer a record can name (uint16)
+REWARD_EXTRA_PREFIX = "reward_extra/"
+"""A group's metadata keys for the extra figures its reward returned beside the score (a verl reward's
+`{"score": 1.0, "acc": True}`: `reward_extra/acc`, the mean over the group's completions as text); the
+learner's per-`data_source` metrics read them."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -375,6 +375,8 @@ class LearnerMetrics:
     def record_step(self, step_metrics: Mapping[str, float], phases: Mapping[str, float]) -> None:
         """Set the gauges from one step's metrics dict and observe its phase times; keep the dict."""
         for key, value in step_metrics.items():
+            if key.startswith(("eval/", "reward/")) and key.count("/") > 1:
+                continue  # per data_source and a reward's own figures: the trackers' (unbounded names)
             if key.startswith(("rollout_corr/", "actor/", "critic/", "eval/", "distill/")) or key in SCALARS:
                 self._gauge(key).set(value)
             elif key.startswith("moe/") and key.count("/") == 2:  # moe/<key>/<bucket>

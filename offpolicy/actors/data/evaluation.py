@@ -6,7 +6,9 @@ completions of every held-out prompt with the engine (alongside the actor's own 
 engine batches with them), scores them with the evaluation's reward function off the engine's loop, and
 returns an `EvalRecord` (with an environment, each sample is an episode of it and its reward the
 episode's): the mean reward over all samples and the unbiased pass@1 and pass@k over prompts
-(a sample passes at reward >= `pass_threshold`). The actor holds weight loads while an evaluation runs, so
+(a sample passes at reward >= `pass_threshold`), with the extra figures a verl reward returned
+(`extra/acc`), and all of it again per `data_source` (`openai/gsm8k/reward_mean`, `.../pass@1`, `.../acc`).
+The actor holds weight loads while an evaluation runs, so
 every evaluated token comes from that one version; a completion whose recorded versions say otherwise is
 counted as failed rather than mixed in.
 """
@@ -23,6 +25,7 @@ import numpy as np
 from offpolicy.actors.data.prompts import Prompt, encode, load_prompts
 from offpolicy.actors.errors import PromptFailed, RewardError
 from offpolicy.actors.rollout.episodes import Environment, Episode, as_result
+from offpolicy.actors.rollout.rewards import extra_means
 from offpolicy.actors.rollout.scoring import Scorer
 from offpolicy.buffer.evaluations import EvalRecord, pass_at_k
 
@@ -83,27 +86,53 @@ class Evaluator:
                 for i, (p, ids) in enumerate(self.prompts)
             )
         )
-        scored = [r for r in results if r is not None]
+        scored = [(p, r) for (p, _), r in zip(self.prompts, results, strict=True) if r is not None]
         k = 1 if self.eval.greedy else self.eval.samples_per_prompt
-        rewards = np.concatenate([r for r in scored]) if scored else np.zeros(0)
-        passes = {"1": [], str(k): []} if k > 1 else {"1": []}
-        for r in scored:
-            c = int((r >= self.eval.pass_threshold).sum())
-            for key in passes:
-                passes[key].append(pass_at_k(len(r), c, int(key)))
+        reward_mean, pass_at, extras = self._summary([r for _, r in scored], k)
+        by_source: dict[str, list[tuple[np.ndarray, dict[str, float]]]] = {}
+        for prompt, r in scored:  # verl's validation metrics per data_source (val-core/<source>/...)
+            if (source := prompt.metadata.get("data_source")) is not None:
+                by_source.setdefault(source, []).append(r)
+        extra = {f"extra/{key}": v for key, v in extras.items()}
+        for source, rs in sorted(by_source.items()):
+            mean, passes, figures = self._summary(rs, k)
+            extra |= {f"{source}/reward_mean": mean, f"{source}/prompts": float(len(rs))}
+            extra |= {f"{source}/pass@{key}": v for key, v in passes.items()}
+            extra |= {f"{source}/{key}": v for key, v in figures.items()}
         record = EvalRecord(
             policy_version=version,
-            reward_mean=float(rewards.mean()) if len(rewards) else float("nan"),
-            pass_at={key: float(np.mean(v)) if v else float("nan") for key, v in passes.items()},
+            reward_mean=reward_mean,
+            pass_at=pass_at,
             prompts=len(scored),
             samples_per_prompt=k,
             seconds=time.perf_counter() - t0,
             actor_id=self.config.resolved_actor_id,
             created_at=time.time(),
             failed=len(results) - len(scored),
+            extra=extra,
         )
         self.last = record
         return record
+
+    def _summary(
+        self, scored: list[tuple[np.ndarray, dict[str, float]]], k: int
+    ) -> tuple[float, dict[str, float], dict[str, float]]:
+        """The mean reward over every sample, pass@1 (and pass@k) over prompts, and each extra figure a
+        verl reward returned (`acc`, ...) as its mean over the prompts that have it."""
+        rewards = np.concatenate([r for r, _ in scored]) if scored else np.zeros(0)
+        passes: dict[str, list[float]] = {"1": [], str(k): []} if k > 1 else {"1": []}
+        figures: dict[str, list[float]] = {}
+        for r, extras in scored:
+            c = int((r >= self.eval.pass_threshold).sum())
+            for key in passes:
+                passes[key].append(pass_at_k(len(r), c, int(key)))
+            for key, value in extras.items():
+                figures.setdefault(key, []).append(value)
+        return (
+            float(rewards.mean()) if len(rewards) else float("nan"),
+            {key: float(np.mean(v)) if v else float("nan") for key, v in passes.items()},
+            {key: float(np.mean(v)) for key, v in sorted(figures.items())},
+        )
 
     async def _one(self, request_id: str, prompt: Prompt, ids: list[int], params: Any, version: int) -> Any:
         if self.environment is not None:
@@ -123,7 +152,7 @@ class Evaluator:
         except RewardError as e:
             log.warning("eval prompt %s: reward failed: %s", prompt.prompt_id, e)
             return None
-        return np.asarray(rewards, dtype=np.float64)
+        return np.asarray(rewards, dtype=np.float64), extra_means(rewards)
 
     async def _episodes(self, prompt: Prompt, ids: list[int], params: Any, version: int) -> Any:
         """`params.n` episodes of the environment on one prompt; their rewards (None: failed)."""
@@ -154,7 +183,7 @@ class Evaluator:
                     "eval prompt %s: tokens of another version than %d; left out", prompt.prompt_id, version
                 )
                 return None
-        return np.asarray(rewards, dtype=np.float64)
+        return np.asarray(rewards, dtype=np.float64), {}
 
     async def aclose(self) -> None:
         if self._owns_scorer:

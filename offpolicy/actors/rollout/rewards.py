@@ -15,11 +15,12 @@ import json
 import math
 import numbers
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from offpolicy.actors.errors import RewardError
 from offpolicy.actors.rollout.verl_scorers import import_reward_module
+from offpolicy.buffer.types import REWARD_EXTRA_PREFIX
 
 RewardFn = Callable[[str, str | None, Mapping[str, str]], float]
 VERL_PARAMETERS = ("data_source", "solution_str", "ground_truth", "extra_info")
@@ -95,7 +96,9 @@ def length_penalty(fn: RewardFn, coef: float, max_chars: int) -> RewardFn:
     """`fn` minus `coef * min(len(completion), max_chars) / max_chars` (longer answers cost up to `coef`)."""
 
     def penalized(completion: str, answer: str | None, metadata: Mapping[str, str]) -> float:
-        return fn(completion, answer, metadata) - coef * min(len(completion), max_chars) / max_chars
+        value = fn(completion, answer, metadata)
+        penalized_ = value - coef * min(len(completion), max_chars) / max_chars
+        return Score(penalized_, value.extra) if isinstance(value, Score) else penalized_
 
     penalized.__name__ = f"length_penalty({getattr(fn, '__name__', 'reward')})"
     return penalized
@@ -163,8 +166,43 @@ def from_verl(fn: Callable[..., Any]) -> Callable[..., Any]:
     return reward
 
 
+class Score(float):
+    """A reward with the named figures a verl reward returned beside its `score` (`{"score": 1.0, "acc":
+    True}`: `extra == {"acc": 1.0}`): each finite number or bool, the rest (a parsed answer's text) left
+    out. Behaves as the float it is everywhere else."""
+
+    __slots__ = ("extra",)
+
+    def __new__(cls, value: float, extra: dict[str, float]) -> Score:
+        out = super().__new__(cls, value)
+        out.extra = extra
+        return out
+
+
+def extra_means(rewards: Sequence[float]) -> dict[str, float]:
+    """Each extra figure's mean over the completions whose `Score` has it; {} without a `Score`."""
+    sums: dict[str, list[float]] = {}
+    for r in rewards:
+        for key, value in getattr(r, "extra", {}).items():
+            sums.setdefault(key, []).append(value)
+    return {key: sum(v) / len(v) for key, v in sorted(sums.items())}
+
+
+def reward_extras(rewards: Sequence[float]) -> dict[str, str]:
+    """The group metadata of its rewards' extra figures (`{"reward_extra/acc": "0.6"}`: `extra_means`)."""
+    return {f"{REWARD_EXTRA_PREFIX}{key}": repr(mean) for key, mean in extra_means(rewards).items()}
+
+
 def _verl_score(value: Any) -> Any:
-    return value["score"] if isinstance(value, Mapping) and "score" in value else value
+    """verl's result as a reward: a number as it is, `{"score": s, ...}` as `s` with its other numbers."""
+    if not (isinstance(value, Mapping) and "score" in value):
+        return value
+    score_, extra = value["score"], {}
+    for key, v in value.items():
+        if key != "score" and isinstance(v, numbers.Real) and math.isfinite(v):
+            extra[str(key)] = float(v)
+    finite = isinstance(score_, numbers.Real) and not isinstance(score_, bool) and math.isfinite(score_)
+    return Score(score_, extra) if extra and finite else score_
 
 
 def _json(text: str) -> Any:
@@ -187,7 +225,7 @@ def score(fn: RewardFn, completion: str, answer: str | None, metadata: Mapping[s
         raise RewardError(
             f"{getattr(fn, '__name__', fn)!s} returned {value!r}, not a finite number", reason="not_finite"
         )
-    return float(value)
+    return value if isinstance(value, Score) else float(value)
 
 
 # --- parsing answers

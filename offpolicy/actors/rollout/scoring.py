@@ -24,7 +24,14 @@ import httpx
 
 from offpolicy.actors.errors import RewardError
 from offpolicy.actors.metrics import REWARD_FAILURE_REASONS
-from offpolicy.actors.rollout.rewards import from_verl, length_penalty, resolve_reward, score, signature_of
+from offpolicy.actors.rollout.rewards import (
+    Score,
+    from_verl,
+    length_penalty,
+    resolve_reward,
+    score,
+    signature_of,
+)
 
 if TYPE_CHECKING:
     from offpolicy.actors.config import RemoteRewardConfig, RewardConfig
@@ -244,4 +251,4 @@ def _rewards(response: httpx.Response) -> list[Any]:
 def _finite(value: Any, who: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise RewardError(f"{who} returned {value!r}, not a finite number", "not_finite")
-    return float(value)
+    return value if isinstance(value, Score) else float(value)

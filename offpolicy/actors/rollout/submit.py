@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from offpolicy.actors.errors import RewardError
-from offpolicy.actors.rollout.rewards import RewardFn, score
+from offpolicy.actors.rollout.rewards import RewardFn, reward_extras, score
 from offpolicy.buffer.errors import BufferFull, RateLimited, StorageUnavailable
 from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup
 
@@ -109,10 +109,12 @@ def stamp_group(
         created_at=time.time(),
         sampling=sampling,
         trajectories=[
-            Trajectory(c.token_ids, c.behavior_logprobs, r, c.finish_reason, v, c.policy_mask, _routed(c))
+            Trajectory(
+                c.token_ids, c.behavior_logprobs, float(r), c.finish_reason, v, c.policy_mask, _routed(c)
+            )
             for c, r, v in zip(completions, rewards, versions, strict=True)
         ],
-        metadata=dict(prompt.metadata),
+        metadata=dict(prompt.metadata) | reward_extras(rewards),  # a verl reward's `acc`, ...
         num_experts=next((c.num_experts for c in completions if _routed(c) is not None), None),
     )
 
