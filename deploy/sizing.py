@@ -27,6 +27,14 @@ defaults (the 7B row) are checked against it (tests/unit/deploy/test_sizing.py):
   is 2 x that (the AOF rewrite forks: copy-on-write pages).
 
     python deploy/sizing.py        # the table, as docs/deploy.md shows it
+    python deploy/sizing.py --learner learner.yaml --actor actor.yaml [--model-dir DIR] [--gpu-memory-gib 80]
+                                   # your run: the same arithmetic on your configs and your model's shape
+
+With your configs the row is your run's: T = the actor's `sampling.max_tokens`, n = `sampling.n`, the
+prompt = `engine.max_model_len` - T, groups = the learner's `buffer.max_size`, ep = its
+`fsdp.expert_parallel`, the model's shape from its config.json (`--model-dir`, else `model_path` where it
+is a folder here or in the Hugging Face cache), and the learner's plan with everything the learner config
+adds (the KL loss's reference, a teacher, LoRA, its token budgets).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -111,17 +120,17 @@ class Sizing:
     redis_limit_gib: int
 
 
-def size(w: Workload, config: LearnerConfig | None = None) -> Sizing:
+def size(w: Workload, config: LearnerConfig | None = None, gpu_gib: float = GPU_GIB) -> Sizing:
     cfg = config or LearnerConfig(model_path="unused")
     p = w.shape.params
-    limit = HEADROOM * GPU_GIB * GIB
+    limit = HEADROOM * gpu_gib * GIB
     for gpus in (g for g in RANKS if g % w.ep == 0):
         plan = estimate(cfg, w.shape, gpus, gpus > 1, checkpointing=True, cuda=True, ep=w.ep)
         if plan.total <= limit:
             break
     else:
         raise ValueError(f"{w.name}: no rank count up to {RANKS[-1]} fits")
-    actor = next(tp for tp in (1, 2, 4, 8, 16, 32, 64) if 2 * p / tp <= GPU_GIB * GIB / 2)
+    actor = next(tp for tp in (1, 2, 4, 8, 16, 32, 64) if 2 * p / tp <= gpu_gib * GIB / 2)
     per_node = min(gpus, 8)
     host = node_bytes(cfg, p, gpus, per_node, leader_node=True) / GIB
     data = w.buffer_groups * group_bytes(w)
@@ -159,7 +168,71 @@ def table(config: LearnerConfig | None = None) -> str:
     return head + "\n".join(rows) + "\n"
 
 
-if __name__ == "__main__":
+def workload(learner: LearnerConfig, actor: Any, shape: ModelShape, name: str = "your run") -> Workload:
+    """The row of a run: the actor's completions and prompt room, the learner's buffer and expert split."""
+    s = actor.sampling
+    return Workload(
+        name, shape, s.max_tokens, actor.engine.max_model_len - s.max_tokens, s.n,
+        learner.buffer.max_size, ep=learner.fsdp.expert_parallel,
+    )  # fmt: skip
+
+
+def size_run(learner: LearnerConfig, actor: Any, shape: ModelShape, gpu_gib: float = GPU_GIB) -> Sizing:
+    """`size` of a user's learner and actor configs on GPUs of `gpu_gib`."""
+    return size(workload(learner, actor, shape), learner, gpu_gib)
+
+
+def describe(s: Sizing, w: Workload, gpu_gib: float) -> str:
+    """A run's sizes as lines: what to reserve, and where each figure goes."""
+    return "\n".join([
+        f"{w.name}: T {w.response_tokens} x n {w.group_size}, prompt {w.prompt_tokens}, "
+        f"{w.buffer_groups} groups, {w.shape.params:,} parameters",
+        f"learner GPUs: {s.learner_gpus} of {gpu_gib:g} GiB (plan {s.plan_gib:.1f} GiB per rank)",
+        f"actor GPUs: {s.actor_gpus} per actor (engine.tensor_parallel_size)",
+        f"host memory, the learner's first node: {s.host_gib_node:.0f} GiB (pod limit {s.learner_pod_gib} Gi "
+        f"with {SHM_GIB} GiB /dev/shm)",
+        f"weights volume: {s.weights_gib} Gi; checkpoints volume: {s.checkpoints_gib} Gi",
+        f"Redis: {s.group_kib:.0f} KiB per group, maxmemory {s.redis_maxmemory_mib}mb "
+        f"(REDIS_MAXMEMORY), container limit {s.redis_limit_gib} Gi",
+    ])  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from offpolicy.actors.config import load_config as load_actor
     from offpolicy.learner.config import load_config
 
-    print(table(load_config(Path(__file__).resolve().parent.parent / "configs" / "learner.yaml", {})), end="")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--learner", type=Path, help="your learner config (with --actor: your run's sizes)")
+    parser.add_argument("--actor", type=Path, help="your actor config")
+    parser.add_argument("--model-dir", type=Path, help="the model folder here (its config.json)")
+    parser.add_argument(
+        "--gpu-memory-gib", type=float, default=GPU_GIB, help="memory of one GPU (default 80)"
+    )
+    args = parser.parse_args(argv)
+    if (args.learner is None) != (args.actor is None):
+        parser.error("--learner and --actor go together")
+    if args.learner is None:
+        print(
+            table(load_config(Path(__file__).resolve().parent.parent / "configs" / "learner.yaml", {})),
+            end="",
+        )
+        return 0
+    environ = {} if args.model_dir is None else {"OFFPOLICY_MODEL_PATH": str(args.model_dir.expanduser())}
+    learner, actor = load_config(args.learner, environ), load_actor(args.actor, environ)
+    from transformers import AutoConfig
+
+    try:
+        hf = AutoConfig.from_pretrained(str(learner.model_path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        print(f"model_path: its config.json cannot be read here (--model-dir): {e}", file=sys.stderr)
+        return 1
+    shape = ModelShape.of(hf, learner.lora)
+    w = workload(learner, actor, shape)
+    print(describe(size(w, learner, args.gpu_memory_gib), w, args.gpu_memory_gib))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

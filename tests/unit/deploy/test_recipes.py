@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from deploy.checks import ROOT, kustomize, load_compose_resolved, read_env_file
-from deploy.sizing import ROWS, SHM_GIB, ceil_to, size
+from deploy.sizing import ROWS, SHM_GIB, ceil_to, size_run
 from offpolicy.actors.config import ActorConfig
 from offpolicy.actors.config import load_config as load_actor_config
 from offpolicy.learner.config import load_config as load_learner_config
@@ -87,7 +87,7 @@ def test_the_recipe_env_runs_the_8gpu_compose():
     assert (ROOT / env["OFFPOLICY_CODE_DIR"] / "gsm8k_reward.py").exists()
     actor = load_actor_config(ROOT / env["ACTOR_CONFIG"], {})
     assert env["OFFPOLICY_MODEL"] == actor.model_path and env["ACTOR_DATASET_FILE"].endswith(".parquet")
-    row = size(SEVEN_B, load_learner_config(ROOT / env["LEARNER_CONFIG"], {}))
+    row = size_run(load_learner_config(ROOT / env["LEARNER_CONFIG"], {}), actor, SEVEN_B.shape)
     eight = load_compose_resolved(ROOT / "docker-compose.8gpu.yml")["services"]
     assert eight["learner"]["command"][-1] == str(row.learner_gpus)
     assert env["REDIS_MAXMEMORY"] == f"{row.redis_maxmemory_mib}mb"
@@ -98,7 +98,7 @@ def test_the_two_node_overlay_is_the_7b_row():
     holding node 0's host plan and /dev/shm; actors on one GPU each on the rest; the 7B row's volumes and
     Redis; the recipe's files as the ConfigMaps."""
     config = load_learner_config(RECIPE / "learner.yaml", {})
-    row = size(SEVEN_B, config)
+    row = size_run(config, load_actor_config(RECIPE / "actor.yaml", {}), SEVEN_B.shape)  # this run's sizes
     docs = kustomize(OVERLAY)
     (jobset,) = (d for d in docs if d["kind"] == "JobSet")
     (rjob,) = jobset["spec"]["replicatedJobs"]

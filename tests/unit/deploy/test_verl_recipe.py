@@ -294,3 +294,21 @@ def test_code_puts_the_reward_folder_on_the_import_path_as_compose_mounts_it(hos
     assert f"--code: {ROOT / 'examples' / 'verl'} on the import path" in out
     assert f"OFFPOLICY_DATASET__PATH={data / 'train.parquet'}; from the environment: none" in out
     sys.modules.pop("gsm8k_reward", None)
+
+
+def test_the_sizes_the_page_and_the_env_quote_are_what_sizing_computes_from_the_recipe(host_paths, capsys):
+    """`deploy/sizing.py --learner --actor --model-dir` on the recipe: the Redis maxmemory of its .env, the
+    learner GPUs the compose layout gives it (at least the fewest that fit), and the page's quoted lines."""
+    from deploy import sizing
+
+    model, _ = host_paths
+    args = ["--learner", str(RECIPE / "learner.yaml"), "--actor", str(RECIPE / "actor.yaml")]
+    assert sizing.main([*args, "--model-dir", str(model)]) == 0
+    out = capsys.readouterr().out
+    env = read_env_file(RECIPE / ".env")
+    assert f"maxmemory {env['REDIS_MAXMEMORY']} (REDIS_MAXMEMORY)" in out
+    gpus = int(re.search(r"learner GPUs: (\d+) of 80 GiB", out).group(1))
+    assert gpus <= 4  # docker-compose.8gpu.yml's learner ranks
+    page = " ".join((ROOT / "docs" / "coming-from-verl.md").read_text().split())
+    for line in out.splitlines()[1:]:
+        assert line in page, f"the page does not quote: {line}"
