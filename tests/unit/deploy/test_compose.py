@@ -27,6 +27,7 @@ from deploy.checks import (
 BASE = ROOT / "docker-compose.yml"
 CPU = ROOT / "docker-compose.cpu.yml"
 GPU8 = ROOT / "docker-compose.8gpu.yml"
+GPU8_EVAL = ROOT / "docker-compose.8gpu-eval.yml"
 SECRETS = ("OFFPOLICY_API_TOKEN", "OFFPOLICY_GATEWAY_TOKEN", "REDIS_PASSWORD", "GRAFANA_ADMIN_PASSWORD")
 USER_FOLDERS = ("./data", "./models", "./code")  # the user's dataset, model and code folders (not in git)
 
@@ -55,7 +56,7 @@ def merged_8gpu() -> dict:
     return interpolate(merge_compose(load_compose(BASE), load_compose_resolved(GPU8)), env())
 
 
-@pytest.mark.parametrize("path", [BASE, CPU, GPU8], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [BASE, CPU, GPU8, GPU8_EVAL], ids=lambda p: p.name)
 def test_each_file_as_written_validates_against_the_compose_spec(path):
     validate(strip_tags(load_compose(path)))
 
@@ -64,6 +65,8 @@ def test_interpolated_and_merged_files_validate_against_the_compose_spec():
     validate(base())
     validate(merged_cpu())
     validate(merged_8gpu())
+    validate(interpolate(merge_compose(merge_compose(load_compose(BASE), load_compose_resolved(GPU8)),
+                                       load_compose(GPU8_EVAL)), env()))  # fmt: skip
 
 
 @pytest.mark.parametrize("secret", SECRETS)

@@ -13,6 +13,7 @@ from deploy.checks import (
     ROOT,
     SERVICE_CONFIGS,
     config_maps,
+    gpu_ids,
     interpolate,
     kustomize,
     load_compose,
@@ -177,6 +178,29 @@ def test_the_8gpu_override_gives_each_actor_a_valid_config_and_its_own_seeds():
         assert actor.dataset.seed == actor.engine.seed, name
         seen.add((actor.dataset.seed, actor.actor_id))
     assert seen == {(k, f"actor-{k}") for k in range(4)}
+
+
+def test_the_8gpu_eval_override_makes_gpu7_an_evaluation_actor_and_the_rest_train_only():
+    """docker-compose.8gpu-eval.yml on the verl recipe's actor config (which has verl's validation): GPU
+    7's actor only evaluates, the three others only train; no GPU changes hands."""
+    values = read_env_file(ROOT / ".env.example") | {name: f"test-{name.lower()}" for name in SECRETS}
+    doc = merge_compose(
+        load_compose(ROOT / "docker-compose.yml"), load_compose_resolved(ROOT / "docker-compose.8gpu.yml")
+    )
+    doc = merge_compose(doc, load_compose_resolved(ROOT / "docker-compose.8gpu-eval.yml"))
+    services = interpolate(doc, values)["services"]
+    recipe = ROOT / "configs" / "recipes" / "verl-gsm8k-grpo" / "actor.yaml"
+    modes = {}
+    for name in ("actor", "actor-gpu5", "actor-gpu6", "actor-gpu7"):
+        env = compose_env(services[name])
+        set_replica_seeds(env)
+        actor = load_actor_config(recipe, env)
+        modes[name] = (actor.mode, actor.eval is not None)
+    assert modes == {
+        "actor": ("train", False), "actor-gpu5": ("train", False), "actor-gpu6": ("train", False),
+        "actor-gpu7": ("eval", True),
+    }  # fmt: skip
+    assert gpu_ids(services["actor-gpu7"]) == ["7"] and gpu_ids(services["actor"]) == ["4"]
 
 
 @pytest.mark.parametrize("deployment", ["compose", "k8s-gpu"])
