@@ -29,6 +29,7 @@ from tests.data.models import QWEN_7B_CONFIG, write_config
 RECIPE = ROOT / "configs" / "recipes" / "qwen2.5-7b-gsm8k"
 OVERLAY = "qwen2.5-7b-gsm8k"
 VERL_DOC = ROOT / "docs" / "coming-from-verl.md"
+HOST = "kubernetes.io/hostname"
 SEVEN_B = {w.name: w for w in ROWS}["7B"]
 
 
@@ -93,45 +94,61 @@ def test_the_recipe_env_runs_the_8gpu_compose():
     assert env["REDIS_MAXMEMORY"] == f"{row.redis_maxmemory_mib}mb"
 
 
-def test_the_two_node_overlay_is_the_7b_row():
-    """2 nodes x 4 learner GPUs (at least the 7B row's count with this learner.yaml), each pod's limit
-    holding node 0's host plan and /dev/shm; actors on one GPU each on the rest; the 7B row's volumes and
-    Redis; the recipe's files as the ConfigMaps."""
+def test_the_overlay_is_one_learner_node_and_one_actor_node_at_the_recipes_sizes():
+    """Two nodes of 8 GPUs: the learner in one pod with one node's 8 GPUs (at least the sizes' count), its
+    limit holding its host plan and /dev/shm; 8 actors of one GPU together on the other node (required
+    affinity to each other, anti-affinity to the learner: no 5/3 split), no autoscaler; the recipe's
+    volumes and Redis (deploy/sizing.py on its configs), a hub cache holding the model twice; the recipe's
+    files as the ConfigMaps."""
     config = load_learner_config(RECIPE / "learner.yaml", {})
     row = size_run(config, load_actor_config(RECIPE / "actor.yaml", {}), SEVEN_B.shape)  # this run's sizes
     docs = kustomize(OVERLAY)
+    assert "HorizontalPodAutoscaler" not in {d["kind"] for d in docs}
     (jobset,) = (d for d in docs if d["kind"] == "JobSet")
     (rjob,) = jobset["spec"]["replicatedJobs"]
-    (node,) = rjob["template"]["spec"]["template"]["spec"]["containers"]
+    pod = rjob["template"]["spec"]["template"]["spec"]
+    (node,) = pod["containers"]
     env = {e["name"]: e.get("value") for e in node["env"]}
     nodes, per_node = int(env["OFFPOLICY_NNODES"]), int(env["OFFPOLICY_NPROC_PER_NODE"])
-    assert (
-        nodes == 2 and rjob["template"]["spec"]["parallelism"] == rjob["template"]["spec"]["completions"] == 2
-    )
-    assert node["resources"]["limits"]["nvidia.com/gpu"] == str(per_node)
+    assert nodes == 1 == rjob["template"]["spec"]["parallelism"] == rjob["template"]["spec"]["completions"]
+    assert node["resources"]["limits"]["nvidia.com/gpu"] == str(per_node) == "8"
     assert node["resources"]["requests"]["nvidia.com/gpu"] == str(per_node)
-    assert nodes * per_node >= row.learner_gpus and per_node <= 8
+    assert nodes * per_node >= row.learner_gpus
     host_gib = node_bytes(config, SEVEN_B.shape.params, nodes * per_node, per_node, leader_node=True) / GIB
     assert node["resources"]["limits"]["memory"] == f"{ceil_to(host_gib + SHM_GIB, 16)}Gi"
     assert {"WANDB_API_KEY", "OFFPOLICY_PUBLISH__WEIGHTS_ROOT"} <= set(env)
+    actor_term = {"labelSelector": {"matchLabels": {"app.kubernetes.io/name": "actor"}}, "topologyKey": HOST}
+    learner_term = {
+        "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "learner"}},
+        "topologyKey": HOST,
+    }
+    assert pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == [
+        actor_term
+    ]
+    assert rjob["template"]["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == "learner"
 
     by_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
     claims = {n: d for (k, n), d in by_name.items() if k == "PersistentVolumeClaim"}
     assert claims["weights"]["spec"]["resources"]["requests"]["storage"] == f"{row.weights_gib}Gi"
     assert claims["checkpoints"]["spec"]["resources"]["requests"]["storage"] == f"{row.checkpoints_gib}Gi"
+    cache = int(claims["hf-cache"]["spec"]["resources"]["requests"]["storage"].removesuffix("Gi"))
+    assert cache * GIB >= 2 * 2 * SEVEN_B.shape.params  # the bf16 weights twice
     (redis,) = by_name[("StatefulSet", "redis")]["spec"]["template"]["spec"]["containers"]
     assert {e["name"]: e.get("value") for e in redis["env"]}[
         "REDIS_MAXMEMORY"
     ] == f"{row.redis_maxmemory_mib}mb"
     assert redis["resources"]["limits"]["memory"] == f"{row.redis_limit_gib}Gi"
     actors = by_name[("StatefulSet", "actor")]
+    affinity = actors["spec"]["template"]["spec"]["affinity"]
+    assert affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == [actor_term]
+    assert affinity["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == [learner_term]
     (actor,) = actors["spec"]["template"]["spec"]["containers"]
     actor_env = {e["name"]: e.get("value") for e in actor["env"]}
     assert actor["resources"]["limits"]["nvidia.com/gpu"] == str(row.actor_gpus)
     assert actor_env["OFFPOLICY_ENGINE__TENSOR_PARALLEL_SIZE"] == str(row.actor_gpus)
     assert actor_env["OFFPOLICY_MODEL_PATH"] == env["OFFPOLICY_MODEL_PATH"] == config.model_path
-    # two nodes of 8 GPUs: the learner's and the actors' GPUs together
-    assert nodes * per_node + actors["spec"]["replicas"] * row.actor_gpus == 2 * 8
+    # two nodes of 8 GPUs: the learner's node and the actors' node
+    assert per_node == 8 == actors["spec"]["replicas"] * row.actor_gpus
     maps = {n.rsplit("-", 1)[0]: d["data"] for (k, n), d in by_name.items() if k == "ConfigMap"}
     assert maps["learner-config"]["learner.yaml"] == (RECIPE / "learner.yaml").read_text()
     assert maps["actor-config"]["actor.yaml"] == (RECIPE / "actor.yaml").read_text()
@@ -267,6 +284,17 @@ def test_the_fill_pod_of_the_deploy_docs_passes_restricted_pod_security():
     for container in pod["containers"]:
         sc = container["securityContext"]
         assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
+    # it mounts every shared claim the actors read from (their model, code and dataset)
+    actors = next(
+        d for d in kustomize(OVERLAY) if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "actor"
+    )
+    read = {
+        v["persistentVolumeClaim"]["claimName"]
+        for v in actors["spec"]["template"]["spec"]["volumes"]
+        if "persistentVolumeClaim" in v
+    }
+    filled = {v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]}
+    assert {"models", "code", "prompts"} <= read and read - {"hf-cache", "weights"} <= filled
 
 
 def test_the_deploy_docs_say_the_gpu_overlays_learner_gpus():
