@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from offpolicy.services.cli.bench import add_bench_parser
 from offpolicy.services.cli.control import add_control_parsers
+from offpolicy.services.cli.fetch import add_fetch_parser
 from offpolicy.services.cli.runs import add_runs_parser
 
 if TYPE_CHECKING:
@@ -348,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.set_defaults(func=_make_tiny_model)
 
     add_bench_parser(sub)
+    add_fetch_parser(sub)
     return parser
 
 

@@ -261,17 +261,45 @@ def test_actor_one_replica_explicit_index_one_shard_its_gateway_port_on_localhos
     assert "OFFPOLICY_DATASET__SEED" not in actor["environment"]
 
 
+ONE_SHOT = {"model-init", "model-fetch"}  # run once and exit: no health check, `restart: "no"`
+
+
 def test_health_checks_and_ordered_start():
     for services in (base()["services"], merged_cpu()["services"]):
         for name, service in services.items():
-            if name != "model-init":
+            if name in ONE_SHOT:
+                assert service["healthcheck"] == {"disable": True} and service["restart"] == "no", name
+            else:
                 assert service["healthcheck"]["test"], name
             for dep, cond in service.get("depends_on", {}).items():
                 assert cond["condition"] in ("service_healthy", "service_completed_successfully"), (name, dep)
     services = base()["services"]
-    assert services["learner"]["depends_on"] == {"redis": {"condition": "service_healthy"}}
-    assert set(services["actor"]["depends_on"]) == {"redis", "learner"}
+    fetched = {"condition": "service_completed_successfully"}
+    assert services["learner"]["depends_on"] == {
+        "redis": {"condition": "service_healthy"},
+        "model-fetch": fetched,
+    }
+    assert set(services["actor"]["depends_on"]) == {"redis", "model-fetch", "learner"}
+    assert services["actor"]["depends_on"]["model-fetch"] == fetched
     assert services["learner"]["healthcheck"]["test"][-1].endswith("healthcheck.py")
+
+
+def test_the_model_is_fetched_once_into_the_cache_the_services_read():
+    """model-fetch: the learner's image, `offpolicy fetch-model` on the services' model and token, the
+    same hub cache and model folder mounts; on CPU, the tiny model's folder after model-init wrote it."""
+    services = base()["services"]
+    fetch, learner = services["model-fetch"], services["learner"]
+    assert fetch["image"] == learner["image"] and fetch["command"] == ["fetch-model"]
+    assert fetch["environment"]["OFFPOLICY_MODEL_PATH"] == learner["environment"]["OFFPOLICY_MODEL_PATH"]
+    assert fetch["environment"]["HF_TOKEN"] == learner["environment"]["HF_TOKEN"]
+    assert set(fetch["volumes"]) <= set(learner["volumes"]) | set(services["actor"]["volumes"])
+    assert "hf-cache:/var/lib/offpolicy/hf-cache" in fetch["volumes"]
+    cpu = merged_cpu()["services"]
+    assert (
+        cpu["model-fetch"]["environment"]["OFFPOLICY_MODEL_PATH"]
+        == cpu["learner"]["environment"]["OFFPOLICY_MODEL_PATH"]
+    )
+    assert cpu["model-fetch"]["depends_on"] == {"model-init": {"condition": "service_completed_successfully"}}
 
 
 def test_weights_volume_is_shared_and_read_only_for_actors():
