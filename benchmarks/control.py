@@ -29,7 +29,7 @@ idle share (virtual wait over wait + training), the mean staleness of what it tr
 IS ESS fell below the controller's floor (`ess_floor_violations`), and the groups dropped stale.
 
     python benchmarks/control.py [--smoke] [--json] [--seeds 0 1 2] [--steps-per-phase 10] [--etas 1 4 16]
-                                 [--lr-up 3]
+                                 [--lr-up 3] [--correction decoupled_token_is]
 
 Target (what `auto` must do): a final reward >= 0.95x `sync`'s, with an idle share no worse than the best
 fixed arm that also reaches 0.95x (`auto_met`). Every arm's figures are printed either way.
@@ -92,6 +92,9 @@ class Setup:
     """The learning rate of the first three phases."""
     lr_up: float = 3.0
     """`lr_up`'s learning rate over `lr` (a config change at the phase's first step)."""
+    correction: str = CORRECTION
+    """Every arm's rollout correction (a preset): with a rejecting one (`decoupled_geo_rs_token_tis`) stale
+    groups lose tokens to its mask, so a loose bound costs what the controller's masked-share target sees."""
     actors: int = 16
     """Generation slots (each one group at a time)."""
     step_s: float = 1.0
@@ -152,13 +155,13 @@ def phase_of(step: int, setup: Setup) -> str:
 
 def learner_config(arm: str, seed: int, setup: Setup, model_dir: Path, redis_url: str, run_id: str,
                    lr: float) -> LearnerConfig:  # fmt: skip
-    """The staleness experiment's learner with `decoupled_token_is`; the arm's bound or the controller."""
+    """The staleness experiment's learner with the setup's correction; the arm's bound or the controller."""
     auto = arm == "auto"
     eta = None if auto else int(arm.removeprefix("eta"))
     return LearnerConfig(
         model_path=str(model_dir), device="cpu", seed=seed, redis_url=redis_url, run_id=run_id,
         groups_per_step=setup.groups_per_step, micro_batch_size=setup.groups_per_step * setup.n,
-        torch_threads=1, adv_estimator="grpo", rollout_correction=CORRECTION, optimizer={"lr": lr},
+        torch_threads=1, adv_estimator="grpo", rollout_correction=setup.correction, optimizer={"lr": lr},
         buffer=BufferConfig.queue(max_size=64 * setup.groups_per_step, max_staleness=4 if auto else eta),
         control={"mode": "auto", "min_staleness": 1, "max_staleness": 16} if auto else {},
         sample_timeout_s=0.01, publish={"publish_every": 10**9}, checkpoint={"checkpoint_dir": None},
@@ -306,10 +309,12 @@ def main() -> None:
     ap.add_argument("--steps-per-phase", type=int, help="learner steps per phase (default 10; 4 phases)")
     ap.add_argument("--etas", type=int, nargs="+", help="the fixed arms' bounds (default 1 4 16)")
     ap.add_argument("--lr-up", type=float, help="the last phase's learning rate over the first's (default 3)")
+    ap.add_argument("--correction", help=f"every arm's rollout correction preset (default {CORRECTION})")
     args = ap.parse_args()
     setup = Setup.smoke() if args.smoke else Setup()
     given = {"seeds": args.seeds and tuple(args.seeds), "steps_per_phase": args.steps_per_phase,
-             "etas": args.etas and tuple(args.etas), "lr_up": args.lr_up}  # fmt: skip
+             "etas": args.etas and tuple(args.etas), "lr_up": args.lr_up,
+             "correction": args.correction}  # fmt: skip
     setup = replace(setup, **{k: v for k, v in given.items() if v is not None})
     log = (lambda *a, **k: print(*a, **k, file=sys.stderr)) if args.json else print
     begin = time.perf_counter()
@@ -335,7 +340,7 @@ def main() -> None:
                   "seeds": list(setup.seeds), "etas": list(setup.etas),
                   "groups_per_step": setup.groups_per_step, "n": setup.n, "lr": setup.lr,
                   "lr_up": setup.lr_up, "actors": setup.actors, "supply": setup.supply,
-                  "gen_sigma": setup.gen_sigma, "correction": CORRECTION, "ess_floor": ESS_FLOOR},
+                  "gen_sigma": setup.gen_sigma, "correction": setup.correction, "ess_floor": ESS_FLOOR},
         "changes": {f"auto/{t.seed}": t.changes for t in traces if t.arm == "auto"},
         "wall_s": time.perf_counter() - begin,
     }  # fmt: skip
