@@ -37,6 +37,11 @@ from tests.integration.learner.test_loop import make_groups
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 TOLERANCE = 1e-5  # fp32; the ranks sum the same terms in another order
+AFTER_ADAM = 5e-5
+"""Weights after AdamW steps at lr 1e-3: a gradient element near Adam's eps turns the summation order's
+noise into up to a step of difference (1.1e-5 on o_proj on an AMD EPYC, under 1e-5 elsewhere), so the
+bound is 5 % of one step: a missing or misrouted expert differs by whole steps."""
+MOVED = 2e-4  # every expert's block moves by more than this in two steps (each rank's block trained)
 EXPERTS = ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj")
 
 
@@ -104,9 +109,9 @@ def test_ep_trains_like_one_process(nproc, ep, resume, tiny_moe, moe_groups, red
     assert got.keys() == expected.keys()
     for name in EXPERTS:  # every expert moved (not vacuous), each rank's block included
         assert got[name].shape[0] == 4
-        assert all(float((got[name][e] - initial[name][e]).abs().max()) > 20 * TOLERANCE for e in range(4))
+        assert all(float((got[name][e] - initial[name][e]).abs().max()) > MOVED for e in range(4))
     diffs = {k: float((got[k] - v).abs().max()) for k, v in expected.items()}
-    assert max(diffs.values()) <= TOLERANCE, sorted(diffs.items(), key=lambda kv: -kv[1])[:5]
+    assert max(diffs.values()) <= AFTER_ADAM, sorted(diffs.items(), key=lambda kv: -kv[1])[:5]
 
     # the sharded checkpoint, read back by one process (DCP reshards the experts' 2-D layout)
     assert checkpoint_versions(many.checkpoint_path) == [version]
@@ -115,7 +120,7 @@ def test_ep_trains_like_one_process(nproc, ep, resume, tiny_moe, moe_groups, red
     load_sharded(many.checkpoint_path / f"ckpt-{version:010d}", parts, SINGLE)
     restored = parts.model.state_dict()
     diffs = {k: float((restored[k] - v).abs().max()) for k, v in expected.items()}
-    assert max(diffs.values()) <= TOLERANCE, sorted(diffs.items(), key=lambda kv: -kv[1])[:5]
+    assert max(diffs.values()) <= AFTER_ADAM, sorted(diffs.items(), key=lambda kv: -kv[1])[:5]
     if not resume:
         return
 
@@ -129,7 +134,7 @@ def test_ep_trains_like_one_process(nproc, ep, resume, tiny_moe, moe_groups, red
     assert "ckpt-0000000002 at version 2" in log.read_text()
     got = load_model(version_dir(many.weights_path, 2 * version), "cpu").state_dict()
     diffs = {k: float((got[k] - v).abs().max()) for k, v in expected_next.items()}
-    assert max(diffs.values()) <= TOLERANCE, sorted(diffs.items(), key=lambda kv: -kv[1])[:5]
+    assert max(diffs.values()) <= AFTER_ADAM, sorted(diffs.items(), key=lambda kv: -kv[1])[:5]
 
 
 @pytest.mark.parametrize(("nproc", "ep"), [(2, 2), (4, 4)], ids=["2ranks-ep2", "4ranks-ep4"])
