@@ -20,8 +20,10 @@ class ControlConfig(ConfigModel):
     `window` steps trained under the current bound (so at most once per `window` steps, and within
     `window` steps of a change of conditions):
 
-    - down (halved) when the correction is unhealthy: the mean IS effective sample size below `ess_floor`,
-      or the masked-token share (RS rejections plus vetoes) above `masked_ceiling`;
+    - down when the correction is unhealthy: the mean IS effective sample size below `ess_floor`, or the
+      masked-token share (RS rejections plus vetoes) above `masked_ceiling`; halved, or cut in proportion
+      to how far the figure is past its target (bound x ESS / floor, bound x ceiling / masked) when that
+      is further;
     - up (doubled, at least +1) when the correction is healthy and the learner waited for data more than
       `wait_ceiling` of its time;
     - else it holds: a healthy correction is the target, so a fed learner keeps the bound it has.

@@ -205,9 +205,12 @@ class StalenessControl:
         )
         said += f"waited {wait_share:.0%} (ceiling {cfg.wait_ceiling:.0%}) over {len(window)} steps"
         if ess is not None and ess < cfg.ess_floor:
-            return self._set(switch, step, _clamp(bound // 2, cfg), "ess_below_floor", said)
+            return self._set(
+                switch, step, _tightened(bound, ess / cfg.ess_floor, cfg), "ess_below_floor", said
+            )
         if masked is not None and masked > cfg.masked_ceiling:
-            return self._set(switch, step, _clamp(bound // 2, cfg), "masked_above_ceiling", said)
+            new = _tightened(bound, cfg.masked_ceiling / masked, cfg)
+            return self._set(switch, step, new, "masked_above_ceiling", said)
         if wait_share > cfg.wait_ceiling:
             return self._set(switch, step, _clamp(max(bound + 1, 2 * bound), cfg), "learner_waiting", said)
         return None  # healthy and fed: the bound holds
@@ -248,6 +251,13 @@ def _wait_share(window: list[Sample]) -> float:
     waited = sum(s.wait_s for s in window)
     spent = waited + sum(s.busy_s for s in window)
     return waited / spent if spent > 0 else 0.0
+
+
+def _tightened(bound: int, health: float, cfg: ControlConfig) -> int:
+    """The bound after an unhealthy window: halved, or cut in proportion to how far the figure is past its
+    target (`health`: ESS / floor, or ceiling / masked share, < 1) when that is further, so that a bound
+    far too loose comes down in one judgement instead of several halvings (each a window of damage)."""
+    return _clamp(min(bound // 2, math.floor(bound * health)), cfg)
 
 
 def _clamp(bound: int, cfg: ControlConfig) -> int:

@@ -93,13 +93,26 @@ def test_auto_starts_from_the_loosest_bound_whatever_the_given_one() -> None:
         assert run.switch.bounds == [8] and run.reasons == ["start"]
 
 
-def test_low_ess_halves_the_bound_down_to_the_minimum() -> None:
+def test_low_ess_cuts_the_bound_down_to_the_minimum() -> None:
     run = Run(config(max_staleness=8, min_staleness=2, ess_floor=0.5))
     for _ in range(12):
         run.step(ess=0.2)
-    assert run.switch.bounds == [8, 4, 2]  # then held at the minimum
+    assert run.switch.bounds == [8, 3, 2]  # 8 x 0.2 / 0.5 = 3.2: past halving; then held at the minimum
     assert run.reasons == ["start", "ess_below_floor", "ess_below_floor"]
     assert "ESS 0.200 (floor 0.5)" in run.changes[1].detail
+    mild = Run(config(max_staleness=8, ess_floor=0.5))
+    for _ in range(3):
+        mild.step(ess=0.45)
+    assert mild.switch.bounds == [8, 4]  # just under the floor: halved all the same
+
+
+def test_a_bound_far_too_loose_comes_down_in_one_judgement() -> None:
+    """A masked share 6x its ceiling cuts 16 to 2 at once, not 16, 8, 4, 2 over three windows (the case of
+    benchmarks/control.py --correction decoupled_geo_rs_token_tis)."""
+    run = Run(config(max_staleness=16, masked_ceiling=0.1))
+    for _ in range(3):
+        run.step(ess=None, masked=0.6)
+    assert run.switch.bounds == [16, 2] and run.reasons[-1] == "masked_above_ceiling"
 
 
 def test_a_high_masked_share_halves_the_bound() -> None:
@@ -174,7 +187,7 @@ def test_no_ess_and_no_mask_falls_back_to_the_given_bound_until_they_come_back()
 def test_a_patch_to_fixed_restores_the_given_bound_at_the_next_boundary() -> None:
     run = Run(config(given=8, max_staleness=8, ess_floor=0.5))
     for _ in range(3):
-        run.step(ess=0.1)
+        run.step(ess=0.3)
     assert run.switch.bounds == [8, 4]
     run.switch.given = config("fixed", given=8)
     run.step()
