@@ -213,6 +213,16 @@ TARGETS: tuple[Target, ...] = (
            note="met by starting at max_staleness 16 and never moving: the toy task saturates within ~20 "
            "steps (no gradient after), so no phase made a loose bound cost reward; three earlier controller "
            "versions that started at 4 idled 0.253, 0.230, 0.221"),
+    Target("control_auto_reward_rs", "control", "control.mode auto with a rejecting correction "
+           "(decoupled_geo_rs_token_tis: stale tokens masked, eta 4 and 16 lose reward): final reward / "
+           "sync's",
+           _key("auto_reward_vs_sync"), ">=", 0.95, "the synchronous arm (eta 0)",
+           args=("--correction", "decoupled_geo_rs_token_tis"),
+           note="controller v4 (halving once per window) reached 0.935: too slow; v5 cuts in proportion"),
+    Target("control_auto_idle_rs", "control", "control.mode auto with a rejecting correction: idle share "
+           "minus the best fixed eta's that reaches 0.95x sync", _key("auto_idle_excess"), "<=", 0.0,
+           "the best fixed bound (eta 1 here) at >= 0.95x sync's reward",
+           args=("--correction", "decoupled_geo_rs_token_tis")),
     Target("lora_swap", "lora", "adapter swap / paused full reload, same engine",
            _key("adapter_swap_ratio"), "<=", 0.1, "a paused in-place reload of the full weights"),
     Target("lora_pool", "lora", "tokens/s per run, two runs on one engine / one run alone",
