@@ -284,24 +284,6 @@ def test_health_checks_and_ordered_start():
     assert services["learner"]["healthcheck"]["test"][-1].endswith("healthcheck.py")
 
 
-def test_the_model_is_fetched_once_into_the_cache_the_services_read():
-    """model-fetch: the learner's image, `offpolicy fetch-model` on the services' model and token, the
-    same hub cache and model folder mounts; on CPU, the tiny model's folder after model-init wrote it."""
-    services = base()["services"]
-    fetch, learner = services["model-fetch"], services["learner"]
-    assert fetch["image"] == learner["image"] and fetch["command"] == ["fetch-model"]
-    assert fetch["environment"]["OFFPOLICY_MODEL_PATH"] == learner["environment"]["OFFPOLICY_MODEL_PATH"]
-    assert fetch["environment"]["HF_TOKEN"] == learner["environment"]["HF_TOKEN"]
-    assert set(fetch["volumes"]) <= set(learner["volumes"]) | set(services["actor"]["volumes"])
-    assert "hf-cache:/var/lib/offpolicy/hf-cache" in fetch["volumes"]
-    cpu = merged_cpu()["services"]
-    assert (
-        cpu["model-fetch"]["environment"]["OFFPOLICY_MODEL_PATH"]
-        == cpu["learner"]["environment"]["OFFPOLICY_MODEL_PATH"]
-    )
-    assert cpu["model-fetch"]["depends_on"] == {"model-init": {"condition": "service_completed_successfully"}}
-
-
 def test_weights_volume_is_shared_and_read_only_for_actors():
     services = base()["services"]
     assert "weights:/var/lib/offpolicy/weights" in services["learner"]["volumes"]

@@ -1,5 +1,6 @@
-"""The compose stack as a first run meets it: healthchecks on the interpreter every image has, and the set-up
-steps naming every secret compose requires (the stack's own checks: test_compose.py)."""
+"""The compose stack as a first run meets it: healthchecks on the interpreter every image has, the set-up
+steps naming every secret compose requires, the model fetched once before the services start (the stack's
+own checks: test_compose.py)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,21 @@ def test_the_readme_and_the_deploy_page_name_every_secret_compose_requires():
         around = text[text.index(step) : text.index(step) + 300]
         missing = [s for s in SECRETS if s not in around]
         assert not missing, f"{doc.name}'s set-up step leaves out {missing}"
+
+
+def test_the_model_is_fetched_once_into_the_cache_the_services_read():
+    """model-fetch: the learner's image, `offpolicy fetch-model` on the services' model and token, the
+    same hub cache and model folder mounts; on CPU, the tiny model's folder after model-init wrote it."""
+    services = base()["services"]
+    fetch, learner = services["model-fetch"], services["learner"]
+    assert fetch["image"] == learner["image"] and fetch["command"] == ["fetch-model"]
+    assert fetch["environment"]["OFFPOLICY_MODEL_PATH"] == learner["environment"]["OFFPOLICY_MODEL_PATH"]
+    assert fetch["environment"]["HF_TOKEN"] == learner["environment"]["HF_TOKEN"]
+    assert set(fetch["volumes"]) <= set(learner["volumes"]) | set(services["actor"]["volumes"])
+    assert "hf-cache:/var/lib/offpolicy/hf-cache" in fetch["volumes"]
+    cpu = merged_cpu()["services"]
+    assert (
+        cpu["model-fetch"]["environment"]["OFFPOLICY_MODEL_PATH"]
+        == cpu["learner"]["environment"]["OFFPOLICY_MODEL_PATH"]
+    )
+    assert cpu["model-fetch"]["depends_on"] == {"model-init": {"condition": "service_completed_successfully"}}

@@ -7,6 +7,7 @@ this machine's paths (`--model-dir`, `--data`) for its documented 4 learner GPUs
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import sys
 from collections.abc import Callable, Iterator
@@ -223,6 +224,12 @@ def test_the_recipe_trains_every_group_once_and_drops_none_it_was_paced_for(reci
     assert actor.reward.name == "verl.utils.reward_score.default_compute_score"
 
 
+def clear_offpolicy_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """None of this machine's OFFPOLICY_* variables reach the check (its overrides line says none)."""
+    for key in [k for k in os.environ if k.startswith("OFFPOLICY_")]:
+        monkeypatch.delenv(key)
+
+
 @pytest.fixture
 def host_paths(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     """The model's config.json in a folder and verl's GSM8K train/test parquet in another, as on a user's
@@ -243,8 +250,7 @@ def test_the_recipe_passes_config_check_with_host_paths_on_its_4_learner_gpus(
     host_paths, capsys, monkeypatch
 ):
     model, data = host_paths
-    for key in [k for k in __import__("os").environ if k.startswith("OFFPOLICY_")]:
-        monkeypatch.delenv(key)
+    clear_offpolicy_env(monkeypatch)
     argv = ["config", "check", str(RECIPE / "learner.yaml"), str(RECIPE / "actor.yaml"), "--gpus", "4"]
     assert main([*argv, "--gpu-memory-gib", "80", "--model-dir", str(model), "--data", str(data)]) == 0
     out = capsys.readouterr().out
@@ -280,8 +286,7 @@ def test_code_puts_the_reward_folder_on_the_import_path_as_compose_mounts_it(hos
     """The recommended recipe's reward lives in examples/verl (compose: OFFPOLICY_CODE_DIR): `--code`
     imports it; a dataset file for `--data` is the training set's path."""
     model, data = host_paths
-    for key in [k for k in __import__("os").environ if k.startswith("OFFPOLICY_")]:
-        monkeypatch.delenv(key)
+    clear_offpolicy_env(monkeypatch)
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.delitem(sys.modules, "gsm8k_reward", raising=False)
     recipe = ROOT / "configs" / "recipes" / "qwen2.5-7b-gsm8k"
