@@ -25,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 from offpolicy.learner.config import load_config
 from offpolicy.learner.distributed import current, init_from_env
 from offpolicy.learner.distributed.gather import GatheredWeights
+from offpolicy.learner.distributed.ranks import leave
 from offpolicy.learner.persist.file_generation import WeightsSnapshot, publish_snapshot
 from offpolicy.learner.trainer import Learner
 
@@ -60,7 +61,7 @@ def main(config_path: str, steps: str, out: str, mode: str = "publish") -> None:
             learner.run_follower()
             learner.close()
         dist.barrier()
-        return
+        leave()  # the groups destroyed, then no interpreter teardown (ranks.leave: why)
     if leader:
         before = learner.version
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -94,6 +95,7 @@ def main(config_path: str, steps: str, out: str, mode: str = "publish") -> None:
         result["sync_publish_runs_s"] = sync
         Path(out).write_text(json.dumps(result))
     dist.barrier()
+    leave()
 
 
 if __name__ == "__main__":

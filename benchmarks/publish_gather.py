@@ -78,6 +78,7 @@ def rank_main(model_dir: str, repeats: int, out: str) -> None:
     from offpolicy.learner.distributed import init_from_env, local_device
     from offpolicy.learner.distributed.fsdp import shard
     from offpolicy.learner.distributed.gather import GatheredWeights
+    from offpolicy.learner.distributed.ranks import leave
     from offpolicy.learner.model import load_model
     from offpolicy.learner.model.load import unique_state
     from offpolicy.learner.model.policy import LogProbs
@@ -125,7 +126,8 @@ def rank_main(model_dir: str, repeats: int, out: str) -> None:
         same = sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
         with open(out, "w") as fh:
             json.dump({"params": params, "times": times, "same_tensors": same}, fh)
-    dist.destroy_process_group()
+    dist.barrier()
+    leave()  # the groups destroyed, then no interpreter teardown (ranks.leave: why)
 
 
 def run(args: argparse.Namespace) -> dict:

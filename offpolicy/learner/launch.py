@@ -16,7 +16,8 @@ import sys
 import threading
 
 from offpolicy.learner.config import LearnerConfig, load_config_from_process_env
-from offpolicy.learner.distributed import init_from_env
+from offpolicy.learner.distributed import current, init_from_env
+from offpolicy.learner.distributed.ranks import leave
 from offpolicy.learner.model.precision import pick_device
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config_from_process_env(argv[0])
     join(config)
-    from offpolicy.learner.distributed import current
     from offpolicy.learner.trainer import Learner
 
     if not current().is_leader:
@@ -67,4 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if current().distributed:  # a rank under torchrun: no interpreter teardown (ranks.leave: why)
+        leave(code)
+    sys.exit(code)

@@ -98,3 +98,27 @@ def test_the_default_group_carries_host_tensors_over_gloo_beside_nccl():
 
     assert backend_for("cuda") == "cpu:gloo,cuda:nccl"
     assert backend_for("cpu") == "gloo"
+
+
+def test_a_rank_leaves_with_its_code_and_its_output_flushed_without_the_teardown():
+    """`leave`: stdout and the logs flushed, the exit code kept, and no interpreter teardown (an `atexit`
+    hook never runs: the teardown is what aborted gloo ranks)."""
+    import subprocess
+    import sys
+
+    code = """
+import atexit, logging, os, sys
+import torch.distributed as dist
+from offpolicy.learner.distributed.ranks import leave
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+atexit.register(lambda: print("teardown ran"))
+logging.basicConfig(stream=sys.stderr, level=logging.INFO)
+logging.getLogger("x").info("logged before leaving")
+print("printed before leaving", end="")  # no newline, no flush: leave flushes it
+leave(3)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert done.stdout == "printed before leaving"
+    assert "logged before leaving" in done.stderr
