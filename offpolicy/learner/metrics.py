@@ -196,6 +196,11 @@ class LearnerMetrics:
         )
         self.publishes = Counter(PREFIX + "publishes", "Weight versions published.", registry=registry)
         self.checkpoints = Counter(PREFIX + "checkpoints", "Checkpoints written.", registry=registry)
+        self.publish_delta_share = Gauge(
+            PREFIX + "publish_delta_share",
+            "publish.delta: bytes of the newest published version over a full version's (1 when whole).",
+            registry=registry,
+        )
         self.groups_rejected = Counter(
             PREFIX + "groups_rejected", "Sampled groups the model cannot train (set aside), by field.",
             ["field"], registry=registry,

@@ -158,3 +158,28 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_weight_files(
+    tmp: Path, entries: list[Entry], take: Callable[[Entry], torch.Tensor], max_shard_bytes: int
+) -> dict[str, dict[str, Any]]:
+    """The weights as `model.safetensors`, or shards + their index past `max_shard_bytes` (named as
+    transformers names them); {file name: {"bytes", "sha256"}}."""
+    files: dict[str, dict[str, Any]] = {}
+    shards = shards_of(entries, max_shard_bytes)
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    for name, shard in zip(names, shards, strict=True):  # names sort in write order
+        files[name] = write_streamed(tmp / name, shard, take)
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(f["bytes"] for f in files.values())},
+            "weight_map": {t[0]: n for n, shard in zip(names, shards, strict=True) for t in shard},
+        }
+        files["model.safetensors.index.json"] = write_small(
+            tmp / "model.safetensors.index.json", json.dumps(index, indent=1).encode()
+        )
+    return files

@@ -57,6 +57,11 @@ class ReloadConfig(ConfigModel):
     prefetch_max_bytes: int = Field(16 * 2**30, ge=0, le=MAX_BYTES)
     """Most bytes `prefetch: memory` holds in host memory, in bytes (a 7B model in bf16 is ~15 GB, 70B
     ~141 GB); a larger folder is prefetched into the page cache instead."""
+    delta_dir: PathStr = "/tmp/offpolicy-delta"
+    """Where the actor builds the full folder of each delta version it loads (the learner's
+    `publish.delta`; actors/transport/delta_chain.py): the engine loads from there. It holds the
+    version the engine has and the one being built: two full versions (a tmpfs for the fastest load, a
+    local disk otherwise; never the shared volume)."""
     weights_root: PathStr | None = None
     """Where this actor sees the learner's weights volume: a relative `weights_uri` in the policy record
     (the learner's `publish.weights_root` set) is resolved under it. An absolute `weights_uri` is loaded

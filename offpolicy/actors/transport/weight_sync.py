@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from offpolicy.actors.errors import PolicyKindMismatch, WeightLoadError
+from offpolicy.actors.transport.delta_chain import DeltaChain, is_delta
 from offpolicy.actors.transport.prefetch import Cancelled, Prefetched, prefetch_folder
 from offpolicy.buffer.errors import InvalidTrajectory, StorageUnavailable
 
@@ -91,6 +92,7 @@ class WeightSync:
         self._cancel = threading.Event()  # set by `close`: a prefetch under way stops at its next chunk
         self._failed: dict[int, int] = {}  # version -> failed attempts
         self.refused: PolicyKindMismatch | None = None  # the newest record refused for its kind
+        self.deltas = DeltaChain(config.delta_dir)  # delta versions: the full folders built for the engine
         metrics.policy_version.set(engine.loaded_version)
 
     # --- watching
@@ -221,9 +223,15 @@ class WeightSync:
             if record.kind == "lora" and config.prefetch == "memory":  # vLLM reads the published folder
                 config = config.model_copy(update={"prefetch": "page_cache"})
             try:
-                got = await asyncio.to_thread(
-                    prefetch_folder, folder, record.sha256, record.version, config, self._cancel
-                )
+                if record.kind == "full" and await asyncio.to_thread(is_delta, folder, record.version):
+                    # a delta version: its full folder built locally (while the engine generates)
+                    got = await asyncio.to_thread(
+                        self.deltas.build, folder, record.sha256, record.version, self._cancel
+                    )
+                else:
+                    got = await asyncio.to_thread(
+                        prefetch_folder, folder, record.sha256, record.version, config, self._cancel
+                    )
             except OSError as e:  # e.g. the learner pruned the folder while it was read
                 raise WeightLoadError(record.version, "missing", f"reading {folder}: {e}") from e
         except WeightLoadError as e:
@@ -273,9 +281,12 @@ class WeightSync:
         self._discard()
 
     def _discard(self) -> None:
-        """Drop the prepared version's staged copy, if any."""
+        """Drop the prepared version's staged copy, if any (a delta version's built folder too, unless the
+        engine holds it)."""
         if self._prefetched is not None:
             self._prefetched.discard()
+            if self._prefetched.where == "delta":
+                self.deltas.keep_only(self.engine.loaded_path)
             self._prefetched = None
 
     async def load(self, record: PolicyRecord) -> bool:

@@ -38,6 +38,20 @@ class PublishConfig(ConfigModel):
     """`transport: vllm`: write a file generation every this many publishes (and at checkpoints)."""
     transfer: TransferConfig = TransferConfig()
     """The transfer group's settings (`transport: vllm`)."""
+    delta: Literal["off", "on", "auto"] = Field("off", json_schema_extra=FROZEN)
+    """Write a version as the values that changed since the previous published one (weights/delta.py):
+    at RL learning rates ~1 % of bf16 values change per version, so a delta version is a few percent of
+    a full one on the shared volume and in each actor's read. `on`: every version but each
+    `full_every`-th and any whose delta would be larger than a full version; `auto`: also whole when the
+    delta passes `delta_share` of a full version. The writing rank keeps the last published version in
+    host memory (counted by the host plan); actors apply the chain on a local copy
+    (`reload.delta_dir`). A LoRA learner's adapter is always published whole. docs/actor.md "Delta
+    versions"."""
+    full_every: int = Field(10, ge=1, le=MAX_COUNT, json_schema_extra=FROZEN)
+    """`delta`: every this many published versions one is written whole (the chain an actor applies is
+    at most `full_every - 1` deltas long); 1 = every version whole."""
+    delta_share: float = Field(0.25, gt=0.0, le=1.0, json_schema_extra=FROZEN)
+    """`delta: auto`: a version whose delta passes this share of a full version's bytes is written whole."""
     gather_bucket_mb: int = Field(256, ge=1, le=65536, json_schema_extra=FROZEN)
     """N ranks: a publish gathers the full weights to rank 0 in buckets of about this many MiB (in the
     publish dtype; a larger tensor is a bucket of its own): the device and pinned host memory the gather

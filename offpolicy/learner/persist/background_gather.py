@@ -61,7 +61,7 @@ from offpolicy.learner.distributed.gather import (
     unpack_rows,
 )
 from offpolicy.learner.persist.file_generation import HostCopy
-from offpolicy.learner.persist.safetensors_io import Entry, TensorStream
+from offpolicy.weights.safetensors_io import Entry, TensorStream
 
 _END = object()
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}

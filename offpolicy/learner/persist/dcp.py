@@ -54,8 +54,8 @@ from offpolicy.learner.persist.checkpoint import (
     saved_names,
 )
 from offpolicy.learner.persist.file_generation import remove_folder
-from offpolicy.learner.persist.safetensors_io import write_safetensors
 from offpolicy.learner.persist.writer import back_pressure
+from offpolicy.weights.safetensors_io import write_safetensors
 
 if TYPE_CHECKING:
     from offpolicy.learner.build import Trainables

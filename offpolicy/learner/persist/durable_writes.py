@@ -37,6 +37,7 @@ from offpolicy.learner.model.lora import adapter_config, is_adapter_name
 from offpolicy.learner.persist.background_gather import BackgroundGather, close_publish_groups
 from offpolicy.learner.persist.checkpoint import Checkpoints, NoCheckpoints, base_meta
 from offpolicy.learner.persist.dcp import ShardedCheckpoints
+from offpolicy.learner.persist.delta_versions import DeltaVersions
 from offpolicy.learner.persist.file_generation import (
     HostCopy,
     WeightsSnapshot,
@@ -45,9 +46,9 @@ from offpolicy.learner.persist.file_generation import (
     remove_leftovers,
     uri_folder,
 )
-from offpolicy.learner.persist.safetensors_io import TensorStream
 from offpolicy.learner.persist.single import FileCheckpoints
 from offpolicy.learner.persist.writer import BackgroundWriter, Kind, WeightsBuffers
+from offpolicy.weights.safetensors_io import TensorStream
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -103,6 +104,12 @@ class Persistence:
         self._waiting: tuple[int, BackgroundGather] | None = None  # N ranks, streamed: the next to gather
         self.keep_gathered = False  # N ranks: the leader keeps each gathered version (a transport sends it)
         self._coalesced_seen = 0
+        pc = config.publish
+        self.deltas = (
+            DeltaVersions(pc.delta, pc.full_every, pc.delta_share)
+            if pc.delta != "off" and config.lora is None and ranks.is_leader
+            else None
+        )  # publish.delta: the last published version, on the writing rank
         self.published_version: int | None = None  # newest version announced to the actors
         self.durable_checkpoint_version: int | None = None  # newest checkpoint on disk
         self.troubles: dict[Kind, dict[str, Any]] = {}  # kinds whose writes fail now (OSError), for status
@@ -177,6 +184,7 @@ class Persistence:
         """The writer's job for `version`: the folder from `tensors()` (read on the writer thread)."""
         pc, store, wdir = self.config.publish, self.store, self.config.weights_path
         model, tokenizer, dtype, adapter = self.model, self.tokenizer, self.publish_dtype, self._adapter
+        deltas = self.deltas
 
         def write() -> object:
             snap = WeightsSnapshot(
@@ -188,9 +196,20 @@ class Persistence:
                 generation_config=getattr(model, "generation_config", None),
                 adapter=adapter,
             )
-            return publish_snapshot(
-                snap, wdir, store=store, keep_versions=pc.keep_versions, weights_root=pc.weights_root
+            record = publish_snapshot(
+                snap,
+                wdir,
+                store=store,
+                keep_versions=pc.keep_versions,
+                weights_root=pc.weights_root,
+                delta=deltas,
             )
+            if deltas is not None:
+                last = deltas.last
+                self.metrics.publish_delta_share.set(
+                    last["bytes"] / last["full_bytes"] if last.get("kind") == "delta" else 1.0
+                )
+            return record
 
         return write
 

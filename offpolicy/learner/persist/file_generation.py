@@ -55,22 +55,24 @@ from offpolicy.learner.model.lora import (
 )
 from offpolicy.learner.model.moe import is_moe
 from offpolicy.learner.model.moe_names import checkpoint_entries, to_checkpoint
-from offpolicy.learner.persist.safetensors_io import (
+from offpolicy.weights.delta import manifest_base
+from offpolicy.weights.manifest import MANIFEST, encode_manifest, manifest_doc, read_manifest
+from offpolicy.weights.record import PolicyRecord
+from offpolicy.weights.safetensors_io import (
     Arrivals,
     Entry,
     TensorStream,
     fsync_dir,
-    shards_of,
     write_small,
     write_streamed,
+    write_weight_files,
 )
-from offpolicy.weights.manifest import MANIFEST, encode_manifest, manifest_doc, read_manifest
-from offpolicy.weights.record import PolicyRecord
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
     from offpolicy.learner.config.lora import LoraConfig
+    from offpolicy.learner.persist.delta_versions import DeltaVersions
     from offpolicy.weights.record import PolicyStore
 
 VERSION_DIR = re.compile(r"^v(\d+)$")
@@ -208,15 +210,22 @@ class WeightsSnapshot:
         return "full" if self.adapter is None else "lora"
 
 
-def write_version(snap: WeightsSnapshot, weights_dir: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
+def write_version(
+    snap: WeightsSnapshot,
+    weights_dir: str | Path,
+    max_shard_bytes: int = 5 * 2**30,
+    delta: DeltaVersions | None = None,
+) -> Path:
     """Write `v<version>/` with its manifest atomically (temp folder, fsync, rename); return the folder.
+    `delta` (full weights, `publish.delta` on): the folder is a delta version when `delta` says so.
 
     An existing `v<version>/` (a resumed learner re-publishing a version) is replaced as a whole. A write
     that fails (a full disk) removes its temporary folder at once, then raises."""
     final = version_dir(weights_dir, snap.version)
     tmp = final.parent / f".tmp-v{snap.version}-{uuid.uuid4().hex}"
+    delta = delta if snap.adapter is None else None
     try:
-        _write_folder(snap, tmp, max_shard_bytes)
+        is_delta = _write_folder(snap, tmp, max_shard_bytes, delta)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed write (a full disk) gives its space back at once
         raise
@@ -224,15 +233,21 @@ def write_version(snap: WeightsSnapshot, weights_dir: str | Path, max_shard_byte
         remove_folder(final)
     tmp.rename(final)
     fsync_dir(final.parent)
+    if delta is not None:
+        delta.commit(snap.version, is_delta)
     return final
 
 
-def _write_folder(snap: WeightsSnapshot, tmp: Path, max_shard_bytes: int) -> None:
-    """Write the files of `snap` and their manifest into the new folder `tmp` (fsynced)."""
+def _write_folder(
+    snap: WeightsSnapshot, tmp: Path, max_shard_bytes: int, delta: DeltaVersions | None = None
+) -> bool:
+    """Write the files of `snap` and their manifest into the new folder `tmp` (fsynced); True when it is a
+    delta version."""
     stream = snap.tensors if isinstance(snap.tensors, TensorStream) else TensorStream.whole(snap.tensors)
     if snap.adapter is None and is_moe(snap.config):  # fused experts written per expert, as checkpoints are
         stream = _checkpoint_layout(stream, snap.config)
     arrivals = Arrivals(stream.chunks)
+    base = delta.base_version if delta is not None and delta.wants_delta() else None
     try:
         tmp.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
@@ -240,14 +255,25 @@ def _write_folder(snap: WeightsSnapshot, tmp: Path, max_shard_bytes: int) -> Non
         # once.
         if snap.adapter is not None:
             files = _write_adapter(tmp, stream.entries, arrivals.take, snap.adapter)
+        elif delta is None:
+            files = write_weight_files(tmp, stream.entries, arrivals.take, max_shard_bytes)
+        elif base is not None and (got := delta.write_delta(tmp, stream.entries, arrivals.take)) is not None:
+            files = got
+        elif base is not None:  # the delta came out too large: whole, from the base it filled
+            files = write_weight_files(tmp, stream.entries, lambda e: delta.base[e[0]], max_shard_bytes)
+            base = None
         else:
-            files = _write_weights(tmp, stream.entries, arrivals.take, max_shard_bytes)
+            files = write_weight_files(tmp, stream.entries, delta.recording(arrivals.take), max_shard_bytes)
     finally:
         arrivals.drain()
     if snap.adapter is None:
         files |= _write_model_files(tmp, snap, files)
-    write_small(tmp / MANIFEST, encode_manifest(manifest_doc(snap.version, files)))
+    doc = manifest_doc(snap.version, files)
+    if base is not None:
+        doc["base"] = base
+    write_small(tmp / MANIFEST, encode_manifest(doc))
     fsync_dir(tmp)
+    return base is not None
 
 
 def _checkpoint_layout(stream: TensorStream, config: PretrainedConfig) -> TensorStream:
@@ -259,30 +285,6 @@ def _checkpoint_layout(stream: TensorStream, config: PretrainedConfig) -> Tensor
         for n, shape in checkpoint_entries(name, shape, config)
     ]
     return TensorStream(entries, (to_checkpoint(chunk, config) for chunk in stream.chunks))
-
-
-def _write_weights(
-    tmp: Path, entries: list[Entry], take: Callable[[Entry], torch.Tensor], max_shard_bytes: int
-) -> dict[str, dict[str, Any]]:
-    """The weights as `model.safetensors`, or shards + their index past `max_shard_bytes`."""
-    files: dict[str, dict[str, Any]] = {}
-    shards = shards_of(entries, max_shard_bytes)
-    names = (
-        ["model.safetensors"]
-        if len(shards) == 1
-        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    )
-    for name, shard in zip(names, shards, strict=True):  # names sort in write order
-        files[name] = write_streamed(tmp / name, shard, take)
-    if len(shards) > 1:
-        index = {
-            "metadata": {"total_size": sum(f["bytes"] for f in files.values())},
-            "weight_map": {t[0]: n for n, shard in zip(names, shards, strict=True) for t in shard},
-        }
-        files["model.safetensors.index.json"] = write_small(
-            tmp / "model.safetensors.index.json", json.dumps(index, indent=1).encode()
-        )
-    return files
 
 
 def _write_model_files(tmp: Path, snap: WeightsSnapshot, files: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -322,12 +324,25 @@ def _write_adapter(
 
 
 def prune_versions(weights_dir: str | Path, keep: int, protect: int | None = None) -> list[int]:
-    """Delete all but the newest `keep` version folders (never `protect`); return the deleted versions."""
+    """Delete all but the newest `keep` version folders (never `protect`, nor the newest full version and
+    the delta versions after it: the chain an actor that is behind or restarting loads); return the
+    deleted versions."""
     versions = published_versions(weights_dir)
-    doomed = [v for v in versions[:-keep] if v != protect] if keep > 0 else []
+    root = next(
+        (v for v in reversed(versions) if _is_full(version_dir(weights_dir, v))), None
+    )  # the newest full version: it and every delta after it stay
+    doomed = [v for v in versions[:-keep] if v != protect and (root is None or v < root)] if keep > 0 else []
     for v in doomed:
         remove_folder(version_dir(weights_dir, v))
     return doomed
+
+
+def _is_full(folder: Path) -> bool:
+    """A version folder that is not a delta (its manifest names no base; a folder without one counts)."""
+    try:
+        return manifest_base(folder) is None
+    except (OSError, ValueError):
+        return False
 
 
 def weights_uri(folder: str | Path, weights_root: str | Path | None = None) -> str:
@@ -363,11 +378,13 @@ def publish_snapshot(
     store: PolicyStore | None = None,
     keep_versions: int | None = None,
     weights_root: str | Path | None = None,
+    delta: DeltaVersions | None = None,
 ) -> PolicyRecord:
     """Write `v<version>/`, then SET + announce the policy record in `store`, then prune old versions.
-    `weights_root`: the record names the folder relative to it (`weights_uri`); None = absolute path."""
+    `weights_root`: the record names the folder relative to it (`weights_uri`); None = absolute path.
+    `delta`: write a delta version when it says so (`publish.delta`)."""
     uri_of = weights_uri(version_dir(weights_dir, snap.version), weights_root)  # refused before writing
-    folder = write_version(snap, weights_dir)
+    folder = write_version(snap, weights_dir, delta=delta)
     record = PolicyRecord(
         version=snap.version,
         weights_uri=uri_of,
@@ -394,11 +411,13 @@ def publish_weights(
     weights_root: str | Path | None = None,
     lora: LoraConfig | None = None,
     base_model: str | Path | None = None,
+    delta: DeltaVersions | None = None,
 ) -> PolicyRecord:
     """Snapshot `model` (cast to `dtype`, None = as it is) and publish it in the calling thread: the
     synchronous path (tests, tools, the benchmark's baseline); the learner uses the background writer.
     `lora`: `model` carries that adapter (`model.lora.inject`), and only the adapter is published (a record
-    of kind `lora`; `base_model` = its `base_model_name_or_path`, default the model's own)."""
+    of kind `lora`; `base_model` = its `base_model_name_or_path`, default the model's own). `delta`: the
+    version is a delta one when it says so (`publish.delta`)."""
     snap = WeightsSnapshot(
         version=version,
         tensors=snapshot_to_host(unique_state(model) if lora is None else adapter_state(model), dtype),
@@ -411,5 +430,5 @@ def publish_weights(
         else adapter_config(lora, model, str(base_model or model.config.name_or_path)),
     )
     return publish_snapshot(
-        snap, weights_dir, store=store, keep_versions=keep_versions, weights_root=weights_root
+        snap, weights_dir, store=store, keep_versions=keep_versions, weights_root=weights_root, delta=delta
     )

@@ -40,8 +40,8 @@ from offpolicy.learner.persist.checkpoint import (
     saved_names,
 )
 from offpolicy.learner.persist.file_generation import HostCopy, remove_folder
-from offpolicy.learner.persist.safetensors_io import write_safetensors
 from offpolicy.learner.persist.writer import BackgroundWriter
+from offpolicy.weights.safetensors_io import write_safetensors
 
 if TYPE_CHECKING:
     from offpolicy.learner.build import Trainables

@@ -26,6 +26,8 @@ P counts every expert, learner/plan/shape.py `total`: each is checkpointed, publ
 Under LoRA (`lora`, an adapter of A parameters) the checkpoint stager, the publish snapshot and sets hold
 the adapter alone (A in place of P); the frozen base is in the compute dtype (2 B x P under `bf16_mixed`,
 in `startup` and `cpu_offload`) beside the adapter's masters, gradients and moments (16 B x A / S).
+- `delta_base`: the leader with `publish.delta`: the last published version in the publish dtype, what the
+  next delta is computed against (learner/persist/delta_versions.py), 2 B x P.
 - `teacher`: `teacher.cpu_offload`: the distillation teacher's weights in the compute dtype (2 B x P_teacher
   / S, P_teacher its own parameters).
 
@@ -72,11 +74,13 @@ class HostPlan:
     cpu_offload: int
     reference: int
     teacher: int = 0
+    delta_base: int = 0
 
     @property
     def steady(self) -> int:
         return (
-            self.checkpoint_stager
+            self.delta_base
+            + self.checkpoint_stager
             + self.publish_snapshot
             + self.published_sets
             + self.cpu_offload
@@ -136,6 +140,7 @@ def host_plan(
         teacher=compute * (teacher_params or params) // share
         if config.teacher.model_path is not None and config.teacher.cpu_offload
         else 0,
+        delta_base=publish * params if leader and config.publish.delta != "off" and not lora else 0,
     )
 
 

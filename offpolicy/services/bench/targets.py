@@ -187,6 +187,8 @@ TARGETS: tuple[Target, ...] = (
            _key("ratio"), ">=", 0.9, "a local sync reward, same engine"),
     Target("weight_sync_prefetch", "weight_sync", "generation pause, next version prefetched / not",
            _key("files_pause_ratio"), "<=", 0.5, "reload.prefetch: none", ("--rounds", "5")),
+    Target("weight_delta_share", "weight_delta", "bytes of a delta version / a full one, AdamW lr 1e-6",
+           _key("delta_bytes_share"), "<=", 0.1, "a full version of the same weights"),
     Target("agent_gateway", "agent", "gateway's share of the episodes' wall time",
            _key("gateway_overhead_share"), "<=", 0.05, "the engine's own time"),
     Target("dynamic_sampling_steps", "learning_signal", "steps to 0.5, dynamic / plain, 4 x 4, 6 seeds",

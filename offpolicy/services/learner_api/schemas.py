@@ -160,8 +160,9 @@ class LearnerStatus(BaseModel):
     step) or `micro_batch` (each micro-batch); null before it starts."""
     host_memory_plan: dict[str, float] | None = None
     """The learner's host memory plan in GiB (rank 0's parts: process, startup, checkpoint_stager,
-    publish_snapshot, published_sets, cpu_offload, reference, teacher, total; and node_total, its node's ranks
-    together, which the learner refused to start above the container's limit); null before it starts."""
+    publish_snapshot, published_sets, cpu_offload, reference, teacher, delta_base, total; and node_total,
+    its node's ranks together, which the learner refused to start above the container's limit); null
+    before it starts."""
     start_way: str | None = None
     """How the learner read its policy weights at start: `slices` (lean start, each rank its own),
     `broadcast` (lean start, rank 0 read the whole checkpoint), `whole` (one process) or `whole, sharded`;

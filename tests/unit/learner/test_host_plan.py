@@ -58,3 +58,16 @@ def test_a_node_above_the_containers_limit_is_refused_with_the_knobs():
     with pytest.raises(MemoryPlanError, match=r"checkpoint.async_staging: false") as e:
         check(cfg(), P, 8, 4, True, need - GIB)
     assert f"{need / GIB:.1f} GiB" in str(e.value)
+
+
+def test_delta_versions_keep_the_last_published_version_on_the_writing_rank():
+    """`publish.delta`: the leader holds the last published version in bf16 (2 B x P) to diff the next
+    against, on one process and on N ranks; the other ranks and a LoRA learner hold nothing more."""
+    on = {"publish": {"delta": "on"}}
+    for distributed, shards in ((True, 8), (False, 1)):
+        leader = host_plan(cfg(**on), P, shards, distributed=distributed, leader=True)
+        plain = host_plan(cfg(), P, shards, distributed=distributed, leader=True)
+        assert leader.delta_base == 2 * P and leader.total == plain.total + 2 * P
+    assert host_plan(cfg(**on), P, 8, distributed=True, leader=False).delta_base == 0
+    lora = cfg(**on, lora={"rank": 8})
+    assert host_plan(lora, P, 8, distributed=True, leader=True, adapter_params=10**7).delta_base == 0

@@ -21,7 +21,6 @@ from offpolicy.actors.transport.weight_sync import WeightSync
 from offpolicy.learner.config import LearnerConfig
 from offpolicy.learner.model import make_tiny_model
 from offpolicy.learner.model.load import unique_state
-from offpolicy.learner.persist import safetensors_io
 from offpolicy.learner.persist.file_generation import (
     WeightsSnapshot,
     publish_weights,
@@ -29,6 +28,7 @@ from offpolicy.learner.persist.file_generation import (
     uri_folder,
     write_version,
 )
+from offpolicy.weights import safetensors_io
 from offpolicy.weights.manifest import read_manifest, weights_sha256
 
 

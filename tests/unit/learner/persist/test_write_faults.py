@@ -12,11 +12,11 @@ import torch
 
 from offpolicy.learner.errors import WriteFailed
 from offpolicy.learner.persist import file_generation as published_mod
-from offpolicy.learner.persist import safetensors_io
 from offpolicy.learner.persist import single as single_mod
 from offpolicy.learner.persist.file_generation import WeightsSnapshot, published_versions, write_version
 from offpolicy.learner.persist.single import CheckpointSnapshot, write_checkpoint
 from offpolicy.learner.persist.writer import BackgroundWriter
+from offpolicy.weights import safetensors_io
 
 
 def _enospc(*_args, **_kwargs):
