@@ -23,12 +23,15 @@ the others are deleted once a version is loaded (`keep_only`). The disk it needs
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import shutil
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +59,9 @@ log = logging.getLogger(__name__)
 MAX_CHAIN = 256
 """Most deltas applied for one version (`publish.full_every` bounds a chain to fewer)."""
 SHARD_BYTES = 5 * 2**30
+BUILDERS = max(1, min(8, (os.cpu_count() or 2) // 2))
+"""Threads applying and hashing tensors while the writer writes the ones before (numpy, zstd and hashlib
+release the GIL); at most twice as many tensors in flight."""
 _DELTA_FILES = (DELTA_WEIGHTS, DELTA_INDEX, MANIFEST)
 
 
@@ -72,6 +78,7 @@ class DeltaChain:
         self.root = Path(root) / f"offpolicy-{os.getpid()}"
         self.built = 0  # versions built
         self.applied = 0  # deltas applied
+        self.removed = _remove_dead(Path(root))  # what killed actors left (their folders, half-built ones)
 
     def path(self, version: int) -> Path:
         return self.root / f"v{version}"
@@ -136,7 +143,7 @@ class DeltaChain:
                 version, "checksum", f"{start} lacks {len(missing)} tensor(s): {missing[0]!r}"
             )
 
-        def take(entry: tuple[str, tuple[int, ...], torch.dtype]) -> torch.Tensor:
+        def make(entry: tuple[str, tuple[int, ...], torch.dtype]) -> torch.Tensor:
             if cancel is not None and cancel.is_set():
                 raise Cancelled(str(folder))
             name = entry[0]
@@ -160,7 +167,8 @@ class DeltaChain:
         tmp = self.root / f".tmp-v{version}-{uuid.uuid4().hex}"
         tmp.mkdir()
         try:
-            files = write_weight_files(tmp, entries, take, SHARD_BYTES)
+            with ThreadPoolExecutor(BUILDERS, thread_name_prefix="offpolicy-delta") as pool:
+                files = write_weight_files(tmp, entries, _ahead(pool, make, entries), SHARD_BYTES)
             for p in sorted(folder.iterdir()):
                 if p.is_file() and p.name not in _DELTA_FILES:  # config.json, the tokenizer's files
                     files[p.name] = write_small(tmp / p.name, p.read_bytes())
@@ -181,6 +189,21 @@ class DeltaChain:
         return Prefetched(version, final, final, "delta", read, time.perf_counter() - t0)
 
 
+def _ahead(pool: ThreadPoolExecutor, make: Callable, entries: list) -> Callable:
+    """`take` for the writer: each entry's tensor made on `pool`, at most 2 x `BUILDERS` ahead of it."""
+    jobs: collections.deque[tuple[str, Future]] = collections.deque()
+    queued = iter(entries)
+
+    def take(entry: tuple[str, tuple[int, ...], torch.dtype]) -> torch.Tensor:
+        while len(jobs) < 2 * BUILDERS and (nxt := next(queued, None)) is not None:
+            jobs.append((nxt[0], pool.submit(make, nxt)))
+        name, job = jobs.popleft()
+        assert name == entry[0], (name, entry[0])  # the writer takes them in order
+        return job.result()
+
+    return take
+
+
 def _tensor_files(folder: Path) -> dict[str, Path]:
     """Which `*.safetensors` file of `folder` holds each tensor."""
     out: dict[str, Path] = {}
@@ -188,3 +211,31 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
         with safe_open(str(p), framework="pt") as fh:
             out.update(dict.fromkeys(fh.keys(), p))
     return out
+
+
+def _remove_dead(root: Path) -> list[str]:
+    """Delete the folders of actors no longer running under `root` (`offpolicy-<pid>` whose process is
+    gone: a killed or restarted actor's built versions, a half-built one included); their names."""
+    gone = []
+    for p in root.glob("offpolicy-*") if root.is_dir() else ():
+        try:
+            pid = int(p.name.removeprefix("offpolicy-"))
+        except ValueError:
+            continue
+        if pid == os.getpid() or _alive(pid):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        gone.append(p.name)
+    if gone:
+        log.info("removed %d delta folder(s) of actors no longer running under %s", len(gone), root)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True

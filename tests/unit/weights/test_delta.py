@@ -88,39 +88,43 @@ def _same(folder: Path, want: dict[str, torch.Tensor]) -> bool:
     )
 
 
-def test_fifty_delta_versions_build_bit_equal_on_the_actor(model_dir, tmp_path):
-    """50 versions at lr 1e-4 with `full_every` 10: versions 0, 10, 20, ... whole, the others deltas much
-    smaller than a full one; the actor's folder built from each chain is bit-equal to the learner's bf16
-    weights; a chain built from the volume alone (an actor behind or restarting) too."""
+@pytest.mark.parametrize(
+    ("full_every", "versions"), [(10, 50), (100, 51)], ids=["full-every-10", "50-deltas"]
+)
+def test_delta_versions_build_bit_equal_on_the_actor(model_dir, tmp_path, full_every, versions):
+    """At lr 1e-4: every `full_every`-th version whole, the others deltas much smaller than a full one;
+    the actor's folder built from each is bit-equal to the learner's bf16 weights (50 deltas in a row
+    with `full_every` 100); the newest full version and its chain stay on the volume whatever
+    `keep_versions` says, and an actor holding nothing (behind, restarting) builds the last version from
+    them alone."""
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     g = torch.Generator().manual_seed(1)
-    deltas = DeltaVersions("on", full_every=10, share=0.25)
+    deltas = DeltaVersions("on", full_every=full_every, share=0.25)
     wdir, chain = tmp_path / "w", DeltaChain(tmp_path / "actor")
-    for v in range(50):
+    for v in range(versions):
         record = publish_weights(model, wdir, v, dtype=torch.bfloat16, keep_versions=3, delta=deltas)
         folder = version_dir(wdir, v)
-        if v % 10 == 0:
+        if v % full_every == 0:
             assert manifest_base(folder) is None and (folder / "model.safetensors").is_file()
         else:
             assert manifest_base(folder) == v - 1 and not (folder / "model.safetensors").exists()
             assert deltas.last["bytes"] < 0.5 * deltas.last["full_bytes"]
             assert 0 < deltas.last["changed_share"] < 1
         want = _published(model)
-        got = chain.build(folder, record.sha256, v) if v % 10 else None
+        got = chain.build(folder, record.sha256, v) if v % full_every else None
         if got is not None:
             assert _same(got.folder, want), v
             assert (got.folder / "config.json").is_file()
             chain.keep_only(got.folder)
         _train(model, opt, g)
-    # retention: the newest full version (40) and every delta after it stay, whatever keep_versions says
-    assert sorted(int(p.name[1:]) for p in wdir.iterdir()) == list(range(40, 50))
-    fresh = DeltaChain(tmp_path / "fresh")  # holds nothing: starts from v40 and applies nine deltas
-    last = fresh.build(
-        version_dir(wdir, 49), json.loads((version_dir(wdir, 49) / "manifest.json").read_text())["sha256"], 49
-    )
-    assert fresh.applied == 9
-    assert _same(last.folder, want)
+    last, root = versions - 1, (versions - 1) // full_every * full_every
+    assert sorted(int(p.name[1:]) for p in wdir.iterdir()) == list(range(min(root, last - 2), versions))
+    fresh = DeltaChain(tmp_path / "fresh")  # holds nothing: starts from the newest full version
+    doc = json.loads((version_dir(wdir, last) / "manifest.json").read_text())
+    built = fresh.build(version_dir(wdir, last), doc["sha256"], last)
+    assert fresh.applied == last - root
+    assert _same(built.folder, want)
 
 
 def test_auto_writes_a_version_whole_when_its_delta_passes_the_share(model_dir, tmp_path):
@@ -248,3 +252,22 @@ def test_pruning_keeps_the_chain_from_the_newest_full_version(tmp_path):
     assert sorted(int(p.name[1:]) for p in tmp_path.iterdir()) == [3, 4, 5, 6]
     assert (version_dir(tmp_path, 3) / "manifest.json").is_file()
     assert not (version_dir(tmp_path, 4) / DELTA_WEIGHTS).exists()  # a test folder: manifests alone
+
+
+def test_an_actor_killed_mid_build_leaves_nothing_behind_once_restarted(model_dir, tmp_path):
+    """A half-built version lives under a hidden name in the actor's own folder (the engine never sees
+    it); a restarted actor (another pid) removes the folders of actors no longer running, and leaves a
+    live one's alone."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    stale = tmp_path / f"offpolicy-{int(dead.stdout)}"
+    (stale / ".tmp-v7-abc").mkdir(parents=True)  # kill -9 mid-build
+    (stale / "v6").mkdir()
+    live = tmp_path / "offpolicy-1"  # pid 1 runs
+    live.mkdir()
+    chain = DeltaChain(tmp_path)
+    assert chain.removed == [stale.name] and not stale.exists() and live.is_dir()
