@@ -70,3 +70,19 @@ def test_a_lora_learner_gathers_and_publishes_its_adapter_alone(tmp_path):
         "up_proj",
         "v_proj",
     ]
+
+
+def test_delta_versions_on_two_ranks_build_bit_equal(tmp_path):
+    """`publish.delta` on N ranks: the gather streams into rank 0's writer, which writes each version whole
+    (v1, then v5: `full_every` 4 counts from the last whole one) or as its changes against the last one;
+    each version an actor builds from them is bit-equal to the sharded model's full weights in bf16; only
+    rank 0 keeps a base."""
+    model = make_tiny_model(
+        tmp_path / "model", hidden_size=256, num_heads=4, num_layers=2, intermediate_size=1024
+    )  # several buckets of 1 MiB
+    out = tmp_path / "result.json"
+    run_script("delta_ranks.py", str(model), str(tmp_path / "weights"), str(out))
+    result = json.loads(out.read_text())
+    assert [r["base"] for r in result["versions"]] == [None, 1, 2, 3, None, 5]
+    assert all(r["bit_equal"] for r in result["versions"]), result
+    assert result["delta_base_bytes"] > 0 and result["holders"] == 1
