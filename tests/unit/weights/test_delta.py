@@ -4,7 +4,6 @@ chain built from the volume, corrupt and missing links, and the retention that k
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from offpolicy.learner.model.load import unique_state
 from offpolicy.learner.persist.delta_versions import DeltaVersions
 from offpolicy.learner.persist.file_generation import prune_versions, publish_weights, version_dir
 from offpolicy.weights.delta import DELTA_INDEX, DELTA_WEIGHTS, DeltaMismatch, apply, encode, manifest_base
+from tests.unit.learner.persist.test_file_generation_uri import _Engine
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int64])
@@ -158,18 +158,6 @@ def test_a_failed_write_leaves_no_base(model_dir, tmp_path, monkeypatch):
     assert deltas.base_version is None
     publish_weights(model, tmp_path, 2, dtype=torch.bfloat16, delta=deltas)
     assert manifest_base(version_dir(tmp_path, 2)) is None
-
-
-class _Engine:
-    loaded_version, loaded_path, kind = 0, "/init", "full"
-
-    @contextlib.asynccontextmanager
-    async def paused(self):
-        yield
-
-    async def reload_weights(self, path, version, timeout_s=None, source=None):
-        assert Path(path, "model.safetensors").is_file()
-        self.loaded_version, self.loaded_path = version, source or path
 
 
 def _sync(tmp_path, engine) -> tuple[WeightSync, ActorMetrics]:

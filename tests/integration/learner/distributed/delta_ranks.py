@@ -17,24 +17,14 @@ from prometheus_client import CollectorRegistry
 from safetensors.torch import load_file
 
 from offpolicy.learner.config import LearnerConfig
-from offpolicy.learner.distributed.fsdp import shard
-from offpolicy.learner.distributed.ranks import init_from_env, leave
+from offpolicy.learner.distributed.ranks import leave
 from offpolicy.learner.metrics import LearnerMetrics
-from offpolicy.learner.model import load_model
-from offpolicy.learner.model.load import unique_state
-from offpolicy.learner.model.policy import LogProbs
-from offpolicy.learner.model.precision import Precision
 from offpolicy.learner.persist import durable_writes
-from tests.integration.learner.distributed.stream_ranks import full_weights
+from tests.integration.learner.distributed.stream_ranks import full_weights, sharded
 
 
 def main(model_dir: str, weights_dir: str, out: str) -> None:
-    ranks = init_from_env("cpu")
-    model = load_model(model_dir, "cpu", torch.float32)
-    keys = set(unique_state(model))
-    shard(
-        LogProbs(model), model.config.num_hidden_layers, Precision.resolve("fp32", torch.device("cpu")), False
-    )
+    ranks, model, keys = sharded(model_dir)
     config = LearnerConfig.model_validate({
         "model_path": model_dir,
         "publish": {"weights_dir": weights_dir, "gather_bucket_mb": 1, "delta": "on", "full_every": 4},

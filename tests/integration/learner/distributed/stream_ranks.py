@@ -31,13 +31,19 @@ from offpolicy.learner.persist import durable_writes
 BUCKET_MB = 1  # the test's model is many buckets of 1 MiB
 
 
-def main(model_dir: str, weights_dir: str, out: str) -> None:
+def sharded(model_dir: str):
+    """(ranks, the model sharded over them with FSDP2 in fp32, the names to publish)."""
     ranks = init_from_env("cpu")
     model = load_model(model_dir, "cpu", torch.float32)
     keys = set(unique_state(model))
     shard(
         LogProbs(model), model.config.num_hidden_layers, Precision.resolve("fp32", torch.device("cpu")), False
     )
+    return ranks, model, keys
+
+
+def main(model_dir: str, weights_dir: str, out: str) -> None:
+    ranks, model, keys = sharded(model_dir)
     config = LearnerConfig.model_validate(
         {"model_path": model_dir, "publish": {"weights_dir": weights_dir, "gather_bucket_mb": BUCKET_MB}}
     )
