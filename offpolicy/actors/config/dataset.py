@@ -9,6 +9,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from offpolicy.config.base import MAX_COUNT, ConfigModel, PathStr
+from offpolicy.config.vision import VisionConfig
 
 _KEY = r"^[^.\s][^\s]*$"  # a column name or a dotted path into nested objects
 
@@ -68,6 +69,14 @@ class DatasetConfig(ConfigModel):
     )
     """Columns (or dotted paths) copied into the metadata as `metadata_keys` are, when a record has them
     (objects as JSON); none = nothing more."""
+    image_key: str | None = Field(None, pattern=_KEY, max_length=256)
+    """The column (or dotted path) of a record's images (one, or a list): bytes, `{bytes, path}` as
+    `datasets` stores an `Image`, a path relative to the dataset's folder, or a `data:` URL
+    (actors/data/images.py); a record without it has none. The prompt's `<image>` placeholders, when it has
+    any, must match their count. None = text only (the `verl` and `trl` presets read `images`)."""
+    vision: VisionConfig = VisionConfig()
+    """What each image may be (size, format, count per prompt) and the processor's pixel budget; a record
+    whose image is refused is left out, named with the image's key and index (config/vision.py)."""
     preset: Literal["plain", "verl", "trl"] | None = None
     """A layout's keys by name, as `DatasetConfig.verl` / `.trl` set them (`preset: verl` in YAML); keys
     given beside it win. None = the keys as given."""
@@ -107,7 +116,8 @@ DATASET_PRESETS: dict[str, dict[str, Any]] = {
         "optional_metadata_keys": ["ability", "extra_info"],
         "id_key": "extra_info.index",
         "chat_template": True,
+        "image_key": "images",
     },
-    "trl": {"chat_template": True},
+    "trl": {"chat_template": True, "image_key": "images"},
 }
 """The keys each `DatasetConfig.preset` sets (keys given beside it win)."""

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from offpolicy.actors.data.prompts import Prompt, encode, load_prompts
+from offpolicy.actors.data.prompts import Prompt, encode, load_prompts, text_only
 from offpolicy.actors.errors import PromptFailed, RewardError
 from offpolicy.actors.rollout.episodes import Environment, Episode, as_result
 from offpolicy.actors.rollout.rewards import extra_means
@@ -49,7 +49,7 @@ class Evaluator:
         assert config.eval is not None
         self.config, self.eval, self.engine = config, config.eval, engine
         ds = self.eval.dataset
-        prompts = load_prompts(ds)[: self.eval.max_prompts]
+        prompts = text_only(load_prompts(ds), ds.path)[: self.eval.max_prompts]
         self.prompts: list[tuple[Prompt, list[int]]] = [
             (p, encode(engine.tokenizer, p, ds.chat_template, ds.system_prompt)) for p in prompts
         ]

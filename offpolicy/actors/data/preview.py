@@ -1,6 +1,7 @@
 """`offpolicy data preview`: a dataset's first records as the actor sees them (the prompt after the chat
-template, its token count, the answer, the metadata), and how many records it has and how many lack an
-answer. A bad file fails here, with the row and the key, before any engine starts."""
+template, its token count, the answer, the metadata, each image's format, size and bytes), and how many
+records it has, how many lack an answer, how many carry images, and each record left out for an image.
+A bad file fails here, with the row and the key, before any engine starts."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def preview(
 ) -> dict[str, Any]:
     """The report as data: `records`, `with_answer`, the keys used, and the first `n` records (`rendered`
     and `tokens` only with a tokenizer). Raises `DatasetError` as the actor would at start-up."""
-    prompts = load_prompts(dataset)
+    refused: list[str] = []
+    prompts = load_prompts(dataset, refused=refused)
     first = []
     for p in prompts[:n]:
         rendered = tokens = None
@@ -38,6 +40,7 @@ def preview(
                 "tokens": tokens,
                 "answer": p.answer,
                 "metadata": p.metadata,
+                "images": [im.describe() for im in p.images],
             }
         )
     return {
@@ -46,7 +49,7 @@ def preview(
         "records": len(prompts),
         "with_answer": sum(p.answer is not None for p in prompts),
         "keys": dataset.model_dump(
-            include={"prompt_key", "answer_key", "metadata_keys", "id_key", "system_prompt_key"}
+            include={"prompt_key", "answer_key", "metadata_keys", "id_key", "system_prompt_key", "image_key"}
         ),
         "chat_template": (
             dataset.chat_template
@@ -54,6 +57,9 @@ def preview(
             else uses_chat_template(tokenizer, dataset.chat_template)
         ),
         "first": first,
+        "with_images": sum(bool(p.images) for p in prompts),
+        "images": sum(len(p.images) for p in prompts),
+        "refused": refused,
         "layout_hint": layout_hint(dataset),
     }
 
@@ -92,6 +98,10 @@ def format_report(report: dict[str, Any]) -> str:
             f"WARNING: {missing} records have no `{keys['answer_key']}`: a reward that needs an answer "
             "(math_answer, exact_match) fails on them (reason no_answer)"
         )
+    if report["images"]:
+        lines.append(f"images: {report['images']} in {report['with_images']} records (`{keys['image_key']}`)")
+    for message in report["refused"]:
+        lines.append(f"REFUSED: {message}")
     for r in report["first"]:
         lines += ["", f"--- record {r['index']} (id {r['id']})", f"text: {r['text']}"]
         if r["messages"] is not None:
@@ -103,6 +113,11 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"answer: {r['answer']!r}")
         if r["metadata"]:
             lines.append(f"metadata: {json.dumps(r['metadata'], ensure_ascii=False)}")
+        for k, im in enumerate(r["images"]):
+            lines.append(
+                f"image {k}: {im['format']} {im['width']}x{im['height']}, {im['bytes']} bytes, "
+                f"sha256 {im['sha256']}"
+            )
     return "\n".join(lines)
 
 

@@ -17,6 +17,7 @@ index is `i` modulo `N`, so the actors together cover every row exactly once per
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from offpolicy.actors.config import DatasetConfig
+from offpolicy.actors.data.images import ImageRefused, PromptImage, read_images
 from offpolicy.actors.data.sources import read_rows
 from offpolicy.actors.errors import DatasetError
 
@@ -33,6 +35,9 @@ if TYPE_CHECKING:
 
 Message = dict[str, Any]
 _MISSING = object()
+IMAGE_PLACEHOLDER = "<image>"
+"""Where an image goes in a prompt's text (verl's multimodal layout); none = the images come first."""
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,14 +51,30 @@ class Prompt:
     metadata: dict[str, str] = field(default_factory=dict)
     messages: tuple[Message, ...] | None = None  # the conversation (chat prompts); None for a string
     system: str | None = None  # this record's system prompt (`system_prompt_key`); None = the config's
+    images: tuple[PromptImage, ...] = ()  # its images (`image_key`), checked (actors/data/images.py)
 
 
-def load_prompts(dataset: DatasetConfig | str | Path, limit: int | None = None) -> list[Prompt]:
+def load_prompts(
+    dataset: DatasetConfig | str | Path, limit: int | None = None, refused: list[str] | None = None
+) -> list[Prompt]:
     """Every record of the dataset (the first `limit` with one), in order; `DatasetError` names the bad
-    one (row and key). A path alone reads with the default keys."""
+    one (row and key). A path alone reads with the default keys. A record whose image is refused
+    (actors/data/images.py) is left out, logged, and named in `refused` when given; the rest is read on
+    (none left is a `DatasetError`)."""
     cfg = dataset if isinstance(dataset, DatasetConfig) else DatasetConfig(path=str(dataset))
     rows = read_rows(cfg.path, cfg.split)[:limit]
-    prompts = [_record(i, raw, where, cfg) for i, (where, raw) in enumerate(rows)]
+    base = Path(cfg.path).parent if Path(cfg.path).is_file() else Path(cfg.path)
+    prompts, left_out = [], []
+    for i, (where, raw) in enumerate(rows):
+        try:
+            prompts.append(_record(i, raw, where, cfg, base))
+        except ImageRefused as e:
+            left_out.append(f"{where}: record left out: {e}")
+            log.warning("%s", left_out[-1])
+    if refused is not None:
+        refused.extend(left_out)
+    if rows and not prompts:
+        raise DatasetError(f"{cfg.path}: every record was left out for its images; the first: {left_out[0]}")
     if cfg.chat_template is False:
         chat = next((p for p in prompts if p.messages is not None), None)
         if chat is not None:
@@ -64,7 +85,20 @@ def load_prompts(dataset: DatasetConfig | str | Path, limit: int | None = None) 
     return prompts
 
 
-def _record(index: int, raw: Any, where: str, cfg: DatasetConfig) -> Prompt:
+def text_only(prompts: Sequence[Prompt], path: str) -> list[Prompt]:
+    """`prompts`, refused (`DatasetError`) when one has images: the engine is sent text alone today, and
+    a vision-language model trained on prompts whose images it never saw would learn from the wrong
+    inputs without a sign."""
+    first = next((p for p in prompts if p.images), None)
+    if first is not None:
+        raise DatasetError(
+            f"{path}: record {first.index} has {len(first.images)} image(s), which the actor does not send "
+            "to the model yet: set dataset.image_key: null to train on the text alone"
+        )
+    return list(prompts)
+
+
+def _record(index: int, raw: Any, where: str, cfg: DatasetConfig, base: Path = Path(".")) -> Prompt:
     if not isinstance(raw, Mapping):
         raise DatasetError(f"{where}: a record must be an object, got {type(raw).__name__}")
     value = _lookup(raw, cfg.prompt_key)
@@ -86,6 +120,16 @@ def _record(index: int, raw: Any, where: str, cfg: DatasetConfig) -> Prompt:
             f"got {value!r}"
         )
     answer = _answer(_lookup(raw, cfg.answer_key))
+    images: tuple[PromptImage, ...] = ()
+    if cfg.image_key is not None and (got := _lookup(raw, cfg.image_key)) is not _MISSING:
+        images = read_images(got, cfg.image_key, base, cfg.vision)
+        holes = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages) if messages else 0
+        holes = holes if messages else text.count(IMAGE_PLACEHOLDER)
+        if holes and holes != len(images):
+            raise ImageRefused(
+                cfg.image_key, min(holes, len(images)),
+                f"the prompt has {holes} {IMAGE_PLACEHOLDER} placeholder(s) for {len(images)} image(s)",
+            )  # fmt: skip
     return Prompt(
         index=index,
         prompt_id=_id(raw, cfg.id_key, index),
@@ -94,6 +138,7 @@ def _record(index: int, raw: Any, where: str, cfg: DatasetConfig) -> Prompt:
         metadata=_metadata(raw, cfg.metadata_keys, where) | _optional(raw, cfg.optional_metadata_keys),
         messages=None if messages is None else tuple(messages),
         system=_system(raw, cfg.system_prompt_key, where),
+        images=images,
     )
 
 

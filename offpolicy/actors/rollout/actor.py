@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry
 
 from offpolicy.actors.config import ActorConfig
 from offpolicy.actors.data.evaluation import Evaluator
-from offpolicy.actors.data.prompts import Prompt, epoch_batches, load_prompts, shard
+from offpolicy.actors.data.prompts import Prompt, epoch_batches, load_prompts, shard, text_only
 from offpolicy.actors.engine.vllm import VLLMEngine
 from offpolicy.actors.errors import ActorNotRunning, DatasetError
 from offpolicy.actors.gateway.agent_episodes import Gateway
@@ -70,7 +70,11 @@ class Actor:
         self.prompts = (
             []
             if config.dataset is None
-            else shard(load_prompts(config.dataset), config.actor_index, config.num_actors)
+            else shard(
+                text_only(load_prompts(config.dataset), config.dataset.path),
+                config.actor_index,
+                config.num_actors,
+            )
         )
         if config.dataset is not None and not self.prompts:
             raise DatasetError(

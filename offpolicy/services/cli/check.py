@@ -93,7 +93,7 @@ def _imports(actor: Any, where: str, report: Report) -> None:
 def _dataset(dataset: Any, field: str, where: str, report: Report) -> None:
     """The dataset's first records read with its keys; a known layout read with the wrong keys fails."""
     from offpolicy.actors.data.preview import layout_hint
-    from offpolicy.actors.data.prompts import load_prompts
+    from offpolicy.actors.data.prompts import load_prompts, text_only
     from offpolicy.actors.errors import DatasetError
 
     if not Path(dataset.path).exists():
@@ -104,7 +104,8 @@ def _dataset(dataset: Any, field: str, where: str, report: Report) -> None:
         if hint is not None:
             report.fail(where, f"{field}: {hint}")
             return
-        prompts = load_prompts(dataset, FIRST_ROWS)
+        refused: list[str] = []
+        prompts = text_only(load_prompts(dataset, FIRST_ROWS, refused), dataset.path)
     except DatasetError as e:
         report.fail(where, f"{field}: {e}")
         return
@@ -112,6 +113,7 @@ def _dataset(dataset: Any, field: str, where: str, report: Report) -> None:
     report.lines.append(
         f"{field}: {dataset.path}: the first {len(prompts)} records read, {answered} with an answer "
         f"(`{dataset.answer_key}`)"
+        + (f"; {len(refused)} left out for their images (the first: {refused[0]})" if refused else "")
     )
 
 
