@@ -75,8 +75,8 @@ class DatasetConfig(ConfigModel):
     (actors/data/images.py); a record without it has none. The prompt's `<image>` placeholders, when it has
     any, must match their count. None = text only (the `verl` and `trl` presets read `images`)."""
     vision: VisionConfig = VisionConfig()
-    """What each image may be (size, format, count per prompt) and the processor's pixel budget; a record
-    whose image is refused is left out, named with the image's key and index (config/vision.py)."""
+    """What each image may be (size, format, count per prompt); a record whose image is refused is left
+    out, named with the image's key and index (config/vision.py)."""
     preset: Literal["plain", "verl", "trl"] | None = None
     """A layout's keys by name, as `DatasetConfig.verl` / `.trl` set them (`preset: verl` in YAML); keys
     given beside it win. None = the keys as given."""

@@ -111,9 +111,9 @@ def test_a_dataset_whose_every_record_is_refused_fails_and_the_actor_refuses_ima
     assert text_only(load_prompts(DatasetConfig(path=str(path))), str(path))[0].images == ()  # image_key null
 
 
-def test_the_pixel_budget_is_ordered_and_the_image_count_bounded(tmp_path):
-    with pytest.raises(ValidationError, match="min_pixels"):
-        VisionConfig(min_pixels=10, max_pixels=5)
+def test_the_image_count_is_bounded_and_the_limits_checked(tmp_path):
+    with pytest.raises(ValidationError, match="formats"):
+        VisionConfig(formats=["TIFF"])
     (tmp_path / "a.png").write_bytes(_png())
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"prompt": "x", "images": ["a.png"] * 3}) + "\n" + json.dumps({"prompt": "y"}))
