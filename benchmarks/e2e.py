@@ -78,7 +78,7 @@ def run_sync(root: Path, model: str, dataset: Path, redis_url: str, steps: int) 
     from offpolicy.actors.rollout.submit import make_groups, stamped_sampling
     from offpolicy.buffer.replay_buffer import ReplayBuffer
     from offpolicy.learner.config import LearnerConfig
-    from offpolicy.learner.persist.file_generation import version_dir
+    from offpolicy.learner.persist.version_folders import version_dir
     from offpolicy.learner.trainer import Learner
 
     run = root / "sync"

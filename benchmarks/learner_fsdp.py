@@ -53,7 +53,7 @@ from offpolicy.buffer.replay_buffer import ReplayBuffer
 from offpolicy.learner.config import LearnerConfig
 from offpolicy.learner.distributed.layout import Layout
 from offpolicy.learner.model import load_model, make_tiny_model
-from offpolicy.learner.persist.file_generation import published_versions, version_dir
+from offpolicy.learner.persist.version_folders import published_versions, version_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -46,7 +46,8 @@ from offpolicy.actors.transport.prefetch import prefetch_folder
 from offpolicy.learner.model import make_tiny_model
 from offpolicy.learner.model.load import unique_state
 from offpolicy.learner.persist.delta_versions import DeltaVersions
-from offpolicy.learner.persist.file_generation import publish_weights, version_dir
+from offpolicy.learner.persist.file_generation import publish_weights
+from offpolicy.learner.persist.version_folders import version_dir
 
 SHAPES = {
     "1.3b-width": {"hidden_size": 1536, "num_heads": 12, "num_kv_heads": 2, "intermediate_size": 8960,

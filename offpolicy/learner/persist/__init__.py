@@ -22,10 +22,9 @@ from offpolicy.learner.persist.file_generation import (
     WeightsSnapshot,
     publish_snapshot,
     publish_weights,
-    published_versions,
-    version_dir,
 )
 from offpolicy.learner.persist.single import FileCheckpoints
+from offpolicy.learner.persist.version_folders import published_versions, version_dir
 from offpolicy.learner.persist.writer import BackgroundWriter, WeightsBuffers
 
 __all__ = [

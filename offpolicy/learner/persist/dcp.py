@@ -53,7 +53,7 @@ from offpolicy.learner.persist.checkpoint import (
     rng_state,
     saved_names,
 )
-from offpolicy.learner.persist.file_generation import remove_folder
+from offpolicy.learner.persist.version_folders import remove_folder
 from offpolicy.learner.persist.writer import back_pressure
 from offpolicy.weights.safetensors_io import write_safetensors
 

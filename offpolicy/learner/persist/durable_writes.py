@@ -43,10 +43,10 @@ from offpolicy.learner.persist.file_generation import (
     WeightsSnapshot,
     adapter_state,
     publish_snapshot,
-    remove_leftovers,
     uri_folder,
 )
 from offpolicy.learner.persist.single import FileCheckpoints
+from offpolicy.learner.persist.version_folders import remove_leftovers
 from offpolicy.learner.persist.writer import BackgroundWriter, Kind, WeightsBuffers
 from offpolicy.weights.safetensors_io import TensorStream
 

@@ -39,7 +39,8 @@ from offpolicy.learner.persist.checkpoint import (
     rng_state,
     saved_names,
 )
-from offpolicy.learner.persist.file_generation import HostCopy, remove_folder
+from offpolicy.learner.persist.file_generation import HostCopy
+from offpolicy.learner.persist.version_folders import remove_folder
 from offpolicy.learner.persist.writer import BackgroundWriter
 from offpolicy.weights.safetensors_io import write_safetensors
 

@@ -15,7 +15,7 @@ import pytest
 from deploy.checks import ROOT, SERVICE_CONFIGS, interpolate, load_compose, read_env_file
 from offpolicy.buffer.replay_buffer import ReplayBuffer
 from offpolicy.learner.persist.checkpoint import checkpoint_versions
-from offpolicy.learner.persist.file_generation import published_versions
+from offpolicy.learner.persist.version_folders import published_versions
 from offpolicy.services.children import ServiceProcess, start_service
 from offpolicy.services.common.errors import ChildProcessFailed
 from tests.integration.services.test_health import TINY, wait_for

@@ -22,7 +22,7 @@ import pytest
 
 from offpolicy.buffer.replay_buffer import ReplayBuffer
 from offpolicy.learner.persist.checkpoint import checkpoint_versions
-from offpolicy.learner.persist.file_generation import published_versions, version_dir
+from offpolicy.learner.persist.version_folders import published_versions, version_dir
 from offpolicy.weights.manifest import file_sha256, read_manifest
 from tests.integration.learner.test_delivery import CHILD, ROOT, step_lines, train_to_the_end
 from tests.integration.learner.test_loop import config, covering_groups, tiny_dir  # noqa: F401

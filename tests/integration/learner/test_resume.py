@@ -16,7 +16,7 @@ import torch
 from offpolicy.buffer.replay_buffer import ReplayBuffer
 from offpolicy.learner.model import load_model, make_tiny_model
 from offpolicy.learner.persist.checkpoint import checkpoint_versions
-from offpolicy.learner.persist.file_generation import published_versions
+from offpolicy.learner.persist.version_folders import published_versions
 from offpolicy.learner.trainer import Learner
 from offpolicy.weights.manifest import read_manifest, weights_sha256
 from offpolicy.weights.record import PolicyStore
@@ -28,7 +28,7 @@ CHILD = """
 import sys, threading
 from offpolicy.learner.config import LearnerConfig
 from offpolicy.learner.trainer import Learner
-from offpolicy.learner.persist.file_generation import published_versions
+from offpolicy.learner.persist.version_folders import published_versions
 from offpolicy.weights.manifest import read_manifest
 cfg = LearnerConfig.model_validate_json(open(sys.argv[1]).read())
 Learner(cfg).run(threading.Event())

@@ -15,7 +15,7 @@ import pytest
 from offpolicy.buffer.replay_buffer import ReplayBuffer
 from offpolicy.learner.model import load_model
 from offpolicy.learner.persist.checkpoint import checkpoint_versions
-from offpolicy.learner.persist.file_generation import published_versions
+from offpolicy.learner.persist.version_folders import published_versions
 from offpolicy.learner.trainer import Learner
 from offpolicy.weights import safetensors_io
 from offpolicy.weights.manifest import read_manifest

@@ -22,7 +22,8 @@ from offpolicy.actors.transport.weight_sync import WeightSync
 from offpolicy.learner.model import make_tiny_model
 from offpolicy.learner.model.load import unique_state
 from offpolicy.learner.persist.delta_versions import DeltaVersions
-from offpolicy.learner.persist.file_generation import prune_versions, publish_weights, version_dir
+from offpolicy.learner.persist.file_generation import publish_weights
+from offpolicy.learner.persist.version_folders import prune_versions, version_dir
 from offpolicy.weights.delta import DELTA_INDEX, DELTA_WEIGHTS, DeltaMismatch, apply, encode, manifest_base
 from tests.unit.learner.persist.test_file_generation_uri import _Engine
 

@@ -48,7 +48,7 @@ def main(model_dir: str, weights_dir: str, out: str) -> None:
         want = full_weights(model, keys)
         persist.flush()
         if ranks.is_leader:
-            from offpolicy.learner.persist.file_generation import version_dir
+            from offpolicy.learner.persist.version_folders import version_dir
             from offpolicy.weights.delta import manifest_base
             from offpolicy.weights.manifest import read_manifest
 

@@ -83,7 +83,7 @@ def main(model_dir: str, weights_dir: str, out: str) -> None:
     persist.flush()
     persist.close()
     if ranks.is_leader:
-        from offpolicy.learner.persist.file_generation import published_versions, version_dir
+        from offpolicy.learner.persist.version_folders import published_versions, version_dir
 
         got = {}
         for v in published_versions(weights_dir):

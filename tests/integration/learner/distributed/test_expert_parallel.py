@@ -29,7 +29,7 @@ from offpolicy.learner.model.precision import Precision
 from offpolicy.learner.model.tiny import make_tiny_moe_model
 from offpolicy.learner.persist.checkpoint import checkpoint_versions
 from offpolicy.learner.persist.dcp import load_sharded
-from offpolicy.learner.persist.file_generation import published_versions, version_dir
+from offpolicy.learner.persist.version_folders import published_versions, version_dir
 from offpolicy.learner.trainer import Learner
 from tests.integration.learner.distributed.test_fsdp import make_config, torchrun
 from tests.integration.learner.distributed.torchrun import run_script

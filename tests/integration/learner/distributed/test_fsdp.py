@@ -21,7 +21,7 @@ import yaml
 from offpolicy.buffer.replay_buffer import ReplayBuffer
 from offpolicy.learner.model import load_model, make_tiny_model
 from offpolicy.learner.persist.checkpoint import checkpoint_versions
-from offpolicy.learner.persist.file_generation import published_versions, version_dir
+from offpolicy.learner.persist.version_folders import published_versions, version_dir
 from offpolicy.learner.trainer import Learner
 from offpolicy.weights.record import PolicyStore
 from tests.integration.learner.distributed.torchrun import ROOT, torchrun_argv, torchrun_env

@@ -11,7 +11,7 @@ import yaml
 from offpolicy.buffer.replay_buffer import ReplayBuffer
 from offpolicy.learner.model import load_model
 from offpolicy.learner.persist.checkpoint import checkpoint_versions
-from offpolicy.learner.persist.file_generation import version_dir
+from offpolicy.learner.persist.version_folders import version_dir
 from offpolicy.learner.trainer import Learner
 from tests.integration.learner.distributed.test_fsdp import (  # noqa: F401 (groups, tiny2: fixtures)
     STEPS,

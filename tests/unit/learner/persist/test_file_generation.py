@@ -19,13 +19,11 @@ from offpolicy.learner.model.load import unique_state
 from offpolicy.learner.persist import file_generation as weights_mod
 from offpolicy.learner.persist.file_generation import (
     WeightsSnapshot,
-    prune_versions,
     publish_weights,
-    published_versions,
-    remove_leftovers,
     snapshot_to_host,
     write_version,
 )
+from offpolicy.learner.persist.version_folders import prune_versions, published_versions, remove_leftovers
 from offpolicy.learner.persist.writer import BackgroundWriter, WeightsBuffers
 from offpolicy.weights.manifest import read_manifest, weights_sha256
 

@@ -13,8 +13,9 @@ import torch
 from offpolicy.learner.errors import WriteFailed
 from offpolicy.learner.persist import file_generation as published_mod
 from offpolicy.learner.persist import single as single_mod
-from offpolicy.learner.persist.file_generation import WeightsSnapshot, published_versions, write_version
+from offpolicy.learner.persist.file_generation import WeightsSnapshot, write_version
 from offpolicy.learner.persist.single import CheckpointSnapshot, write_checkpoint
+from offpolicy.learner.persist.version_folders import published_versions
 from offpolicy.learner.persist.writer import BackgroundWriter
 from offpolicy.weights import safetensors_io
 
