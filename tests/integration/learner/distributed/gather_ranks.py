@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from offpolicy.learner.distributed.fsdp import shard
 from offpolicy.learner.distributed.gather import GatheredWeights
+from offpolicy.learner.distributed.ranks import leave
 from offpolicy.learner.model import load_model
 from offpolicy.learner.model.load import unique_state
 from offpolicy.learner.model.policy import LogProbs
@@ -64,7 +65,7 @@ def main(model_dir: str, dtype_name: str, out: str) -> None:
     else:
         assert not small.tensors and not first and not sent  # rank 1 holds nothing, sends nothing
     dist.barrier()  # rank 1 must not tear gloo down while rank 0 still compares (it aborted under load)
-    dist.destroy_process_group()
+    leave()  # the groups destroyed, no interpreter teardown (ranks.leave: a finished gloo rank aborted there)
 
 
 class FilesOnce:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from offpolicy.learner.distributed.fsdp import shard
 from offpolicy.learner.distributed.lean import broadcast_from_rank0, load_shards, materialize, meta_model
+from offpolicy.learner.distributed.ranks import leave
 from offpolicy.learner.model import load_model
 from offpolicy.learner.model.policy import LogProbs
 from offpolicy.learner.model.precision import Precision
@@ -59,7 +60,7 @@ def main(model_dir: str, renamed_dir: str, out: str) -> None:
     with open(f"{out}.{dist.get_rank()}", "w") as fh:
         json.dump(result, fh)
     dist.barrier()
-    dist.destroy_process_group()
+    leave()  # the groups destroyed, no interpreter teardown (ranks.leave: a finished gloo rank aborted there)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from offpolicy.learner.distributed.fsdp import fsdp_mesh, shard
+from offpolicy.learner.distributed.ranks import leave
 from offpolicy.learner.model import load_model
 from offpolicy.learner.model.load import unique_state
 from offpolicy.learner.model.policy import LogProbs
@@ -55,7 +56,7 @@ def main(model_dir: str, replicate: str, out: str) -> None:
             fh,
         )
     dist.barrier()
-    dist.destroy_process_group()
+    leave()  # the groups destroyed, no interpreter teardown (ranks.leave: a finished gloo rank aborted there)
 
 
 if __name__ == "__main__":

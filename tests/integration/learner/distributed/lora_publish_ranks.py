@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from offpolicy.learner.config import LearnerConfig
 from offpolicy.learner.config.lora import LoraConfig
 from offpolicy.learner.distributed.fsdp import shard
-from offpolicy.learner.distributed.ranks import init_from_env
+from offpolicy.learner.distributed.ranks import init_from_env, leave
 from offpolicy.learner.metrics import LearnerMetrics
 from offpolicy.learner.model import load_model, lora
 from offpolicy.learner.model.load import unique_state
@@ -70,7 +70,7 @@ def main(model_dir: str, weights_dir: str, out: str) -> None:
         with open(out, "w") as fh:
             json.dump(result, fh)
     dist.barrier()
-    dist.destroy_process_group()
+    leave()  # the groups destroyed, no interpreter teardown (ranks.leave: a finished gloo rank aborted there)
 
 
 if __name__ == "__main__":

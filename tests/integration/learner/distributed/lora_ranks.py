@@ -18,6 +18,7 @@ from offpolicy.learner.batch import collate
 from offpolicy.learner.build import build_reference, build_trainables
 from offpolicy.learner.config import LearnerConfig
 from offpolicy.learner.distributed import lean
+from offpolicy.learner.distributed.ranks import leave
 from offpolicy.learner.model import Precision, lora
 from tests.unit.learner.rl.test_microbatches import ragged_groups
 
@@ -113,7 +114,7 @@ def main(model_dir: str, out: str) -> None:
     with open(f"{out}.{dist.get_rank()}", "w") as fh:
         json.dump(result, fh)
     dist.barrier()
-    dist.destroy_process_group()
+    leave()  # the groups destroyed, no interpreter teardown (ranks.leave: a finished gloo rank aborted there)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from offpolicy.learner.distributed.fsdp import shard
-from offpolicy.learner.distributed.ranks import Ranks
+from offpolicy.learner.distributed.ranks import Ranks, leave
 from offpolicy.learner.model import load_model, load_tokenizer
 from offpolicy.learner.model.load import unique_state
 from offpolicy.learner.model.policy import LogProbs
@@ -79,7 +79,7 @@ def main(model_dir: str, redis_url: str, run_id: str, weights: str, out: str) ->
         )
     transport.close()
     dist.barrier()
-    dist.destroy_process_group()
+    leave()  # the groups destroyed, no interpreter teardown (ranks.leave: a finished gloo rank aborted there)
 
 
 def vllm_m2n_source(model: torch.nn.Module, rank: int) -> dict:

@@ -20,7 +20,7 @@ from offpolicy.learner.config import LearnerConfig
 from offpolicy.learner.config.publish import STREAM_DEPTH
 from offpolicy.learner.distributed.fsdp import shard
 from offpolicy.learner.distributed.gather import full_tensor
-from offpolicy.learner.distributed.ranks import init_from_env
+from offpolicy.learner.distributed.ranks import init_from_env, leave
 from offpolicy.learner.metrics import LearnerMetrics
 from offpolicy.learner.model import load_model
 from offpolicy.learner.model.load import unique_state
@@ -101,7 +101,7 @@ def main(model_dir: str, weights_dir: str, out: str) -> None:
         with open(out, "w") as fh:
             json.dump(result, fh)
     dist.barrier()
-    dist.destroy_process_group()
+    leave()  # the groups destroyed, no interpreter teardown (ranks.leave: a finished gloo rank aborted there)
 
 
 def waits_in_put(thread: threading.Thread) -> bool:
