@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +36,9 @@ from offpolicy.weights.delta import (
     tensor_sha256,
 )
 from offpolicy.weights.safetensors_io import Entry, write_safetensors, write_small
+
+if TYPE_CHECKING:
+    from offpolicy.learner.config import LearnerConfig
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,21 @@ class DeltaVersions:
         self.base_version: int | None = None
         self.chain = 0  # deltas written since the last full version
         self.last: dict[str, Any] = {}  # the last version's figures (kind, bytes, changed share)
+
+    @classmethod
+    def of(cls, config: LearnerConfig, writer: bool) -> DeltaVersions | None:
+        """The learner's, when `publish.delta` is on and this rank writes the versions (none under LoRA:
+        an adapter is published whole)."""
+        pc = config.publish
+        if pc.delta == "off" or config.lora is not None or not writer:
+            return None
+        return cls(pc.delta, pc.full_every, pc.delta_share)
+
+    @property
+    def bytes_share(self) -> float:
+        """The last version's bytes over a full version's (1.0 when it was written whole)."""
+        last = self.last
+        return last["bytes"] / last["full_bytes"] if last.get("kind") == "delta" else 1.0
 
     @property
     def base_bytes(self) -> int:

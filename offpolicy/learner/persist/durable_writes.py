@@ -104,12 +104,7 @@ class Persistence:
         self._waiting: tuple[int, BackgroundGather] | None = None  # N ranks, streamed: the next to gather
         self.keep_gathered = False  # N ranks: the leader keeps each gathered version (a transport sends it)
         self._coalesced_seen = 0
-        pc = config.publish
-        self.deltas = (
-            DeltaVersions(pc.delta, pc.full_every, pc.delta_share)
-            if pc.delta != "off" and config.lora is None and ranks.is_leader
-            else None
-        )  # publish.delta: the last published version, on the writing rank
+        self.deltas = DeltaVersions.of(config, ranks.is_leader)  # publish.delta, on the writing rank
         self.published_version: int | None = None  # newest version announced to the actors
         self.durable_checkpoint_version: int | None = None  # newest checkpoint on disk
         self.troubles: dict[Kind, dict[str, Any]] = {}  # kinds whose writes fail now (OSError), for status
@@ -196,19 +191,12 @@ class Persistence:
                 generation_config=getattr(model, "generation_config", None),
                 adapter=adapter,
             )
+            kept, root = pc.keep_versions, pc.weights_root
             record = publish_snapshot(
-                snap,
-                wdir,
-                store=store,
-                keep_versions=pc.keep_versions,
-                weights_root=pc.weights_root,
-                delta=deltas,
+                snap, wdir, store=store, keep_versions=kept, weights_root=root, delta=deltas
             )
             if deltas is not None:
-                last = deltas.last
-                self.metrics.publish_delta_share.set(
-                    last["bytes"] / last["full_bytes"] if last.get("kind") == "delta" else 1.0
-                )
+                self.metrics.publish_delta_share.set(deltas.bytes_share)
             return record
 
         return write

@@ -70,7 +70,12 @@ def main(model_dir: str, weights_dir: str, out: str) -> None:
     dist.all_reduce(holders)  # the ranks that keep a base: rank 0 alone
     persist.close()
     if ranks.is_leader:
-        result = {"versions": rows, "delta_base_bytes": persist.deltas.base_bytes, "holders": int(holders)}
+        result = {
+            "versions": rows,
+            "delta_base_bytes": persist.deltas.base_bytes,
+            "holders": int(holders),
+            "delta_share_gauge": persist.metrics.publish_delta_share._value.get(),  # v6's, a delta
+        }
         with open(out, "w") as fh:
             json.dump(result, fh)
     dist.barrier()

@@ -86,3 +86,4 @@ def test_delta_versions_on_two_ranks_build_bit_equal(tmp_path):
     assert [r["base"] for r in result["versions"]] == [None, 1, 2, 3, None, 5]
     assert all(r["bit_equal"] for r in result["versions"]), result
     assert result["delta_base_bytes"] > 0 and result["holders"] == 1
+    assert 0 < result["delta_share_gauge"] < 1  # offpolicy_learner_publish_delta_share of the last version
