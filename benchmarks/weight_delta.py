@@ -126,6 +126,7 @@ def run_lr(model_dir: Path, work: Path, lr: float, versions: int, vocab: int) ->
 
     return {
         "lr": lr,
+        "params": sum(p.numel() for p in model.parameters()),
         "delta_bytes_share": med("delta_bytes_share"),
         "delta_bytes_share_max": max(r["delta_bytes_share"] for r in rows),
         "changed_value_share": med("changed_value_share"),
@@ -159,14 +160,11 @@ def main() -> None:
 
         cfg = AutoConfig.from_pretrained(model_dir)
         runs = [run_lr(model_dir, work, lr, args.versions, cfg.vocab_size) for lr in lrs]
-        from transformers import AutoModelForCausalLM
-
-        params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
     first = runs[0]
     out = {
         "shape": args.shape,
         "layers": args.layers,
-        "params": params,
+        "params": runs[0]["params"],
         "versions": args.versions,
         "runs": runs,
         "lr": first["lr"],
@@ -184,7 +182,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(out))
         return
-    print(f"{args.shape} x {args.layers} layers ({params / 1e6:.0f}M parameters), bf16 versions")
+    print(f"{args.shape} x {args.layers} layers ({out['params'] / 1e6:.0f}M parameters), bf16 versions")
     for r in runs:
         print(
             f"  lr {r['lr']:g}: delta {r['delta_bytes_share']:.4f} of a full version (max "

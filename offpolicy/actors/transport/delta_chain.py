@@ -134,8 +134,8 @@ class DeltaChain:
             except DeltaMismatch as e:
                 raise WeightLoadError(version, "checksum", f"v{v}: {e}") from e
             read += sum(f["bytes"] for f in doc["files"].values())
-        order = DeltaIndex.read(folder).tensors
-        entries = [(t["name"], tuple(t["shape"]), DTYPES[t["dtype"]]) for t in order]
+        # the target is the chain's last link: its index lists every tensor, in file order
+        entries = [(t["name"], tuple(t["shape"]), DTYPES[t["dtype"]]) for t in steps[-1][1].values()]
         sources = _tensor_files(start)
         missing = [name for name, _, _ in entries if name not in sources]
         if missing:
