@@ -16,14 +16,14 @@ from offpolicy.learner.persist.checkpoint import (
     read_meta,
 )
 from offpolicy.learner.persist.dcp import ShardedCheckpoints
-from offpolicy.learner.persist.durable_writes import Persistence, make_checkpoints
+from offpolicy.learner.persist.durable_writes import Persistence
 from offpolicy.learner.persist.file_generation import (
     HostCopy,
     WeightsSnapshot,
     publish_snapshot,
     publish_weights,
 )
-from offpolicy.learner.persist.single import FileCheckpoints
+from offpolicy.learner.persist.single import FileCheckpoints, make_checkpoints
 from offpolicy.learner.persist.version_folders import published_versions, version_dir
 from offpolicy.learner.persist.writer import BackgroundWriter, WeightsBuffers
 

@@ -15,10 +15,11 @@ collectives go on in the main thread meanwhile). Rank 0 either
 - copies them into full host tensors (`wait()`), reused version after version, for a transport that sends
   a version from rank 0's host memory (`keep=True`).
 
-The ranks' memory for it: their shards in pinned host memory and one bucket in host memory (rank 0: the
-gathered bucket); rank 0: `STREAM_DEPTH` + 2 buckets streamed, or the full host tensors kept. One
-gather is in flight at a time (every rank in step, so that the group's gathers pair up in order: the
-caller, persist/durable_writes.py, decides when the next starts).
+The ranks' memory for it: their shards in host memory (one flat set, page-locked on CUDA at its exact
+size: persist/host_buffers.py; reused by a later snapshot, `ShardSets`) and one bucket in
+host memory (rank 0: the gathered bucket); rank 0: `STREAM_DEPTH` + 2 buckets streamed, or the full host
+tensors kept. One gather is in flight at a time (every rank in step, so that the group's gathers pair up
+in order: the caller, persist/durable_writes.py, decides when the next starts).
 
 Why gloo, on CUDA too: the helper thread must never touch the device. A gather over NCCL from this thread
 would copy each bucket to the device and back on the thread's current stream, the device's default stream,
@@ -96,6 +97,29 @@ def _group_ranks(t: DTensor) -> list[int]:
     return [int(r) for r in mesh.tolist()]
 
 
+class ShardSets:
+    """A rank's shard snapshot sets, reused from one gather to the next (`BackgroundGather(shard_sets=)`): a
+    set is free once its gather's thread does not run (finished, or never started: a waiting gather that a
+    newer one replaces). At most two are kept: the one a gather in flight reads, and the newest."""
+
+    def __init__(self) -> None:
+        self._owned: list[tuple[dict[str, torch.Tensor], BackgroundGather]] = []
+
+    @property
+    def sets(self) -> list[dict[str, torch.Tensor]]:
+        return [s for s, _ in self._owned]
+
+    def acquire(self) -> dict[str, torch.Tensor] | None:
+        """A set no running gather reads (None: allocate one)."""
+        return next((s for s, gather in self._owned if not gather.reads()), None)
+
+    def keep(self, gather: BackgroundGather) -> None:
+        """Remember `gather`'s set, beside the one a gather in flight reads."""
+        if (mine := gather.shards) is not None:
+            busy = [(s, g) for s, g in self._owned if g.reads() and s is not mine][:1]
+            self._owned = [*busy, (mine, gather)]
+
+
 class BackgroundGather:
     """The full weights of a sharded module, in the publish dtype, gathered to rank 0 on a helper thread
     (every rank constructs one at the same step boundary and starts it at the same later one; only the
@@ -115,6 +139,7 @@ class BackgroundGather:
         into: dict[str, torch.Tensor] | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         keep: bool = True,
+        shard_sets: ShardSets | None = None,
     ) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
         self.buckets = 0
@@ -141,7 +166,10 @@ class BackgroundGather:
             self._entries.append((name, tuple(t.shape), want, parts))
         self._leader, self._keep, self._bucket_bytes = leader, keep, bucket_bytes
         self._group = publish_group(group_ranks) if group_ranks is not None else None
-        self._snapshot = HostCopy(shards, dtype) if sends and self._entries else None
+        into = shard_sets.acquire() if shard_sets is not None else None
+        self._snapshot = HostCopy(shards, dtype, into=into) if sends and self._entries else None
+        if shard_sets is not None:
+            shard_sets.keep(self)
         self._error: BaseException | None = None
         self._queue: queue.Queue = queue.Queue(maxsize=STREAM_DEPTH)
         self._streamed = threading.Event()  # the leader's stream was read to its end (or nothing streams)
@@ -157,6 +185,16 @@ class BackgroundGather:
         """Block until the shards' host snapshot is complete: the weights may change from then on."""
         if self._snapshot is not None:
             self._snapshot.wait()
+
+    @property
+    def shards(self) -> dict[str, torch.Tensor] | None:
+        """The host set the rank's shards are snapshotted into (None when it sends none): reusable by a
+        later gather's snapshot (`ShardSets`) once this one no longer `reads` it."""
+        return self._snapshot.tensors if self._snapshot is not None else None
+
+    def reads(self) -> bool:
+        """The helper thread runs: it may still read the shards' snapshot."""
+        return self._thread.is_alive()
 
     def busy(self) -> bool:
         """Started and not finished: the gather still runs, or (the leader's stream) is not written yet."""

@@ -161,7 +161,7 @@ def restore_rngs(path: Path, meta: dict[str, Any]) -> None:
 
 class Checkpoints(ABC):
     """The checkpoints of one learner process, one backend chosen at construction
-    (`persist.durable_writes.make_checkpoints`): `single.FileCheckpoints` (one process), `sharded.
+    (`persist.single.make_checkpoints`): `single.FileCheckpoints` (one process), `sharded.
     ShardedCheckpoints` (N ranks, DCP) or `NoCheckpoints` (disabled)."""
 
     @abstractmethod

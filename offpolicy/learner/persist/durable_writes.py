@@ -34,9 +34,8 @@ from offpolicy.learner.distributed.ranks import SINGLE, Ranks
 from offpolicy.learner.metrics import timed
 from offpolicy.learner.model.load import unique_state
 from offpolicy.learner.model.lora import adapter_config, is_adapter_name
-from offpolicy.learner.persist.background_gather import BackgroundGather, close_publish_groups
-from offpolicy.learner.persist.checkpoint import Checkpoints, NoCheckpoints, base_meta
-from offpolicy.learner.persist.dcp import ShardedCheckpoints
+from offpolicy.learner.persist.background_gather import BackgroundGather, ShardSets, close_publish_groups
+from offpolicy.learner.persist.checkpoint import base_meta
 from offpolicy.learner.persist.delta_versions import DeltaVersions
 from offpolicy.learner.persist.file_generation import (
     HostCopy,
@@ -45,7 +44,7 @@ from offpolicy.learner.persist.file_generation import (
     publish_snapshot,
     uri_folder,
 )
-from offpolicy.learner.persist.single import FileCheckpoints
+from offpolicy.learner.persist.single import make_checkpoints
 from offpolicy.learner.persist.version_folders import remove_leftovers
 from offpolicy.learner.persist.writer import BackgroundWriter, Kind, WeightsBuffers
 from offpolicy.weights.safetensors_io import TensorStream
@@ -59,25 +58,6 @@ if TYPE_CHECKING:
     from offpolicy.weights.record import PolicyStore
 
 log = logging.getLogger(__name__)
-
-
-def make_checkpoints(
-    config: LearnerConfig,
-    ranks: Ranks,
-    writer: BackgroundWriter,
-    on_durable: Callable[[int, float], None],
-    on_failed: Callable[[int, OSError], None] | None = None,
-) -> Checkpoints:
-    """The checkpoint backend of this learner: none (disabled), sharded (N ranks) or files (one process)."""
-    root = config.checkpoint_path
-    keep = config.checkpoint.keep_checkpoints
-    if root is None:
-        return NoCheckpoints()
-    if ranks.distributed:
-        return ShardedCheckpoints(
-            root, config.run_id, ranks, keep, on_durable, config.checkpoint.async_staging, on_failed
-        )
-    return FileCheckpoints(root, config.run_id, writer, keep)
 
 
 class Persistence:
@@ -102,6 +82,7 @@ class Persistence:
         self._weight_copies: list[HostCopy | BackgroundGather] = []
         self._gathering: BackgroundGather | None = None  # N ranks: the publish gather in flight
         self._waiting: tuple[int, BackgroundGather] | None = None  # N ranks, streamed: the next to gather
+        self._shard_sets = ShardSets()  # N ranks: the shard snapshots' host sets, reused
         self.keep_gathered = False  # N ranks: the leader keeps each gathered version (a transport sends it)
         self._coalesced_seen = 0
         self.deltas = DeltaVersions.of(config, ranks.is_leader)  # publish.delta, on the writing rank
@@ -147,7 +128,7 @@ class Persistence:
             self._gathering.wait()
         if gather is not None and not self.ranks.is_leader:
             self._gathering = BackgroundGather(
-                self.model, gather, self.publish_dtype, leader=False, bucket_bytes=bucket
+                self.model, gather, self.publish_dtype, False, None, bucket, True, self._shard_sets
             )
             self._gathering.start()
             self._weight_copies.append(self._gathering)
@@ -155,7 +136,7 @@ class Persistence:
         into = self._weights_buffers.acquire()
         copy: HostCopy | BackgroundGather = (
             BackgroundGather(
-                self.model, gather, self.publish_dtype, leader=True, into=into, bucket_bytes=bucket
+                self.model, gather, self.publish_dtype, True, into, bucket, shard_sets=self._shard_sets
             )
             if gather is not None
             else HostCopy(self._published_state(), self.publish_dtype, into=into)
@@ -213,13 +194,24 @@ class Persistence:
         one: coalesced, newest first, as the writer does on one process) for the next publish or flush."""
         bucket = self.config.publish.gather_bucket_mb * 2**20
         copy = BackgroundGather(
-            self.model, gather, self.publish_dtype, self.ranks.is_leader, bucket_bytes=bucket, keep=False
+            self.model,
+            gather,
+            self.publish_dtype,
+            self.ranks.is_leader,
+            None,
+            bucket,
+            False,
+            self._shard_sets,
         )
         self._weight_copies.append(copy)
         if self._waiting is not None:
             self.metrics.writes_coalesced.inc()
         self._waiting = (version, copy)
         self._start_waiting(block=False)
+
+    def host_sets(self) -> list[dict[str, torch.Tensor]]:
+        """The host snapshot sets kept for reuse: the rank's shard snapshots and the full sets."""
+        return [*self._shard_sets.sets, *self._weights_buffers.sets]
 
     def _start_waiting(self, block: bool) -> None:
         """Start the waiting gather when the one in flight is done on every rank (`block`: wait for it);

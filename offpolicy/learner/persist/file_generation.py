@@ -24,9 +24,10 @@ in the publish dtype; one file, as vLLM's LoRA loader reads it), `adapter_config
 (`model.lora.adapter_config`) and `manifest.json`, written the same way. No model config or tokenizer: the
 actors serve the adapter on the base model they already hold.
 
-`HostCopy` takes the snapshot (device -> host copy, cast to the publish dtype, into reused pinned buffers on
-CUDA) on a helper thread that overlaps the next forward/backward; the learner waits for it only before its
-next optimizer step. `write_version` runs on the background writer (persist/writer.py).
+`HostCopy` takes the snapshot (device -> host copy, cast to the publish dtype, into a reused host set:
+persist/host_buffers.py, page-locked on CUDA) on a helper thread that overlaps the next forward/backward;
+the learner waits for it only before its next optimizer step. `write_version` runs on the background
+writer (persist/writer.py).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from offpolicy.learner.model.lora import (
 )
 from offpolicy.learner.model.moe import is_moe
 from offpolicy.learner.model.moe_names import checkpoint_entries, to_checkpoint
+from offpolicy.learner.persist.host_buffers import reuse_or_new
 from offpolicy.learner.persist.version_folders import prune_versions, remove_folder, version_dir
 from offpolicy.weights.manifest import MANIFEST, encode_manifest, manifest_doc, read_manifest
 from offpolicy.weights.record import PolicyRecord
@@ -80,10 +82,11 @@ if TYPE_CHECKING:
 class HostCopy:
     """Copies tensors to host memory on a helper thread while training goes on; `wait()` returns them.
 
-    The destination buffers exist at once (`tensors`); `into` offers buffers to reuse (matching shape and
-    dtype). Floating tensors are cast to `dtype` (None = keep). CUDA sources are cast on the device and
-    copied on a side stream that starts after everything queued so far, into pinned buffers when `pin`
-    (13.7 GB in ~0.25 s on an H100), so the copy overlaps the next forward and backward passes. The
+    The destination buffers exist at once (`tensors`: one flat host allocation, persist/host_buffers.py);
+    `into` offers a set to reuse (of the same names, shapes and dtypes). Floating tensors are cast to
+    `dtype` (None = keep). CUDA sources are cast on the device and copied on a side stream that starts
+    after everything queued so far, into a set page-locked at its exact size when `pin` (13.7 GB in
+    ~0.25 s on an H100), so the copy overlaps the next forward and backward passes. The
     sources must not change until `wait()` returns: the learner waits before its next optimizer step.
     """
 
@@ -95,13 +98,12 @@ class HostCopy:
         pin: bool = True,
     ) -> None:
         self.sources = {k: v.detach() for k, v in sources.items()}
-        self.tensors: dict[str, torch.Tensor] = {}
-        for name, src in self.sources.items():
-            want = dtype if dtype is not None and src.is_floating_point() else src.dtype
-            buf = into.get(name) if into is not None else None
-            if buf is None or buf.shape != src.shape or buf.dtype != want:
-                buf = torch.empty(src.shape, dtype=want, pin_memory=pin and src.is_cuda)
-            self.tensors[name] = buf
+        specs = {
+            name: (tuple(src.shape), dtype if dtype is not None and src.is_floating_point() else src.dtype)
+            for name, src in self.sources.items()
+        }
+        pinned = pin and any(src.is_cuda for src in self.sources.values())
+        self.tensors: dict[str, torch.Tensor] = reuse_or_new(into, specs, pinned)
         self._ready = None
         self._device = next((src.device for src in self.sources.values() if src.is_cuda), None)
         if self._device is not None:  # the sources' GPU, whichever is current (cuda:N on one process)

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,7 @@ from offpolicy.learner.persist.checkpoint import (
     FILE_FORMAT,
     SHARDED_FORMAT,
     Checkpoints,
+    NoCheckpoints,
     checkpoint_versions,
     latest_checkpoint,
     read_meta,
@@ -46,6 +48,8 @@ from offpolicy.weights.safetensors_io import write_safetensors
 
 if TYPE_CHECKING:
     from offpolicy.learner.build import Trainables
+    from offpolicy.learner.config import LearnerConfig
+    from offpolicy.learner.distributed.ranks import Ranks
 
 
 class FileCheckpoints(Checkpoints):
@@ -213,3 +217,22 @@ def load_checkpoint(path: str | Path, parts: Trainables, run_id: str = "default"
         _optimizer_from_files(parts.critic_optimizer, c_tensors, meta["critic_optimizer"])
     restore_rngs(path, meta)
     return meta
+
+
+def make_checkpoints(
+    config: LearnerConfig,
+    ranks: Ranks,
+    writer: BackgroundWriter,
+    on_durable: Callable[[int, float], None],
+    on_failed: Callable[[int, OSError], None] | None = None,
+) -> Checkpoints:
+    """The checkpoint backend of this learner: none (disabled), sharded (N ranks) or files (one process)."""
+    root = config.checkpoint_path
+    keep = config.checkpoint.keep_checkpoints
+    if root is None:
+        return NoCheckpoints()
+    if ranks.distributed:
+        return dcp.ShardedCheckpoints(
+            root, config.run_id, ranks, keep, on_durable, config.checkpoint.async_staging, on_failed
+        )
+    return FileCheckpoints(root, config.run_id, writer, keep)

@@ -20,7 +20,8 @@ it over with `submit(kind, version, write)`; training goes on while one thread w
   `WriteFailed` with the cause), which ends the loop loudly.
 
 Host memory: the weights snapshots of at most two versions (the one being written and the one waiting)
-exist at once; `WeightsBuffers` reuses their (pinned, on CUDA) buffers from one publish to the next.
+exist at once; `WeightsBuffers` reuses their sets (one flat allocation each, page-locked on CUDA:
+persist/host_buffers.py) from one publish to the next.
 """
 
 from __future__ import annotations
@@ -250,6 +251,11 @@ class WeightsBuffers:
             return waiting
         busy = self._writer.busy_buffers()
         return next((s for s in self._sets if s is not busy), None)
+
+    @property
+    def sets(self) -> list[dict[str, torch.Tensor]]:
+        """The sets kept for reuse (at most two)."""
+        return list(self._sets)
 
     def keep(self, buffers: dict[str, torch.Tensor]) -> None:
         """Remember a set of buffers a snapshot was taken into (at most two are kept)."""

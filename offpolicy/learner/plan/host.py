@@ -13,10 +13,14 @@ P counts every expert, learner/plan/shape.py `total`: each is checkpointed, publ
   checkpoint's host copy of the same, 12 B x P, while a checkpoint is written.
 - `publish_snapshot`: N ranks: the rank's shards in the publish dtype (the checkpoint's; bf16 counted) for
   the background gather, 2 B x P / S; twice when the gather streams into the files (one gathering, the
-  newest waiting while the writer is busy), once when the leader keeps what it gathers.
+  newest waiting while the writer is busy), once when the leader keeps what it gathers. A snapshot is one
+  host set of exactly its tensors' bytes (page-locked at that size on CUDA, never through torch's pinned
+  cache, which rounds each buffer to a power of two: persist/host_buffers.py), reused version after
+  version: no other snapshot is ever alive.
 - `published_sets`: the leader: one process and N ranks with a transport that sends from the leader's host
   memory (`publish.transport: vllm` with a broadcast backend): the full weights in the publish dtype, up
-  to two sets (the writer reads one while the next snapshot fills the other), 2 x 2 B x P in bf16; N ranks
+  to two sets (the writer reads one while the next snapshot fills the other; a newer snapshot takes the
+  waiting one's set), 2 x 2 B x P in bf16, host sets as above; N ranks
   otherwise: the gather streams into the version's files, (`STREAM_DEPTH` + 2) buckets of
   `publish.gather_bucket_mb` (persist/background_gather.py).
 - `cpu_offload`: `fsdp.cpu_offload`: the rank's fp32 masters, gradients and AdamW state, 16 B x P / S.
