@@ -80,9 +80,11 @@ REGISTRY ?=
 VERSION  ?= 0.1.0
 IMAGE_PREFIX = $(if $(REGISTRY),$(REGISTRY)/,)offpolicy
 images:
-	@test -n "$(REGISTRY)" || { echo "make images REGISTRY=<registry/namespace> [VERSION=$(VERSION)] [REWARD_PACKAGES_NO_DEPS=verl==0.9.1]"; exit 2; }
-	docker build -f deploy/docker/learner.Dockerfile --target gpu -t $(IMAGE_PREFIX)/learner:$(VERSION) .
+	@test -n "$(REGISTRY)" || { echo "make images REGISTRY=<registry/namespace> [VERSION=$(VERSION)] [REWARD_PACKAGES_NO_DEPS=verl==0.9.1] [EFA_INSTALLER_VERSION=1.44.0]"; exit 2; }
+	docker build -f deploy/docker/learner.Dockerfile --target gpu -t $(IMAGE_PREFIX)/learner:$(VERSION) \
+	  --build-arg EFA_INSTALLER_VERSION="$(EFA_INSTALLER_VERSION)" .
 	docker build -f deploy/docker/actor.Dockerfile --target gpu -t $(IMAGE_PREFIX)/actor:$(VERSION) \
+	  --build-arg EFA_INSTALLER_VERSION="$(EFA_INSTALLER_VERSION)" \
 	  --build-arg REWARD_PACKAGES="$(REWARD_PACKAGES)" --build-arg REWARD_PACKAGES_NO_DEPS="$(REWARD_PACKAGES_NO_DEPS)" .
 	docker push $(IMAGE_PREFIX)/learner:$(VERSION)
 	docker push $(IMAGE_PREFIX)/actor:$(VERSION)

@@ -68,6 +68,22 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN apt-get update \
  && apt-get install -y --no-install-recommends libibverbs1 librdmacm1 ibverbs-providers \
  && rm -rf /var/lib/apt/lists/*
+# EFA_INSTALLER_VERSION: AWS's EFA installer (libfabric and the aws-ofi-nccl plugin: NCCL over EFA between
+# nodes, with k8s/components/efa, which sets NCCL_NET_PLUGIN=ofi); empty (the default): not installed, and
+# NCCL uses InfiniBand / RoCE or TCP. It replaces the distribution's RDMA user space with its own.
+ARG EFA_INSTALLER_VERSION=""
+# hadolint ignore=DL3003,DL3008
+RUN if [ -n "${EFA_INSTALLER_VERSION}" ]; then \
+      apt-get update && apt-get install -y --no-install-recommends curl ca-certificates \
+   && mkdir /tmp/efa && cd /tmp/efa \
+   && curl -fsSL --retry 3 -o efa.tar.gz \
+        "https://efa-installer.amazonaws.com/aws-efa-installer-${EFA_INSTALLER_VERSION}.tar.gz" \
+   && tar -xf efa.tar.gz && cd aws-efa-installer \
+   && apt-get purge -y ibverbs-providers libibverbs1 librdmacm1 \
+   && ./efa_installer.sh -y --skip-kmod --skip-limit-conf --no-verify \
+   && cd / && rm -rf /tmp/efa /var/lib/apt/lists/* && ldconfig; \
+    fi
+ENV LD_LIBRARY_PATH=/opt/amazon/ofi-nccl/lib:/opt/amazon/efa/lib:${LD_LIBRARY_PATH}
 # hadolint ignore=DL3013,SC2086
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     python3 -m pip install --no-cache-dir /wheels/offpolicy-*.whl \

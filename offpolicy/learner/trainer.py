@@ -525,8 +525,8 @@ class Learner:
         """Finish the background writes and acknowledge what they made durable, give back the leases whose
         updates are in no durable checkpoint, then close the Redis connections (leader)."""
         self._stop_followers()
+        self.persist.close()  # N ranks: the last version gathered for a transport is sent here
         self.publisher.close()
-        self.persist.close()
         self.tracker.close()
         if self.delivery is not None and self.buffer is not None and self.store is not None:
             if self.intake is not None:

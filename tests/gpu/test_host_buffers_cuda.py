@@ -1,4 +1,4 @@
-"""A publish snapshot's host memory on CUDA is what the host plan counts (persist/host_buffers.py): one flat
+"""A publish snapshot's host memory on CUDA is what the host plan counts (weights/host_buffers.py): one flat
 set page-locked by cudaHostRegister at its exact size, outside torch's caching host allocator (which rounds
 each pinned allocation to a power of two and keeps freed blocks: ~1.9x for Qwen2.5-7B's tensors, one
 buffer each); a learner's snapshots with a writer that lags stay within the plan's `published_sets`, by
@@ -11,9 +11,9 @@ import threading
 import pytest
 import torch
 
-from offpolicy.learner.persist import host_buffers
 from offpolicy.learner.persist.file_generation import HostCopy
 from offpolicy.learner.persist.writer import BackgroundWriter, WeightsBuffers
+from offpolicy.weights import host_buffers
 
 pytestmark = pytest.mark.gpu
 MIB = 2**20

@@ -23,6 +23,7 @@ from transformers import PreTrainedTokenizerBase
 from offpolicy.learner.errors import TokenizerMismatch
 from offpolicy.learner.model import lora
 from offpolicy.learner.model.load import load_tokenizer
+from offpolicy.weights.host_buffers import host_set
 
 if TYPE_CHECKING:
     from offpolicy.learner.batch import Batch
@@ -55,13 +56,18 @@ class AdapterOff(nn.Module):
 
 
 def stream_layers(model: nn.Module, layers: Iterable[nn.Module], device: torch.device) -> None:
-    """`model` (in host memory) on `device` except `layers`: those stay in host memory (pinned on CUDA) and
-    their parameters and buffers get device copies for the duration of each one's forward alone (forward
-    hooks; for no_grad use: the device copies are dropped when the forward returns)."""
+    """`model` (in host memory) on `device` except `layers`: those stay in host memory (on CUDA page-locked,
+    one set of exactly their bytes per layer) and their parameters and buffers get device copies for the
+    duration of each one's forward alone (forward hooks; for no_grad use: the device copies are dropped
+    when the forward returns)."""
     streamed: set[int] = set()
     for layer in layers:
         tensors = [*layer.parameters(), *layer.buffers()]
-        host = [t.data.pin_memory() if device.type == "cuda" else t.data for t in tensors]
+        host = [t.data for t in tensors]
+        if device.type == "cuda":  # weights/host_buffers.py: exact size
+            pinned = host_set({str(i): (t.shape, t.dtype) for i, t in enumerate(host)}, pin=True)
+            host = [pinned[str(i)].copy_(t) for i, t in enumerate(host)]
+            layer._offpolicy_pinned = pinned  # the registration lives as long as the layer
         for t, h in zip(tensors, host, strict=True):
             t.data = h
         streamed |= {id(t) for t in tensors}

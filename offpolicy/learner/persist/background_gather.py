@@ -16,7 +16,7 @@ collectives go on in the main thread meanwhile). Rank 0 either
   a version from rank 0's host memory (`keep=True`).
 
 The ranks' memory for it: their shards in host memory (one flat set, page-locked on CUDA at its exact
-size: persist/host_buffers.py; reused by a later snapshot, `ShardSets`) and one bucket in
+size: weights/host_buffers.py; reused by a later snapshot, `ShardSets`) and one bucket in
 host memory (rank 0: the gathered bucket); rank 0: `STREAM_DEPTH` + 2 buckets streamed, or the full host
 tensors kept. One gather is in flight at a time (every rank in step, so that the group's gathers pair up
 in order: the caller, persist/durable_writes.py, decides when the next starts).

@@ -27,14 +27,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from offpolicy.config.secrets import redact_url
 from offpolicy.learner.distributed.ranks import SINGLE, Ranks
 from offpolicy.learner.metrics import timed
 from offpolicy.learner.model.load import unique_state
 from offpolicy.learner.model.lora import adapter_config, is_adapter_name
-from offpolicy.learner.persist.background_gather import BackgroundGather, ShardSets, close_publish_groups
+from offpolicy.learner.persist.background_gather import BackgroundGather, close_publish_groups
 from offpolicy.learner.persist.checkpoint import base_meta
 from offpolicy.learner.persist.delta_versions import DeltaVersions
 from offpolicy.learner.persist.file_generation import (
@@ -44,6 +43,7 @@ from offpolicy.learner.persist.file_generation import (
     publish_snapshot,
     uri_folder,
 )
+from offpolicy.learner.persist.rank_gathers import RankGathers
 from offpolicy.learner.persist.single import make_checkpoints
 from offpolicy.learner.persist.version_folders import remove_leftovers
 from offpolicy.learner.persist.writer import BackgroundWriter, Kind, WeightsBuffers
@@ -80,10 +80,11 @@ class Persistence:
         self.writer = BackgroundWriter(on_done=self._written, on_failed=self._failed)
         self._weights_buffers = WeightsBuffers(self.writer)
         self._weight_copies: list[HostCopy | BackgroundGather] = []
-        self._gathering: BackgroundGather | None = None  # N ranks: the publish gather in flight
-        self._waiting: tuple[int, BackgroundGather] | None = None  # N ranks, streamed: the next to gather
-        self._shard_sets = ShardSets()  # N ranks: the shard snapshots' host sets, reused
-        self.keep_gathered = False  # N ranks: the leader keeps each gathered version (a transport sends it)
+        bucket = config.publish.gather_bucket_mb * 2**20
+        self.gathers = RankGathers(  # N ranks: the publish gathers (their `keep`, `send`: the publisher's)
+            model, publish_dtype, ranks, bucket, self.writer, self._write, metrics.writes_coalesced.inc,
+            self._weight_copies,
+        )  # fmt: skip
         self._coalesced_seen = 0
         self.deltas = DeltaVersions.of(config, ranks.is_leader)  # publish.delta, on the writing rank
         self.published_version: int | None = None  # newest version announced to the actors
@@ -110,40 +111,21 @@ class Persistence:
 
     # --- weights
 
-    def publish(self, version: int, gather: set[str] | None = None) -> None:
+    def publish(self, version: int, gather: set[str] | None = None, write: bool = True) -> None:
         """Start the host snapshot of the weights (cast to the publish dtype) and queue their write.
         `gather`: on N ranks every rank calls this (a collective) with the names to publish, and the full
-        weights are gathered from every rank's shards to the leader (persist/background_gather.py): streamed
-        into the version's files as they arrive, or, with `keep_gathered` (a transport sends the version from
-        the leader's host memory), into its host buffers. A LoRA learner publishes the adapter's tensors
-        alone (of `gather`: those that are the adapter's)."""
+        weights are gathered from every rank's shards to the leader in the background
+        (persist/rank_gathers.py): streamed into the version's files, or, when a transport sends the
+        version from the leader's host memory, into its host sets, then written when `write` and sent. A
+        LoRA learner publishes the adapter's tensors alone (of `gather`: those that are the adapter's)."""
         self.fence()  # the buffers about to be reused must not be mid-copy (normally long finished)
-        if gather is not None and self._adapter is not None:
-            gather = {name for name in gather if is_adapter_name(name)}
-        if gather is not None and not self.keep_gathered:
-            self._publish_streamed(version, gather)
-            return
-        bucket = self.config.publish.gather_bucket_mb * 2**20
-        if self._gathering is not None:  # one background gather at a time, on every rank in step
-            self._gathering.wait()
-        if gather is not None and not self.ranks.is_leader:
-            self._gathering = BackgroundGather(
-                self.model, gather, self.publish_dtype, False, None, bucket, True, self._shard_sets
-            )
-            self._gathering.start()
-            self._weight_copies.append(self._gathering)
+        if gather is not None:
+            if self._adapter is not None:
+                gather = {name for name in gather if is_adapter_name(name)}
+            self.gathers.publish(version, gather, write)
             return
         into = self._weights_buffers.acquire()
-        copy: HostCopy | BackgroundGather = (
-            BackgroundGather(
-                self.model, gather, self.publish_dtype, True, into, bucket, shard_sets=self._shard_sets
-            )
-            if gather is not None
-            else HostCopy(self._published_state(), self.publish_dtype, into=into)
-        )
-        if isinstance(copy, BackgroundGather):
-            copy.start()
-            self._gathering = copy
+        copy = HostCopy(self._published_state(), self.publish_dtype, into=into)
         self._weights_buffers.keep(copy.tensors)
         self._weight_copies.append(copy)
         self._need["weights"] = sum(t.nbytes for t in copy.tensors.values())
@@ -186,59 +168,9 @@ class Persistence:
         self.metrics.writes_coalesced.inc(self.writer.coalesced - self._coalesced_seen)
         self._coalesced_seen = self.writer.coalesced
 
-    # --- N ranks: the streamed publish
-
-    def _publish_streamed(self, version: int, gather: set[str]) -> None:
-        """Every rank: snapshot its shards now (what the step waits for); the gather starts at once when
-        the previous version is written on every rank, else this snapshot waits (replacing an older waiting
-        one: coalesced, newest first, as the writer does on one process) for the next publish or flush."""
-        bucket = self.config.publish.gather_bucket_mb * 2**20
-        copy = BackgroundGather(
-            self.model,
-            gather,
-            self.publish_dtype,
-            self.ranks.is_leader,
-            None,
-            bucket,
-            False,
-            self._shard_sets,
-        )
-        self._weight_copies.append(copy)
-        if self._waiting is not None:
-            self.metrics.writes_coalesced.inc()
-        self._waiting = (version, copy)
-        self._start_waiting(block=False)
-
     def host_sets(self) -> list[dict[str, torch.Tensor]]:
         """The host snapshot sets kept for reuse: the rank's shard snapshots and the full sets."""
-        return [*self._shard_sets.sets, *self._weights_buffers.sets]
-
-    def _start_waiting(self, block: bool) -> None:
-        """Start the waiting gather when the one in flight is done on every rank (`block`: wait for it);
-        a collective of the control group when one is in flight and not `block`."""
-        if self._waiting is None:
-            return
-        if self._gathering is not None:
-            if not block:
-                busy = torch.tensor([int(self._gathering.busy())])
-                dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=self.ranks.control)
-                if busy.item():
-                    return
-            self._gathering.wait()  # the leader: until its stream is written too
-        (version, copy), self._waiting = self._waiting, None
-        copy.start()
-        self._gathering = copy
-        if not self.ranks.is_leader:
-            return
-        try:
-            # a stream is read once: a failed write is not retried, the next publish supersedes it
-            self.writer.submit("weights", version, self._write(version, copy.stream), retry=False)
-        except BaseException:
-            try:  # read to its end: the gather thread must not block on it
-                for _ in copy.stream().chunks:
-                    pass
-            finally:
-                raise
+        return [*self.gathers.shard_sets.sets, *self._weights_buffers.sets]
 
     def needs_publish(self, version: int) -> bool:
         """At start: whether `version` must be published (the policy record does not name it, in our
@@ -365,28 +297,22 @@ class Persistence:
             )  # fmt: skip
 
     def poll(self) -> None:
-        """Step boundary: a checkpoint whose write completed becomes durable."""
+        """Step boundary: a checkpoint whose write completed becomes durable; N ranks, the leader: a version
+        gathered for a transport is sent."""
         self.checkpoints.poll()
-
-    def gathered(self) -> dict[str, torch.Tensor]:
-        """N ranks: the full weights of the last publish (the leader's host tensors; empty elsewhere), once
-        its background gather is complete: what a transport sends, so a version is gathered once."""
-        return self._gathering.wait() if self._gathering is not None else {}
+        self.gathers.poll()
 
     def flush(self) -> None:
         """Wait until every queued publish and checkpoint is durable (N ranks: a collective)."""
-        self._start_waiting(block=True)
-        if self._gathering is not None:  # every rank: its part of the gather in flight
-            self._gathering.wait()
+        self.gathers.finish()  # every rank: its part of the gathers
         self.checkpoints.finish()
         self.writer.flush()
 
     def close(self) -> None:
         """Finish the copies and the queued writes, then stop the writer."""
         self.fence()
-        self._start_waiting(block=True)  # the newest version is written, however busy the writer was
-        if self._gathering is not None:  # every rank: the leader's write needs the others' shards
-            self._gathering.wait()
+        self.gathers.finish()  # the newest version is written, however busy the writer was
+        if self.gathers.gathering is not None:  # every rank: the leader's write needs the others' shards
             close_publish_groups()
         self.checkpoints.close()
         self.writer.close()

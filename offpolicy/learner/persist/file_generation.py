@@ -25,7 +25,7 @@ in the publish dtype; one file, as vLLM's LoRA loader reads it), `adapter_config
 actors serve the adapter on the base model they already hold.
 
 `HostCopy` takes the snapshot (device -> host copy, cast to the publish dtype, into a reused host set:
-persist/host_buffers.py, page-locked on CUDA) on a helper thread that overlaps the next forward/backward;
+weights/host_buffers.py, page-locked on CUDA) on a helper thread that overlaps the next forward/backward;
 the learner waits for it only before its next optimizer step. `write_version` runs on the background
 writer (persist/writer.py).
 """
@@ -55,8 +55,8 @@ from offpolicy.learner.model.lora import (
 )
 from offpolicy.learner.model.moe import is_moe
 from offpolicy.learner.model.moe_names import checkpoint_entries, to_checkpoint
-from offpolicy.learner.persist.host_buffers import reuse_or_new
 from offpolicy.learner.persist.version_folders import prune_versions, remove_folder, version_dir
+from offpolicy.weights.host_buffers import reuse_or_new
 from offpolicy.weights.manifest import MANIFEST, encode_manifest, manifest_doc, read_manifest
 from offpolicy.weights.record import PolicyRecord
 from offpolicy.weights.safetensors_io import (
@@ -82,7 +82,7 @@ if TYPE_CHECKING:
 class HostCopy:
     """Copies tensors to host memory on a helper thread while training goes on; `wait()` returns them.
 
-    The destination buffers exist at once (`tensors`: one flat host allocation, persist/host_buffers.py);
+    The destination buffers exist at once (`tensors`: one flat host allocation, weights/host_buffers.py);
     `into` offers a set to reuse (of the same names, shapes and dtypes). Floating tensors are cast to
     `dtype` (None = keep). CUDA sources are cast on the device and copied on a side stream that starts
     after everything queued so far, into a set page-locked at its exact size when `pin` (13.7 GB in

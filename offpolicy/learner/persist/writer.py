@@ -21,7 +21,7 @@ it over with `submit(kind, version, write)`; training goes on while one thread w
 
 Host memory: the weights snapshots of at most two versions (the one being written and the one waiting)
 exist at once; `WeightsBuffers` reuses their sets (one flat allocation each, page-locked on CUDA:
-persist/host_buffers.py) from one publish to the next.
+weights/host_buffers.py) from one publish to the next.
 """
 
 from __future__ import annotations

@@ -12,10 +12,10 @@ P counts every expert, learner/plan/shape.py `total`: each is checkpointed, publ
   and AdamW's two moments in (pinned, on CUDA) host memory for the run, 12 B x P / S; one process: the
   checkpoint's host copy of the same, 12 B x P, while a checkpoint is written.
 - `publish_snapshot`: N ranks: the rank's shards in the publish dtype (the checkpoint's; bf16 counted) for
-  the background gather, 2 B x P / S; twice when the gather streams into the files (one gathering, the
-  newest waiting while the writer is busy), once when the leader keeps what it gathers. A snapshot is one
+  the background gather, 2 B x P / S, twice (one gathering, the newest waiting while the previous one is
+  gathered, written or sent: persist/rank_gathers.py). A snapshot is one
   host set of exactly its tensors' bytes (page-locked at that size on CUDA, never through torch's pinned
-  cache, which rounds each buffer to a power of two: persist/host_buffers.py), reused version after
+  cache, which rounds each buffer to a power of two: weights/host_buffers.py), reused version after
   version: no other snapshot is ever alive.
 - `published_sets`: the leader: one process and N ranks with a transport that sends from the leader's host
   memory (`publish.transport: vllm` with a broadcast backend): the full weights in the publish dtype, up
@@ -135,7 +135,7 @@ def host_plan(
         process=PROCESS_BYTES,
         startup=weights // share if lean else weights,
         checkpoint_stager=stager,
-        publish_snapshot=(2 if streamed else 1) * publish * trained // share if distributed else 0,
+        publish_snapshot=2 * publish * trained // share if distributed else 0,
         published_sets=(
             0 if not leader else (STREAM_DEPTH + 2) * bucket if streamed else 2 * publish * trained
         ),

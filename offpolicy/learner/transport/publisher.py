@@ -7,9 +7,11 @@
   before they join the group. A failed send is counted and logged; training and file generations go on.
 
 On N ranks (`vllm`) with a broadcast backend (`nccl`, `gloo`), the full weights reach rank 0's host memory
-once per version: a version also written as files is sent from that file generation's background gather
-(persist/background_gather.py); any other is gathered in the step (distributed/gather.py). Rank 0 sends
-those: the followers never wait on the actors, and no rank but 0 holds more than its shards. With an m2n
+once per version, gathered in the background as the files transport's are (persist/rank_gathers.py): a
+version due as files is written from that copy, and rank 0 sends each version at the first step boundary
+after its gather completed (one gathering, the newest waiting: a version outrun by a newer one is not
+sent). Neither the gather nor the write is on the step's critical path; the followers never wait on the
+actors, and no rank but 0 holds more than its shards. With an m2n
 backend (`nccl_m2n`, `gloo_m2n`) nothing is gathered: every rank sends its own shards (transport/m2n.py).
 """
 
@@ -21,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
-from offpolicy.learner.distributed.gather import GatheredWeights
 from offpolicy.learner.transport.base import TransferResult, WeightTransport
 
 if TYPE_CHECKING:
@@ -96,7 +97,8 @@ class Publisher:
     """Files every `persist_every` publishes (all of them with `transport: files`) plus the transport.
 
     `gather` (N ranks, `transport: vllm`): (model, publish dtype, bucket bytes, leader): every rank joins
-    each publish's gather; the leader's transport reads the gathered tensors (`gathered`)."""
+    each publish's background gather (persist/rank_gathers.py); the leader's transport reads the gathered
+    tensors (`gathered`) while `send_gathered` runs."""
 
     def __init__(
         self,
@@ -127,31 +129,43 @@ class Publisher:
 
     def publish(self, version: int, gather: set[str] | None) -> None:
         every = self.config.publish.persist_every if self.transfers else 1
-        if self.publishes % every == 0:
-            self.persist_files(version, gather)
+        due = self.publishes % every == 0
         self.publishes += 1
         if self._gather is not None and gather is not None:  # every rank, in step
-            model, dtype, bucket, leader = self._gather
-            if self.persisted == version:  # gathered once: the file generation's background gather
-                self._gathered = self.persist.gathered() if leader else {}
-            else:  # a collective of this step
-                self._gathered = GatheredWeights(model, gather, dtype, leader, bucket_bytes=bucket).wait()
+            # gathered in the background (persist/rank_gathers.py): written when due, and sent by the
+            # leader (`send_gathered`) at the first step boundary after its gather completed
+            self.persist.publish(version, gather, write=due)
+            self.persisted = version if due else self.persisted
+            return
+        if due:
+            self.persist_files(version, gather)
         if self.transport is not None:
-            try:
-                self.last = self.transport.send(version)
-            finally:
-                self._gathered = {}  # the host copy lives for one send
-            stuck = getattr(self.transport, "stuck", 0)
-            if self.metrics is not None:
-                self.metrics.observe(self.last)
-            if self.stuck_counter is not None:
-                self.stuck_counter.inc(stuck - self._stuck)
-            self._stuck = stuck
-            if self.last.ok and self.last.group_size and self.metrics is not None:
-                log.info(
-                    "sent v%d to %d actor(s) in %.3f s (%d bytes)",
-                    version, self.last.group_size, self.last.seconds, self.last.bytes,
-                )  # fmt: skip
+            self._send(version)
+
+    def send_gathered(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """N ranks, the leader: send `version` from its gathered host tensors (`gathered` while it runs)."""
+        if self.transport is None:
+            return
+        self._gathered = tensors
+        try:
+            self._send(version)
+        finally:
+            self._gathered = {}  # the host set is the next gather's
+
+    def _send(self, version: int) -> None:
+        assert self.transport is not None
+        self.last = self.transport.send(version)
+        stuck = getattr(self.transport, "stuck", 0)
+        if self.metrics is not None:
+            self.metrics.observe(self.last)
+        if self.stuck_counter is not None:
+            self.stuck_counter.inc(stuck - self._stuck)
+        self._stuck = stuck
+        if self.last.ok and self.last.group_size and self.metrics is not None:
+            log.info(
+                "sent v%d to %d actor(s) in %.3f s (%d bytes)",
+                version, self.last.group_size, self.last.seconds, self.last.bytes,
+            )  # fmt: skip
 
     def status(self) -> dict[str, Any] | None:
         """`/v1/status`'s `transfer` (None with `transport: files`): the last send's version, outcome and
@@ -210,8 +224,10 @@ def make_publisher(
         return Publisher(config, persist, transport, metrics, stuck=stuck)
     bucket = config.publish.gather_bucket_mb * 2**20
     gather = (model, dtype, bucket, ranks.is_leader) if ranks.distributed else None
-    persist.keep_gathered = gather is not None  # the leader sends each version from its host memory
     publisher = Publisher(config, persist, None, None, gather=gather, stuck=stuck)
+    # N ranks: every version gathered to the leader in the background, sent from its host memory
+    persist.gathers.keep = gather is not None
+    persist.gathers.send = publisher.send_gathered if gather is not None and ranks.is_leader else None
     if control is None:
         return publisher
     from offpolicy.learner.model.load import unique_state

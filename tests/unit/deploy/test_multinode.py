@@ -297,3 +297,60 @@ def test_the_rdma_component_gives_the_learner_and_the_actors_their_rdma_device(t
         validate_jobset(jobset(built))
     plain = build_dir(ROOT / "k8s" / "overlays" / base)  # without the component: no device asked
     assert "rdma/" not in json.dumps(plain)
+
+
+@pytest.mark.parametrize("base", ["multinode", "gpu"], ids=["on-multinode", "on-one-pod"])
+def test_the_efa_component_gives_every_nccl_pod_its_efa_devices_and_the_plugin(tmp_path, base):
+    """k8s/components/efa: the EFA device plugin's resource and the hugepages libfabric uses on every learner
+    pod and on the actors, NCCL_NET_PLUGIN=ofi (the images' aws-ofi-nccl, under LD_LIBRARY_PATH when built
+    with EFA_INSTALLER_VERSION) and libfabric's EFA provider; what the learner's start-up log and
+    `offpolicy_learner_nccl_net_info` then say of the network."""
+    from offpolicy.learner.distributed.nccl_net import network
+
+    copy_sources(tmp_path)
+    overlay = tmp_path / "k8s" / "overlays" / "with-efa"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [f"../{base}"],
+                "components": ["../../components/efa"],
+            }
+        )
+    )
+    built = build_dir(overlay)
+    pods = {}
+    for doc in built:
+        if doc["kind"] == "JobSet":
+            pods["learner"] = learner_container(doc)
+        elif doc["kind"] in ("Deployment", "StatefulSet") and doc["metadata"]["name"] in ("learner", "actor"):
+            pods[doc["metadata"]["name"]] = doc["spec"]["template"]["spec"]["containers"][0]
+    assert set(pods) == {"learner", "actor"}
+    for name, container in pods.items():
+        for part in ("requests", "limits"):
+            assert container["resources"][part]["vpc.amazonaws.com/efa"] == "32", (name, part)
+            assert container["resources"][part]["hugepages-2Mi"] == "5120Mi", (name, part)
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["NCCL_NET_PLUGIN"] == "ofi" and env["FI_PROVIDER"] == "efa", name
+        assert network(env, tmp_path / "no-infiniband").net == "plugin:ofi"
+    if base == "multinode":
+        validate_jobset(jobset(built))
+    plain = build_dir(ROOT / "k8s" / "overlays" / base)
+    assert "vpc.amazonaws.com/efa" not in json.dumps(plain) and "NCCL_NET_PLUGIN" not in json.dumps(plain)
+
+
+@pytest.mark.parametrize("name", ["learner.Dockerfile", "actor.Dockerfile"])
+def test_the_gpu_images_install_efa_and_its_nccl_plugin_only_when_asked(name):
+    """EFA_INSTALLER_VERSION (empty by default; `make images` passes it): AWS's installer without the kernel
+    module, and the plugin's and libfabric's folders on LD_LIBRARY_PATH, where NCCL_NET_PLUGIN=ofi finds
+    libnccl-net-ofi.so."""
+    text = (ROOT / "deploy" / "docker" / name).read_text()
+    gpu = text[text.index("AS gpu") :]
+    assert 'ARG EFA_INSTALLER_VERSION=""' in gpu
+    assert 'if [ -n "${EFA_INSTALLER_VERSION}" ]' in gpu
+    assert "efa_installer.sh -y --skip-kmod --skip-limit-conf --no-verify" in gpu
+    assert "ENV LD_LIBRARY_PATH=/opt/amazon/ofi-nccl/lib:/opt/amazon/efa/lib:" in gpu
+    make = (ROOT / "Makefile").read_text()
+    assert make.count('--build-arg EFA_INSTALLER_VERSION="$(EFA_INSTALLER_VERSION)"') == 2

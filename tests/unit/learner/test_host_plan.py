@@ -30,9 +30,9 @@ def test_each_part_of_a_rank_by_hand():
     assert leader.total == PROCESS_BYTES + leader.steady
     other = host_plan(cfg(), P, 8, distributed=True, leader=False)
     assert other.published_sets == 0 and other.total == PROCESS_BYTES + (12 + 4) * P // 8
-    # a broadcast transport: the leader keeps two full sets, each rank one snapshot
+    # a broadcast transport: the leader keeps two full sets, each rank two snapshots (as with files)
     sends = host_plan(cfg(**VLLM), P, 8, distributed=True, leader=True)
-    assert sends.publish_snapshot == 2 * P // 8 and sends.published_sets == 2 * 2 * P
+    assert sends.publish_snapshot == 2 * 2 * P // 8 and sends.published_sets == 2 * 2 * P
     m2n = host_plan(cfg(publish={"transport": "vllm", "transfer": {"backend": "nccl_m2n"}}), P, 8, True, True)
     assert m2n.published_sets == STREAMED  # every rank sends its own shards: nothing kept
     one = host_plan(cfg(), P, 1, distributed=False, leader=True)
@@ -45,8 +45,8 @@ def test_the_leaders_node_holds_the_published_sets_and_the_knobs_lower_it():
     assert both - other == 2 * 2 * P
     assert node_bytes(cfg(), P, 8, 4, True) - node_bytes(cfg(), P, 8, 4, False) == STREAMED
     no_stager = cfg(checkpoint={"async_staging": False}, **VLLM)
-    # without the stager a follower's peak is its start-up read (4 B x P / 8 > its 2 B x P / 8 snapshot)
-    leader = PROCESS_BYTES + 2 * P // 8 + 2 * 2 * P
+    # without the stager a follower's peak is its start-up read (4 B x P / 8, = its two 2 B x P / 8 snapshots)
+    leader = PROCESS_BYTES + 2 * 2 * P // 8 + 2 * 2 * P
     assert node_bytes(no_stager, P, 8, 4, True) == leader + 3 * (PROCESS_BYTES + 4 * P // 8) < both
     eager = host_plan(cfg(fsdp={"lean_start": False}), P, 8, distributed=True, leader=False)
     assert eager.startup == 4 * P  # every rank reads the whole model

@@ -10,7 +10,7 @@ import json
 import sys
 import time
 
-from offpolicy.learner.persist import host_buffers
+from offpolicy.weights import host_buffers
 from tests.integration.learner.distributed.torchrun import leader_learner
 
 

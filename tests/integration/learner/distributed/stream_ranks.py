@@ -65,7 +65,7 @@ def main(model_dir: str, weights_dir: str, out: str) -> None:
     want[1] = full_weights(model, keys)
     if ranks.is_leader:
         assert entered.wait(30), "the writer never started"
-        gathering = persist._gathering
+        gathering = persist.gathers.gathering.copy
         deadline = time.monotonic() + 60
         while not (gathering._queue.full() and waits_in_put(gathering._thread)):  # it cannot go on
             assert time.monotonic() < deadline, f"the gather never blocked ({gathering.buckets} buckets)"
@@ -94,9 +94,9 @@ def main(model_dir: str, weights_dir: str, out: str) -> None:
             "max_abs_diff": got,
             "buckets_held": held,
             "stream_depth": STREAM_DEPTH,
-            "buckets_total": persist._gathering.buckets,
+            "buckets_total": persist.gathers.gathering.copy.buckets,
             "coalesced": coalesced,
-            "kept": len(persist._gathering.tensors),
+            "kept": len(persist.gathers.gathering.copy.tensors),
         }
         with open(out, "w") as fh:
             json.dump(result, fh)

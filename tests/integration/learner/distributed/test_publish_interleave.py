@@ -3,7 +3,7 @@ with `publish_every: 1` and the files transport, so a gather of a version to ran
 every next step trains (persist/background_gather.py: the gather runs over a gloo group of its own, from
 host memory, on a helper thread). Nothing hangs, every version is published or coalesced into a newer one,
 and no step waits on a publish longer than one step takes. The shard snapshots take at most two host sets for
-the whole run (one gathering, one waiting), reused version after version (persist/host_buffers.py)."""
+the whole run (one gathering, one waiting), reused version after version (weights/host_buffers.py)."""
 
 from __future__ import annotations
 

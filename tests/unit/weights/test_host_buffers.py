@@ -1,4 +1,4 @@
-"""A publish snapshot's host set (persist/host_buffers.py): one flat allocation of exactly its tensors' bytes
+"""A publish snapshot's host set (weights/host_buffers.py): one flat allocation of exactly its tensors' bytes
 (aligned), page-locked on CUDA by cudaHostRegister at that size and unregistered when the set goes; reused
 by a later snapshot of the same tensors. The registration runs here against a recording stand-in for
 torch's cudart bindings (tests/gpu/test_host_buffers_cuda.py runs the real ones)."""
@@ -11,9 +11,9 @@ import logging
 import pytest
 import torch
 
-from offpolicy.learner.persist import host_buffers
 from offpolicy.learner.persist.file_generation import HostCopy
-from offpolicy.learner.persist.host_buffers import (
+from offpolicy.weights import host_buffers
+from offpolicy.weights.host_buffers import (
     ALIGN,
     HostSet,
     host_set,
