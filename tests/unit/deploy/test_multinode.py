@@ -263,14 +263,11 @@ def test_the_learner_pods_are_ready_for_nccl_across_nodes():
     assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
 
 
-@pytest.mark.parametrize(
-    "base", ["multinode", "gpu"], ids=["on-multinode", "on-one-pod"]
-)  # not "gpu": a mark
-def test_the_rdma_component_gives_the_learner_and_the_actors_their_rdma_device(tmp_path, base):
-    """k8s/components/rdma, added to an overlay: the RDMA device plugin's resource on every learner pod (the
-    JobSet's, or gpu's one pod) and on the actors (the weight transfer), requested and limited."""
+def with_component(tmp_path, base: str, component: str) -> tuple[list[dict], dict[str, dict]]:
+    """The overlay `base` with `k8s/components/<component>` added, built; and its learner and actor
+    containers by name (the JobSet's learner, or gpu's one pod)."""
     copy_sources(tmp_path)
-    overlay = tmp_path / "k8s" / "overlays" / "with-rdma"
+    overlay = tmp_path / "k8s" / "overlays" / f"with-{component}"
     overlay.mkdir()
     (overlay / "kustomization.yaml").write_text(
         yaml.safe_dump(
@@ -278,7 +275,7 @@ def test_the_rdma_component_gives_the_learner_and_the_actors_their_rdma_device(t
                 "apiVersion": "kustomize.config.k8s.io/v1beta1",
                 "kind": "Kustomization",
                 "resources": [f"../{base}"],
-                "components": ["../../components/rdma"],
+                "components": [f"../../components/{component}"],
             }
         )
     )
@@ -290,6 +287,16 @@ def test_the_rdma_component_gives_the_learner_and_the_actors_their_rdma_device(t
         elif doc["kind"] in ("Deployment", "StatefulSet") and doc["metadata"]["name"] in ("learner", "actor"):
             pods[doc["metadata"]["name"]] = doc["spec"]["template"]["spec"]["containers"][0]
     assert set(pods) == {"learner", "actor"}
+    return built, pods
+
+
+@pytest.mark.parametrize(
+    "base", ["multinode", "gpu"], ids=["on-multinode", "on-one-pod"]
+)  # not "gpu": a mark
+def test_the_rdma_component_gives_the_learner_and_the_actors_their_rdma_device(tmp_path, base):
+    """k8s/components/rdma, added to an overlay: the RDMA device plugin's resource on every learner pod (the
+    JobSet's, or gpu's one pod) and on the actors (the weight transfer), requested and limited."""
+    built, pods = with_component(tmp_path, base, "rdma")
     for name, container in pods.items():
         for part in ("requests", "limits"):
             assert container["resources"][part]["rdma/hca_shared_devices_a"] == "1", (name, part)
@@ -307,27 +314,7 @@ def test_the_efa_component_gives_every_nccl_pod_its_efa_devices_and_the_plugin(t
     `offpolicy_learner_nccl_net_info` then say of the network."""
     from offpolicy.learner.distributed.nccl_net import network
 
-    copy_sources(tmp_path)
-    overlay = tmp_path / "k8s" / "overlays" / "with-efa"
-    overlay.mkdir()
-    (overlay / "kustomization.yaml").write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "kustomize.config.k8s.io/v1beta1",
-                "kind": "Kustomization",
-                "resources": [f"../{base}"],
-                "components": ["../../components/efa"],
-            }
-        )
-    )
-    built = build_dir(overlay)
-    pods = {}
-    for doc in built:
-        if doc["kind"] == "JobSet":
-            pods["learner"] = learner_container(doc)
-        elif doc["kind"] in ("Deployment", "StatefulSet") and doc["metadata"]["name"] in ("learner", "actor"):
-            pods[doc["metadata"]["name"]] = doc["spec"]["template"]["spec"]["containers"][0]
-    assert set(pods) == {"learner", "actor"}
+    built, pods = with_component(tmp_path, base, "efa")
     for name, container in pods.items():
         for part in ("requests", "limits"):
             assert container["resources"][part]["vpc.amazonaws.com/efa"] == "32", (name, part)

@@ -36,12 +36,7 @@ def test_rank0_streams_the_gather_into_the_files_and_a_slow_writer_coalesces(tmp
     with at most STREAM_DEPTH buckets queued, one more in hand); versions published while the writer is
     busy are coalesced on every rank alike, the newest written at flush; each written version is the
     weights of its step, exactly."""
-    model = make_tiny_model(
-        tmp_path / "model", hidden_size=256, num_heads=4, num_layers=3, intermediate_size=1024
-    )  # ~6 MiB in bf16: 8 buckets of 1 MiB
-    out = tmp_path / "result.json"
-    run_script("stream_ranks.py", str(model), str(tmp_path / "weights"), str(out))
-    result = json.loads(out.read_text())
+    result = run_on_many_buckets(tmp_path, "stream_ranks.py")
     assert result["versions"] == [1, 3]  # v2 replaced by v3 before its gather began
     assert result["coalesced"] == 1
     assert result["max_abs_diff"] == {"1": 0.0, "3": 0.0}
@@ -92,15 +87,21 @@ def test_the_vllm_transport_on_2_ranks_gathers_in_the_background_and_sends_what_
     meanwhile wait, the newest replacing the older; rank 0 sends each gathered version at a step boundary,
     bit-equal to the weights of its step, and writes those due as files (persist_every 3: v1, v4) or asked
     for by a checkpoint (v5)."""
-    model = make_tiny_model(
-        tmp_path / "model", hidden_size=256, num_heads=4, num_layers=3, intermediate_size=1024
-    )  # ~6 MiB in bf16: 8 buckets of 1 MiB
-    out = tmp_path / "result.json"
-    run_script("kept_ranks.py", str(model), str(tmp_path / "weights"), str(out))
-    result = json.loads(out.read_text())
+    result = run_on_many_buckets(tmp_path, "kept_ranks.py")
     assert result["sent_while_held"] == [] and result["under_way_after_publish"] == [True, True, True]
     assert max(result["publish_s_while_held"]) < 5.0, result["publish_s_while_held"]  # the gate: 60 s
     assert result["sent"] == [1, 4, 5] and result["coalesced"] == 2  # v2 by v3, v3 by v4
     assert result["sent_names_match"] and set(result["sent_max_abs_diff"].values()) == {0.0}
     assert result["written_max_abs_diff"] == {"1": 0.0, "4": 0.0, "5": 0.0}
     assert result["left_in_publisher"] == 0  # the host set is the next gather's
+
+
+def run_on_many_buckets(tmp_path, script: str) -> dict:
+    """`script` on 2 ranks publishing a model of ~6 MiB in bf16 (8 buckets of 1 MiB) into tmp_path/weights;
+    the result it wrote."""
+    model = make_tiny_model(
+        tmp_path / "model", hidden_size=256, num_heads=4, num_layers=3, intermediate_size=1024
+    )
+    out = tmp_path / "result.json"
+    run_script(script, str(model), str(tmp_path / "weights"), str(out))
+    return json.loads(out.read_text())
