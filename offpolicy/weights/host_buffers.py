@@ -4,12 +4,12 @@ torch's caching host allocator (`torch.empty(..., pin_memory=True)`) rounds ever
 of two and keeps freed blocks cached for later pinned allocations: one pinned buffer per tensor took about
 1.9x a snapshot's bytes for Qwen2.5-7B (7.1 GiB of data, 13.5 GiB allocated), and the blocks of a snapshot
 no longer used stayed allocated. Here a snapshot's tensors are views into one flat host allocation (each
-at a `ALIGN`-byte offset), which on CUDA is page-locked with `cudaHostRegister` at its exact size (as
-torch's own DCP stager pins its copies) and unregistered when the last reference to the set goes. A set is
-what the host plan counts (learner/plan/host.py `publish_snapshot`, `published_sets`): the bytes of the
-tensors, no rounding. The sets are reused from one publish to the next (persist/writer.py `WeightsBuffers`
-for the full weights, persist/durable_writes.py for N ranks' shard snapshots), so a run allocates each
-once.
+at a `ALIGN`-byte offset), which on CUDA is page-locked with `cudaHostRegister` at its exact size, on
+whole pages of its own (`PAGE`; as torch's own DCP stager pins its copies), and unregistered when the last
+reference to the set goes. A set is what the host plan counts (learner/plan/host.py `publish_snapshot`,
+`published_sets`): the bytes of the tensors, no power-of-two rounding. The sets are reused from one publish
+to the next (persist/writer.py `WeightsBuffers` for the full weights, persist/background_gather.py
+`ShardSets` for N ranks' shard snapshots), so a run allocates each once.
 
 A failed registration (the container's locked-memory limit, `ulimit -l`) is logged once and the set stays
 pageable: copies into it are correct, only synchronous.
@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 ALIGN = 64
 """Every view starts at a multiple of this many bytes of the flat allocation (any dtype's alignment)."""
 PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context of the process
+PAGE = 4096
+"""A pinned set's registered region starts on a page and spans whole pages (at most 8 KiB more than its
+bytes): two registrations never share a page, which the driver would refuse as already registered."""
 _warned = False
 _live = 0  # bytes of this process's sets still referenced
 made = 0
@@ -81,7 +84,7 @@ def _gone(nbytes: int, pinned_ptr: int | None) -> None:
 
 
 def _register(flat: torch.Tensor) -> bool:
-    """Page-lock `flat` at its exact size; False (logged once) when the driver refuses."""
+    """Page-lock `flat` (whole pages) at its size; False (logged once) when the driver refuses."""
     global _warned
     cudart = torch.cuda.cudart()
     code = int(cudart.cudaHostRegister(flat.data_ptr(), flat.nbytes, PORTABLE))
@@ -103,7 +106,14 @@ def host_set(specs: Mapping[str, Spec], pin: bool) -> HostSet:
     """A new set for `specs` (name -> (shape, dtype)) in one flat host allocation, page-locked at its exact
     size when `pin` (on CUDA)."""
     offsets, total = _offsets(specs)
-    flat = torch.empty(max(total, 1), dtype=torch.uint8)
+    if pin and total > 0:  # whole pages of its own: no page shared with another registration
+        pages = -(-total // PAGE) * PAGE
+        raw = torch.empty(pages + PAGE, dtype=torch.uint8)
+        start = -raw.data_ptr() % PAGE
+        region = raw[start : start + pages]
+    else:
+        raw = region = torch.empty(max(total, 1), dtype=torch.uint8)
+    flat = region[:total] if total > 0 else region
     out = HostSet()
     for name, (shape, dtype) in specs.items():
         numel = 1
@@ -113,10 +123,10 @@ def host_set(specs: Mapping[str, Spec], pin: bool) -> HostSet:
         out[name] = flat[start : start + numel * dtype.itemsize].view(dtype).view(tuple(shape))
     global made, _live
     made += 1
-    _live += flat.nbytes
+    _live += raw.nbytes
     out.flat, out.pin = flat, pin
-    out.pinned = pin and total > 0 and _register(flat)
-    weakref.finalize(out, _gone, flat.nbytes, flat.data_ptr() if out.pinned else None)
+    out.pinned = pin and total > 0 and _register(region)
+    weakref.finalize(out, _gone, raw.nbytes, region.data_ptr() if out.pinned else None)
     return out
 
 

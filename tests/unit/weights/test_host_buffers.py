@@ -84,9 +84,11 @@ def test_a_set_is_one_flat_allocation_of_exactly_its_tensors_aligned_bytes():
     assert live_bytes() == before
 
 
-def test_on_cuda_a_set_is_registered_at_its_exact_size_once_and_unregistered_when_it_goes(cudart):
+def test_on_cuda_a_set_is_registered_on_whole_pages_of_its_own_once_and_unregistered_when_it_goes(cudart):
     s = host_set(SPECS, pin=True)
-    assert s.pinned and cudart.registered == [(s.flat.data_ptr(), set_bytes(SPECS), host_buffers.PORTABLE)]
+    pages = -(-set_bytes(SPECS) // host_buffers.PAGE) * host_buffers.PAGE  # whole pages of its own
+    assert s.pinned and cudart.registered == [(s.flat.data_ptr(), pages, host_buffers.PORTABLE)]
+    assert s.flat.data_ptr() % host_buffers.PAGE == 0 and s.flat.nbytes == set_bytes(SPECS)
     assert reuse_or_new(s, SPECS, pin=True) is s  # the next snapshot of the same tensors: no new allocation
     assert len(cudart.registered) == 1
     other = reuse_or_new(s, {**SPECS, "norm": ((8,), torch.float32)}, pin=True)  # the tensors changed
