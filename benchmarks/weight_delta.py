@@ -19,10 +19,20 @@ published in bf16 after every step, `--versions` versions per learning rate:
   `full_prepare_s`, the default prefetch of a full version (read every file once, check the manifest);
   `bit_equal`: the built folder holds exactly the learner's bf16 weights of that version.
 
-Medians over the versions after the first. Not measured here: the engine's pause (the engine loads a full
-folder either way, the built one from local disk: unchanged by delta, `pause_note`), and the transfer
-engines' path (`engine`: not built). Target: `delta_bytes_share` <= 0.1 at lr 1e-6 (`target`), against a
-full version of the same weights.
+- the transfer engine (weights/engines/delta_rounds.py, `engine`): the same versions through the `gloo`
+  engine pair over a real two-rank gloo group in this process (the learner's trainer engine on one thread,
+  a worker engine on another), each version sent twice: as a delta round against the previous version
+  (`delta_bytes_share`: the bytes broadcast over a whole round's; `encode_s` the learner's encoding and
+  checksums; `apply_s` the worker's receive, apply, checksums and load: its part of the engine's pause),
+  then whole (`full_s`: the worker's receive and load of a whole round, the pause without deltas);
+  `bit_equal`: the worker loaded exactly the learner's bf16 weights. The worker's model is a stand-in
+  whose `load_weights` copies each tensor (vLLM's loaders into a live engine are what
+  tests/integration/weights/test_transfer_delta.py runs: the engine then generates as from the files).
+
+Medians over the versions after the first. Not measured here: the files path's engine pause (the engine
+loads a full folder either way, the built one from local disk: unchanged by delta, `pause_note`), and the
+`nccl` engine (deltas through it are not built). Target: `delta_bytes_share` <= 0.1 at lr 1e-6 (`target`),
+against a full version of the same weights.
 
 `--smoke`: the tiny Llama (hidden 128, 2 layers), 2 versions, both learning rates (CI).
 """
@@ -55,7 +65,12 @@ SHAPES = {
     "tiny": {"hidden_size": 128, "num_heads": 2, "intermediate_size": 256},
 }  # fmt: skip
 TARGET = 0.1
+BUCKET = 512 << 20  # transfer.bucket_bytes' default
 BATCH, SEQ = 4, 64
+
+
+def _bf16(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: t.detach().to(torch.bfloat16) for k, t in unique_state(model).items()}
 
 
 def _bytes(folder: Path, pattern: str) -> int:
@@ -73,6 +88,105 @@ def _bit_equal(folder: Path, want: dict[str, torch.Tensor]) -> bool:
     )
 
 
+class EnginePair:
+    """The gloo engine pair over a real two-rank group in this process: the learner's trainer engine (rank
+    0, with `publish.delta: on`'s `DeltaSends`) and one worker engine (rank 1) whose model records what it
+    loads; the trainer's client runs the worker's calls in line, as vLLM's would in the engine process."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        from offpolicy.weights.engines.delta_rounds import DeltaSends, RoundBase
+        from offpolicy.weights.engines.gloo import (
+            GlooTrainerWeightTransferEngine,
+            GlooWeightTransferEngine,
+            init_group,
+        )
+
+        class Loads(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.weights: dict[str, torch.Tensor] = {}
+
+            def load_weights(self, pairs):
+                for name, t in pairs:
+                    kept = self.weights.get(name)
+                    if kept is None:
+                        self.weights[name] = t.clone()
+                    else:
+                        kept.copy_(t)
+
+        self.state: dict[str, torch.Tensor] = {}
+        pair = self
+
+        class Source:
+            def metadata(self):
+                from vllm.distributed.weight_transfer.base import ParamMeta
+
+                return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in pair.state.items()]
+
+            def __iter__(self):
+                return iter(pair.state.items())
+
+        worker = object.__new__(GlooWeightTransferEngine)
+        worker.model, worker.device, worker.base = Loads(), torch.device("cpu"), RoundBase()
+        worker.bucket_bytes, worker.group = BUCKET, None
+        worker.model_config = None
+        self.worker, self.apply_s = worker, 0.0
+
+        class Client:
+            def init_weight_transfer_engine(self, info) -> None:
+                pass
+
+            def start_weight_update(self) -> None:
+                pass
+
+            def update_weights(self, info) -> None:
+                t0 = time.perf_counter()
+                worker.receive_weights(worker.parse_update_info(info))
+                pair.apply_s = time.perf_counter() - t0
+
+            def finish_weight_update(self, weight_version=None) -> None:
+                pass
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        joined = threading.Thread(
+            target=lambda: setattr(worker, "group", init_group("127.0.0.1", port, 1, 2, 120.0))
+        )
+        joined.start()
+        self.trainer = GlooTrainerWeightTransferEngine(client=Client(), source=Source(), bucket_bytes=BUCKET)
+        self.trainer.group = init_group("127.0.0.1", port, 0, 2, 120.0)
+        joined.join()
+        self.sends = DeltaSends("on", full_every=10**6, share=1.0)
+        self.trainer.delta = self.sends
+
+    def send(self, state: dict[str, torch.Tensor], whole: bool) -> dict:
+        """Send `state` as a round (whole: the base dropped first); what it cost and whether it arrived."""
+        self.state = state
+        if whole:
+            self.sends.drop()
+        t0 = time.perf_counter()
+        self.trainer.send_weights()
+        seconds = time.perf_counter() - t0
+        got = self.worker.model.weights
+        return {
+            "kind": self.sends.last_kind,
+            "bytes": self.sends.last_bytes,
+            "full_bytes": self.sends.last_full_bytes,
+            "send_s": seconds,
+            "apply_s": self.apply_s,
+            "bit_equal": sorted(got) == sorted(state)
+            and all(torch.equal(got[k].view(torch.int16), t.view(torch.int16)) for k, t in state.items()),
+        }
+
+    def close(self) -> None:
+        self.trainer.shutdown()
+        self.worker.shutdown()
+
+
 def run_lr(model_dir: Path, work: Path, lr: float, versions: int, vocab: int) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -84,6 +198,8 @@ def run_lr(model_dir: Path, work: Path, lr: float, versions: int, vocab: int) ->
     actor = DeltaChain(work / f"actor-{lr:g}")
     rows = []
     publish_weights(model, wdir, 0, dtype=torch.bfloat16, keep_versions=2, delta=deltas)
+    engine = EnginePair()
+    engine.send(_bf16(model), whole=True)  # the group's first round
     for v in range(1, versions + 1):
         tokens = torch.randint(0, vocab, (BATCH, SEQ))
         loss = model(input_ids=tokens, labels=tokens).loss
@@ -104,7 +220,9 @@ def run_lr(model_dir: Path, work: Path, lr: float, versions: int, vocab: int) ->
         t0 = time.perf_counter()
         prefetch_folder(full_folder, full_record.sha256, v, ReloadConfig(prefetch="page_cache"))
         full_prepare_s = time.perf_counter() - t0
-        want = {k: t.detach().to(torch.bfloat16) for k, t in unique_state(model).items()}
+        want = _bf16(model)
+        sent = engine.send(want, whole=False)
+        whole = engine.send(want, whole=True)
         rows.append({
             "version": v,
             "delta_bytes_share": _bytes(folder, "delta.*") / _bytes(full_folder, "*.safetensors"),
@@ -115,14 +233,26 @@ def run_lr(model_dir: Path, work: Path, lr: float, versions: int, vocab: int) ->
             "full_prepare_s": full_prepare_s,
             "bit_equal": _bit_equal(built.folder, want),
             "loss": float(loss.detach()),
+            "engine": {
+                "kind": sent["kind"],
+                "delta_bytes_share": sent["bytes"] / sent["full_bytes"],
+                "encode_s": sent["send_s"] - sent["apply_s"],
+                "apply_s": sent["apply_s"],
+                "full_s": whole["apply_s"],
+                "bit_equal": sent["bit_equal"] and whole["bit_equal"] and whole["kind"] == "full",
+            },
         })  # fmt: skip
         actor.keep_only(built.folder)
+    engine.close()
     shutil.rmtree(wdir, ignore_errors=True)
     shutil.rmtree(full_dir, ignore_errors=True)
     shutil.rmtree(actor.root, ignore_errors=True)
 
     def med(key: str) -> float:
         return statistics.median(r[key] for r in rows)
+
+    def emed(key: str) -> float:
+        return statistics.median(r["engine"][key] for r in rows)
 
     return {
         "lr": lr,
@@ -135,6 +265,15 @@ def run_lr(model_dir: Path, work: Path, lr: float, versions: int, vocab: int) ->
         "apply_s": med("apply_s"),
         "full_prepare_s": med("full_prepare_s"),
         "bit_equal": all(r["bit_equal"] for r in rows),
+        "engine": {
+            "delta_bytes_share": emed("delta_bytes_share"),
+            "delta_bytes_share_max": max(r["engine"]["delta_bytes_share"] for r in rows),
+            "delta_rounds": sum(r["engine"]["kind"] == "delta" for r in rows),
+            "encode_s": emed("encode_s"),
+            "apply_s": emed("apply_s"),
+            "full_s": emed("full_s"),
+            "bit_equal": all(r["engine"]["bit_equal"] for r in rows),
+        },
         "versions": rows,
     }
 
@@ -174,13 +313,14 @@ def main() -> None:
         "apply_s": first["apply_s"],
         "bit_equal": all(r["bit_equal"] for r in runs),
         "target": TARGET,
-        "engine": None,
-        "engine_note": "not built: the transfer engines still send every value",
-        "pause_note": "unchanged by delta: the engine loads a full folder either way (built locally)",
+        "engine": first["engine"] | {"bit_equal": all(r["engine"]["bit_equal"] for r in runs)},
+        "engine_note": "gloo engine pair, worker model a recording stand-in; nccl: deltas not built",
+        "pause_note": "files path: unchanged by delta, the engine loads a full folder either way (built "
+        "locally); engine path: apply_s (delta) against full_s (whole), the worker's part of the pause",
         "load_avg_1m": os.getloadavg()[0],
     }
     if args.json:
-        print(json.dumps(out))
+        print(json.dumps(out), flush=True)  # flushed: the process may end without its buffers flushed
         return
     print(f"{args.shape} x {args.layers} layers ({out['params'] / 1e6:.0f}M parameters), bf16 versions")
     for r in runs:
@@ -190,7 +330,14 @@ def main() -> None:
             f"{r['encode_s']:.2f} s (whole: {r['full_write_s']:.2f} s); actor build {r['apply_s']:.2f} s "
             f"(full prefetch: {r['full_prepare_s']:.2f} s); bit-equal {r['bit_equal']}"
         )
-    print(f"  target: delta_bytes_share <= {TARGET} at lr {first['lr']:g}")
+        e = r["engine"]
+        print(
+            f"    engine (gloo): delta round {e['delta_bytes_share']:.4f} of a whole one (max "
+            f"{e['delta_bytes_share_max']:.4f}, {e['delta_rounds']} delta rounds); encode "
+            f"{e['encode_s']:.2f} s; worker {e['apply_s']:.2f} s (whole round: {e['full_s']:.2f} s); "
+            f"bit-equal {e['bit_equal']}"
+        )
+    print(f"  target: delta_bytes_share <= {TARGET} at lr {first['lr']:g}", flush=True)
 
 
 if __name__ == "__main__":

@@ -45,8 +45,9 @@ class PublishConfig(ConfigModel):
     `full_every`-th and any whose delta would be larger than a full version; `auto`: also whole when the
     delta passes `delta_share` of a full version. The writing rank keeps the last published version in
     host memory (counted by the host plan); actors apply the chain on a local copy
-    (`reload.delta_dir`). A LoRA learner's adapter is always published whole. docs/actor.md "Delta
-    versions"."""
+    (`reload.delta_dir`). With `transport: vllm` on the `gloo` backend the rounds sent through the engine
+    are deltas too (weights/engines/delta_rounds.py: each side keeps the group's last round); on `nccl`
+    they go whole. A LoRA learner's adapter is always published whole. docs/actor.md "Delta versions"."""
     full_every: int = Field(10, ge=1, le=MAX_COUNT, json_schema_extra=FROZEN)
     """`delta`: every this many published versions one is written whole (the chain an actor applies is
     at most `full_every - 1` deltas long); 1 = every version whole."""

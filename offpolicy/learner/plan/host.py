@@ -31,7 +31,9 @@ Under LoRA (`lora`, an adapter of A parameters) the checkpoint stager, the publi
 the adapter alone (A in place of P); the frozen base is in the compute dtype (2 B x P under `bf16_mixed`,
 in `startup` and `cpu_offload`) beside the adapter's masters, gradients and moments (16 B x A / S).
 - `delta_base`: the leader with `publish.delta`: the last published version in the publish dtype, what the
-  next delta is computed against (learner/persist/delta_versions.py), 2 B x P.
+  next delta is computed against (learner/persist/delta_versions.py), 2 B x P; with `transport: vllm` on
+  the `gloo` backend also the last round every member of the transfer group holds (the engine's delta
+  rounds, weights/engines/delta_rounds.py), 2 B x P more.
 - `teacher`: `teacher.cpu_offload`: the distillation teacher's weights in the compute dtype (2 B x P_teacher
   / S, P_teacher its own parameters).
 
@@ -131,6 +133,8 @@ def host_plan(
         else 0
     )
     own_reference = config.kl_loss_coef > 0 and not config.adapter_reference  # a second copy is loaded
+    deltas = config.publish.delta != "off" and not lora
+    rounds = config.publish.transport == "vllm" and config.publish.transfer.backend == "gloo"
     return HostPlan(
         process=PROCESS_BYTES,
         startup=weights // share if lean else weights,
@@ -144,7 +148,7 @@ def host_plan(
         teacher=compute * (teacher_params or params) // share
         if config.teacher.model_path is not None and config.teacher.cpu_offload
         else 0,
-        delta_base=publish * params if leader and config.publish.delta != "off" and not lora else 0,
+        delta_base=publish * params * (2 if rounds else 1) if leader and deltas else 0,
     )
 
 

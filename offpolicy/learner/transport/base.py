@@ -18,6 +18,7 @@ class TransferResult:
     error: str = ""
     dropped: tuple[str, ...] = ()  # members found dead during the send (their heartbeats stopped): left out
     dead_wait_s: float = 0.0  # seconds the send spent on dead members (finding them, sending again)
+    full_bytes: int = 0  # a delta round (`publish.delta`): the bytes of the version whole; 0 = sent whole
 
 
 class WeightTransport(Protocol):

@@ -72,6 +72,16 @@ class TransferMetrics:
             "Members found dead during a send (heartbeats stopped) and left out of it",
             registry=r,
         )
+        self.delta_rounds = Counter(
+            "offpolicy_learner_transfer_delta_rounds_total",
+            "Versions sent as the values changed since the last one every member holds (publish.delta)",
+            registry=r,
+        )
+        self.delta_share = Gauge(
+            "offpolicy_learner_transfer_delta_share",
+            "Bytes of the last send over the bytes of that version whole (1 for a version sent whole)",
+            registry=r,
+        )
         self.dead_wait = Histogram(
             "offpolicy_learner_transfer_dead_wait_seconds",
             "Seconds a send spent on members that died in it (finding them, sending again to the others)",
@@ -90,6 +100,9 @@ class TransferMetrics:
             self.seconds.observe(result.seconds)
             self.bytes.inc(result.bytes)
             self.transfers.inc()
+            if result.full_bytes:
+                self.delta_rounds.inc()
+            self.delta_share.set(result.bytes / result.full_bytes if result.full_bytes else 1.0)
             self.version.set(result.version)
 
 
@@ -162,9 +175,13 @@ class Publisher:
             self.stuck_counter.inc(stuck - self._stuck)
         self._stuck = stuck
         if self.last.ok and self.last.group_size and self.metrics is not None:
+            last = self.last
+            share = ""
+            if last.full_bytes:  # a delta round (publish.delta)
+                share = f", a delta: {last.bytes / last.full_bytes:.4f} of the version whole"
             log.info(
-                "sent v%d to %d actor(s) in %.3f s (%d bytes)",
-                version, self.last.group_size, self.last.seconds, self.last.bytes,
+                "sent v%d to %d actor(s) in %.3f s (%d bytes%s)",
+                version, last.group_size, last.seconds, last.bytes, share,
             )  # fmt: skip
 
     def status(self) -> dict[str, Any] | None:
@@ -241,6 +258,11 @@ def make_publisher(
     ):  # fused experts sent per expert, under the checkpoint's names (model/moe_names.py)
         named, config = state, model.config
         state = lambda: to_checkpoint(named(), config)  # noqa: E731
-    publisher.transport = VllmTransport(config.publish.transfer, control, state, dtype, ranks.local_rank)
+    pc, delta = config.publish, None
+    if pc.delta != "off" and config.lora is None:
+        from offpolicy.weights.engines.delta_rounds import DeltaSends
+
+        delta = DeltaSends(pc.delta, pc.full_every, pc.delta_share)
+    publisher.transport = VllmTransport(pc.transfer, control, state, dtype, ranks.local_rank, delta)
     publisher.metrics = metrics
     return publisher

@@ -45,6 +45,7 @@ from offpolicy.weights.control import Liveness
 if TYPE_CHECKING:
     from offpolicy.weights.config import TransferConfig
     from offpolicy.weights.control import LearnerControl, Member
+    from offpolicy.weights.engines.delta_rounds import DeltaSends
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class VllmTransport:
     """The learner's side of `publish.transport: vllm` (one process: the learner is the only sender)."""
 
     name = "vllm"
+    delta: DeltaSends | None = None  # `publish.delta`'s rounds (gloo); the m2n subclass sends whole
 
     def __init__(
         self,
@@ -102,8 +104,18 @@ class VllmTransport:
         state: Callable[[], dict[str, torch.Tensor]],
         dtype: torch.dtype,
         local_rank: int = 0,
+        delta: DeltaSends | None = None,
     ) -> None:
         self.config, self.control = config, control
+        # `publish.delta`: rounds sent as their changes where the backend's engine applies them (gloo);
+        # the base it keeps lives here, across the groups (a new group's first round is whole)
+        self.delta = delta if config.backend == "gloo" else None
+        if delta is not None and self.delta is None:
+            log.warning(
+                "publish.delta: transfer.backend %s sends every version whole (deltas through the engines "
+                "are built for gloo); the file generations are deltas",
+                config.backend,
+            )
         self.liveness = Liveness(1.25 * config.heartbeat_s)
         self.device = transfer_device(config.backend, local_rank)
         self.source = _weight_source(state, dtype, self.device)
@@ -209,7 +221,11 @@ class VllmTransport:
             log.warning("v%d: %s died during the send; the %d other(s) confirmed it", version, list(dropped),
                         len(members) - len(dropped))  # fmt: skip
             self._teardown()
-        return TransferResult(version, seconds, outcome["bytes"], len(members), dropped=dropped)
+        d = self.delta
+        full = d.last_full_bytes if d is not None and d.last_kind == "delta" else 0
+        return TransferResult(
+            version, seconds, outcome["bytes"], len(members), dropped=dropped, full_bytes=full
+        )
 
     def _admitted(self, m: Member) -> bool:
         """Whether a live member goes into this send's group: not stalled since a failure (its heartbeat
@@ -257,6 +273,8 @@ class VllmTransport:
         world = 1 + sum(m.workers for m in members)
         info = _trainer_init_info(cfg, cfg.address, port, world)
         self.engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=self.source)
+        if self.delta is not None:
+            self.engine.delta = self.delta
         self.client = client
         log.info("transfer group epoch %d formed: %s (%d ranks)", self.epoch, client.ids, world)
 
@@ -281,6 +299,8 @@ class VllmTransport:
         `offpolicy_learner_transfer_stuck_total`, `/v1/status`), logged, and left to end in the background:
         until it does, sends fail at once (`busy`) and the actors go on with file generations."""
         engine, client, self.engine, self.client = self.engine, self.client, None, None
+        if self.delta is not None:
+            self.delta.drop()  # the next group's first round is whole
         if engine is None and client is None:
             return
 

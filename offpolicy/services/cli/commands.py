@@ -237,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--delta",
         action="store_true",
         help="publish each version as the values that changed since the last one (publish.delta: on, one "
-        "whole every 10); the actor builds each full version from the one it holds",
+        "whole every 10); the actor builds each full version from the one it holds (with --transport "
+        "gloo: each version sent through the engine as its changes)",
     )
     quick.add_argument(
         "--gpu-memory-gib",

@@ -103,8 +103,11 @@ class QuickstartOptions:
             return "--preset names the layout of --dataset: pass --dataset too"
         if self.lora and self.transport != "files":
             return "--lora publishes adapters as files (megabytes): leave --transport at files"
-        if self.delta and (self.lora or self.transport != "files"):
-            return "--delta writes full-weight versions as files: leave out --lora and --transport"
+        if self.delta and (self.lora or self.transport == "gloo_m2n"):
+            return (
+                "--delta sends full-weight versions as their changes, as files or over --transport gloo: "
+                "leave out --lora, and gloo_m2n (its engine sends every version whole)"
+            )
         if self.moe and self.model is not None:
             return "--moe builds the tiny MoE model: a mixture-of-experts --model trains as one without it"
         if self.moe and self.lora:

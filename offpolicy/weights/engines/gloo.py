@@ -18,9 +18,13 @@ Registered by `offpolicy.weights.engines.plugin.register` (the `vllm.general_plu
 from __future__ import annotations
 
 import math
+import os
 import socket
+import sys
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, Self
@@ -36,6 +40,16 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 from vllm.distributed.weight_transfer.packed_tensor import pack_tensors, unpack_tensor
+
+from offpolicy.weights.engines.delta_rounds import (
+    DeltaSends,
+    Patch,
+    RoundBase,
+    RoundMismatch,
+    crc32,
+    payload_bytes,
+    round_bytes,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -78,6 +92,16 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
+    round: int = 0
+    """The sender's number of this round (delta_rounds.py); 0: no deltas, nothing kept."""
+    keep: bool = False
+    """A full round whose tensors each worker keeps as its base for the delta rounds after it."""
+    base_round: int | None = None
+    """A delta round: the round it applies to (the worker's base must hold it)."""
+    counts: list[int] | None = None
+    """A delta round: per tensor, the changed values sent (`DENSE`: the whole tensor)."""
+    crcs: list[int] | None = None
+    """A delta round: per tensor, the crc32 of its bytes after applying."""
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
@@ -85,6 +109,12 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                 f"names, dtype_names and shapes differ in length: "
                 f"{len(self.names)}, {len(self.dtype_names)}, {len(self.shapes)}"
             )
+        if self.counts is not None and (
+            self.base_round is None
+            or self.crcs is None
+            or not len(self.counts) == len(self.crcs) == len(self.names)
+        ):
+            raise ValueError("a delta round names its base_round, and a count and a crc per tensor")
 
 
 def init_group(address: str, port: int, rank: int, world_size: int, timeout_s: float) -> ProcessGroup:
@@ -95,9 +125,40 @@ def init_group(address: str, port: int, rank: int, world_size: int, timeout_s: f
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
     listen = socket.create_server(("", port)) if rank == 0 else None
-    return stateless_init_torch_distributed_process_group(
-        address, port, rank, world_size, "gloo", timeout=timedelta(seconds=timeout_s), listen_socket=listen
-    )
+    timeout = timedelta(seconds=timeout_s)
+    with _stdout_kept():
+        return stateless_init_torch_distributed_process_group(
+            address, port, rank, world_size, "gloo", timeout=timeout, listen_socket=listen
+        )
+
+
+_stdout_lock = threading.Lock()
+_stdout_users = 0
+_stdout_fd: int | None = None
+
+
+@contextmanager
+def _stdout_kept() -> Iterator[None]:
+    """Give the process its standard output back after the last of any concurrent group inits. vLLM's
+    helper points fd 1 at /dev/null while it forms the group and then restores the fd it saved on entry;
+    two inits at once in one process (the trainer's and a worker's: an in-process pair, m2n ranks on
+    threads) can each save the other's /dev/null, and fd 1 then stays /dev/null for good (every later
+    print lost). The fd saved here, by the first of them, is put back when the last one leaves."""
+    global _stdout_users, _stdout_fd
+    with _stdout_lock:
+        if _stdout_users == 0:
+            _stdout_fd = os.dup(1)
+        _stdout_users += 1
+    try:
+        yield
+    finally:
+        with _stdout_lock:
+            _stdout_users -= 1
+            if _stdout_users == 0 and _stdout_fd is not None:
+                sys.stdout.flush()
+                os.dup2(_stdout_fd, 1)
+                os.close(_stdout_fd)
+                _stdout_fd = None
 
 
 def broadcast(group: ProcessGroup, tensor: torch.Tensor) -> None:
@@ -160,9 +221,11 @@ class GlooWeightTransferEngine(
         super().__init__(config, vllm_config, device, model)
         self.group: ProcessGroup | None = None
         self.bucket_bytes = DEFAULT_BUCKET_BYTES
+        self.base = RoundBase()  # the last round kept for deltas, in the checkpoint's layout on the host
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         self.shutdown()  # a re-formed group replaces the old one
+        self.base.drop()  # and numbers its rounds afresh
         pc = self.parallel_config
         rank = pc.data_parallel_index * pc.world_size + pc.rank + init_info.rank_offset
         self.bucket_bytes = init_info.packed_buffer_size_bytes
@@ -175,21 +238,53 @@ class GlooWeightTransferEngine(
             raise RuntimeError("gloo weight transfer not initialized: call init_transfer_engine() first")
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
-        dtypes = [getattr(torch, d) for d in update_info.dtype_names]
-        sizes = [math.prod(s) * d.itemsize for s, d in zip(update_info.shapes, dtypes, strict=True)]
+        info = update_info
+        dtypes = [getattr(torch, d) for d in info.dtype_names]
         with disable_mtp_completeness_check():
+            if info.counts is not None:
+                self.model.load_weights(self._apply_delta(info, dtypes))
+                return
+            self.base.drop()  # a full round replaces it (kept again only when asked)
+            sizes = [math.prod(s) * d.itemsize for s, d in zip(info.shapes, dtypes, strict=True)]
             for start, end in buckets(sizes, self.bucket_bytes):
                 packed = torch.empty(sum(sizes[start:end]), dtype=torch.uint8, device=self.device)
                 broadcast(self.group, packed)
-                self.model.load_weights(
-                    unpack_tensor(
-                        packed,
-                        update_info.names[start:end],
-                        update_info.shapes[start:end],
-                        dtypes[start:end],
-                        sizes[start:end],
-                    )
+                pairs = unpack_tensor(
+                    packed, info.names[start:end], info.shapes[start:end], dtypes[start:end], sizes[start:end]
                 )
+                self.model.load_weights(self.base.keep_all(pairs) if info.keep else pairs)
+            if info.keep:
+                self.base.round = info.round
+
+    def _apply_delta(self, info: GlooWeightTransferUpdateInfo, dtypes: list[torch.dtype]):
+        """Receive a delta round into the base (every bucket, so the broadcast stays in step even when it
+        cannot apply), check every tensor, and give the whole version for loading (delta_rounds.py)."""
+        assert self.group is not None and info.counts is not None and info.crcs is not None
+        usable = self.base.round is not None and self.base.round == info.base_round
+        numels = [math.prod(s) for s in info.shapes]
+        sizes = [payload_bytes(c, n, d.itemsize) for c, n, d in zip(info.counts, numels, dtypes, strict=True)]
+        try:
+            for start, end in buckets(sizes, self.bucket_bytes):
+                packed = torch.empty(sum(sizes[start:end]), dtype=torch.uint8)
+                broadcast(self.group, packed)
+                usable = usable and all(n in self.base.tensors for n in info.names[start:end])
+                if usable:
+                    names, counts = info.names[start:end], info.counts[start:end]
+                    for name, count, part in zip(names, counts, packed.split(sizes[start:end]), strict=True):
+                        self.base.apply(name, count, part)
+        except Exception:
+            self.base.drop()  # part of it may be applied
+            raise
+        if not usable:
+            held = self.base.round
+            self.base.drop()
+            raise RoundMismatch(f"a delta on round {info.base_round}, but this worker holds round {held}")
+        bad = [n for n, c in zip(info.names, info.crcs, strict=True) if crc32(self.base.tensors[n]) != c]
+        if bad:
+            self.base.drop()
+            raise RoundMismatch(f"{len(bad)} tensor(s) differ from the sender's after applying: {bad[:3]}")
+        self.base.round = info.round
+        return ((n, self.base.tensors[n].to(self.device)) for n in info.names)
 
 
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
@@ -203,6 +298,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.bucket_bytes = bucket_bytes
         self.group: ProcessGroup | None = None
         self.bytes_sent = 0
+        self.delta: DeltaSends | None = None  # set by the learner with `publish.delta` (delta_rounds.py)
 
     @classmethod
     def trainer_init(
@@ -257,15 +353,44 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
             shapes=[list(m.shape) for m in meta],
         )
+        delta, full = self.delta, round_bytes(info.shapes, [m.dtype for m in meta])
+        patches = delta.encode(iter(self.source), full) if delta is not None and delta.wants_delta() else None
+        if delta is not None:  # every round is numbered; its base is what the members confirmed last
+            info.round, info.keep = delta.next_round(), patches is None
+        if patches is not None:
+            assert delta is not None
+            info.base_round, info.counts = delta.base.round, [p.count for p in patches]
+            info.crcs = [p.crc for p in patches]
+            self._send(info, lambda: self._broadcast_patches(patches))
+        else:  # whole: the base (part of it already this version, when the encoding stopped) takes it all
+            pairs = iter(self.source) if delta is None else delta.base.keep_all(iter(self.source))
+            self._send(info, lambda: self._broadcast(pairs))
+        if delta is not None:
+            delta.commit(info.round, "full" if patches is None else "delta", self.bytes_sent, full)
+
+    def _send(self, info: GlooWeightTransferUpdateInfo, broadcast_all) -> None:
+        """One round: the workers' update runs on a side thread while this one broadcasts."""
+        if self.delta is not None:
+            self.delta.drop()  # until every member confirmed this round
         self.client.start_weight_update()
         exe = ThreadPoolExecutor(max_workers=1)
         try:
             future = exe.submit(self.client.update_weights, asdict(info))
-            self._broadcast(iter(self.source))
+            broadcast_all()
             future.result()
         finally:
             exe.shutdown(wait=False)  # never join a receiver stuck on a dead peer: the error goes out
         self.client.finish_weight_update()
+
+    def _broadcast_patches(self, patches: list[Patch]) -> None:
+        """A delta round's payloads, cut into buckets by the rule the workers cut them by."""
+        assert self.group is not None, "trainer_init() must run before send_weights()"
+        self.bytes_sent = 0
+        sizes = [p.payload.numel() for p in patches]
+        for start, end in buckets(sizes, self.bucket_bytes):
+            packed = torch.cat([p.payload for p in patches[start:end]])
+            broadcast(self.group, packed)
+            self.bytes_sent += packed.numel()
 
     def _broadcast(self, pairs: Iterator[tuple[str, torch.Tensor]]) -> None:
         assert self.group is not None, "trainer_init() must run before send_weights()"

@@ -181,7 +181,14 @@ CASES: dict[str, Case] = {
     ),
     "weight_delta.py": Case(
         _keys("delta_bytes_share changed_value_share encode_s apply_s bit_equal runs target engine"),
-        lambda o: o["bit_equal"] is True and 0 < o["delta_bytes_share"] < 1 and len(o["runs"]) == 2,
+        lambda o: (
+            o["bit_equal"] is True
+            and 0 < o["delta_bytes_share"] < 1
+            and len(o["runs"]) == 2
+            and o["engine"]["bit_equal"] is True
+            and o["engine"]["delta_rounds"] == 2
+            and 0 < o["engine"]["delta_bytes_share"] < 1
+        ),
     ),
     "weight_sync.py": Case(
         _keys("model_params model_bytes transports files_pause_s_before files_pause_s files_pause_ratio"),

@@ -71,3 +71,10 @@ def test_delta_versions_keep_the_last_published_version_on_the_writing_rank():
     assert host_plan(cfg(**on), P, 8, distributed=True, leader=False).delta_base == 0
     lora = cfg(**on, lora={"rank": 8})
     assert host_plan(lora, P, 8, distributed=True, leader=True, adapter_params=10**7).delta_base == 0
+    # the gloo transfer engine's delta rounds keep the group's last round too; NCCL sends whole (no base)
+    engine = {"transport": "vllm", "transfer": {"backend": "gloo"}}
+    both = host_plan(cfg(publish=on["publish"] | engine), P, 8, distributed=True, leader=True)
+    assert both.delta_base == 4 * P
+    nccl = {"transport": "vllm", "transfer": {"backend": "nccl"}}
+    whole = host_plan(cfg(publish=on["publish"] | nccl), P, 8, distributed=True, leader=True)
+    assert whole.delta_base == 2 * P
