@@ -7,7 +7,6 @@ learner heals with a whole round."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -19,7 +18,7 @@ from offpolicy.learner.transport.vllm import VllmTransport
 from offpolicy.weights.control import LearnerControl
 from offpolicy.weights.engines.delta_rounds import DeltaSends
 from offpolicy.weights.record import PolicyStore
-from tests.integration.weights.test_transfer_vllm import CFG, Actor, _members, _wait
+from tests.integration.weights.test_transfer_vllm import CFG, Actor, _assert_same, _members, _wait
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow, pytest.mark.usefixtures("vllm_plugin")]
 
@@ -32,13 +31,6 @@ def _nudge(model: torch.nn.Module, seed: int, share: float = 0.01) -> None:
             if t.is_floating_point():
                 hit = torch.rand(t.shape, generator=g) < share
                 t.add_(hit * 0.2 * torch.randn(t.shape, generator=g))
-
-
-def _same(outputs, reference, version: int) -> None:
-    for (ids, lps, versions), (r_ids, r_lps, _) in zip(outputs, reference, strict=True):
-        assert ids == r_ids
-        np.testing.assert_array_equal(lps, r_lps)
-        assert versions is not None and (versions == version).all(), (versions, version)
 
 
 class Setup:
@@ -115,7 +107,7 @@ def test_delta_rounds_into_a_vllm_engine_are_bit_equal_and_a_corrupt_one_heals(
         after = actor.generate()
         assert [o[0] for o in after] != [o[0] for o in before], "the nudged weights must change the output"
         ref13 = from_files(13)
-        _same(after, ref13, 13)
+        _assert_same(after, ref13, 13)
 
         # --- a round corrupted on the way (one value's byte flipped after its checksum was taken)
         encode = sends.encode
@@ -130,7 +122,7 @@ def test_delta_rounds_into_a_vllm_engine_are_bit_equal_and_a_corrupt_one_heals(
         bad = transport.send(14)
         sends.encode = encode
         assert not bad.ok and "differ from the sender's" in bad.error, bad
-        _same(actor.generate(), ref13, 13)  # nothing of v14 was loaded
+        _assert_same(actor.generate(), ref13, 13)  # nothing of v14 was loaded
         # the learner goes on: the member named by the failure sits out one send, then a whole round
         _nudge(model, 15)
         transport.send(15)
@@ -141,7 +133,7 @@ def test_delta_rounds_into_a_vllm_engine_are_bit_equal_and_a_corrupt_one_heals(
         _nudge(model, 17)
         again = transport.send(17)
         assert again.ok and 0 < again.bytes / again.full_bytes < 0.1, again
-        _same(actor.generate(), from_files(17), 17)
+        _assert_same(actor.generate(), from_files(17), 17)
     finally:
         s.close()
 
@@ -159,6 +151,6 @@ def test_delta_rounds_into_a_tensor_parallel_engine_each_worker_loads_its_shard(
         results = s.rounds(range(1, 6))
         assert [r.full_bytes for r in results] == [0] + [s.whole] * 4, results
         assert max(r.bytes / r.full_bytes for r in results[1:]) < 0.1
-        _same(s.actor.generate(), s.from_files(5), 5)
+        _assert_same(s.actor.generate(), s.from_files(5), 5)
     finally:
         s.close()
