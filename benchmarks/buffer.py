@@ -212,7 +212,7 @@ def breakdown(url: str, shape: str, batch: int, calls: int) -> dict:
         payloads, dt = _timed(lambda i=i: encode_groups(groups[i : i + batch], cfg.limits))
         t["encode"].append(dt)
         entries = [
-            (g.group_id, g.policy_version, 0.0, p)
+            (g.group_id, g.policy_version, 0.0, p, "")
             for g, p in zip(groups[i : i + batch], payloads, strict=True)
         ]
         t["insert_txn"].append(_timed(lambda e=entries: insert_transaction(client, insert, cfg, keys, e))[1])

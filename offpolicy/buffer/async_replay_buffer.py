@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from offpolicy.buffer.core import (
@@ -19,6 +19,7 @@ from offpolicy.buffer.core import (
     ReadMaxmemory,
     SendChunk,
     Wait,
+    found_images,
     make_result,
     merge_priorities,
 )
@@ -52,20 +53,24 @@ class AsyncReplayBuffer(BufferHandle, AsyncLeaseOps):
             self._core.metrics.full_by["maxmemory"].inc()
             raise
 
-    async def insert(self, group: TrajectoryGroup) -> bool:
+    async def insert(self, group: TrajectoryGroup, images: Mapping[str, bytes] | None = None) -> bool:
         """Insert one group; False when its group_id was already inserted. Invalid: `InvalidTrajectory`."""
-        inserted, _, rejected = await self._insert_many([group])
+        inserted, _, rejected = await self._insert_many([group], images)
         if rejected:
             raise next(iter(rejected.values()))
         return bool(inserted)
 
-    async def insert_many(self, groups: Sequence[TrajectoryGroup]) -> InsertResult:
+    async def insert_many(
+        self, groups: Sequence[TrajectoryGroup], images: Mapping[str, bytes] | None = None
+    ) -> InsertResult:
         """See `ReplayBuffer.insert_many`."""
-        return make_result(*(await self._insert_many(groups)))
+        return make_result(*(await self._insert_many(groups, images)))
 
-    async def _insert_many(self, groups: Sequence[TrajectoryGroup]) -> InsertOutcome:
+    async def _insert_many(
+        self, groups: Sequence[TrajectoryGroup], images: Mapping[str, bytes] | None = None
+    ) -> InsertOutcome:
         """`Core.insert_steps`, each step performed with an await."""
-        steps = self._core.insert_steps(groups)
+        steps = self._core.insert_steps(groups, images)
         result = None
         while True:
             try:
@@ -81,11 +86,11 @@ class AsyncReplayBuffer(BufferHandle, AsyncLeaseOps):
                 return await self._call(lambda: self._count(counts), step.what)
             case ReadMaxmemory():
                 return await self._call(lambda: read_maxmemory_async(self._client), step.what)
-            case SendChunk(entries=entries, max_bytes=max_bytes, read_table=read_table):
+            case SendChunk(entries=entries, max_bytes=max_bytes, read_table=read_table, images=images):
                 keys = self._core.keys
                 raw, table = await self._call(
                     lambda: insert_transaction_async(
-                        self._client, self._insert, self.config, keys, entries, max_bytes, read_table
+                        self._client, self._insert, self.config, keys, entries, max_bytes, read_table, images
                     ),
                     step.what,
                     full_on_oom=step.full_on_oom,
@@ -101,6 +106,14 @@ class AsyncReplayBuffer(BufferHandle, AsyncLeaseOps):
         for name, n in counts.items():
             pipe.hincrby(self._core.keys.counters, name, n)
         await pipe.execute()
+
+    async def images(self, shas: Iterable[str]) -> dict[str, bytes]:
+        """See `ReplayBuffer.images`."""
+        names = list(dict.fromkeys(shas))
+        if not names:
+            return {}
+        keys = [self._core.keys.image(sha) for sha in names]
+        return found_images(names, await self._call(lambda: self._client.mget(keys), "images"))
 
     async def sample(
         self, num_groups: int, consumer_version: int, timeout_s: float = 10.0

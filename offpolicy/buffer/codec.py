@@ -28,6 +28,11 @@ routed trajectories' expert indices (buffer/routing.py). Only a group that carri
 written as schema 5, so readers of schema 4 keep reading every other group, and refuse a routed one by its
 version (`unknown schema version 5`) instead of dropping its routing.
 
+Schema 6 is schema 5 plus the header's `images` entry: the sha256 hex digests of the images the group's
+sequences show (`TrajectoryGroup.images`; the image bytes are blobs of their own in the buffer). Only a
+group that shows images is written as schema 6, so a reader of 5 refuses it by its version instead of
+training on its image placeholders without the images.
+
 Schemas 2 and 3 wrote the same values under short keys (`SHORT_KEYS`: `gid`, `pid`, `pv`, `aid`, `t`,
 `s`, `m`, `pr`, `rw`, `fr`, `hv`, `env`, `a`); schema 2 has no `env` (all-policy trajectories). Their
 headers are renamed to schema 4's keys once, as they are parsed; everything after reads one layout.
@@ -54,6 +59,7 @@ from offpolicy.buffer.config import CodecLimits
 from offpolicy.buffer.errors import InvalidTrajectory
 from offpolicy.buffer.routing import KEY, frame_routing, header_entry, routed_arrays, split
 from offpolicy.buffer.types import (
+    IMAGES_SCHEMA_VERSION,
     PLAIN_SCHEMA_VERSION,
     READABLE_SCHEMA_VERSIONS,
     ROUTED_SCHEMA_VERSION,
@@ -68,6 +74,7 @@ from offpolicy.buffer.validation import (
     DEFAULT_LIMITS,
     check_counts,
     check_header,
+    check_images,
     check_lengths,
     check_offsets,
     check_spans,
@@ -183,9 +190,12 @@ def frame(
     }
     if routed:
         doc[KEY] = header_entry(g, routed)
+    if g.images:
+        check_images(g.images, limits)
+        doc["images"] = g.images
     head = msgpack.packb(doc, use_bin_type=True)
     base = _array_section(len(head))
-    version = ROUTED_SCHEMA_VERSION if routed else PLAIN_SCHEMA_VERSION
+    version = IMAGES_SCHEMA_VERSION if g.images else ROUTED_SCHEMA_VERSION if routed else PLAIN_SCHEMA_VERSION
     prefix = PREFIX.pack(MAGIC, version, len(head))
     pad = _PAD[: base - PREFIX.size - len(head)]
     lens_bytes = struct.pack(f"<{len(lens)}i", *lens)
@@ -289,6 +299,8 @@ def parse(
     if env is not None and (type(env) is not list or len(env) != n or any(env)):
         check_spans(env, lens)  # environment tokens (schema >= 3): checked only where there are any
     view = frame_routing(doc, lens, data, base + e4, len(data))[0] if routed else None
+    if "images" in doc:
+        check_images(doc["images"], limits)
     return doc, lens, ints[n:], np.frombuffer(data, _F32, (e4 - e3) >> 2, base + e3), view
 
 
@@ -345,6 +357,7 @@ def build(
         None if pr is None else float(pr),
         SCHEMA_VERSION,
         entry["num_experts"] if entry else None,
+        doc.get("images") or [],
     )
 
 

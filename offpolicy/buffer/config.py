@@ -39,6 +39,8 @@ class CodecLimits(ConfigModel):
     """Most trajectories in one group."""
     max_payload_bytes: int = Field(64 * 1024 * 1024, ge=1, le=MAX_PAYLOAD_BYTES)
     """Largest encoded group, in bytes."""
+    max_images_per_group: int = Field(1_024, ge=0, le=MAX_BATCH)
+    """Most image references in one group (`TrajectoryGroup.images`)."""
 
 
 class BufferConfig(ConfigModel):

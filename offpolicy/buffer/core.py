@@ -4,11 +4,12 @@ which each shell performs its own way (a blocking call, or an await)."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import time
-from collections.abc import Generator, Sequence
-from dataclasses import dataclass
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry
@@ -17,7 +18,7 @@ from pydantic import ValidationError
 from offpolicy.buffer.codec import decode_group
 from offpolicy.buffer.codec_batch import decode_groups, encode_groups
 from offpolicy.buffer.config import BufferConfig
-from offpolicy.buffer.errors import BufferFull, InvalidTrajectory, RateLimited
+from offpolicy.buffer.errors import BufferFull, ImagesMissing, InvalidTrajectory, RateLimited
 from offpolicy.buffer.keys import BufferKeys
 from offpolicy.buffer.metrics import BufferMetrics
 from offpolicy.buffer.rate_limiter import Backoff, check_sample_size
@@ -28,7 +29,7 @@ from offpolicy.buffer.types import BufferStats, InsertResult, TrajectoryGroup
 _INDEX = re.compile(r"\[\d+\]")
 _CHUNK_BYTES = 4 * 1024 * 1024  # one insert transaction carries at most this much payload (or one group)
 _CHUNK_GROUPS = 1000  # and at most this many groups (insert.lua unpacks 2 values per group in one call)
-Entry = tuple[str, int, float, bytes]
+Entry = tuple[str, int, float, bytes, str]  # group_id, policy_version, priority, payload, its images
 MAXMEMORY_REFRESH_S = 30.0  # a derived max_bytes follows a `CONFIG SET maxmemory` within this long
 TABLE_REFRESH_S = 1.0  # a following producer reads the learner's table config at most this often
 log = logging.getLogger(__name__)
@@ -113,14 +114,25 @@ class Core:
         )
 
     def prepare(
-        self, groups: Sequence[TrajectoryGroup]
+        self, groups: Sequence[TrajectoryGroup], images: Mapping[str, bytes] | None = None
     ) -> tuple[list[list[Entry]], dict[str, InvalidTrajectory]]:
-        """Validate and encode (once); return insert chunks and the rejections by group_id (or "#<index>")."""
+        """Validate and encode (once); return insert chunks and the rejections by group_id (or "#<index>").
+        A group naming an image whose bytes in `images` do not hash to its name is rejected (`images[i]`)."""
         chunks: list[list[Entry]] = [[]]
         size = 0
         rejected: dict[str, InvalidTrajectory] = {}
         prioritized = self.cfg.sampler == "prioritized"  # the script ignores priorities otherwise
+        bad = bad_images(images or {})
         for i, (g, payload) in enumerate(zip(groups, encode_groups(groups, self.cfg.limits), strict=True)):
+            if not isinstance(payload, InvalidTrajectory) and bad and g.images:
+                payload = next(
+                    (
+                        InvalidTrajectory(f"images[{j}]", bad[sha])
+                        for j, sha in enumerate(g.images)
+                        if sha in bad
+                    ),
+                    payload,
+                )
             if isinstance(payload, InvalidTrajectory):
                 key = g.group_id if isinstance(g.group_id, str) and g.group_id else f"#{i}"
                 rejected[key] = payload
@@ -130,7 +142,9 @@ class Core:
                 chunks.append([])
                 size = 0
             priority = group_priority(g) if prioritized else 0.0
-            chunks[-1].append((g.group_id, g.policy_version, priority, payload))
+            chunks[-1].append(
+                (g.group_id, g.policy_version, priority, payload, " ".join(dict.fromkeys(g.images)))
+            )
             size += len(payload)
         return [c for c in chunks if c], rejected
 
@@ -142,14 +156,18 @@ class Core:
             counts[name] = counts.get(name, 0) + 1
         return counts
 
-    def insert_steps(self, groups: Sequence[TrajectoryGroup]) -> Generator[InsertStep, Any, InsertOutcome]:
+    def insert_steps(
+        self, groups: Sequence[TrajectoryGroup], images: Mapping[str, bytes] | None = None
+    ) -> Generator[InsertStep, Any, InsertOutcome]:
         """Insert a batch, as the steps of I/O it needs: the shell performs each step yielded and sends
         back its result (`InsertStep`). The retry policy lives here alone: a chunk goes again, less what
         the script filed (inserted or duplicate), while the samples_per_insert limiter refuses some of it,
         with `backoff` until `insert_timeout_s` is spent (then `RateLimited`); a refusal for max_bytes
-        raises `BufferFull` at once. Returns (inserted group ids, duplicate ones, rejections by group id)."""
+        raises `BufferFull` at once. A group naming an image neither in `images` nor stored is rejected
+        (`images`) by the script, alone. Returns (inserted group ids, duplicate ones, rejections by group
+        id)."""
         t0 = time.perf_counter()
-        chunks, rejected = self.prepare(groups)
+        chunks, rejected = self.prepare(groups, images)
         if rejected:
             yield CountRejected(self.rejected_counts(rejected))
         inserted: list[str] = []
@@ -159,9 +177,12 @@ class Core:
             self.set_maxmemory((yield ReadMaxmemory()))
         for pending in chunks:
             while pending:
-                reply = InsertReply.parse((yield SendChunk(pending, self.max_bytes, self.table_due())))
+                sent = chunk_images(pending, images)
+                reply = InsertReply.parse((yield SendChunk(pending, self.max_bytes, self.table_due(), sent)))
                 self.on_insert(reply)
-                pending, full = file_statuses(pending, reply, inserted, dups)
+                pending, full = file_statuses(pending, reply, inserted, dups, rejected)
+                if 4 in reply.statuses:
+                    self.metrics.rejected.labels("images").inc(reply.statuses.count(4))
                 if full:
                     raise self.buffer_full(reply, inserted)
                 if pending:
@@ -291,6 +312,8 @@ class Core:
             redelivered_total=c.get("redelivered", 0),
             leases_outstanding=leases,
             held=held,
+            images=c.get("images", 0),
+            image_bytes=c.get("image_bytes", 0),
         )
 
 
@@ -334,6 +357,7 @@ class SendChunk:
     entries: list[Entry]
     max_bytes: int
     read_table: bool
+    images: Mapping[str, bytes] = field(default_factory=dict)  # sha256 -> bytes: the images to SET NX
     what: ClassVar[str] = "insert"
     full_on_oom: ClassVar[bool] = True
 
@@ -360,11 +384,43 @@ def _decode_one(payload: bytes, limits) -> TrajectoryGroup | InvalidTrajectory:
         return e
 
 
+def bad_images(images: Mapping[str, bytes]) -> dict[str, str]:
+    """The images whose bytes do not hash to their name (sha256 hex), with why."""
+    bad: dict[str, str] = {}
+    for sha, data in images.items():
+        if not isinstance(data, bytes | bytearray | memoryview):
+            bad[sha] = f"the image sent as {sha} is {type(data).__name__}, not bytes"
+        elif (real := hashlib.sha256(data).hexdigest()) != sha:
+            bad[sha] = f"the bytes sent as image {sha} hash to {real}"
+    return bad
+
+
+def found_images(names: list[str], values: list[bytes | None]) -> dict[str, bytes]:
+    """`images`' answer: each image's bytes, read with one MGET; raises `ImagesMissing` naming the absent."""
+    missing = tuple(sha for sha, v in zip(names, values, strict=True) if v is None)
+    if missing:
+        raise ImagesMissing(missing)
+    return dict(zip(names, values, strict=True))
+
+
+def chunk_images(entries: list[Entry], images: Mapping[str, bytes] | None) -> dict[str, bytes]:
+    """The images of `images` the chunk's groups name (sent with it; a stored one is not written again)."""
+    if not images:
+        return {}
+    named = {sha for e in entries if e[4] for sha in e[4].split()}
+    return {sha: bytes(data) for sha, data in images.items() if sha in named}
+
+
 def file_statuses(
-    chunk: list[Entry], reply: InsertReply, inserted: list[str], dups: list[str]
+    chunk: list[Entry],
+    reply: InsertReply,
+    inserted: list[str],
+    dups: list[str],
+    rejected: dict[str, InvalidTrajectory],
 ) -> tuple[list[Entry], bool]:
     """File each entry of `chunk` by its status; return the entries refused (by the rate limiter, or over
-    max_bytes) and whether the refusal was max_bytes (status 3: BufferFull, no waiting here)."""
+    max_bytes) and whether the refusal was max_bytes (status 3: BufferFull, no waiting here). A group
+    naming an image neither sent nor stored (status 4) joins `rejected`."""
     refused: list[Entry] = []
     full = False
     for entry, status in zip(chunk, reply.statuses, strict=True):
@@ -372,6 +428,10 @@ def file_statuses(
             inserted.append(entry[0])
         elif status == 0:
             dups.append(entry[0])
+        elif status == 4:
+            rejected[entry[0]] = InvalidTrajectory(
+                "images", "names an image that is neither sent with the batch nor stored in the buffer"
+            )
         else:
             refused.append(entry)
             full = full or status == 3

@@ -38,3 +38,13 @@ class BufferFull(BufferError):
         super().__init__(message)
         self.retry_after_s = retry_after_s
         self.inserted = inserted
+
+
+class ImagesMissing(BufferError):
+    """Images asked for that the buffer does not hold (no stored group names them, and no sample consumed
+    their last group within `IMAGE_GRACE_S`); `missing`: their sha256 digests."""
+
+    def __init__(self, missing: tuple[str, ...]) -> None:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        super().__init__(f"{len(missing)} image(s) not in the buffer: {shown}")
+        self.missing = missing

@@ -31,6 +31,8 @@ class BufferKeys:
     )
     dead: str  # list of JSON dead-letter records, newest first, bounded by dead_letter_max
     sizes: str  # hash group_id -> payload bytes of each stored group (their sum: counters `bytes`)
+    images: str  # hash sha256 -> stored groups naming that image; the image's bytes: `<images>:<sha256>`
+    group_images: str  # hash group_id -> the distinct images it names ("sha sha ..."), where it names any
     table: str  # string: the learner's table-wide BufferConfig fields as JSON; producers adopt them
     payload_prefix: str  # string per stored group: the encoded group
     out_prefix: str  # strings living inside one sample transaction: the chosen payloads, read and deleted
@@ -53,6 +55,8 @@ class BufferKeys:
             held=f"{p}:buf:held",
             dead=f"{p}:buf:dead",
             sizes=f"{p}:buf:bytes",
+            images=f"{p}:buf:img",
+            group_images=f"{p}:buf:gimg",
             table=f"{p}:buf:config",
             payload_prefix=f"{p}:buf:g:",
             out_prefix=f"{p}:buf:out:",
@@ -63,20 +67,29 @@ class BufferKeys:
         """KEYS for the scripts, in declaration order (scripts/lib.lua names them)."""
         return [
             self.order, self.by_version, self.uses, self.priority, self.seen, self.counters,
-            self.leases, self.deadlines, self.leased, self.held, self.dead, self.sizes,
+            self.leases, self.deadlines, self.leased, self.held, self.dead, self.sizes, self.images,
+            self.group_images,
         ]  # fmt: skip
 
     def payload(self, group_id: str) -> str:
         """The key holding `group_id`'s encoded group."""
         return self.payload_prefix + group_id
 
+    def image(self, sha: str) -> str:
+        """The key holding the bytes of the image whose sha256 is `sha` (stored once, however many groups
+        name it; deleted with the last of them)."""
+        return f"{self.images}:{sha}"
+
     def out(self, token: str) -> str:
         """The prefix of one sample call's out keys (`<prefix><i>`, i = 1..k, as the script numbers them)."""
         return f"{self.out_prefix}{token}:"
 
     def per_group_patterns(self) -> list[str]:
-        """SCAN MATCH patterns of every payload, out and consumer key (run ids hold no glob characters)."""
-        return [self.payload_prefix + "*", self.out_prefix + "*", self.consumer_prefix + "*"]
+        """SCAN MATCH patterns of every payload, image, out and consumer key (run ids hold no glob
+        characters)."""
+        return [
+            self.payload_prefix + "*", self.images + ":*", self.out_prefix + "*", self.consumer_prefix + "*",
+        ]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

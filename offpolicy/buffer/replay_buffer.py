@@ -13,7 +13,7 @@ this call) plus one MGET and one UNLINK of those keys.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from offpolicy.buffer.async_replay_buffer import AsyncReplayBuffer
@@ -25,6 +25,7 @@ from offpolicy.buffer.core import (
     ReadMaxmemory,
     SendChunk,
     Wait,
+    found_images,
     make_result,
     merge_priorities,
 )
@@ -57,26 +58,39 @@ class ReplayBuffer(BufferHandle, LeaseOps):
             self._core.metrics.full_by["maxmemory"].inc()
             raise
 
-    def insert(self, group: TrajectoryGroup) -> bool:
+    def insert(self, group: TrajectoryGroup, images: Mapping[str, bytes] | None = None) -> bool:
         """Insert one group; False when its group_id was already inserted. Invalid: `InvalidTrajectory`."""
-        inserted, _, rejected = self._insert_many([group])
+        inserted, _, rejected = self._insert_many([group], images)
         if rejected:
             raise next(iter(rejected.values()))
         return bool(inserted)
 
-    def insert_many(self, groups: Sequence[TrajectoryGroup]) -> InsertResult:
+    def insert_many(
+        self, groups: Sequence[TrajectoryGroup], images: Mapping[str, bytes] | None = None
+    ) -> InsertResult:
         """Insert a batch; invalid groups are rejected (by field) without affecting the valid ones.
+
+        `images` (sha256 hex -> the encoded image) holds the bytes of the images the groups name
+        (`TrajectoryGroup.images`), each sent once however many groups name it, and stored once: a group
+        of n completions of one image, or every later group of an agent naming a screenshot already
+        stored, adds a reference, not bytes. An image may be left out when it is stored already; a group
+        naming one that is neither sent nor stored is rejected (`images`), as is one naming an image
+        whose bytes hash to another name (`images[i]`). An image counts in the buffer's bytes while a
+        stored group names it and leaves the buffer with the last of them (acked, evicted, stale or
+        dead-lettered).
 
         Waits (bounded by `insert_timeout_s`) while the samples_per_insert limiter refuses, then raises
         `RateLimited`; groups inserted before that stay inserted and retrying the batch is a no-op for them.
         Over `max_bytes` (or with Redis at its own `maxmemory`) it raises `BufferFull` at once, without
         waiting: the producer backs off (the actors' pusher waits and retries; HTTP ingest answers 429).
         """
-        return make_result(*self._insert_many(groups))
+        return make_result(*self._insert_many(groups, images))
 
-    def _insert_many(self, groups: Sequence[TrajectoryGroup]) -> InsertOutcome:
+    def _insert_many(
+        self, groups: Sequence[TrajectoryGroup], images: Mapping[str, bytes] | None = None
+    ) -> InsertOutcome:
         """`Core.insert_steps`, each step performed with a blocking call."""
-        steps = self._core.insert_steps(groups)
+        steps = self._core.insert_steps(groups, images)
         result = None
         while True:
             try:
@@ -92,11 +106,11 @@ class ReplayBuffer(BufferHandle, LeaseOps):
                 return self._call(lambda: self._count(counts), step.what)
             case ReadMaxmemory():
                 return self._call(lambda: read_maxmemory(self._client), step.what)
-            case SendChunk(entries=entries, max_bytes=max_bytes, read_table=read_table):
+            case SendChunk(entries=entries, max_bytes=max_bytes, read_table=read_table, images=images):
                 keys = self._core.keys
                 raw, table = self._call(
                     lambda: insert_transaction(
-                        self._client, self._insert, self.config, keys, entries, max_bytes, read_table
+                        self._client, self._insert, self.config, keys, entries, max_bytes, read_table, images
                     ),
                     step.what,
                     full_on_oom=step.full_on_oom,
@@ -112,6 +126,16 @@ class ReplayBuffer(BufferHandle, LeaseOps):
         for name, n in counts.items():
             pipe.hincrby(self._core.keys.counters, name, n)
         pipe.execute()
+
+    def images(self, shas: Iterable[str]) -> dict[str, bytes]:
+        """The bytes of the images `shas` (sha256 hex) that the buffer holds: those a stored group names
+        (a leased group's stay until its ack), and for `IMAGE_GRACE_S` after it, those only the groups a
+        sample just consumed named. Raises `ImagesMissing` naming any it does not hold."""
+        names = list(dict.fromkeys(shas))
+        if not names:
+            return {}
+        keys = [self._core.keys.image(sha) for sha in names]
+        return found_images(names, self._call(lambda: self._client.mget(keys), "images"))
 
     def sample(
         self, num_groups: int, consumer_version: int, timeout_s: float = 10.0

@@ -18,12 +18,23 @@ def _num(x: float) -> str:
     return repr(float(x))
 
 
+IMAGE_GRACE_S = 60.0
+"""How long an image that only consumed groups named stays readable after the sample that consumed them
+(`ReplayBuffer.images`); it no longer counts in the buffer's bytes meanwhile."""
+
+
 def insert_args(
-    cfg: BufferConfig, keys: BufferKeys, entries: list[tuple[str, int, float, bytes]], max_bytes: int = 0
+    cfg: BufferConfig,
+    keys: BufferKeys,
+    entries: list[tuple[str, int, float, bytes, str]],
+    max_bytes: int = 0,
+    sent_images: str = "",
 ) -> list:
-    """ARGV of insert.lua for (group_id, policy_version, priority, payload) entries: metadata and payload
-    lengths only (the payloads are SET NX in the same transaction: storage.py's `insert_transaction`).
-    `max_bytes`: the byte budget in force (0: none), resolved by the buffer (`Core.max_bytes`)."""
+    """ARGV of insert.lua for (group_id, policy_version, priority, payload, images) entries (`images`: the
+    distinct sha256 digests the group names, space-separated): metadata and payload lengths only (the
+    payloads, and the images in `sent_images`, are SET NX in the same transaction: storage.py's
+    `insert_transaction`). `max_bytes`: the byte budget in force (0: none), resolved by the buffer
+    (`Core.max_bytes`)."""
     _, max_diff = cfg.limiter_bounds()
     ratio = cfg.samples_per_insert is not None
     args: list = [
@@ -39,15 +50,17 @@ def insert_args(
         cfg.dedupe_window or 0,
         round(cfg.dedupe_window_s * 1000) if cfg.dedupe_window_s is not None else 0,
         max_bytes,
+        sent_images,
     ]
-    for gid, version, priority, payload in entries:
-        args += [gid, version, _num(priority), len(payload)]
+    for gid, version, priority, payload, images in entries:
+        args += [gid, version, _num(priority), len(payload), images]
     return args
 
 
 @dataclass(frozen=True, slots=True)
 class InsertReply:
-    """insert.lua's reply: per-entry status (1 inserted, 0 duplicate, 2 rate limited, 3 over max_bytes),
+    """insert.lua's reply: per-entry status (1 inserted, 0 duplicate, 2 rate limited, 3 over max_bytes, 4
+    an image it names neither stored nor sent),
     removals, the leases it found expired (returned to the buffer), the payload bytes stored after it, and
     the used groups it evicted to make room for bytes."""
 
@@ -101,6 +114,7 @@ def sample_args(
         max(1, round(lease.lease_s * 1000)) if lease else 0,
         keys.consumer_prefix,
         _num(cfg.priority_alpha),
+        round(IMAGE_GRACE_S * 1000),
     ]
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 import redis
@@ -157,17 +158,28 @@ async def call_async(
 
 
 def _queue_insert(
-    pipe, script: Script, cfg: BufferConfig, keys: BufferKeys, entries: list, max_bytes: int, table: bool
+    pipe,
+    script: Script,
+    cfg: BufferConfig,
+    keys: BufferKeys,
+    entries: list,
+    max_bytes: int,
+    table: bool,
+    images: Mapping[str, bytes],
 ) -> None:
     """Queue the insert transaction on `pipe` (MULTI): each payload SET NX to its payload key (a stored
-    group's payload is never overwritten), then insert.lua with the metadata; with `table`, first a GET
-    of the learner's table config (`keys.table`), in the same round trip."""
+    group's payload is never overwritten), each image of `images` (sha256 -> bytes) SET NX to its key (a
+    stored image is sent again, never written twice), then insert.lua with the metadata; with `table`,
+    first a GET of the learner's table config (`keys.table`), in the same round trip."""
     if table:
         pipe.get(keys.table)
-    for gid, _, _, payload in entries:
+    for gid, _, _, payload, _ in entries:
         pipe.set(keys.payload(gid), payload, nx=True)
+    for sha, data in images.items():
+        pipe.set(keys.image(sha), data, nx=True)
     index_keys = keys.indexes()
-    pipe.evalsha(script.sha, len(index_keys), *index_keys, *insert_args(cfg, keys, entries, max_bytes))
+    args = insert_args(cfg, keys, entries, max_bytes, " ".join(images))
+    pipe.evalsha(script.sha, len(index_keys), *index_keys, *args)
 
 
 def _transaction(
@@ -263,12 +275,13 @@ def insert_transaction(
     entries: list,
     max_bytes: int = 0,
     table: bool = False,
+    images: Mapping[str, bytes] = MappingProxyType({}),
 ) -> tuple[list, bytes | None]:
     """Run one insert as MULTI / SET NX... / EVALSHA insert / EXEC (one round trip, one AOF entry,
     atomic: no other command runs in between); return the script's raw reply and, with `table`, the
     learner's table config (None: not read, or none published). A rerun after NOSCRIPT finds the keys the
     first run's SETs left (NX: unchanged) and this time indexes or deletes them."""
-    queue = lambda pipe: _queue_insert(pipe, script, cfg, keys, entries, max_bytes, table)  # noqa: E731
+    queue = lambda pipe: _queue_insert(pipe, script, cfg, keys, entries, max_bytes, table, images)  # noqa: E731
     replies = _transaction(client, script, queue)
     return replies[-1], replies[0] if table else None
 
@@ -281,9 +294,10 @@ async def insert_transaction_async(
     entries: list,
     max_bytes: int = 0,
     table: bool = False,
+    images: Mapping[str, bytes] = MappingProxyType({}),
 ) -> tuple[list, bytes | None]:
     """The asyncio twin of `insert_transaction`."""
-    queue = lambda pipe: _queue_insert(pipe, script, cfg, keys, entries, max_bytes, table)  # noqa: E731
+    queue = lambda pipe: _queue_insert(pipe, script, cfg, keys, entries, max_bytes, table, images)  # noqa: E731
     replies = await _transaction_async(client, script, queue)
     return replies[-1], replies[0] if table else None
 

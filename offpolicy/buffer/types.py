@@ -6,12 +6,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+# 6: + image references (vision-language prompts), written only for groups that carry them;
 # 5: + routed experts (MoE), written only for groups that carry them (the others are still written as 4);
 # 4: the frame header's keys are the record's field names; 3: + environment-token spans (agents);
 # 2: the zero-copy frame (buffer/codec.py); 1: msgpack
-SCHEMA_VERSION = 5
-READABLE_SCHEMA_VERSIONS = (2, 3, 4, 5)  # frames of schema 2 decode as all-policy trajectories
+SCHEMA_VERSION = 6
+READABLE_SCHEMA_VERSIONS = (2, 3, 4, 5, 6)  # frames of schema 2 decode as all-policy trajectories
 ROUTED_SCHEMA_VERSION = 5  # the first schema with routed experts: a group carrying them needs a reader of it
+IMAGES_SCHEMA_VERSION = 6  # the first with image references: a group showing images needs its reader
 PLAIN_SCHEMA_VERSION = 4  # the schema a group without routed experts is written as (readers of 4 read it)
 MAX_EXPERTS = 65_536  # most experts per MoE layer a record can name (uint16)
 REWARD_EXTRA_PREFIX = "reward_extra/"
@@ -106,6 +108,12 @@ class TrajectoryGroup:
     priority: float | None = None  # for the `prioritized` sampler; None = |advantage| proxy
     schema_version: int = SCHEMA_VERSION
     num_experts: int | None = None  # experts per MoE layer of the model; set when a trajectory has routing
+    images: list[str] = field(default_factory=list)
+    """The images the group's sequences show, by content (sha256, 64 lowercase hex digits), in the order
+    of their placeholders: the prompt's, then those the environment inserted into each trajectory's
+    response (an agent's screenshots), trajectory by trajectory. The buffer stores each image once, as a
+    blob shared by every group that names it (`ReplayBuffer.insert_many(..., images=)`); a consumer reads
+    them with `ReplayBuffer.images`."""
 
     @property
     def num_tokens(self) -> int:
@@ -152,6 +160,8 @@ class BufferStats:
     leases_outstanding: int = 0  # leases handed out and not yet acked, released, expired or dead-lettered
     held: int = 0  # stored groups not sampleable now: leased up to max_times_sampled (part of `size`)
     payload_bytes: int = 0  # payload bytes of the stored groups, leased ones included (max_bytes counts it)
+    images: int = 0  # images stored (each once, however many stored groups name it)
+    image_bytes: int = 0  # their bytes (part of payload_bytes)
 
 
 @dataclass(frozen=True, slots=True)

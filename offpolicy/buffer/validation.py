@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
+import re
 from bisect import bisect_right
 from itertools import accumulate
 from typing import Any
@@ -27,10 +28,12 @@ from offpolicy.buffer.types import READABLE_SCHEMA_VERSIONS, Trajectory, Traject
 __all__ = [
     "check_counts",
     "check_header",
+    "check_images",
     "check_lengths",
     "check_offsets",
     "check_values",
     "header_ok",
+    "images_ok",
     "raise_bad_values",
     "validate_group",
 ]
@@ -117,6 +120,35 @@ def _check_group_header(group: TrajectoryGroup, limits: CodecLimits) -> None:
         )
 
 
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def images_ok(images: Any, limits: CodecLimits) -> bool:
+    """A group's image references as a frame takes them: a list of sha256 hex digests (lowercase), within
+    `max_images_per_group` (`check_images` names what is wrong otherwise)."""
+    return (
+        type(images) is list
+        and len(images) <= limits.max_images_per_group
+        and all(type(x) is str and _SHA256.fullmatch(x) for x in images)
+    )
+
+
+def check_images(images: Any, limits: CodecLimits) -> None:
+    """Raise naming the first bad image reference."""
+    if images_ok(images, limits):
+        return
+    if type(images) is not list:
+        raise InvalidTrajectory("images", f"must be a list of sha256 digests, got {type(images).__name__}")
+    if len(images) > limits.max_images_per_group:
+        raise InvalidTrajectory(
+            "images", f"{len(images)} exceeds max_images_per_group={limits.max_images_per_group}"
+        )
+    i = next(i for i, x in enumerate(images) if not (type(x) is str and _SHA256.fullmatch(x)))
+    raise InvalidTrajectory(
+        f"images[{i}]", f"must be a sha256 digest (64 lowercase hex digits), got {images[i]!r}"
+    )
+
+
 def mask_ok(m: Any, length: int) -> bool:
     """A trajectory's `policy_mask` as a frame takes it: None, or a bool array of its length with a policy
     token (`_check_traj` names what is wrong otherwise)."""
@@ -179,6 +211,7 @@ def validate_group(group: TrajectoryGroup, limits: CodecLimits = DEFAULT_LIMITS)
     s = group.sampling
     _check_rest(group.priority, group.metadata, (s.temperature, s.top_p, s.top_k, s.max_tokens))
     check_routing(group)  # routed experts (MoE): buffer/routing.py
+    check_images(group.images, limits)
 
 
 # --- array values (a frame's views, or validate_group's concatenations)

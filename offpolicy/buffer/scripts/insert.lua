@@ -4,12 +4,18 @@
 -- no payload passes through Lua. A new group's payload is then already in place; NX left a stored
 -- group's payload untouched, and the script DELetes the payload keys those SETs created for groups it
 -- does not store (a duplicate whose original is gone, a group the ratio limiter or max_bytes refused).
+-- Images go the same way: the batch's new images are SET NX at their keys before the script; a stored
+-- group counts one more reference to each image it names (a new image's bytes count once), and the
+-- script DELetes the image keys this transaction SET that no stored group names. A group naming an image
+-- that is neither stored nor in the batch is refused (status 4), alone.
 -- ARGV: max_size, use_ratio (0|1), samples_per_insert, max_diff, min_size_to_sample, use_priority (0|1),
 --       payload_prefix, max_times_sampled (0 = none), consumer_prefix, dedupe_window (0 = no count bound),
---       dedupe_window_ms (0 = no age bound), max_bytes (0 = no bound), then 4 per group: group_id,
---       policy_version, priority, payload bytes
+--       dedupe_window_ms (0 = no age bound), max_bytes (0 = no bound), the images this transaction SET
+--       ("sha sha ..."), then 5 per group: group_id, policy_version, priority, payload bytes, the distinct
+--       images it names ("sha sha ...", "" none)
 --       (payload keys are payload_prefix .. group_id: same hash tag, same Cluster slot)
--- Returns: {statuses (1 inserted, 0 duplicate, 2 rate limited, 3 over max_bytes), size, evicted_max_size,
+-- Returns: {statuses (1 inserted, 0 duplicate, 2 rate limited, 3 over max_bytes, 4 an image missing),
+--   size, evicted_max_size,
 --   evicted_unsampled, n_expired, payload bytes stored after, evicted_max_bytes}
 -- Every redis.call costs a few microseconds of its own, so the indexes are written with one variadic
 -- call each (the batch is at most 1000 groups: the client splits larger ones).
@@ -23,7 +29,8 @@ local payload_prefix = ARGV[7]
 local max_times, consumer_prefix = tonumber(ARGV[8]), ARGV[9]
 local window, window_ms = tonumber(ARGV[10]), tonumber(ARGV[11])
 local max_bytes = tonumber(ARGV[12])
-local FIRST, PER = 13, 4
+local sent_images = ARGV[13]
+local FIRST, PER = 14, 5
 local ROOM_SCAN = 64  -- oldest indexed groups looked at to make room for bytes
 
 local now = now_ms()
@@ -68,37 +75,93 @@ local stamp = now
 local newest = redis.call('ZREVRANGE', K.seen, 0, 0, 'WITHSCORES')[2]
 if newest and tonumber(newest) >= stamp then stamp = tonumber(newest) + STEP end
 
+-- A group's images, pinned (one reference more each, so that making room for its bytes never deletes
+-- them): the bytes of the images no stored group named before (their keys hold this transaction's SET,
+-- or an image retired moments ago that a consumer may still read), and false when one is missing
+-- (nothing pinned then).
+local function pin_images(shas)
+  local fresh = 0
+  for i, sha in ipairs(shas) do
+    local n = redis.call('HINCRBY', K.images, sha, 1)
+    if n == 1 then
+      local size = redis.call('STRLEN', image_key(sha))
+      if size == 0 then
+        for m = 1, i do
+          if redis.call('HINCRBY', K.images, shas[m], -1) <= 0 then redis.call('HDEL', K.images, shas[m]) end
+        end
+        return false
+      end
+      fresh = fresh + size
+    end
+  end
+  return fresh
+end
+
+local function unpin_images(shas)
+  for _, sha in ipairs(shas) do
+    if redis.call('HINCRBY', K.images, sha, -1) <= 0 then redis.call('HDEL', K.images, sha) end
+  end
+end
+
 -- 1. Decide each group in batch order: duplicate, refused by the ratio limiter or max_bytes (and all
--- after it), new.
+-- after it), an image missing (that group alone), new.
 local statuses, new, others, taken = {}, {}, {}, {}
 local by_order, by_version, by_priority, by_time = {}, {}, {}, {}
-local by_size, added = {}, 0
-local n_dup, refused = 0, nil  -- refused: the status of every group after a refusal (2 or 3)
+local by_size, added, by_images, image_added, images_added = {}, 0, {}, 0, 0
+local n_dup, n_missing, refused = 0, 0, nil  -- refused: the status of every group after a refusal (2 or 3)
 for j, gid in ipairs(gids) do
   local status = 1
   local a = FIRST + PER * (j - 1)
   local nb = tonumber(ARGV[a + 3])
+  local shas, fresh = {}, 0
+  for sha in string.gmatch(ARGV[a + 4], '%S+') do shas[#shas + 1] = sha end
   if refused then
     status = refused
   elseif in_window[j] or stored_now[gid] or taken[gid] then
     status = 0
     n_dup = n_dup + 1
-  elseif use_ratio and math.min(size, max_size) + 1 > min_size and (inserted + 1) * spi - sampled > max_diff then
-    -- Reverb's SampleToInsertRatio: inserts may run ahead of uses (acked + leased) by at most max_diff.
-    refused, status = 2, 2
-  elseif max_bytes > 0 and bytes > 0 and bytes + nb > max_bytes and not make_room(bytes + nb - max_bytes) then
-    -- Over the byte budget (an empty buffer takes any one group, so none is refused for good).
-    refused, status = 3, 3
+  else
+    if #shas > 0 then
+      fresh = pin_images(shas)
+      if not fresh then
+        status, fresh = 4, 0
+        n_missing = n_missing + 1
+      end
+    end
+    local need = nb + fresh
+    if status ~= 1 then
+      -- an image missing: this group alone is refused
+    elseif use_ratio and math.min(size, max_size) + 1 > min_size and (inserted + 1) * spi - sampled > max_diff then
+      -- Reverb's SampleToInsertRatio: inserts may run ahead of uses (acked + leased) by at most max_diff.
+      refused, status = 2, 2
+    elseif max_bytes > 0 and bytes > 0 and bytes + need > max_bytes and not make_room(bytes + need - max_bytes) then
+      -- Over the byte budget (an empty buffer takes any one group, so none is refused for good).
+      refused, status = 3, 3
+    end
+    if status ~= 1 and status ~= 4 and #shas > 0 then unpin_images(shas) end
   end
   statuses[j] = status
   if status == 1 then
     taken[gid] = true
     inserted = inserted + 1
     size = size + 1
-    bytes = bytes + nb
-    added = added + nb
+    bytes = bytes + nb + fresh
+    added = added + nb + fresh
     by_size[#by_size + 1] = gid
     by_size[#by_size + 1] = nb
+    if #shas > 0 then
+      by_images[#by_images + 1] = gid
+      by_images[#by_images + 1] = ARGV[a + 4]
+      if fresh > 0 then
+        image_added = image_added + fresh
+        for _, sha in ipairs(shas) do
+          if redis.call('HGET', K.images, sha) == '1' then
+            redis.call('PERSIST', image_key(sha))  -- an image retired moments ago (a grace expiry) is back
+            images_added = images_added + 1
+          end
+        end
+      end
+    end
     new[#new + 1] = gid
     by_order[#by_order + 1] = inserted
     by_order[#by_order + 1] = gid
@@ -126,6 +189,19 @@ if #new > 0 then
   redis.call('HSET', K.sizes, unpack(by_size))
   redis.call('HINCRBY', K.counters, 'bytes', added)
 end
+if #by_images > 0 then variadic('HSET', K.gimages, by_images) end
+if image_added > 0 then redis.call('HINCRBY', K.counters, 'image_bytes', image_added) end
+if images_added > 0 then redis.call('HINCRBY', K.counters, 'images', images_added) end
+if n_missing > 0 then redis.call('HINCRBY', K.counters, 'rejected:images', n_missing) end
+-- The images this transaction SET that no stored group names (their groups refused or duplicates); one
+-- whose key was there before (NX kept it: retired moments ago, expiring) is left to expire.
+local unnamed = {}
+for sha in string.gmatch(sent_images, '%S+') do
+  if not redis.call('HGET', K.images, sha) and redis.call('PTTL', image_key(sha)) == -1 then
+    unnamed[#unnamed + 1] = image_key(sha)
+  end
+end
+if #unnamed > 0 then variadic('DEL', nil, unnamed) end
 if n_room > 0 then redis.call('HINCRBY', K.counters, 'evicted:max_bytes', n_room) end
 local unstored = {}
 for _, gid in ipairs(others) do

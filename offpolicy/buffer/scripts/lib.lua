@@ -1,6 +1,7 @@
 -- Shared by insert.lua, sample.lua and lease.lua (buffer/storage.py puts this text in front of each):
 -- the index keys, variadic calls, and the group and lease life cycle.
--- KEYS: order by_version uses priority seen counters leases deadlines leased held dead sizes
+-- KEYS: order by_version uses priority seen counters leases deadlines leased held dead sizes images
+--       group_images
 --       (all under one {run_id} hash tag; buffer/keys.py `BufferKeys.indexes`)
 -- A stored group is either *indexed* (in order, by_version and, for `prioritized`, priority: a sampler
 -- may choose it) or *held* (acked uses + outstanding leases reached max_times_sampled: out of the
@@ -8,10 +9,13 @@
 -- Invariant: indexed iff uses[gid] + leased[gid] < max_times (max_times 0 = no limit: never held).
 -- Bytes: `sizes` holds each stored group's payload length (set by insert.lua), counters `bytes` their sum;
 -- every removal goes through `retire`, which takes them off (a lease or its end changes neither).
+-- Images: each stored once, at `images .. ':' .. sha256`, whatever number of groups name it; `images` counts
+-- the stored groups naming each, `group_images` lists each group's ("sha sha ..."). An image's bytes count
+-- in `bytes` (and `image_bytes`) while a stored group names it; `retire` deletes it with the last of them.
 local K = {
   order = KEYS[1], byver = KEYS[2], uses = KEYS[3], prio = KEYS[4], seen = KEYS[5], counters = KEYS[6],
   leases = KEYS[7], deadlines = KEYS[8], leased = KEYS[9], held = KEYS[10], dead = KEYS[11],
-  sizes = KEYS[12],
+  sizes = KEYS[12], images = KEYS[13], gimages = KEYS[14],
 }
 local CHUNK = 1000  -- unpack has a stack limit; every variadic call takes at most this many members
 
@@ -61,12 +65,48 @@ local function unindex(gids)
   variadic('ZREM', K.prio, gids)
 end
 
--- Remove groups from the buffer: indexes, held, use and lease counts; their payload keys too unless
--- the caller moves them itself (keep_payload). Leases still naming them stay until acked or released.
-local function retire(gids, payload_prefix, keep_payload)
+-- The key of the image whose sha256 is `sha`.
+local function image_key(sha)
+  return K.images .. ':' .. sha
+end
+
+-- The groups `gids` no longer name their images: an image no stored group names any more leaves the
+-- buffer (its key deleted; with `grace_ms`, expiring that much later instead, so that the consumer that
+-- just took the last group naming it can still read it). Returns the image bytes freed.
+local function drop_images(gids, grace_ms)
+  local lists, names, freed, n_freed = multi('HMGET', K.gimages, gids), {}, 0, 0
+  for i, gid in ipairs(gids) do
+    if lists[i] then
+      names[#names + 1] = gid
+      for sha in string.gmatch(lists[i], '%S+') do
+        if redis.call('HINCRBY', K.images, sha, -1) <= 0 then
+          redis.call('HDEL', K.images, sha)
+          local key = image_key(sha)
+          freed, n_freed = freed + redis.call('STRLEN', key), n_freed + 1
+          if grace_ms and grace_ms > 0 then
+            redis.call('PEXPIRE', key, grace_ms)
+          else
+            redis.call('DEL', key)
+          end
+        end
+      end
+    end
+  end
+  if #names == 0 then return 0 end
+  variadic('HDEL', K.gimages, names)
+  if freed > 0 then redis.call('HINCRBY', K.counters, 'image_bytes', -freed) end
+  if n_freed > 0 then redis.call('HINCRBY', K.counters, 'images', -n_freed) end
+  return freed
+end
+
+-- Remove groups from the buffer: indexes, held, use and lease counts, the images only they name; their
+-- payload keys too unless the caller moves them itself (keep_payload; `grace_ms`: see `drop_images`).
+-- Leases still naming them stay until acked or released.
+local function retire(gids, payload_prefix, keep_payload, grace_ms)
   if #gids == 0 then return end
   local sizes, freed = multi('HMGET', K.sizes, gids), 0
   for i = 1, #gids do freed = freed + tonumber(sizes[i] or '0') end
+  freed = freed + drop_images(gids, grace_ms)
   if freed > 0 then
     variadic('HDEL', K.sizes, gids)
     redis.call('HINCRBY', K.counters, 'bytes', -freed)

@@ -8,7 +8,9 @@
 -- ARGV: k, consumer_version, max_staleness (-1 = none), max_times_sampled (0 = none), sampler, seed,
 --       min_size_to_sample, use_ratio (0|1), samples_per_insert, min_diff, priority_epsilon,
 --       payload_prefix, out_prefix (unique to the call), consumer ('' = consume), lease_ms,
---       consumer_prefix (per-consumer lease sets: consumer_prefix .. consumer), priority_alpha
+--       consumer_prefix (per-consumer lease sets: consumer_prefix .. consumer), priority_alpha,
+--       image_grace_ms (an image only consumed groups named expires this long after, so that the caller
+--       can read it: `ReplayBuffer.images`)
 -- Returns: {status, size, n_stale, n_consumed, n_expired, then the chosen group ids, then (lease) their
 --   lease ids}. status: 1 ok, 2 rate limited (ratio), 3 below min_size_to_sample, 4 fewer than k
 --   eligible groups, 5 more stale groups left to drop than one call drops (the client calls again).
@@ -27,6 +29,7 @@ local eps = tonumber(ARGV[11])
 local payload_prefix, out_prefix = ARGV[12], ARGV[13]
 local consumer, lease_ms, consumer_prefix = ARGV[14], tonumber(ARGV[15]), ARGV[16]
 local alpha = tonumber(ARGV[17] or '1')
+local image_grace = tonumber(ARGV[18] or '0')
 local STALE_CHUNK = 2000  -- stale groups dropped per call (the rest: status 5, the client calls again)
 
 run_even_at_maxmemory()
@@ -119,7 +122,7 @@ variadic('HSET', K.leases, records)
 variadic('ZADD', K.deadlines, deadlines)
 variadic('SADD', consumer_prefix .. consumer, mine)
 hold(to_hold)
-retire(retired, payload_prefix, true)
+retire(retired, payload_prefix, true, image_grace)
 retire(missing, payload_prefix, false)
 local n_served = #chosen - #missing
 if leasing then

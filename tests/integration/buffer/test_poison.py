@@ -6,35 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import redis
 from prometheus_client import CollectorRegistry
 
-from offpolicy.buffer.config import BufferConfig
 from offpolicy.buffer.errors import InvalidTrajectory
-from offpolicy.buffer.keys import BufferKeys
-from offpolicy.buffer.replay_buffer import ReplayBuffer
 from tests.conftest import build_group
 
 pytestmark = pytest.mark.redis
 FAST = {"backoff_initial_s": 0.001, "backoff_max_s": 0.01}
 C = "learner-0"
-
-
-@pytest.fixture
-def env(any_redis, run_id):
-    made = []
-    raw = redis.Redis.from_url(any_redis.url)
-
-    def make(registry=None, **cfg) -> ReplayBuffer:
-        b = ReplayBuffer(any_redis.url, run_id, BufferConfig(**{**FAST, **cfg}), registry)
-        made.append(b)
-        return b
-
-    yield make, raw, BufferKeys.for_run(run_id)
-    made[0].clear()
-    for b in made:
-        b.close()
-    raw.close()
 
 
 def _stored(raw, keys) -> set[str]:

@@ -38,7 +38,7 @@ def store_as_schema_3(redis_url: str, run_id: str, config: BufferConfig) -> None
             script,
             config,
             BufferKeys.for_run(run_id),
-            [(g.group_id, g.policy_version, 0.0, schema3_frame())],
+            [(g.group_id, g.policy_version, 0.0, schema3_frame(), "")],
         )
         assert InsertReply.parse(raw).statuses == [1]  # inserted
         stored = client.get(BufferKeys.for_run(run_id).payload(g.group_id))

@@ -158,7 +158,7 @@ def _traj(g: TrajectoryGroup, **changes) -> TrajectoryGroup:
         (lambda g: dataclasses.replace(g, prompt_ids=np.array([3, -2], np.int32)), "prompt_ids"),
         (lambda g: dataclasses.replace(g, trajectories=[]), "trajectories"),
         (lambda g: dataclasses.replace(g, schema_version=1), "schema_version"),
-        (lambda g: dataclasses.replace(g, schema_version=6), "schema_version"),
+        (lambda g: dataclasses.replace(g, schema_version=7), "schema_version"),
         (lambda g: dataclasses.replace(g, group_id=""), "group_id"),
         (lambda g: dataclasses.replace(g, policy_version=-1), "policy_version"),
         (lambda g: dataclasses.replace(g, priority=float("inf")), "priority"),

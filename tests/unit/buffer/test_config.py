@@ -70,9 +70,13 @@ def test_backoff_doubles_to_cap_then_stops() -> None:
 
 def test_keys_share_one_hash_tag() -> None:
     keys = BufferKeys.for_run("run-1")
-    names = [*keys.indexes(), keys.payload("g1"), keys.out("t0"), keys.consumer_prefix + "learner-0"]
-    assert all("{run-1}" in k for k in names) and len(set(names)) == 15
+    names = [
+        *keys.indexes(), keys.payload("g1"), keys.out("t0"), keys.consumer_prefix + "learner-0",
+        keys.image("ab"),
+    ]  # fmt: skip
+    assert all("{run-1}" in k for k in names) and len(set(names)) == 18
     assert keys.payload("g1") == "offpolicy:{run-1}:buf:g:g1"
+    assert keys.image("ab") == "offpolicy:{run-1}:buf:img:ab"  # the bytes of image "ab", once per buffer
     assert PolicyKeys.for_run("run-1").record == "offpolicy:{run-1}:policy"
     with pytest.raises(ValueError, match="run_id"):
         BufferKeys.for_run("a}b")
