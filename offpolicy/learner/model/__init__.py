@@ -10,6 +10,7 @@ from offpolicy.learner.model.tiny import (
     build_char_tokenizer,
     make_tiny_model,
     make_tiny_moe_model,
+    make_tiny_vl_model,
     sample_completions,
 )
 
@@ -24,6 +25,7 @@ __all__ = [
     "load_tokenizer",
     "make_tiny_model",
     "make_tiny_moe_model",
+    "make_tiny_vl_model",
     "pick_device",
     "response_hidden_states",
     "sample_completions",

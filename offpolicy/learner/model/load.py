@@ -12,12 +12,14 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
 import offpolicy.learner.model.attention  # noqa: F401  (registers `sdpa_varlen` with transformers)
+from offpolicy.learner.model.vision import freeze_vision, is_vision_language
 
 
 def load_model(
@@ -28,15 +30,18 @@ def load_model(
     gradient_checkpointing: bool = False,
     attn_implementation: str | None = None,
 ) -> PreTrainedModel:
-    """Load a causal LM by local path or hub id with parameters in `dtype` on `device`, in train mode.
+    """Load a causal LM by local path or hub id with parameters in `dtype` on `device`, in train mode. A
+    vision-language checkpoint (Qwen2.5-VL) loads whole, its vision tower frozen (learner/model/vision.py).
 
     `dtype` is the master weights' dtype (`Precision.param_dtype`), not the checkpoint's: a bf16 release is
     upcast to fp32 masters under `bf16_mixed`; published weights are cast back to `checkpoint_dtype(path)`.
     `attn_implementation`: a kernel name of learner/model/attention.py (None = transformers' default).
     """
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path_or_id), dtype=dtype, attn_implementation=attn_implementation
-    )
+    config = AutoConfig.from_pretrained(str(path_or_id))
+    auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+    model = auto.from_pretrained(str(path_or_id), dtype=dtype, attn_implementation=attn_implementation)
+    if is_vision_language(config):
+        freeze_vision(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.to(device).train()

@@ -14,7 +14,8 @@ left-padded prompts, right-padded responses) or one packed row (`packed=True`, `
 every row concatenated, `position_ids` restarting at 0 for each sequence, attention confined to each
 (learner/model/attention.py); the states that predict the sampled tokens are gathered from it, the LM head
 runs on those alone, and the log-probs are scattered back to the (row, response position) layout the
-correction and the losses use.
+correction and the losses use. A batch whose rows show images (a vision-language policy) always takes
+the padded layout (learner/model/vision.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from offpolicy.learner.model.moe import (
     response_routes,
     router_losses,
 )
+from offpolicy.learner.model.vision import decoder_states
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -152,8 +154,12 @@ def unpack(values: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
 
 
 def response_hidden_states(model: PreTrainedModel, batch: Batch) -> torch.Tensor:
-    """Last hidden states at the positions that predict the response tokens: (B, R, H); no logits built."""
+    """Last hidden states at the positions that predict the response tokens: (B, R, H); no logits built.
+    Rows that show images run through the vision-language forward (learner/model/vision.py)."""
     R = batch.response_ids.shape[1]
+    if batch.images is not None:
+        hidden = decoder_states(model, batch)  # (B, P+R, H)
+        return hidden[:, batch.prompt_width - 1 : batch.prompt_width - 1 + R]
     hidden = model.get_decoder()(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
@@ -241,7 +247,7 @@ def token_stats(
     stats_of = head_logprobs if head == "fused" else _checkpointed_stats
     head_module = model.get_output_embeddings()
     softcap = getattr(model.config, "final_logit_softcapping", None)
-    if packed:
+    if packed and batch.images is None:  # rows with images: the padded layout (3-row positions)
         states, sampled = sampled_states(model.get_decoder(), batch)  # (N, H), (B, R)
         ids = batch.response_ids[sampled]  # (N,)
         temps = batch.temperatures.to(states.device)[:, None].expand(sampled.shape)[sampled][

@@ -1,5 +1,5 @@
 """The tiny local models of the quickstart, tests and benchmarks: a random Llama (or a random Qwen3-MoE:
-`make_tiny_moe_model`) and a character tokenizer.
+`make_tiny_moe_model`, or a random Qwen2.5-VL: `make_tiny_vl_model`) and a character tokenizer.
 
 The tiny model is a random Llama (hidden 128, 2 layers, 2 heads of head_dim 64, the smallest head size the
 vLLM CPU attention backend accepts) with a character-level tokenizer, saved with `save_pretrained` so that
@@ -124,6 +124,99 @@ def make_tiny_moe_model(
         decoder_sparse_step=1,
         max_position_embeddings=max_position_embeddings,
     )  # fmt: skip
+
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+"""The Qwen2-VL family's image and video tokens, added to the character tokenizer of the tiny VL model."""
+# CHAT_TEMPLATE with OpenAI content parts: an image part becomes `<|vision_start|><|image_pad|><|vision_end|>`
+# (the processor widens the pad to the image's tokens), a text part its text.
+VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: "
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def make_tiny_vl_model(
+    out_dir: str | Path,
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    vision_hidden_size: int = 64,
+    vision_depth: int = 2,
+    min_pixels: int = 56 * 56,
+    max_pixels: int = 112 * 112,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> Path:
+    """Write a tiny random Qwen2.5-VL (a 2-block vision tower of patch 14 merging 2x2 patches into one
+    token, window attention in its first block; a Llama-sized text model with 3-row rotary positions, head
+    dim 64), the character tokenizer with the vision tokens, and Qwen2-VL's image processor (pixel budget
+    `min_pixels`..`max_pixels`: a 56x56 image is 4 tokens) to `out_dir`; return the folder. transformers and
+    vLLM both load it (on a machine without torchvision: weights/processor.py)."""
+    head_dim = _head_dim(hidden_size, num_heads)
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from offpolicy.weights.processor import image_processor_class, images_without_torchvision
+
+    images_without_torchvision()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_char_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    ids = dict(zip(VISION_TOKENS, tokenizer.convert_tokens_to_ids(list(VISION_TOKENS)), strict=True))
+    unit = head_dim // 16  # 3-row rotary sections (time, height, width): 2:3:3 of head_dim / 2 frequencies
+    text = {
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_heads,
+        "max_position_embeddings": 2048,
+        "vocab_size": len(tokenizer),
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [2 * unit, 3 * unit, 3 * unit],
+        },
+    }
+    vision = {
+        "depth": vision_depth,
+        "hidden_size": vision_hidden_size,
+        "intermediate_size": 2 * vision_hidden_size,
+        "num_heads": max(1, vision_hidden_size // 64),
+        "out_hidden_size": hidden_size,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 56,
+        "fullatt_block_indexes": [vision_depth - 1],
+    }
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    config.text_config.bos_token_id = tokenizer.bos_token_id
+    config.text_config.eos_token_id = tokenizer.eos_token_id
+    config.text_config.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(getattr(torch, dtype))
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    image_processor_class()(min_pixels=min_pixels, max_pixels=max_pixels).save_pretrained(out)
+    return out
 
 
 def _head_dim(hidden_size: int, num_heads: int) -> int:

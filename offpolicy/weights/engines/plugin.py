@@ -1,6 +1,7 @@
 """The project's vLLM plugin (`vllm.general_plugins` entry point `offpolicy`): registers the `gloo` and
-`gloo_m2n` weight-transfer engine pairs in vLLM's factories. vLLM runs it in every process it starts
-(front end, engine core, workers); it may run more than once per process, so it is idempotent."""
+`gloo_m2n` weight-transfer engine pairs in vLLM's factories, and where torchvision is missing lets the
+Qwen2-VL family run on images (weights/processor.py). vLLM runs it in every process it starts (front end,
+engine core, workers, its model inspection); it may run more than once per process, so it is idempotent."""
 
 from __future__ import annotations
 
@@ -20,17 +21,21 @@ ENGINES = {
 
 
 def register() -> None:
-    """Register each of `ENGINES` (worker side and trainer side) unless it already is."""
+    """Register each of `ENGINES` (worker side and trainer side) unless it already is; apply
+    `images_without_torchvision`."""
     from vllm.distributed.weight_transfer.factory import (
         WeightTransferEngineFactory,
         WeightTransferTrainerFactory,
     )
+
+    from offpolicy.weights.processor import images_without_torchvision
 
     for name, (module, worker, trainer) in ENGINES.items():
         if name not in WeightTransferEngineFactory._registry:
             WeightTransferEngineFactory.register_engine(name, module, worker)
         if name not in WeightTransferTrainerFactory._registry:
             WeightTransferTrainerFactory.register_engine(name, module, trainer)
+    images_without_torchvision()
 
 
 ENTRY_POINT = "offpolicy.weights.engines.plugin:register"

@@ -1,0 +1,110 @@
+"""Vision-language policies (the Qwen2-VL family: Qwen2.5-VL): the images of a batch as the vision tower takes
+them, and the decoder's forward over rows that show them.
+
+`process_images` turns each image's bytes into its pixel values and patch grid with the model's own image
+processor (the checkpoint's `preprocessor_config.json`: the same pixel budget as the actor's vLLM, which
+reads the same file). `decoder_states` runs a batch whose rows show images: the vision tower once per
+distinct image (a group's n completions share it; frozen by default: no gradients, no activations kept),
+its outputs placed at each row's image tokens in placeholder order, the 3-row rotary positions computed
+from the grids and the attention mask (left padding included), then the language model on the merged
+embeddings. Rows are padded (`Batch`); the packed layout does not carry 3-row positions yet, so the
+policy's forward takes the padded one for such a batch (learner/model/policy.py).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable, Mapping
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from offpolicy.learner.errors import BatchError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from offpolicy.learner.batch import Batch
+
+Pixels = dict[str, tuple[torch.Tensor, torch.Tensor]]
+"""Each image's (pixel values (patches, D), grid (3,) long) by sha256."""
+
+
+def is_vision_language(config: Any) -> bool:
+    """Whether a model config is a vision-language one (an image token and a vision tower)."""
+    return (
+        getattr(config, "image_token_id", None) is not None
+        and getattr(config, "vision_config", None) is not None
+    )
+
+
+def freeze_vision(model: PreTrainedModel) -> None:
+    """Freeze the vision tower (and its merger): the language model alone trains."""
+    for p in model.model.visual.parameters():
+        p.requires_grad_(False)
+
+
+def load_image_processor(model_path: str) -> Any:
+    """The checkpoint's image processor (without torchvision: the PIL one, weights/processor.py)."""
+    from transformers import AutoImageProcessor
+
+    from offpolicy.weights.processor import images_without_torchvision
+
+    images_without_torchvision()
+    return AutoImageProcessor.from_pretrained(model_path)
+
+
+def process_images(image_processor: Any, blobs: Mapping[str, bytes], shas: Iterable[str]) -> Pixels:
+    """Pixel values and grid of each image `shas` names, from its encoded bytes in `blobs`; an image that is
+    missing or does not decode raises `BatchError` naming it."""
+    from PIL import Image, UnidentifiedImageError
+
+    out: Pixels = {}
+    for sha in dict.fromkeys(shas):
+        data = blobs.get(sha)
+        if data is None:
+            raise BatchError(f"image {sha} is not among the images read")
+        try:
+            with Image.open(io.BytesIO(data)) as img:
+                rgb = img.convert("RGB")
+        except (UnidentifiedImageError, OSError, ValueError) as e:
+            raise BatchError(f"image {sha} does not decode: {e}") from e
+        enc = image_processor(images=[rgb], return_tensors="pt")
+        out[sha] = (enc["pixel_values"], enc["image_grid_thw"][0].long())
+    return out
+
+
+def decoder_states(model: PreTrainedModel, batch: Batch) -> torch.Tensor:
+    """The language model's last hidden states over `batch`'s padded rows, images merged in: (B, L, H)."""
+    images = batch.images
+    assert images is not None
+    inner = model.model  # Qwen2_5_VLModel: .visual, .language_model
+    tower = inner.visual
+    frozen = not any(p.requires_grad for p in tower.parameters())
+    with torch.no_grad() if frozen else nullcontext():
+        encoded = inner.get_image_features(
+            images.pixel_values.to(tower.dtype), images.grid_thw, return_dict=True
+        )
+    order = [i for row in images.rows for i in row]  # every row's images, in placeholder order
+    features = encoded.pooler_output  # one (tokens, H) per distinct image
+    encoded.pooler_output = tuple(features[i] for i in order)
+    grid = images.grid_thw[order]
+    image_tokens = batch.input_ids == model.config.image_token_id
+    wanted = int(image_tokens.sum())
+    have = sum(int(f.shape[0]) for f in encoded.pooler_output)
+    if wanted != have:
+        raise BatchError(f"the rows hold {wanted} image tokens, their images make {have}")
+    position_ids, _ = inner.get_rope_index(
+        batch.input_ids,
+        mm_token_type_ids=image_tokens.int(),
+        image_grid_thw=grid,
+        attention_mask=batch.attention_mask,
+    )  # (3, B, L)
+    return inner(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=position_ids,
+        mm_encoder_outputs={"image": encoded},
+        use_cache=False,
+    ).last_hidden_state
