@@ -33,7 +33,7 @@ import torch
 from offpolicy.learner.config import LearnerConfig, OptimizerConfig
 from offpolicy.learner.config.units import units
 from offpolicy.learner.distributed import expert_parallel
-from offpolicy.learner.distributed.fsdp import decoder_layers, fsdp_mesh, shard
+from offpolicy.learner.distributed.fsdp import decoder_layers, fsdp_mesh, num_decoder_layers, shard
 from offpolicy.learner.distributed.lean import fill, meta_model, unique_names
 from offpolicy.learner.distributed.ranks import Ranks, local_device
 from offpolicy.learner.model import attention, lora, moe
@@ -44,6 +44,7 @@ from offpolicy.learner.model.policy import LogProbs
 from offpolicy.learner.model.precision import Precision, pick_device
 from offpolicy.learner.model.recompute import checkpoint_layers
 from offpolicy.learner.model.reference import AdapterOff, freeze, stream_layers
+from offpolicy.learner.model.vision import is_vision_checkpoint
 from offpolicy.learner.plan import host as host_plan
 from offpolicy.learner.plan.auto import Settings, settings_for
 from offpolicy.learner.plan.memory import (
@@ -91,7 +92,9 @@ def build_trainables(
     if compiled is None:
         compiled = compiles(config, device.type == "cuda", sharded)
     attn = attention.resolve(config.attn_implementation, device)
-    lean = sharded and config.fsdp.lean_start
+    # a vision-language checkpoint's tensors are named as its own layout, not transformers 5's modules:
+    # every rank loads it whole before sharding (no lean start yet)
+    lean = sharded and config.fsdp.lean_start and not is_vision_checkpoint(config.model_path)
     mesh = fsdp_mesh(config.fsdp.replicate, device) if sharded else None
     dtype, offload = precision.param_dtype, config.fsdp.cpu_offload
     # under LoRA the frozen base needs no masters: it is kept in the compute dtype (bf16 under bf16_mixed,
@@ -106,7 +109,7 @@ def build_trainables(
         lora.inject(model, config.lora, config.seed, masters=dtype)  # lean: factors on meta, drawn by `fill`
         if router is not None:
             moe.check_lora_targets(model)
-    layers = model.config.num_hidden_layers
+    layers = num_decoder_layers(model)
     checkpointing = checkpointed(config, layers, checkpointing)  # True: `checkpoint_layers`, else all
     checkpoint_layers(model, decoder_layers(model, layers), checkpointing)
     if config.lora is not None:  # only the adapter is published (the actors hold the base model)
@@ -120,9 +123,9 @@ def build_trainables(
         log.info("compile_layers off: an MoE policy's %s experts run grouped_mm eagerly", base)
         compiled = False
     if compiled:
-        compile_layers(decoder_layers(model, model.config.num_hidden_layers))
+        compile_layers(decoder_layers(model, num_decoder_layers(model)))
     if sharded:
-        shard(policy, model.config.num_hidden_layers, precision, offload, mesh, config.fsdp.expert_parallel)
+        shard(policy, num_decoder_layers(model), precision, offload, mesh, config.fsdp.expert_parallel)
     way = ("whole, sharded" if sharded else "whole") if not lean else ""
     if lean:
         way = fill(
@@ -158,9 +161,9 @@ def build_trainables(
             backbone=backbone,
         )
         if compiled:
-            compile_layers(decoder_layers(critic.backbone, critic.backbone.config.num_hidden_layers))
+            compile_layers(decoder_layers(critic.backbone, num_decoder_layers(critic.backbone)))
         if sharded:
-            shard(critic, critic.backbone.config.num_hidden_layers, precision, offload, mesh)
+            shard(critic, num_decoder_layers(critic.backbone), precision, offload, mesh)
         if lean:
             fill(
                 critic, "backbone", critic.backbone, path, dtype, _init_device(offload, device), causal=False
@@ -218,14 +221,14 @@ def build_frozen(
     offload = cpu_offload and device.type == "cuda"
     dtype = precision.compute_dtype or precision.param_dtype
     attn = attention.resolve(config.attn_implementation, device)
-    lean = sharded and config.fsdp.lean_start
+    lean = sharded and config.fsdp.lean_start and not is_vision_checkpoint(path)
     if lean:
         model = meta_model(path, dtype, attn_implementation=attn)
     else:
         model = load_model(path, "cpu" if sharded or offload else device, dtype, attn_implementation=attn)
     moe.select_experts(model, device)  # an MoE scorer's experts as grouped GEMMs too
     frozen = freeze(LogProbs(model, config.logprob_head))
-    layers = model.config.num_hidden_layers
+    layers = num_decoder_layers(model)
     if sharded:
         shard(frozen, layers, precision, cpu_offload, fsdp_mesh(config.fsdp.replicate, device))
         if lean:

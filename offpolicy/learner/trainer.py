@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,7 @@ from offpolicy.learner.metrics import LearnerMetrics, timed
 from offpolicy.learner.model import checkpoint_dtype, load_tokenizer, moe
 from offpolicy.learner.model.precision import Precision
 from offpolicy.learner.model.reference import check_teacher_tokenizer
+from offpolicy.learner.model.vision import is_vision_language, load_image_processor
 from offpolicy.learner.persist import BackgroundWriter, Persistence
 from offpolicy.learner.plan.auto import Settings
 from offpolicy.learner.reconfigure import ConfigApplied, ConfigSwitch
@@ -110,10 +111,13 @@ class Learner:
             self.metrics.nccl_net.labels(net=nccl_net.network().net).set(1)
         self.tokenizer = load_tokenizer(config.model_path)
         replayed = config.moe.routing_replay == "rollout"  # groups without routed experts refused
+        vision = is_vision_language(self.model.config)
+        self.image_processor = load_image_processor(config.model_path) if vision else None
         self.limits = ModelLimits(
             vocab_size=self.model.get_input_embeddings().num_embeddings,
-            max_positions=self.model.config.max_position_embeddings,
+            max_positions=self.model.config.get_text_config().max_position_embeddings,
             routed=moe.replay_shape(self.built.parts.policy) if replayed else None,
+            images=vision,
         )
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         # --- experiment trackers (rank 0): the JSONL file, TensorBoard, W&B, MLflow as configured
@@ -363,7 +367,8 @@ class Learner:
             self.heartbeat()
             return {"groups_dropped": float(taken.dropped)}
         self.control.fed()
-        command = self._command("step", groups)
+        images = self.buffer.images(sha for g in groups for sha in g.images)  # leased: theirs are stored
+        command = self._command("step", groups, images)
         self.intake.prefetch_after(
             cfg, self.version, len(groups), self.step_count, self.device.type == "cuda"
         )
@@ -376,7 +381,7 @@ class Learner:
                 self.intake.trained(self.config, self.version, leases, groups, result)
 
             try:
-                self._execute(command, groups, phases, trained, applied)
+                self._execute(command, groups, phases, trained, applied, images)
             except BaseException:
                 if applied:  # applied, then an ack, publish or background write failed: it still counts
                     timing = self.control.trained(applied, len(groups))
@@ -401,6 +406,7 @@ class Learner:
         phases: dict[str, float],
         on_trained: Callable[[StepResult], None] | None = None,
         applied: dict[str, float] | None = None,
+        images: Mapping[str, bytes] | None = None,
     ) -> dict[str, float]:
         """Every rank, same step boundary: train on `groups` (op `step`; then `on_trained(result)`: the
         leader marks their leases, which a checkpoint of this step then holds), publish, checkpoint when due.
@@ -408,7 +414,7 @@ class Learner:
         still fail (the ack, the publish, a background write's error re-raised)."""
         cfg, metrics = self.config, {}
         if command.op == "step":
-            result = train_on(self.step_context(), groups, phases)
+            result = train_on(self.step_context(), groups, phases, images)
             self.version += result.optimizer_steps  # the policy version counts optimizer steps
             metrics = result.metrics
             self.step_count += 1  # applied: it counts, whatever fails after it
@@ -462,12 +468,13 @@ class Learner:
 
     # --- N ranks: the leader's commands, the followers' loop
 
-    def _command(self, op: str, groups: list) -> Command:
-        """Leader: tell every rank what this step boundary does, with the config the leader applied since
-        the last command (a no-op on one process)."""
+    def _command(self, op: str, groups: list, images: Mapping[str, bytes] | None = None) -> Command:
+        """Leader: tell every rank what this step boundary does (the groups, the images they show), with the
+        config the leader applied since the last command (a no-op on one process)."""
         if self.channel is None:
             return Command(op)
-        return self.channel.send(op, [encode_group(g, self.config.buffer.limits) for g in groups])
+        frames = [encode_group(g, self.config.buffer.limits) for g in groups]
+        return self.channel.send(op, frames, dict(images or {}))
 
     def heartbeat(self) -> None:
         """Leader with nothing to train: N ranks hear from it (a config change, a checkpoint request)."""
@@ -491,7 +498,7 @@ class Learner:
             self.configs.receive(new, command.config_version, self.step_count)
         limits = self.config.buffer.limits
         self.persist.poll()
-        self._execute(command, [decode_group(f, limits) for f in command.groups], {})
+        self._execute(command, [decode_group(f, limits) for f in command.groups], {}, images=command.images)
         if command.op == "step":
             self.state = "running"
 
@@ -519,6 +526,7 @@ class Learner:
             before_update=self.persist.fence,
             metrics=self.metrics if self.ranks.is_leader else None,
             grad_sync=built.grad_sync,
+            image_processor=self.image_processor,
         )
 
     def close(self) -> None:

@@ -30,14 +30,16 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class Command:
     """What every rank does at this step boundary, in this order: apply `config` (a LearnerConfig as
-    JSON, with its `config_version`), train on `groups` (encoded frames) when `op == "step"`, then
-    checkpoint when `checkpoint`; `op == "stop"` ends the followers."""
+    JSON, with its `config_version`), train on `groups` (encoded frames, with the `images` they show:
+    sha256 -> bytes) when `op == "step"`, then checkpoint when `checkpoint`; `op == "stop"` ends the
+    followers."""
 
     op: str  # "step" | "noop" | "stop"
     groups: list[bytes] = field(default_factory=list)
     config: str | None = None
     config_version: int = 0
     checkpoint: bool = False
+    images: dict[str, bytes] = field(default_factory=dict)
 
     def encode(self) -> bytes:
         return msgpack.packb(
@@ -47,6 +49,7 @@ class Command:
                 "config": self.config,
                 "config_version": self.config_version,
                 "checkpoint": self.checkpoint,
+                "images": self.images,
             },
             use_bin_type=True,
         )
@@ -60,6 +63,7 @@ class Command:
             config=doc["config"],
             config_version=int(doc["config_version"]),
             checkpoint=bool(doc["checkpoint"]),
+            images={str(k): bytes(v) for k, v in (doc.get("images") or {}).items()},
         )
 
 
@@ -110,14 +114,16 @@ class LeaderChannel:
         """The next command carries `config` to every rank."""
         self._unsent = (config, version)
 
-    def send(self, op: str, frames: list[bytes]) -> Command:
-        """Broadcast this boundary's command: `op`, the groups' frames, the unsent config, a request."""
+    def send(self, op: str, frames: list[bytes], images: dict[str, bytes] | None = None) -> Command:
+        """Broadcast this boundary's command: `op`, the groups' frames and images, the unsent config, a
+        request."""
         with self._done:  # read and cleared together: a request set in between is never lost
             ask = self._asked.is_set()
             self._asked.clear()
         change, self._unsent = self._unsent, None
         cfg_json, cfg_version = (change[0].model_dump_json(), change[1]) if change else (None, 0)
-        return broadcast_command(self.ranks, Command(op, frames, cfg_json, cfg_version, checkpoint=ask))
+        command = Command(op, frames, cfg_json, cfg_version, checkpoint=ask, images=images or {})
+        return broadcast_command(self.ranks, command)
 
     def request_checkpoint(self) -> tuple[Path, int]:
         """Another thread: have the loop checkpoint at its next boundary; (folder, version) once durable."""

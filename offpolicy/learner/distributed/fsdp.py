@@ -34,13 +34,35 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+VISION_TOWERS = ("visual", "vision_tower", "vision_model")
+"""Where vision-language models keep their vision tower (Qwen2-VL family: `model.visual`; LLaVA-style:
+`vision_tower`): its blocks are not the decoder's layers."""
+
+
 def decoder_layers(module: nn.Module, num_layers: int) -> nn.ModuleList:
-    """The decoder's layer list: the first `ModuleList` with `num_layers` entries (Llama, Qwen, Mistral,
-    Gemma, GPT-2 ... all keep their blocks in one)."""
-    for sub in module.modules():
-        if isinstance(sub, nn.ModuleList) and len(sub) == num_layers:
+    """The decoder's layer list: the first `ModuleList` with `num_layers` entries outside a vision tower
+    (Llama, Qwen, Mistral, Gemma, GPT-2, Qwen2.5-VL's language model ... all keep their blocks in one)."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.ModuleList) and len(sub) == num_layers and not _in_vision_tower(name):
             return sub
     raise ValueError(f"no ModuleList of {num_layers} decoder layers in {type(module).__name__}")
+
+
+def vision_blocks(module: nn.Module) -> list[nn.Module]:
+    """The blocks of a vision-language model's vision tower (its first `ModuleList` inside one), else []."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.ModuleList) and _in_vision_tower(name):
+            return list(sub)
+    return []
+
+
+def num_decoder_layers(model: nn.Module) -> int:
+    """The decoder's layer count (a vision-language model's: its language model's)."""
+    return model.config.get_text_config().num_hidden_layers
+
+
+def _in_vision_tower(name: str) -> bool:
+    return any(part in VISION_TOWERS for part in name.split("."))
 
 
 def fsdp_mesh(replicate: int, device: torch.device) -> DeviceMesh | None:
@@ -76,7 +98,8 @@ def shard(
     mesh: DeviceMesh | None = None,
     expert_parallel: int = 1,
 ) -> nn.Module:
-    """`fully_shard` each decoder layer of `root`, then `root` itself (in place; returned), over `mesh`
+    """`fully_shard` each decoder layer of `root` (and each block of a vision tower), then `root` itself (in
+    place; returned), over `mesh`
     (`fsdp_mesh`; None = every rank, one dimension). `expert_parallel` > 1: a MoE model's experts are
     first cut over ep groups of that many ranks and sharded over the rest (distributed/expert_parallel.py;
     checked there: `fsdp.expert_parallel` must divide the ranks and the experts)."""
@@ -95,7 +118,7 @@ def shard(
         )  # fmt: skip
         expert_kwargs = {k: v for k, v in kwargs.items() if k != "mesh"}  # the experts' mesh is their own
         expert_parallel_.shard_experts(root, expert_parallel, expert_parallel_.rank_device(), expert_kwargs)
-    for layer in decoder_layers(root, num_layers):
+    for layer in [*vision_blocks(root), *decoder_layers(root, num_layers)]:
         fully_shard(layer, **kwargs)
     fully_shard(root, **kwargs)
     return root

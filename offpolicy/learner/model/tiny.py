@@ -178,6 +178,9 @@ def make_tiny_vl_model(
         "num_key_value_heads": num_heads,
         "max_position_embeddings": 2048,
         "vocab_size": len(tokenizer),
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
         "rope_parameters": {
             "rope_type": "default",
             "rope_theta": 10000.0,
@@ -208,9 +211,6 @@ def make_tiny_vl_model(
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
     )
-    config.text_config.bos_token_id = tokenizer.bos_token_id
-    config.text_config.eos_token_id = tokenizer.eos_token_id
-    config.text_config.pad_token_id = tokenizer.pad_token_id
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config).to(getattr(torch, dtype))
     model.save_pretrained(out, safe_serialization=True)

@@ -39,6 +39,13 @@ def is_vision_language(config: Any) -> bool:
     )
 
 
+def is_vision_checkpoint(path: str | Any) -> bool:
+    """Whether the checkpoint at `path` (a folder or hub id) is a vision-language one (its config read)."""
+    from transformers import AutoConfig
+
+    return is_vision_language(AutoConfig.from_pretrained(str(path)))
+
+
 def freeze_vision(model: PreTrainedModel) -> None:
     """Freeze the vision tower (and its merger): the language model alone trains."""
     for p in model.model.visual.parameters():

@@ -64,7 +64,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
 
 from offpolicy.learner.config import LearnerConfig
 from offpolicy.learner.config.lora import LoraConfig
@@ -105,11 +105,14 @@ class ModelShape:
     @classmethod
     def of(cls, hf: PretrainedConfig, lora: LoraConfig | None = None) -> ModelShape:
         """The shape of a Hugging Face config; the parameters counted on the meta device (nothing loaded),
-        with `lora` those of its adapter too."""
+        with `lora` those of its adapter too. A vision-language config: the whole model's parameters (its
+        vision tower too), the language model's sizes (its vision tokens' activations are not counted)."""
+        vision = getattr(hf, "vision_config", None) is not None
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf)
+            model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_config(hf)
         named = dict(model.named_parameters())
         params, names = sum(p.numel() for p in named.values()), list(named)
+        hf = hf.get_text_config() if vision else hf
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
         moe, experts, active = experts_of(hf.to_dict()), 0, 0

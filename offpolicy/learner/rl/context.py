@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -38,6 +38,7 @@ class StepContext:
     metrics: LearnerMetrics | None  # the histograms only rank 0 exports; None on the other ranks
     grad_sync: str = "micro_batch"  # `fsdp.grad_sync` as resolved at start: mini_batch | micro_batch
     teacher: torch.nn.Module | None = None  # the frozen teacher of on-policy distillation; None when off
+    image_processor: Any = None  # a vision-language policy's image processor (model/vision.py); else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,12 +39,15 @@ class ModelLimits:
     vocab_size: int
     max_positions: int
     routed: tuple[int, int] | None = None
+    images: bool = False  # a vision-language policy: groups may show images (else one that does is refused)
 
 
 def _check(group: TrajectoryGroup, limits: ModelLimits) -> tuple[str, str] | None:
     """(field, reason) of the first problem of `group`, or None."""
     if group.sampling.temperature <= 0:
         return "sampling.temperature", f"temperature {group.sampling.temperature} has no sampling log-probs"
+    if group.images and not limits.images:
+        return "images", f"shows {len(group.images)} image(s); the policy is not a vision-language model"
     prompt = np.asarray(group.prompt_ids)
     if prompt.size == 0:  # the first response token would have no state to predict it from
         return "prompt_ids", "empty prompt: the first response token has no context"

@@ -8,12 +8,16 @@ on the same batch (its own share of each mini-batch's groups). The trainer (lear
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from offpolicy.learner.batch import Batch, collate, token_staleness
 from offpolicy.learner.correction import compute_rollout_correction
 from offpolicy.learner.distributed.ranks import all_reduce_sum, reduce_means
+from offpolicy.learner.errors import BatchError
 from offpolicy.learner.metrics import metric_sums, timed
+from offpolicy.learner.model.vision import Pixels, process_images
 from offpolicy.learner.rl import routing
 from offpolicy.learner.rl.advantages import compute_advantages, distill, gae, grpo, token_rewards
 from offpolicy.learner.rl.context import StepContext, StepResult
@@ -29,15 +33,17 @@ from offpolicy.learner.rl.staleness_kl import RoutingByStaleness, StalenessKL
 from offpolicy.learner.rl.update import optimizer_step
 
 
-def train_on(ctx: StepContext, groups: list, phases: dict[str, float]) -> StepResult:
+def train_on(
+    ctx: StepContext, groups: list, phases: dict[str, float], images: Mapping[str, bytes] | None = None
+) -> StepResult:
     """Train on `groups` (this rank's share on N ranks): collate, pi_old and the correction, advantages,
     PPO epochs x mini-batches (one optimizer step each). Returns the step's metrics (host floats) and its
     optimizer steps (the policy version advances by as many); `phases` gets the critical-path time of each
-    phase."""
+    phase. `images`: the bytes of the images the groups show (sha256 -> bytes; a vision-language policy)."""
     cfg, rc = ctx.config, ctx.config.rollout_correction
     # --- collate
     with timed(phases, "collate"):
-        batch = collate(groups, ctx.pad_id).to(ctx.device)
+        batch = collate(groups, ctx.pad_id, pixels_of(ctx, groups, images)).to(ctx.device)
         if cfg.screening.overlong == "filter":  # no loss on truncated completions (dynamic_sampling.py)
             kept = ~truncated_rows(groups).to(ctx.device)  # (B,)
             batch.response_mask = batch.response_mask * kept.unsqueeze(-1)  # (B, R)
@@ -127,6 +133,19 @@ def train_on(ctx: StepContext, groups: list, phases: dict[str, float]) -> StepRe
         log_ratio = batch.old_log_probs - batch.behavior_logprobs  # (B, R)
         deviation = tuple(group_is_deviation(log_ratio, batch.response_mask, batch.group_index))
     return StepResult(host, steps, deviation)
+
+
+def pixels_of(ctx: StepContext, groups: list, images: Mapping[str, bytes] | None) -> Pixels | None:
+    """The processed images of the groups that show any (None: none does); a policy without an image
+    processor (not a vision-language model) refuses them (`BatchError`)."""
+    shas = [sha for g in groups for sha in g.images]
+    if not shas:
+        return None
+    if ctx.image_processor is None:
+        raise BatchError(
+            f"groups show {len(set(shas))} image(s), and the policy is not a vision-language model"
+        )
+    return process_images(ctx.image_processor, images or {}, shas)
 
 
 def advantages(ctx: StepContext, batch: Batch) -> None:

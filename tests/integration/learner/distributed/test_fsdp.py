@@ -98,12 +98,13 @@ def make_config(tiny2, redis_url, tmp_path, name: str, **kw):
     return config(tiny2, redis_url, tmp_path, **(base | kw))
 
 
-def one_then_two(one, two, groups, redis_url, tmp_path, timeout: float = 300):
+def one_then_two(one, two, groups, redis_url, tmp_path, timeout: float = 300, images=None):
     """Train `one` in this process for STEPS steps, then `two` on 2 ranks, each on its own copy of
-    `groups`; return (the one-process weights, its version, the 2-rank run's published weights)."""
+    `groups` (and the `images` they show); return (the one-process weights, its version, the 2-rank run's
+    published weights)."""
     for cfg in (one, two):
         with ReplayBuffer(redis_url, cfg.run_id, cfg.buffer) as buf:
-            buf.insert_many(groups)
+            assert buf.insert_many(groups, images=images).ok
     learner = Learner(one)
     try:
         for _ in range(STEPS):
