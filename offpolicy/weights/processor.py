@@ -26,6 +26,21 @@ _PIL_MODULE = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
 _applied = False
 
 
+def is_vision_language(config: Any) -> bool:
+    """Whether a model config is a vision-language one (an image token and a vision tower)."""
+    return (
+        getattr(config, "image_token_id", None) is not None
+        and getattr(config, "vision_config", None) is not None
+    )
+
+
+def is_vision_checkpoint(path: Any) -> bool:
+    """Whether the checkpoint at `path` (a folder or hub id) is a vision-language one (its config read)."""
+    from transformers import AutoConfig
+
+    return is_vision_language(AutoConfig.from_pretrained(str(path)))
+
+
 def torchvision_missing() -> bool:
     """Whether torchvision is not importable here."""
     return importlib.util.find_spec("torchvision") is None

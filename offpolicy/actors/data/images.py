@@ -118,3 +118,14 @@ def _image(data: bytes, key: str, i: int, vision: VisionConfig) -> PromptImage:
     except Exception as e:  # Pillow raises many kinds (UnidentifiedImageError, OSError, DecompressionBomb)
         raise ImageRefused(key, i, f"not an image Pillow can decode: {type(e).__name__}: {e}") from e
     return PromptImage(data, hashlib.sha256(data).hexdigest(), fmt, width, height)
+
+
+def decoded_images(prompt: Any) -> list[Any]:
+    """A prompt's images decoded (RGB PIL images), in order: what the engine is sent."""
+    from PIL import Image
+
+    out = []
+    for im in prompt.images:
+        with Image.open(io.BytesIO(im.data)) as img:
+            out.append(img.convert("RGB"))
+    return out

@@ -85,15 +85,14 @@ def load_prompts(
     return prompts
 
 
-def text_only(prompts: Sequence[Prompt], path: str) -> list[Prompt]:
-    """`prompts`, refused (`DatasetError`) when one has images: the engine is sent text alone today, and
-    a vision-language model trained on prompts whose images it never saw would learn from the wrong
-    inputs without a sign."""
+def text_only(prompts: Sequence[Prompt], path: str, vision: bool = False) -> list[Prompt]:
+    """`prompts`, refused (`DatasetError`) when one has images and the model is not a vision-language one
+    (`vision`): it would be trained on prompts whose images it never saw, without a sign."""
     first = next((p for p in prompts if p.images), None)
-    if first is not None:
+    if first is not None and not vision:
         raise DatasetError(
-            f"{path}: record {first.index} has {len(first.images)} image(s), which the actor does not send "
-            "to the model yet: set dataset.image_key: null to train on the text alone"
+            f"{path}: record {first.index} has {len(first.images)} image(s), and the model is not a "
+            "vision-language one: set dataset.image_key: null to train on the text alone"
         )
     return list(prompts)
 
@@ -248,12 +247,38 @@ def epoch_batches(
 
 def chat_messages(prompt: Prompt, system_prompt: str | None) -> list[Message]:
     """The conversation the chat template renders: the record's messages (or its text as one user
-    message), after the record's system prompt or else `system_prompt`, unless it starts with its own."""
+    message), after the record's system prompt or else `system_prompt`, unless it starts with its own. A
+    prompt with images shows them as OpenAI content parts (`{"type": "image"}`, which a vision-language
+    model's template renders as its image placeholder): at its `<image>` placeholders, or before the
+    first user message's text when it has none (verl's layout)."""
     messages = list(prompt.messages or [{"role": "user", "content": prompt.text}])
+    if prompt.images:
+        messages = _with_image_parts(messages, len(prompt.images))
     system = prompt.system if prompt.system is not None else system_prompt
     if system is not None and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system})
     return messages
+
+
+def _with_image_parts(messages: list[Message], n: int) -> list[Message]:
+    """`messages` with `n` image parts: each `<image>` placeholder of a string content becomes one, or
+    (none anywhere) all `n` go before the first user message's text."""
+    holes = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages if isinstance(m["content"], str))
+    out = []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, str) and (IMAGE_PLACEHOLDER in content or (not holes and m["role"] == "user")):
+            pieces = content.split(IMAGE_PLACEHOLDER) if holes else ["", content]
+            parts: list[dict[str, Any]] = []
+            for k, piece in enumerate(pieces):
+                if k:
+                    parts.extend([{"type": "image"}] * (1 if holes else n))
+                if piece:
+                    parts.append({"type": "text", "text": piece})
+            m = {**m, "content": parts}
+            holes = holes or -1  # the images placed: later user messages keep their text
+        out.append(m)
+    return out
 
 
 def uses_chat_template(tokenizer: PreTrainedTokenizerBase, chat_template: bool | None) -> bool:
@@ -295,5 +320,10 @@ def encode(
     """Token ids of a prompt: the raw text (with the tokenizer's special tokens), or the chat template's
     rendering (which has its own)."""
     templated = uses_chat_template(tokenizer, chat_template)
+    if prompt.images and not templated:
+        raise DatasetError(
+            f"prompt {prompt.prompt_id} shows images, which only a chat template places: set "
+            "dataset.chat_template: true with a vision-language model's tokenizer"
+        )
     text = render(tokenizer, prompt, templated, system_prompt)
     return list(tokenizer(text, add_special_tokens=not templated)["input_ids"])

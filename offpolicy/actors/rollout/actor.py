@@ -45,12 +45,22 @@ from offpolicy.buffer.errors import StorageUnavailable
 from offpolicy.buffer.evaluations import AsyncEvalStore
 from offpolicy.buffer.replay_buffer import AsyncReplayBuffer
 from offpolicy.buffer.types import TrajectoryGroup
+from offpolicy.weights.processor import is_vision_checkpoint
 from offpolicy.weights.record import AsyncPolicyStore
 
 log = logging.getLogger(__name__)
 _WAKE_S = 0.05  # longest the admission loop sleeps without re-checking stop and the policy record
 _SCORING_PER_SLOT = 4  # groups being scored per engine slot before admission waits (a slow verifier)
 _PUSH_LINGER_S = 0.05  # a group waits at most this long for others to share its insert (Redis round trip)
+
+
+def vision_dataset(config: ActorConfig) -> bool:
+    """Whether the dataset's images go to the model: it reads images, and the model is a vision one."""
+    return (
+        config.dataset is not None
+        and config.dataset.image_key is not None
+        and is_vision_checkpoint(config.model_path)
+    )
 
 
 class Actor:
@@ -71,11 +81,20 @@ class Actor:
             []
             if config.dataset is None
             else shard(
-                text_only(load_prompts(config.dataset), config.dataset.path),
+                text_only(
+                    load_prompts(config.dataset), config.dataset.path, is_vision_checkpoint(config.model_path)
+                ),
                 config.actor_index,
                 config.num_actors,
             )
         )
+        # the encoded images of the shard's prompts, by sha256: sent with the groups that show them
+        self.images = {im.sha256: im.data for p in self.prompts for im in p.images}
+        if self.images and env is not None:
+            raise DatasetError(
+                f"{config.dataset.path if config.dataset else ''}: prompts with images and an environment "
+                f"({env.name}): episodes do not send images yet; set dataset.image_key: null"
+            )
         if config.dataset is not None and not self.prompts:
             raise DatasetError(
                 f"actor {config.actor_index}/{config.num_actors} has an empty shard of {config.dataset.path}"
@@ -342,7 +361,9 @@ class Actor:
             if len(self._pending) < self.config.max_inflight_prompts // 2 and not closing.is_set():
                 await asyncio.sleep(_PUSH_LINGER_S)  # let a few groups gather: one round trip for them
             batch, self._pending = self._pending, []
-            self.groups_pushed += await push_groups(buffer, batch, self.config.retry, self.metrics, stop)
+            self.groups_pushed += await push_groups(
+                buffer, batch, self.config.retry, self.metrics, stop, self.images
+            )
             self._wake.set()
 
     # --- helpers

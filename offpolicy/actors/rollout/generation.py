@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from offpolicy.actors.data.images import decoded_images
 from offpolicy.actors.data.prompts import Prompt, encode
 from offpolicy.actors.errors import EngineError, PromptFailed, RewardError
 from offpolicy.actors.rollout.episodes import Environment, Episode, as_result
@@ -133,7 +134,8 @@ class PromptGeneration:
             await self._run_episodes(prompt, ids, version, t0, sampling)
             return
         try:
-            completions = await self.engine.generate_group(request_id, ids, params)
+            shown = decoded_images(prompt) if prompt.images else None  # a vision-language model's prompt
+            completions = await self.engine.generate_group(request_id, ids, params, images=shown)
         except PromptFailed as e:  # this prompt only: counted and skipped, the loop goes on
             self.metrics.failures.labels("engine_error").inc()
             log.warning("prompt %s skipped: %s", prompt.prompt_id, e)

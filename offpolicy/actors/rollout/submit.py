@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -98,12 +98,14 @@ def stamp_group(
 ) -> TrajectoryGroup:
     """The group of one prompt's scored completions. `policy_version` is the engine's version when the
     prompt was admitted; tokens the engine stamped with their own versions override it (the group gets the
-    oldest). Their routed experts (`engine.return_routed_experts`) go with them."""
+    oldest). Their routed experts (`engine.return_routed_experts`) go with them. A prompt with images: the
+    group names them (sha256) and holds the prompt as the engine ran it (each placeholder widened)."""
     oldest, versions = token_versions(completions, policy_version)
+    ran = next((c.prompt_ids for c in completions if getattr(c, "prompt_ids", None) is not None), None)
     return TrajectoryGroup(
         group_id=uuid.uuid4().hex,
         prompt_id=prompt.prompt_id,
-        prompt_ids=prompt_ids,
+        prompt_ids=prompt_ids if ran is None else ran,
         policy_version=oldest,
         actor_id=actor_id,
         created_at=time.time(),
@@ -116,6 +118,7 @@ def stamp_group(
         ],
         metadata=dict(prompt.metadata) | reward_extras(rewards),  # a verl reward's `acc`, ...
         num_experts=next((c.num_experts for c in completions if _routed(c) is not None), None),
+        images=[im.sha256 for im in prompt.images],
     )
 
 
@@ -204,9 +207,10 @@ async def push_groups(
     retry: RetryConfig,
     metrics: ActorMetrics,
     stop: threading.Event,
+    images: Mapping[str, bytes] | None = None,
 ) -> int:
-    """Insert `groups`, retrying through Redis outages, rate limiting and a full buffer; return how many
-    were new.
+    """Insert `groups` (with the encoded `images` they show, by sha256), retrying through Redis outages,
+    rate limiting and a full buffer; return how many were new.
 
     Retries are safe: inserts are idempotent by `group_id`. Invalid groups are counted and logged (the
     buffer names the field); they are bugs, never retried. `BufferFull` is back-pressure, not a failure:
@@ -223,7 +227,8 @@ async def push_groups(
             log.error("stopped with %d generated groups not pushed (Redis down or buffer full)", len(pending))
             return inserted
         try:
-            result = await buffer.insert_many(pending)
+            shown = {sha: images[sha] for g in pending for sha in g.images} if images else None
+            result = await buffer.insert_many(pending, images=shown)
         except StorageUnavailable as e:
             metrics.failures.labels("redis_unavailable").inc()
             log.warning(

@@ -5,7 +5,8 @@ them, and the decoder's forward over rows that show them.
 processor (the checkpoint's `preprocessor_config.json`: the same pixel budget as the actor's vLLM, which
 reads the same file). `decoder_states` runs a batch whose rows show images: the vision tower once per
 distinct image (a group's n completions share it; frozen by default: no gradients, no activations kept),
-its outputs placed at each row's image tokens in placeholder order, the 3-row rotary positions computed
+its outputs placed at each row's prompt image tokens in placeholder order (an image token sampled in a
+response stays text, as in the engine), the 3-row rotary positions computed
 from the grids and the attention mask (left padding included), then the language model on the merged
 embeddings. Rows are padded (`Batch`); the packed layout does not carry 3-row positions yet, so the
 policy's forward takes the padded one for such a batch (learner/model/policy.py).
@@ -21,6 +22,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from offpolicy.learner.errors import BatchError
+from offpolicy.weights.processor import is_vision_checkpoint, is_vision_language
+
+__all__ = [
+    "Pixels",
+    "decoder_states",
+    "freeze_vision",
+    "is_vision_checkpoint",
+    "is_vision_language",
+    "load_image_processor",
+    "process_images",
+]
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -29,21 +41,6 @@ if TYPE_CHECKING:
 
 Pixels = dict[str, tuple[torch.Tensor, torch.Tensor]]
 """Each image's (pixel values (patches, D), grid (3,) long) by sha256."""
-
-
-def is_vision_language(config: Any) -> bool:
-    """Whether a model config is a vision-language one (an image token and a vision tower)."""
-    return (
-        getattr(config, "image_token_id", None) is not None
-        and getattr(config, "vision_config", None) is not None
-    )
-
-
-def is_vision_checkpoint(path: str | Any) -> bool:
-    """Whether the checkpoint at `path` (a folder or hub id) is a vision-language one (its config read)."""
-    from transformers import AutoConfig
-
-    return is_vision_language(AutoConfig.from_pretrained(str(path)))
 
 
 def freeze_vision(model: PreTrainedModel) -> None:
@@ -83,7 +80,10 @@ def process_images(image_processor: Any, blobs: Mapping[str, bytes], shas: Itera
 
 
 def decoder_states(model: PreTrainedModel, batch: Batch) -> torch.Tensor:
-    """The language model's last hidden states over `batch`'s padded rows, images merged in: (B, L, H)."""
+    """The language model's last hidden states over `batch`'s padded rows, images merged in: (B, L, H).
+
+    Only a prompt's image tokens take image features: an image token the policy sampled in a response is
+    text to the engine (its embedding, a text position), and so it is here."""
     images = batch.images
     assert images is not None
     inner = model.model  # Qwen2_5_VLModel: .visual, .language_model
@@ -92,26 +92,27 @@ def decoder_states(model: PreTrainedModel, batch: Batch) -> torch.Tensor:
     with torch.no_grad() if frozen else nullcontext():
         encoded = inner.get_image_features(
             images.pixel_values.to(tower.dtype), images.grid_thw, return_dict=True
-        )
+        ).pooler_output  # one (tokens, H) per distinct image
     order = [i for row in images.rows for i in row]  # every row's images, in placeholder order
-    features = encoded.pooler_output  # one (tokens, H) per distinct image
-    encoded.pooler_output = tuple(features[i] for i in order)
-    grid = images.grid_thw[order]
     image_tokens = batch.input_ids == model.config.image_token_id
+    image_tokens[:, batch.prompt_width :] = False  # sampled in a response: text
     wanted = int(image_tokens.sum())
-    have = sum(int(f.shape[0]) for f in encoded.pooler_output)
+    have = sum(int(encoded[i].shape[0]) for i in order)
     if wanted != have:
-        raise BatchError(f"the rows hold {wanted} image tokens, their images make {have}")
+        raise BatchError(f"the rows' prompts hold {wanted} image tokens, their images make {have}")
+    embeds = inner.get_input_embeddings()(batch.input_ids)  # (B, L, H)
+    if order:  # row after row, each row's placeholders in order: masked_scatter's own order
+        features = torch.cat([encoded[i] for i in order]).to(embeds.dtype)
+        embeds = embeds.masked_scatter(image_tokens.unsqueeze(-1), features)
     position_ids, _ = inner.get_rope_index(
         batch.input_ids,
         mm_token_type_ids=image_tokens.int(),
-        image_grid_thw=grid,
+        image_grid_thw=images.grid_thw[order],
         attention_mask=batch.attention_mask,
     )  # (3, B, L)
-    return inner(
-        input_ids=batch.input_ids,
+    return inner.language_model(
+        inputs_embeds=embeds,
         attention_mask=batch.attention_mask,
         position_ids=position_ids,
-        mm_encoder_outputs={"image": encoded},
         use_cache=False,
     ).last_hidden_state

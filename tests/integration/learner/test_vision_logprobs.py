@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -132,3 +133,56 @@ def test_learner_logprobs_equal_vllms_for_prompts_with_one_and_two_images(
         other, _ = policy(blind, chunk_tokens=64)
     assert float((other - batch.behavior_logprobs).abs()[mask].max()) > 1e-2
     assert np.isfinite(mine.numpy()).all()
+
+
+def test_the_actor_sends_a_datasets_images_and_the_learner_reads_them_back(
+    vl_model: Path, vl_engine, redis_url: str, run_id: str, tmp_path: Path
+) -> None:
+    """The actor's own loop on a dataset with images (verl's layout: `<image>` in the prompt, `images`
+    paths): each group names its image, holds the prompt as the engine ran it, and its image is stored once;
+    the learner's log-probs of what the actor pushed equal the behaviour log-probs."""
+    from prometheus_client import CollectorRegistry
+
+    from offpolicy.actors.config import DatasetConfig
+    from offpolicy.actors.rollout.actor import Actor
+    from tests.integration.actors.actor_run import actor_config, run_in_thread, wait_until
+
+    colours = {"red": (220, 30, 30), "blue": (30, 30, 220)}
+    for name, rgb in colours.items():
+        (tmp_path / f"{name}.png").write_bytes(drawn(rgb, (56, 56)))
+    rows = [
+        {"prompt": "<image>what colour is the square?", "answer": c, "images": [f"{c}.png"]} for c in colours
+    ]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows * 2))
+    cfg = actor_config(
+        vl_model, tmp_path / "d.jsonl", redis_url, run_id,
+        dataset=DatasetConfig(path=str(tmp_path / "d.jsonl"), chat_template=True, image_key="images"),
+        sampling=SamplingConfig(temperature=1.0, max_tokens=8, n=2),
+    )  # fmt: skip
+    actor = Actor(cfg, CollectorRegistry(), engine=vl_engine)
+    assert len(actor.images) == 2
+    thread, stop, errors = run_in_thread(actor)
+    with ReplayBuffer(redis_url, run_id, BufferConfig()) as buf:
+        try:
+            wait_until(lambda: buf.stats().size >= 4, 240, "4 groups with images")
+            stop.set()
+            thread.join(60)
+            assert not errors, errors
+            s = buf.stats()
+            assert s.images == 2 and s.image_bytes == sum(len(b) for b in actor.images.values())  # once each
+            leased = buf.lease(s.size, 0, consumer="learner-0", lease_s=600)
+            read = buf.images(sha for g in leased.groups for sha in g.images)
+            buf.ack("learner-0", leased.lease_ids)
+        finally:
+            buf.clear()
+    image_token = int(load_tokenizer(vl_model).convert_tokens_to_ids("<|image_pad|>"))
+    for g in leased.groups:
+        assert len(g.images) == 1 and g.images[0] in actor.images
+        assert int((np.asarray(g.prompt_ids) == image_token).sum()) == 4  # a 56x56 image's 4 tokens
+    model = load_model(vl_model, "cpu", torch.float32)
+    pixels = process_images(load_image_processor(str(vl_model)), read, read)
+    batch = collate(leased.groups, load_tokenizer(vl_model).pad_token_id, pixels)
+    with torch.no_grad():
+        mine, _ = LogProbs(model)(batch, chunk_tokens=64)
+    mask = batch.response_mask > 0
+    assert float((mine - batch.behavior_logprobs).abs()[mask].max()) <= TOL

@@ -106,9 +106,36 @@ def test_a_dataset_whose_every_record_is_refused_fails_and_the_actor_refuses_ima
     (tmp_path / "a.png").write_bytes(_png())
     path.write_text(json.dumps({"prompt": "<image> x", "images": ["a.png"]}))
     prompts = load_prompts(DatasetConfig(path=str(path), image_key="images"))
-    with pytest.raises(DatasetError, match="does not send to the model yet"):
+    with pytest.raises(DatasetError, match="not a vision-language one"):
         text_only(prompts, str(path))
+    assert text_only(prompts, str(path), vision=True)[0].images == prompts[0].images  # a VL model takes them
     assert text_only(load_prompts(DatasetConfig(path=str(path))), str(path))[0].images == ()  # image_key null
+
+
+def test_images_become_content_parts_at_their_placeholders_or_first(tmp_path):
+    from offpolicy.actors.data.prompts import chat_messages
+
+    (tmp_path / "a.png").write_bytes(_png())
+    path = tmp_path / "d.jsonl"
+    rows = [
+        {"prompt": "look <image> then <image>!", "images": ["a.png", "a.png"]},
+        {"prompt": [{"role": "user", "content": "what colour?"}], "images": ["a.png"]},
+        {"prompt": "plain"},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    placed, first, plain = load_prompts(DatasetConfig(path=str(path), image_key="images"))
+    image = {"type": "image"}
+    assert chat_messages(placed, None) == [
+        {"role": "user", "content": [
+            {"type": "text", "text": "look "}, image, {"type": "text", "text": " then "}, image,
+            {"type": "text", "text": "!"},
+        ]},
+    ]  # fmt: skip
+    assert chat_messages(first, "sys") == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": [image, {"type": "text", "text": "what colour?"}]},
+    ]
+    assert chat_messages(plain, None) == [{"role": "user", "content": "plain"}]
 
 
 def test_the_image_count_is_bounded_and_the_limits_checked(tmp_path):

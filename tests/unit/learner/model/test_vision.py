@@ -111,5 +111,11 @@ def test_padded_rows_with_images_equal_transformers_and_the_tower_stays_frozen(v
     assert all(p.grad is None for p in model.model.visual.parameters())
     assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.model.language_model.parameters())
+    # an image token sampled in a response is text (as in the engine): no image feature, no error
+    sampled = group(prompt([shas[0]], "colour?"), [shas[0]], n=1, seed=1)
+    sampled.trajectories[0].response_ids = np.array([40, 41, pad, 42, 43, 44], np.int32)
+    with torch.no_grad():
+        lp, _ = policy(collate([sampled], tok.pad_token_id, pixels), chunk_tokens=64)
+    assert torch.isfinite(lp).all()
     with pytest.raises(BatchError, match="image tokens"):  # a prompt whose placeholders do not fit its images
         policy(collate([group(prompt([shas[0]], "x")[:-9], [shas[1]])], tok.pad_token_id, pixels), 64)
