@@ -3,7 +3,9 @@
 - `write_target_token_dataset`: prompts whose reward (`target_token_share`) is the share of a target
   character in the completion (the single-turn toy task, and the guessing game's secret character);
 - `write_sums_dataset`: prompts holding a sum `a+b` and its result as the answer (the calculator
-  environment, `actors/rollout/environments.py`).
+  environment, `actors/rollout/environments.py`);
+- `square_png`, `image_question_ids`: a drawn square's PNG and a question about images as a
+  vision-language model's chat template renders it (the vision tests and benchmarks/vision.py).
 """
 
 from __future__ import annotations
@@ -64,3 +66,33 @@ def write_sums_dataset(path: str | Path, num_prompts: int = 64, seed: int = 0, m
             record = {"id": f"sum-{i}", "prompt": f"What is {a}+{b}?", "answer": str(a + b)}
             fh.write(json.dumps(record) + "\n")
     return out
+
+
+def square_png(
+    rgb: tuple[int, int, int], width: int, height: int | None = None, noise: int | None = None
+) -> bytes:
+    """A PNG (Pillow) of a square of colour `rgb` on grey, or on random pixels drawn with seed `noise` (so
+    that the PNG does not compress to almost nothing)."""
+    import io
+
+    from PIL import Image, ImageDraw
+
+    h = height or width
+    if noise is None:
+        img = Image.new("RGB", (width, h), (128, 128, 128))
+    else:
+        img = Image.fromarray(np.random.default_rng(noise).integers(0, 256, (h, width, 3), dtype=np.uint8))
+    ImageDraw.Draw(img).rectangle((width // 4, h // 4, 3 * width // 4, 3 * h // 4), fill=rgb)
+    out = io.BytesIO()
+    img.save(out, format="PNG")
+    return out.getvalue()
+
+
+def image_question_ids(tokenizer, n_images: int, question: str) -> list[int]:
+    """Token ids of one user message showing `n_images` images, then `question`, through the tokenizer's
+    chat template (one image placeholder each: the engine widens them), with the assistant's opening."""
+    parts = [{"type": "image"}] * n_images + [{"type": "text", "text": question}]
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": parts}], add_generation_prompt=True, tokenize=False
+    )
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -147,6 +147,11 @@ def make_tiny_vl_model(
     num_heads: int = 2,
     vision_hidden_size: int = 64,
     vision_depth: int = 2,
+    num_kv_heads: int | None = None,
+    intermediate_size: int | None = None,
+    vision_heads: int | None = None,
+    vision_intermediate_size: int | None = None,
+    vocab_size: int | None = None,
     min_pixels: int = 56 * 56,
     max_pixels: int = 112 * 112,
     seed: int = 0,
@@ -156,7 +161,9 @@ def make_tiny_vl_model(
     token, window attention in its first block; a Llama-sized text model with 3-row rotary positions, head
     dim 64), the character tokenizer with the vision tokens, and Qwen2-VL's image processor (pixel budget
     `min_pixels`..`max_pixels`: a 56x56 image is 4 tokens) to `out_dir`; return the folder. transformers and
-    vLLM both load it (on a machine without torchvision: weights/processor.py)."""
+    vLLM both load it (on a machine without torchvision: weights/processor.py). The other sizes build the
+    benchmarks' shapes (a Qwen2.5-VL-7B-shaped one: benchmarks/vision.py `--gpu`); `vocab_size` pads the
+    embedding past the character tokenizer's."""
     head_dim = _head_dim(hidden_size, num_heads)
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
@@ -172,12 +179,12 @@ def make_tiny_vl_model(
     unit = head_dim // 16  # 3-row rotary sections (time, height, width): 2:3:3 of head_dim / 2 frequencies
     text = {
         "hidden_size": hidden_size,
-        "intermediate_size": 2 * hidden_size,
+        "intermediate_size": intermediate_size or 2 * hidden_size,
         "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads,
-        "num_key_value_heads": num_heads,
+        "num_key_value_heads": num_kv_heads or num_heads,
         "max_position_embeddings": 2048,
-        "vocab_size": len(tokenizer),
+        "vocab_size": vocab_size or len(tokenizer),
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
@@ -190,8 +197,8 @@ def make_tiny_vl_model(
     vision = {
         "depth": vision_depth,
         "hidden_size": vision_hidden_size,
-        "intermediate_size": 2 * vision_hidden_size,
-        "num_heads": max(1, vision_hidden_size // 64),
+        "intermediate_size": vision_intermediate_size or 2 * vision_hidden_size,
+        "num_heads": vision_heads or max(1, vision_hidden_size // 64),
         "out_hidden_size": hidden_size,
         "patch_size": 14,
         "spatial_merge_size": 2,

@@ -58,6 +58,9 @@ SHOWN: dict[str, tuple[str, ...]] = {
     "memory_plan": ("h100_gib",),
     "weight_delta": ("delta_bytes_share", "changed_value_share", "encode_s", "apply_s",
                      "engine.delta_bytes_share", "engine.apply_s", "engine.full_s"),
+    "vision": ("logprob_max_abs_diff", "stored_over_raw_per_n", "image_bytes_stored_per_group",
+               "image_bytes_raw_per_group", "learner_tokens_per_s_vision", "learner_tokens_per_s_text",
+               "vision_over_text"),
 }  # fmt: skip
 """The figures a benchmark's record rows show (those of its targets first); others: its first six numbers."""
 

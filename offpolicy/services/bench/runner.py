@@ -29,7 +29,7 @@ from offpolicy.services.bench.targets import TARGETS, Target, newest, targets_of
 BENCHMARKS = (
     "correction", "buffer", "learner", "learner_fsdp", "publish_gather", "actor", "reward_latency", "e2e",
     "staleness", "weight_sync", "weight_sync_engine", "agent", "memory_plan", "lora", "learning_signal",
-    "learner_traffic", "moe", "control", "weight_delta",
+    "learner_traffic", "moe", "control", "weight_delta", "vision",
 )  # fmt: skip
 """What `offpolicy bench` runs when no name is given (the soak, `--minutes` long, runs only by name)."""
 

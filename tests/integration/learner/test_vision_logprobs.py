@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from offpolicy.actors.config import EngineConfig, SamplingConfig
+from offpolicy.actors.data.toy import image_question_ids, square_png
 from offpolicy.buffer.config import BufferConfig
 from offpolicy.buffer.replay_buffer import ReplayBuffer
 from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup
@@ -45,13 +46,7 @@ def vl_engine(vl_model: Path) -> Iterator:
 
 def drawn(colour: tuple[int, int, int], size: tuple[int, int]) -> bytes:
     """A PNG of a square of `colour` on grey (Pillow): what the dataset would hold."""
-    from PIL import Image, ImageDraw
-
-    img = Image.new("RGB", size, (128, 128, 128))
-    ImageDraw.Draw(img).rectangle((8, 8, size[0] - 8, size[1] - 8), fill=colour)
-    out = io.BytesIO()
-    img.save(out, format="PNG")
-    return out.getvalue()
+    return square_png(colour, *size)
 
 
 def decoded(data: bytes):
@@ -68,13 +63,7 @@ def test_learner_logprobs_equal_vllms_for_prompts_with_one_and_two_images(
     blobs = {hashlib.sha256(b).hexdigest(): b for b in (red, blue)}
     sha = {red: hashlib.sha256(red).hexdigest(), blue: hashlib.sha256(blue).hexdigest()}
     shown = [[red], [red, blue]]
-    prompts = []
-    for images in shown:
-        parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": "what colour is the square?"}]
-        text = tok.apply_chat_template(
-            [{"role": "user", "content": parts}], add_generation_prompt=True, tokenize=False
-        )
-        prompts.append(tok(text, add_special_tokens=False)["input_ids"])
+    prompts = [image_question_ids(tok, len(images), "what colour is the square?") for images in shown]
     sampling = SamplingConfig(temperature=1.0, max_tokens=12, n=3)
     outs = vl_engine.generate(
         prompts, sampling, images=[[decoded(b) for b in imgs] for imgs in shown], timeout_s=300

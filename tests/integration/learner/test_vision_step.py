@@ -74,15 +74,20 @@ def vl_groups(model: Path, k: int, seed: int = 0) -> tuple[list[TrajectoryGroup]
     return groups, blobs
 
 
+def vl_config(vl_dir: Path, redis_url: str, tmp_path: Path, **kw):
+    """One step of 4 groups in bypass mode at a large learning rate, no checkpoints."""
+    return config(
+        vl_dir, redis_url, tmp_path, groups_per_step=4, rollout_correction="bypass_ppo_clip",
+        optimizer={"lr": 1e-2}, buffer={"sampler": "fifo", "max_times_sampled": 1},
+        checkpoint={"checkpoint_dir": None}, **kw,
+    )  # fmt: skip
+
+
 def test_a_vision_language_learner_trains_its_language_model_on_groups_showing_images(
     vl_dir, redis_url, tmp_path
 ):
     groups, blobs = vl_groups(vl_dir, 4)
-    cfg = config(
-        vl_dir, redis_url, tmp_path, groups_per_step=4, rollout_correction="bypass_ppo_clip",
-        optimizer={"lr": 1e-2}, buffer={"sampler": "fifo", "max_times_sampled": 1},
-        checkpoint={"checkpoint_dir": None}, packing=True,
-    )  # fmt: skip
+    cfg = vl_config(vl_dir, redis_url, tmp_path, packing=True)
     with ReplayBuffer(cfg.redis_url, cfg.run_id, cfg.buffer) as buf:
         assert buf.insert_many(groups, images=blobs).ok
     learner = Learner(cfg)
