@@ -6,29 +6,19 @@ reward rises (the command's own verdict: exit 0 only when it has)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.e2e.quickstart_run import run_quickstart
+
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.vllm]
-ROOT = Path(__file__).resolve().parents[2]
 
 
 # On the 2-core development machine: reward 0.011 over the first 3 steps -> 0.436 over the last 5 at step
 # 10; the actor built 13 versions from deltas.
 def test_the_quickstart_learns_with_delta_versions(tmp_path: Path) -> None:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    cmd = [
-        sys.executable, "-m", "offpolicy.services.cli", "quickstart", "--delta", "--max-steps", "30",
-        "--runs-dir", str(tmp_path), "--timeout-s", "480",
-    ]  # fmt: skip
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    assert "reward ROSE" in done.stdout, done.stdout[-2000:]
-    (run,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    _, run = run_quickstart(tmp_path, "--delta")
     bases = {
         int(p.name[1:]): json.loads((p / "manifest.json").read_text()).get("base")
         for p in (run / "weights").iterdir()

@@ -4,6 +4,8 @@
   character in the completion (the single-turn toy task, and the guessing game's secret character);
 - `write_sums_dataset`: prompts holding a sum `a+b` and its result as the answer (the calculator
   environment, `actors/rollout/environments.py`);
+- `write_colour_squares_dataset`: prompts showing a square of one of three colours, the answer its
+  initial (`target_token_share` reads it: the reward needs the image; `offpolicy quickstart --task vision`);
 - `square_png`, `image_question_ids`: a drawn square's PNG and a question about images as a
   vision-language model's chat template renders it (the vision tests and benchmarks/vision.py).
 """
@@ -96,3 +98,51 @@ def image_question_ids(tokenizer, n_images: int, question: str) -> list[int]:
         [{"role": "user", "content": parts}], add_generation_prompt=True, tokenize=False
     )
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+COLOURS = {"r": (220, 40, 40), "g": (40, 180, 40), "b": (40, 40, 220)}
+"""The vision toy's colours by the letter that answers them."""
+_VISION_TEMPLATES = (
+    "<image>The square's colour, by its letter: ",
+    "<image>Colour? ",
+    "<image>Which colour is it? ",
+)
+
+
+def write_colour_squares_dataset(path: str | Path, num_prompts: int = 48, seed: int = 0) -> Path:
+    """Write `num_prompts` records `{"id", "prompt", "answer": letter, "images": ["images/<i>.png"]}` to
+    `path` (jsonl; the PNGs beside it, 56x56: 4 image tokens for the tiny Qwen2.5-VL) and return it. Each
+    image is a square of one of `COLOURS` at a random place and size, the answer its letter: the prompt
+    never names it, so a policy above 1/3 of the reward reads the image."""
+    rng = np.random.default_rng(seed)
+    out = Path(path)
+    images = out.parent / "images"
+    images.mkdir(parents=True, exist_ok=True)
+    letters = list(COLOURS)
+    with out.open("w") as fh:
+        for i in range(num_prompts):
+            letter = letters[i % len(letters)]
+            name = f"images/{i}.png"
+            (out.parent / name).write_bytes(_square_at(COLOURS[letter], rng))
+            record = {
+                "id": f"colour-{i}",
+                "prompt": _VISION_TEMPLATES[int(rng.integers(len(_VISION_TEMPLATES)))],
+                "answer": letter,
+                "images": [name],
+            }
+            fh.write(json.dumps(record) + "\n")
+    return out
+
+
+def _square_at(rgb: tuple[int, int, int], rng: np.random.Generator, px: int = 56) -> bytes:
+    import io
+
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (px, px), (128, 128, 128))
+    side = int(rng.integers(px // 3, px - 4))
+    x, y = (int(rng.integers(0, px - side + 1)) for _ in range(2))
+    ImageDraw.Draw(img).rectangle((x, y, x + side - 1, y + side - 1), fill=rgb)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()

@@ -71,8 +71,7 @@ async def receive_weights(engine: Any, update_info: Any, version: int, timeout_s
         )
         raise EngineError(engine.broken) from e
     await engine.acall(engine.llm.update_weight_version(str(version)))
-    if not await engine.acall(engine.llm.reset_prefix_cache(reset_running_requests=True)):
-        raise WeightLoadError(version, "engine", "vLLM refused to reset the prefix cache")
+    await engine.after_load(version)
     engine.loaded_version = version
     engine.loaded_path = ""  # no folder holds exactly these weights (a restore must read a generation)
     engine.base_loads += 1

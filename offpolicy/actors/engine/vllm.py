@@ -54,6 +54,7 @@ from offpolicy.actors.engine.routing import capture_args, explain_refusal, route
 from offpolicy.actors.engine.run_view import RunView
 from offpolicy.actors.engine.transfer import STALL_GRACE_S as STALL_GRACE_S  # re-exported
 from offpolicy.actors.errors import EngineError, InvalidSampling, PromptFailed, WeightLoadError
+from offpolicy.weights.processor import is_vision_checkpoint
 
 log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 1.0  # seconds vLLM's engine core and workers get to exit at shutdown, then killed
@@ -106,6 +107,7 @@ class VLLMEngine:
             }
         routed, self.num_experts = capture_args(config.return_routed_experts, model_path)  # None: off
         self.config = config
+        self.vision = is_vision_checkpoint(model_path)  # a vision-language model: images in its prompts
         self.kind = "full" if config.lora is None else "lora"
         self.base_loads = 0  # weight loads into the base model (files or transfers) since start
         args = AsyncEngineArgs(
@@ -329,12 +331,20 @@ class VLLMEngine:
         except Exception as e:  # translated: vLLM's workers can fail in many ways (files, shapes, OOM)
             raise WeightLoadError(version, "engine", f"{type(e).__name__}: {e}") from e
         await self.acall(self.llm.update_weight_version(str(version)))
-        # Preempt the running sequences: their KV cache is recomputed under the new weights on resume.
-        if not await self.acall(self.llm.reset_prefix_cache(reset_running_requests=True)):
-            raise WeightLoadError(version, "engine", "vLLM refused to reset the prefix cache")
+        await self.after_load(version)
         self.loaded_version = version
         self.loaded_path = source or path
         self.base_loads += 1
+
+    async def after_load(self, version: int) -> None:
+        """After new weights are in: preempt the running sequences (their KV cache is recomputed under the
+        new weights on resume); a vision-language model's encoder outputs are dropped too (its preempted
+        requests encode their images again: without that vLLM 0.32 loses an image the n completions of a
+        request share and fails the step, `Encoder cache miss`; and a trained tower's outputs change)."""
+        if not await self.acall(self.llm.reset_prefix_cache(reset_running_requests=True)):
+            raise WeightLoadError(version, "engine", "vLLM refused to reset the prefix cache")
+        if self.vision:
+            await self.acall(self.llm.reset_encoder_cache())
 
     @property
     def alive(self) -> bool:

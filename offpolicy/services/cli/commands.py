@@ -148,6 +148,7 @@ def _quickstart(args: argparse.Namespace) -> int:
         gpus=None if args.gpus is None else tuple(int(g) for g in args.gpus.split(",")),
         lora=args.lora,
         moe=args.moe,
+        task=args.task,
         delta=args.delta,
         gpu_memory_gib=args.gpu_memory_gib,
     )
@@ -225,6 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="train a LoRA adapter (rank 8, every linear layer) on the frozen model; the actor's vLLM serves "
         "each published adapter without reloading the base",
+    )
+    quick.add_argument(
+        "--task",
+        choices=("text", "vision"),
+        default="text",
+        help="vision: a tiny vision-language model (Qwen2.5-VL) on a toy of coloured squares, the reward "
+        "the share of the square's colour letter; images through vLLM, the buffer and the learner",
     )
     quick.add_argument(
         "--moe",

@@ -41,6 +41,7 @@ from offpolicy.buffer.errors import (
     BufferError,
     BufferFull,
     BufferNotReady,
+    ImagesMissing,
     InvalidTrajectory,
     RateLimited,
     StorageUnavailable,
@@ -174,6 +175,7 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
     BufferFull: (429, "buffer_full"),
     BufferNotReady: (503, "buffer_not_ready"),
     StorageUnavailable: (503, "storage_unavailable"),
+    ImagesMissing: (404, "images_missing"),
     # learner/errors.py
     LearnerError: (500, "learner_error"),
     CorrectionInputError: (422, "invalid_correction_input"),

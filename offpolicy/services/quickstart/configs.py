@@ -129,6 +129,7 @@ def actor_config(
     lora: bool = False,
     routed_experts: bool = False,
     delta_dir: Path | None = None,
+    vision: bool = False,
 ) -> dict[str, Any]:
     """The actor's config for the toy task: vLLM on CPU (float32, eager, 1 GiB KV cache), 4 completions
     of up to 32 tokens per prompt at temperature 0.7, reward = share of the target character (or
@@ -140,7 +141,8 @@ def actor_config(
     the CPU engine. `lora`: the engine serves the learner's adapters (`engine.lora`) on the base model.
     `routed_experts`: the engine captures each token's routed experts (`engine.return_routed_experts`,
     vLLM's Model Runner V2: GPUs) for the learner's routing replay. `delta_dir`: where the actor builds
-    the learner's delta versions (`reload.delta_dir`; None: the default)."""
+    the learner's delta versions (`reload.delta_dir`; None: the default). `vision`: the colour-squares
+    toy's images (`dataset.image_key: images`, the chat template) to the tiny vision-language model."""
     from offpolicy.actors.config import ActorConfig, DatasetConfig, EngineConfig, RewardConfig
 
     extra: dict[str, Any] = {}
@@ -174,6 +176,12 @@ def actor_config(
     ):  # a user's dataset: its layout's keys, the tokenizer's chat template when it has one
         users = DatasetConfig(path=str(dataset), preset=preset)
         config = ActorConfig.model_validate(config.model_dump() | {"dataset": users.model_dump()})
+    if vision:  # each prompt's image through the chat template to the engine
+        shown = DatasetConfig(path=str(dataset), chat_template=True, image_key="images")
+        engine = config.engine.model_copy(update={"max_images_per_prompt": 1})
+        config = ActorConfig.model_validate(
+            config.model_dump() | {"dataset": shown.model_dump(), "engine": engine.model_dump()}
+        )
     if eval_dataset is not None:  # inline evaluation: 16 held-out prompts x 4 samples every 3 versions
         held_out = {"path": str(eval_dataset)}
         ev = {"dataset": held_out, "every_versions": 3, "samples_per_prompt": 4, "pass_threshold": 0.5}

