@@ -107,13 +107,13 @@ class AsyncReplayBuffer(BufferHandle, AsyncLeaseOps):
             pipe.hincrby(self._core.keys.counters, name, n)
         await pipe.execute()
 
-    async def images(self, shas: Iterable[str]) -> dict[str, bytes]:
+    async def images(self, shas: Iterable[str], missing_ok: bool = False) -> dict[str, bytes]:
         """See `ReplayBuffer.images`."""
         names = list(dict.fromkeys(shas))
         if not names:
             return {}
         keys = [self._core.keys.image(sha) for sha in names]
-        return found_images(names, await self._call(lambda: self._client.mget(keys), "images"))
+        return found_images(names, await self._call(lambda: self._client.mget(keys), "images"), missing_ok)
 
     async def sample(
         self, num_groups: int, consumer_version: int, timeout_s: float = 10.0

@@ -395,12 +395,13 @@ def bad_images(images: Mapping[str, bytes]) -> dict[str, str]:
     return bad
 
 
-def found_images(names: list[str], values: list[bytes | None]) -> dict[str, bytes]:
-    """`images`' answer: each image's bytes, read with one MGET; raises `ImagesMissing` naming the absent."""
+def found_images(names: list[str], values: list[bytes | None], missing_ok: bool = False) -> dict[str, bytes]:
+    """`images`' answer: each image's bytes, read with one MGET; raises `ImagesMissing` naming the absent
+    (`missing_ok`: leaves them out)."""
     missing = tuple(sha for sha, v in zip(names, values, strict=True) if v is None)
-    if missing:
+    if missing and not missing_ok:
         raise ImagesMissing(missing)
-    return dict(zip(names, values, strict=True))
+    return {sha: v for sha, v in zip(names, values, strict=True) if v is not None}
 
 
 def chunk_images(entries: list[Entry], images: Mapping[str, bytes] | None) -> dict[str, bytes]:

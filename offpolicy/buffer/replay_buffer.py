@@ -127,15 +127,16 @@ class ReplayBuffer(BufferHandle, LeaseOps):
             pipe.hincrby(self._core.keys.counters, name, n)
         pipe.execute()
 
-    def images(self, shas: Iterable[str]) -> dict[str, bytes]:
+    def images(self, shas: Iterable[str], missing_ok: bool = False) -> dict[str, bytes]:
         """The bytes of the images `shas` (sha256 hex) that the buffer holds: those a stored group names
         (a leased group's stay until its ack), and for `IMAGE_GRACE_S` after it, those only the groups a
-        sample just consumed named. Raises `ImagesMissing` naming any it does not hold."""
+        sample just consumed named. Raises `ImagesMissing` naming any it does not hold (`missing_ok`:
+        leaves them out)."""
         names = list(dict.fromkeys(shas))
         if not names:
             return {}
         keys = [self._core.keys.image(sha) for sha in names]
-        return found_images(names, self._call(lambda: self._client.mget(keys), "images"))
+        return found_images(names, self._call(lambda: self._client.mget(keys), "images"), missing_ok)
 
     def sample(
         self, num_groups: int, consumer_version: int, timeout_s: float = 10.0

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from offpolicy.buffer.errors import BufferNotReady, RateLimited
@@ -37,7 +38,7 @@ from offpolicy.learner.config import LearnerConfig
 from offpolicy.learner.config.screening import ScreeningConfig
 from offpolicy.learner.delivery import Delivery
 from offpolicy.learner.metrics import LearnerMetrics, timed
-from offpolicy.learner.rl import ModelLimits, StepResult, field_label, screen
+from offpolicy.learner.rl import ModelLimits, Rejection, StepResult, field_label, screen
 from offpolicy.learner.rl.dynamic_sampling import Filled, fill
 from offpolicy.learner.rl.priorities import importance_weights, priority, weighted
 
@@ -57,6 +58,7 @@ class Taken:
     lease_of: dict[str, str]
     dropped: int
     metrics: dict[str, float]
+    images: dict[str, bytes] = field(default_factory=dict)  # the bytes of the images the groups show
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,9 +79,16 @@ class Intake:
     """The leader's lease, screen, refill, drop and acknowledgement (module docstring)."""
 
     def __init__(
-        self, buffer: ReplayBuffer, delivery: Delivery, metrics: LearnerMetrics, limits: ModelLimits
+        self,
+        buffer: ReplayBuffer,
+        delivery: Delivery,
+        metrics: LearnerMetrics,
+        limits: ModelLimits,
+        check_images: Callable[[Any, Mapping[str, bytes]], str | None] | None = None,
     ) -> None:
         self.buffer, self.delivery, self.metrics, self.limits = buffer, delivery, metrics, limits
+        self.check_images = check_images  # a vision-language policy's check of a group's images, else None
+        self._images: dict[str, bytes] = {}  # the images read for the step being taken
         self.groups_dropped: dict[str, int] = {}  # dynamic sampling: groups dropped since start, by reason
         self._ahead: Ahead | None = None  # the next step's first lease, under way or done
         self._pool: ThreadPoolExecutor | None = None  # its thread, started at the first prefetch
@@ -90,6 +99,7 @@ class Intake:
         sampling drops, consume the drops, weight the rest (`BufferNotReady` / `RateLimited`: no data)."""
         with timed(phases, "sample_wait"):  # a lease taken ahead: only what is left of it
             leased = self.first_lease(cfg, version)
+        self._images = {}
         lease_of: dict[str, str] = {}  # group id -> lease id
         groups = self.screened(leased, lease_of)
         with timed(phases, "sample_wait"):  # dynamic sampling: dropped groups replaced by more leases
@@ -98,7 +108,9 @@ class Intake:
             )
         self.drop(cfg, filled, lease_of)
         sifted = filled.metrics() if cfg.screening != ScreeningConfig() else {}
-        return Taken(self.weighted(cfg, filled.groups), lease_of, len(filled.dropped), sifted)
+        kept = self.weighted(cfg, filled.groups)
+        shown = {sha: self._images[sha] for g in kept for sha in g.images}
+        return Taken(kept, lease_of, len(filled.dropped), sifted, shown)
 
     def prefetch_after(
         self, cfg: LearnerConfig, version: int, groups: int, step_count: int, cuda: bool
@@ -179,11 +191,31 @@ class Intake:
         if again:
             self.buffer.release(self.delivery.consumer, again)
         groups, rejected = screen(fresh, self.limits)
-        for r in rejected:
+        groups, bad_images = self._images_checked(groups)
+        for r in [*rejected, *bad_images]:
             self.buffer.dead_letter(self.delivery.consumer, lease_of[r.group.group_id], r.reason, r.field)
             log.warning("group %s set aside: %s: %s", r.group.group_id, r.field, r.reason)
             self.metrics.groups_rejected.labels(field=field_label(r.field)).inc()
         return groups
+
+    def _images_checked(self, groups: list) -> tuple[list, list[Rejection]]:
+        """A vision-language policy's groups that show images: their images read from the buffer (one MGET,
+        kept for the step) and each group checked (`check_images`: its images decode and fill its
+        prompt's image tokens); a group whose image is gone or fails is set aside (`images`)."""
+        shas = {sha for g in groups for sha in g.images} - set(self._images)
+        if self.check_images is None or not shas:
+            return groups, []
+        self._images |= self.buffer.images(shas, missing_ok=True)
+        kept, bad = [], []
+        for g in groups:
+            missing = [sha for sha in g.images if sha not in self._images]
+            why = f"image {missing[0]} is not in the buffer" if missing else None
+            why = why or (self.check_images(g, self._images) if g.images else None)
+            if why is None:
+                kept.append(g)
+            else:
+                bad.append(Rejection(g, "images", why))
+        return kept, bad
 
     def lease_more(self, cfg: LearnerConfig, version: int, n: int) -> Any:
         """Dynamic sampling's refill: `n` more groups, waiting at most `screening.refill_timeout_s`; fewer

@@ -65,7 +65,7 @@ from offpolicy.learner.metrics import LearnerMetrics, timed
 from offpolicy.learner.model import checkpoint_dtype, load_tokenizer, moe
 from offpolicy.learner.model.precision import Precision
 from offpolicy.learner.model.reference import check_teacher_tokenizer
-from offpolicy.learner.model.vision import is_vision_language, load_image_processor
+from offpolicy.learner.model.vision import image_problem, is_vision_language, load_image_processor
 from offpolicy.learner.persist import BackgroundWriter, Persistence
 from offpolicy.learner.plan.auto import Settings
 from offpolicy.learner.reconfigure import ConfigApplied, ConfigSwitch
@@ -164,7 +164,7 @@ class Learner:
             config, self.persist, self.model, dtype, self.metrics.registry, ranks, self.metrics.transfer_stuck
         )
         self.intake = (  # lease, screen, dynamic sampling, acks with priorities: learner/intake.py
-            Intake(self.buffer, self.delivery, self.metrics, self.limits)
+            Intake(self.buffer, self.delivery, self.metrics, self.limits, self._image_check())
             if self.buffer is not None and self.delivery is not None
             else None
         )
@@ -367,7 +367,7 @@ class Learner:
             self.heartbeat()
             return {"groups_dropped": float(taken.dropped)}
         self.control.fed()
-        images = self.buffer.images(sha for g in groups for sha in g.images)  # leased: theirs are stored
+        images = taken.images  # read and checked by the intake
         command = self._command("step", groups, images)
         self.intake.prefetch_after(
             cfg, self.version, len(groups), self.step_count, self.device.type == "cuda"
@@ -475,6 +475,13 @@ class Learner:
             return Command(op)
         frames = [encode_group(g, self.config.buffer.limits) for g in groups]
         return self.channel.send(op, frames, dict(images or {}))
+
+    def _image_check(self) -> Callable[[Any, Mapping[str, bytes]], str | None] | None:
+        """A vision-language policy's check of a group's images (model/vision.py `image_problem`)."""
+        if self.image_processor is None:
+            return None
+        processor, token = self.image_processor, self.model.config.image_token_id
+        return lambda group, blobs: image_problem(processor, token, group, blobs)
 
     def heartbeat(self) -> None:
         """Leader with nothing to train: N ranks hear from it (a config change, a checkpoint request)."""

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from offpolicy.learner.errors import BatchError
@@ -28,6 +29,7 @@ __all__ = [
     "Pixels",
     "decoder_states",
     "freeze_vision",
+    "image_problem",
     "is_vision_checkpoint",
     "is_vision_language",
     "load_image_processor",
@@ -77,6 +79,24 @@ def process_images(image_processor: Any, blobs: Mapping[str, bytes], shas: Itera
         enc = image_processor(images=[rgb], return_tensors="pt")
         out[sha] = (enc["pixel_values"], enc["image_grid_thw"][0].long())
     return out
+
+
+def image_problem(
+    image_processor: Any, image_token_id: int, group: Any, blobs: Mapping[str, bytes]
+) -> str | None:
+    """Why a group's images cannot be trained with its prompt (an image that does not decode, or image
+    tokens in the prompt other than its images make: another pixel budget than the actor's, a prompt
+    built by hand), or None."""
+    try:
+        pixels = process_images(image_processor, blobs, group.images)
+    except BatchError as e:
+        return str(e)
+    merge = int(getattr(image_processor, "merge_size", 2))
+    want = sum(int(pixels[sha][1].prod()) // merge**2 for sha in group.images)
+    have = int((np.asarray(group.prompt_ids) == image_token_id).sum())
+    if want != have:
+        return f"the prompt holds {have} image tokens, its images make {want}"
+    return None
 
 
 def decoder_states(model: PreTrainedModel, batch: Batch) -> torch.Tensor:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from offpolicy.buffer.keys import BufferKeys
 from offpolicy.buffer.replay_buffer import ReplayBuffer
 from offpolicy.buffer.types import SamplingParams, Trajectory, TrajectoryGroup
 from offpolicy.learner.model import load_tokenizer, make_tiny_vl_model
@@ -141,3 +142,37 @@ def test_a_text_learner_sets_aside_a_group_that_shows_images(tiny_dir, vl_dir, r
         assert learner.buffer.stats().images == 0  # set aside: its image left with it
     finally:
         learner.close()
+
+
+def test_a_group_whose_images_do_not_fit_its_prompt_is_set_aside_and_the_rest_trains(
+    vl_dir, redis_url, tmp_path
+):
+    """Another pixel budget than the actor's (or a prompt built by hand) gives a prompt whose image tokens
+    its images do not fill; an image deleted behind the buffer's back is gone: each such group is a dead
+    letter (`images`), the step trains the others."""
+    groups, blobs = vl_groups(vl_dir, 6, seed=5)
+    short, gone = groups[0], groups[1]
+    short.prompt_ids = np.delete(short.prompt_ids, int(np.flatnonzero(short.prompt_ids == _pad(vl_dir))[0]))
+    lone = png((1, 2, 3), (56, 56))
+    gone.images = [hashlib.sha256(lone).hexdigest()]
+    cfg = vl_config(vl_dir, redis_url, tmp_path)
+    with ReplayBuffer(cfg.redis_url, cfg.run_id, cfg.buffer) as buf:
+        assert buf.insert_many(groups, images={**blobs, gone.images[0]: lone}).ok
+        buf._client.delete(BufferKeys.for_run(cfg.run_id).image(gone.images[0]))  # behind the buffer's back
+    learner = Learner(cfg)
+    try:
+        metrics = learner.step()
+        assert np.isfinite(metrics["loss"])
+        dead = {d["group_id"]: d for d in learner.buffer.dead_letters()}
+        assert set(dead) == {short.group_id, gone.group_id}
+        assert {d["field"] for d in dead.values()} == {"images"}
+        assert (
+            "image tokens" in dead[short.group_id]["reason"]
+            and "not in the buffer" in dead[gone.group_id]["reason"]
+        )
+    finally:
+        learner.close()
+
+
+def _pad(model: Path) -> int:
+    return int(load_tokenizer(model).convert_tokens_to_ids("<|image_pad|>"))
