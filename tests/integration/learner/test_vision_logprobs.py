@@ -175,3 +175,62 @@ def test_the_actor_sends_a_datasets_images_and_the_learner_reads_them_back(
         mine, _ = LogProbs(model)(batch, chunk_tokens=64)
     mask = batch.response_mask > 0
     assert float((mine - batch.behavior_logprobs).abs()[mask].max()) <= TOL
+
+
+def test_a_published_vision_language_version_loads_into_vllm_and_stays_exact(
+    vl_model: Path, vl_engine, redis_url: str, run_id: str, tmp_path: Path
+) -> None:
+    """The learner trains a step on groups that show images and publishes the whole model (tower included,
+    transformers 5's names); the engine loads that folder and samples again, and the trained learner's
+    log-probs equal the engine's behaviour log-probs under the new weights."""
+    from offpolicy.learner.trainer import Learner
+    from tests.integration.learner.test_vision_step import vl_config, vl_groups
+
+    groups, blobs = vl_groups(vl_model, 4)
+    cfg = vl_config(vl_model, redis_url, tmp_path, run_id=run_id)
+    with ReplayBuffer(redis_url, run_id, cfg.buffer) as buf:
+        assert buf.insert_many(groups, images=blobs).ok
+    learner = Learner(cfg)
+    try:
+        learner.step()
+        trained = {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
+    finally:
+        learner.close()
+    folder = max((tmp_path / "weights").glob("v*"), key=lambda p: int(p.name[1:]))
+
+    async def load() -> None:
+        async with vl_engine.paused():
+            await vl_engine.reload_weights(str(folder), int(folder.name[1:]))
+
+    try:
+        vl_engine.call(load())
+        tok = load_tokenizer(vl_model)
+        red = drawn((220, 30, 30), (56, 56))
+        sampling = SamplingConfig(temperature=1.0, max_tokens=12, n=3)
+        prompt = image_question_ids(tok, 1, "what colour is the square?")
+        (outs,) = vl_engine.generate([prompt], sampling, images=[[decoded(red)]], timeout_s=300)
+    finally:
+
+        async def restore() -> None:
+            async with vl_engine.paused():
+                await vl_engine.reload_weights(str(vl_model), 0)
+
+        vl_engine.call(restore())
+    sha = hashlib.sha256(red).hexdigest()
+    group = TrajectoryGroup(
+        uuid.uuid4().hex, "p", outs[0].prompt_ids, 1, "a", 0.0, SamplingParams(1.0, 1.0, -1, 12),
+        [Trajectory(c.token_ids, c.behavior_logprobs, 0.0, c.finish_reason) for c in outs], {}, None,
+        images=[sha],
+    )  # fmt: skip
+    model = load_model(vl_model, "cpu", torch.float32)
+    model.load_state_dict(trained)
+    batch = collate(
+        [group], tok.pad_token_id, process_images(load_image_processor(str(vl_model)), {sha: red}, [sha])
+    )
+    with torch.no_grad():
+        mine, _ = LogProbs(model)(batch, chunk_tokens=64)
+    mask = batch.response_mask > 0
+    assert float((mine - batch.behavior_logprobs).abs()[mask].max()) <= TOL
+    with torch.no_grad():  # the engine sampled under the trained weights: the starting ones score otherwise
+        before, _ = LogProbs(load_model(vl_model, "cpu", torch.float32))(batch, chunk_tokens=64)
+    assert float((before - batch.behavior_logprobs).abs()[mask].max()) > 1e-3
