@@ -112,7 +112,8 @@ class Learner:
         self.tokenizer = load_tokenizer(config.model_path)
         replayed = config.moe.routing_replay == "rollout"  # groups without routed experts refused
         vision = is_vision_language(self.model.config)
-        self.image_processor = load_image_processor(config.model_path) if vision else None
+        budget = config.image_pixels.processor_kwargs()
+        self.image_processor = load_image_processor(config.model_path, **budget) if vision else None
         self.limits = ModelLimits(
             vocab_size=self.model.get_input_embeddings().num_embeddings,
             max_positions=self.model.config.get_text_config().max_position_embeddings,

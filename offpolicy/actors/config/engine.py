@@ -8,6 +8,7 @@ from typing import Any, ClassVar, Literal, Self
 from pydantic import Field, model_validator
 
 from offpolicy.config.base import MAX_BATCH, MAX_BYTES, MAX_SEQ_TOKENS, ConfigModel
+from offpolicy.config.vision import ImagePixels
 
 
 class LoraEngineConfig(ConfigModel):
@@ -77,6 +78,9 @@ class EngineConfig(ConfigModel):
     """A vision-language model (Qwen2.5-VL): the most images one prompt may show (vLLM's
     `limit_mm_per_prompt`; video inputs are off). None = vLLM's default; set it for a vision model whose
     prompts show more than one image."""
+    image_pixels: ImagePixels = ImagePixels()
+    """A vision-language model's pixel budget per image (vLLM's `mm_processor_kwargs`); the learner's
+    `image_pixels` must be the same (offpolicy/config/vision.py)."""
     lora: LoraEngineConfig | None = None
     """Serve the learner's published LoRA adapters (records of kind `lora`) on the base model `model_path`;
     None = full weights (records of kind `full`). A record of the other kind is refused (logged, counted

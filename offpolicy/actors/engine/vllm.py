@@ -127,6 +127,11 @@ class VLLMEngine:
                 if config.max_images_per_prompt is None
                 else {"limit_mm_per_prompt": {"image": config.max_images_per_prompt, "video": 0}}
             ),
+            **(
+                {"mm_processor_kwargs": config.image_pixels.processor_kwargs()}
+                if config.image_pixels.processor_kwargs()
+                else {}
+            ),
             **transfer,
             **lora,
             **routed,

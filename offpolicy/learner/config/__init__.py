@@ -30,6 +30,7 @@ from offpolicy.config.base import (
 from offpolicy.config.loader import env_overrides as env_overrides
 from offpolicy.config.loader import load_layered
 from offpolicy.config.loader import merge as merge
+from offpolicy.config.vision import ImagePixels
 from offpolicy.learner.config.control import ControlConfig
 from offpolicy.learner.config.lora import LoraConfig
 from offpolicy.learner.config.models import (
@@ -192,6 +193,9 @@ class LearnerConfig(ConfigModel):
     lora: LoraConfig | None = Field(None, json_schema_extra=FROZEN)
     """Train a LoRA adapter on the frozen base model instead of the full weights, and publish only the
     adapter (docs/lora.md); None = full weights."""
+    image_pixels: ImagePixels = Field(ImagePixels(), json_schema_extra=FROZEN)
+    """A vision-language policy's pixel budget per image (its image processor's `min_pixels` /
+    `max_pixels`; None: the checkpoint's); the actors' `engine.image_pixels` must be the same."""
     moe: MoeConfig = MoeConfig()
     """A mixture-of-experts policy's router losses (load balancing, z-loss); off by default, refused above 0
     for a dense policy (docs/learner.md "MoE models")."""

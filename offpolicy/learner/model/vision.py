@@ -51,14 +51,15 @@ def freeze_vision(model: PreTrainedModel) -> None:
         p.requires_grad_(False)
 
 
-def load_image_processor(model_path: str) -> Any:
-    """The checkpoint's image processor (without torchvision: the PIL one, weights/processor.py)."""
+def load_image_processor(model_path: str, **budget: Any) -> Any:
+    """The checkpoint's image processor (without torchvision: the PIL one, weights/processor.py), with a
+    pixel budget (`min_pixels`, `max_pixels`: `ImagePixels.processor_kwargs`) over the checkpoint's."""
     from transformers import AutoImageProcessor
 
     from offpolicy.weights.processor import images_without_torchvision
 
     images_without_torchvision()
-    return AutoImageProcessor.from_pretrained(model_path)
+    return AutoImageProcessor.from_pretrained(model_path, **budget)
 
 
 def process_images(image_processor: Any, blobs: Mapping[str, bytes], shas: Iterable[str]) -> Pixels:

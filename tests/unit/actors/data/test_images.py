@@ -148,3 +148,20 @@ def test_the_image_count_is_bounded_and_the_limits_checked(tmp_path):
     cfg = DatasetConfig(path=str(path), image_key="images", vision={"max_images": 2})
     assert [p.index for p in load_prompts(cfg, refused=refused)] == [1]
     assert "3 images > dataset.vision.max_images" in refused[0]
+
+
+def test_the_pixel_budget_is_checked_and_shared_by_engine_and_learner():
+    from offpolicy.actors.config import EngineConfig
+    from offpolicy.config.vision import ImagePixels
+    from offpolicy.learner.config import LearnerConfig
+
+    with pytest.raises(ValidationError, match="min_pixels=4000 exceeds max_pixels=3136"):
+        ImagePixels(min_pixels=4000, max_pixels=3136)
+    with pytest.raises(ValidationError, match="max_pixels"):
+        ImagePixels(max_pixels=100)  # below one 28 x 28 token
+    assert ImagePixels().processor_kwargs() == {}
+    assert EngineConfig(image_pixels={"max_pixels": 3136}).image_pixels.processor_kwargs() == {
+        "max_pixels": 3136
+    }
+    learner = LearnerConfig(model_path="m", image_pixels={"min_pixels": 784, "max_pixels": 3136})
+    assert learner.image_pixels.processor_kwargs() == {"min_pixels": 784, "max_pixels": 3136}
