@@ -58,11 +58,16 @@ class RunView:
         return self.engine.return_routed_experts
 
     async def generate_group(
-        self, request_id: str, prompt_ids: Sequence[int], params: Any, routed_start: int | None = None
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: Any,
+        routed_start: int | None = None,
+        images: Sequence[Any] | None = None,
     ) -> list[Any]:
         """One request of this run: it carries the run's newest adapter, its tokens that version."""
         return await self.engine.generate_group(
-            request_id, prompt_ids, params, run_id=self.run_id, routed_start=routed_start
+            request_id, prompt_ids, params, run_id=self.run_id, routed_start=routed_start, images=images
         )
 
     async def abort(self, request_ids: Sequence[str]) -> None:

@@ -81,9 +81,7 @@ class Actor:
             []
             if config.dataset is None
             else shard(
-                text_only(
-                    load_prompts(config.dataset), config.dataset.path, is_vision_checkpoint(config.model_path)
-                ),
+                text_only(load_prompts(config.dataset), config.dataset.path, vision_dataset(config)),
                 config.actor_index,
                 config.num_actors,
             )

@@ -134,8 +134,8 @@ class PromptGeneration:
             await self._run_episodes(prompt, ids, version, t0, sampling)
             return
         try:
-            shown = decoded_images(prompt) if prompt.images else None  # a vision-language model's prompt
-            completions = await self.engine.generate_group(request_id, ids, params, images=shown)
+            shown = {"images": decoded_images(prompt)} if prompt.images else {}  # a vision-language prompt
+            completions = await self.engine.generate_group(request_id, ids, params, **shown)
         except PromptFailed as e:  # this prompt only: counted and skipped, the loop goes on
             self.metrics.failures.labels("engine_error").inc()
             log.warning("prompt %s skipped: %s", prompt.prompt_id, e)
