@@ -227,8 +227,10 @@ async def push_groups(
             log.error("stopped with %d generated groups not pushed (Redis down or buffer full)", len(pending))
             return inserted
         try:
-            shown = {sha: images[sha] for g in pending for sha in g.images} if images else None
-            result = await buffer.insert_many(pending, images=shown)
+            shown = {sha: images[sha] for g in pending for sha in g.images} if images else {}
+            result = await (
+                buffer.insert_many(pending, images=shown) if shown else buffer.insert_many(pending)
+            )
         except StorageUnavailable as e:
             metrics.failures.labels("redis_unavailable").inc()
             log.warning(
