@@ -25,12 +25,12 @@ from offpolicy.buffer.core import (
     ReadMaxmemory,
     SendChunk,
     Wait,
-    found_images,
     make_result,
     merge_priorities,
 )
 from offpolicy.buffer.errors import BufferFull, RateLimited
 from offpolicy.buffer.handle import BufferHandle
+from offpolicy.buffer.images import found_images
 from offpolicy.buffer.leases import LeaseOps
 from offpolicy.buffer.rate_limiter import SampleStatus, sample_refused
 from offpolicy.buffer.script_io import LeaseArgs
