@@ -39,9 +39,12 @@ def risen(root: Path, run_id: str) -> bool:
 
 
 def wait_for(cond, timeout_s: float, what: str, *services: ServiceProcess) -> None:
+    """Until `cond()`; fails at `timeout_s`, or at once when one of `services` (all meant to live) exited."""
     deadline = time.monotonic() + timeout_s
     while not cond():
         tails = "\n".join(f"--- {s.name}\n{s.log_tail()}" for s in services)
+        gone = [f"{s.name} (exit {s.proc.returncode})" for s in services if s.proc.poll() is not None]
+        assert not gone, f"{', '.join(gone)} exited while waiting for {what}\n{tails}"
         assert time.monotonic() < deadline, f"timed out waiting for {what}\n{tails}"
         time.sleep(0.5)
 
@@ -82,7 +85,11 @@ def test_two_runs_on_one_actor_both_learn_and_a_dead_learner_leaves_the_other_tr
             learners[killed].proc.wait(30)
             at_kill = len(steps_of(tmp_path, alive))
             wait_for(
-                lambda: len(steps_of(tmp_path, alive)) >= at_kill + 4, 300, "the live run's steps", *services
+                lambda: len(steps_of(tmp_path, alive)) >= at_kill + 4,
+                300,
+                "the live run's steps",
+                actor,
+                learners[alive],
             )
             runs = {r["run_id"]: r for r in httpx.get(f"{actor.url}/v1/runs", timeout=10).json()["runs"]}
             health = httpx.get(f"{actor.url}/healthz", timeout=10).status_code

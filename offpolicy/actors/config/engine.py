@@ -26,9 +26,15 @@ class LoraEngineConfig(ConfigModel):
     on theirs: with 1, the new version's requests wait until the older adapter's requests are done."""
     max_cpu_loras: int = Field(4, ge=1, le=256)
     """vLLM's `max_cpu_loras`: adapters the engine holds (the newest one and those of requests in flight);
-    at least `max_loras`. Past it vLLM evicts the least recently used one and reads it again from its
-    folder if a request still needs it (which the learner may have pruned), so the engine never holds
-    more: before one more, the requests of the oldest superseded adapters are aborted (generated again)."""
+    at least `max_loras`. Before one more, the requests of the oldest superseded adapters are aborted
+    (generated again) and those adapters removed. Past it vLLM evicts the least recently used one and
+    reads it again if a request still needs it: from the engine's own copy (`files_dir`), which the
+    learner's pruning of its version folders cannot take away."""
+    files_dir: str | None = None
+    """Where the engine keeps its own copy of each adapter it holds (deleted with the adapter, and all of
+    it when the engine closes). On the weights volume's filesystem the copy is hard links (no bytes
+    written); elsewhere a copy of the adapter's files (at most `max_cpu_loras` adapters). None: the
+    system's temporary folder."""
     fully_sharded: bool = False
     """vLLM's `fully_sharded_loras`: shard the whole LoRA computation over `tensor_parallel_size` GPUs
     (by default half of it is); faster at high rank or tensor parallelism."""

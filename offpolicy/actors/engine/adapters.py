@@ -26,10 +26,12 @@ from typing import Any
 
 @dataclass(eq=False, slots=True)
 class Adapter:
-    """One registered adapter: its policy version, vLLM's `LoRARequest`, and the requests using it now."""
+    """One registered adapter: its policy version, vLLM's `LoRARequest` (its `lora_path` is the engine's
+    copy), the published folder it came from, and the requests using it now."""
 
     version: int
     request: Any  # vllm.lora.request.LoRARequest
+    source: str = ""  # the published folder (the engine registers a copy of it)
     users: set[str] = field(default_factory=set)  # request ids
 
     @property
@@ -60,10 +62,11 @@ class Adapters:
         """The adapter's name in the engine (unique: the id is)."""
         return f"v{version}-{lora_id}" if self.run_id is None else f"{self.run_id}-v{version}-{lora_id}"
 
-    def add(self, version: int, request: Any) -> list[Adapter]:
-        """`request` (registered with the engine) is the newest adapter, of `version`; the superseded ones
-        that no request uses are returned (and forgotten): the engine removes them."""
-        adapter = Adapter(version, request)
+    def add(self, version: int, request: Any, source: str = "") -> list[Adapter]:
+        """`request` (registered with the engine, from published folder `source`) is the newest adapter, of
+        `version`; the superseded ones that no request uses are returned (and forgotten): the engine
+        removes them."""
+        adapter = Adapter(version, request, source)
         self.held[adapter.lora_id] = adapter
         self.newest = adapter
         return [self._forget(a) for a in list(self.held.values()) if a is not adapter and not a.users]

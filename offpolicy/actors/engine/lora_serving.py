@@ -2,13 +2,23 @@
 (`AdapterTable`) and registers a run's new adapter while the engine generates, and removes superseded ones;
 `VLLMEngine` (engine/vllm.py) builds one with what it uses (vLLM's `AsyncLLM`, the engine's `acall`,
 `abort` and loop) and delegates to it. The engine's docstring says how requests carry their adapter and
-how their tokens are stamped."""
+how their tokens are stamped.
+
+vLLM reads an adapter's folder again whenever a request needs it and it is not in vLLM's cache (evicted
+past `max_cpu_loras`, as when a removal is still on its way): the folder it is given must outlive the
+adapter. The learner prunes its version folders on its own schedule (`publish.keep_versions`), so each
+adapter is registered from the engine's own copy (`hold_files`: hard links where the filesystem allows,
+else a copy), deleted once the adapter is removed from the engine."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import shutil
+import tempfile
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from pathlib import Path
 from typing import Any
 
 from offpolicy.actors.engine.adapters import Adapter, Adapters, AdapterTable
@@ -17,12 +27,37 @@ from offpolicy.actors.errors import RunNotFound, WeightLoadError
 log = logging.getLogger(__name__)
 
 
+def hold_files(src: str | Path, dest: Path) -> None:
+    """Make `dest` (new) an adapter folder with `src`'s files that only its owner deletes: hard links where
+    both share a filesystem (no bytes written; deleting `src` leaves them), copies elsewhere. `OSError`
+    (`src` gone, a full disk) with `dest` removed."""
+    src = Path(src)
+    if not src.is_dir():
+        raise FileNotFoundError(f"no adapter folder {src}")
+    try:
+        dest.mkdir(parents=True)
+        for p in sorted(src.rglob("*")):
+            target = dest / p.relative_to(src)
+            if p.is_dir():
+                target.mkdir(exist_ok=True)
+                continue
+            try:
+                os.link(p, target)
+            except OSError:  # another filesystem (EXDEV), or links not allowed: a copy
+                shutil.copy2(p, target)
+    except OSError:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise
+
+
 class LoraServing:
     """The adapters of one engine serving LoRA: `adapter_table` (every run's), `adapters` (the engine's own
     run's: the actor that built it). Given when built: `llm` (vLLM's `AsyncLLM`: `add_lora`,
     `remove_lora`), `capacity` (`engine.lora.max_cpu_loras`), `initial_version` (the engine's own run's
-    base version), `acall` (awaits a coroutine on the engine's loop), `abort` (aborts requests by id) and
-    `loop` (the engine's loop, where removals run in the background). Used on that loop, as the table is."""
+    base version), `acall` (awaits a coroutine on the engine's loop), `abort` (aborts requests by id),
+    `loop` (the engine's loop, where removals run in the background) and `files_dir` (where the engine's
+    copies of its adapters go, in a folder of this engine's own; None: the system's temporary folder).
+    Used on that loop, as the table is."""
 
     def __init__(
         self,
@@ -33,21 +68,28 @@ class LoraServing:
         acall: Callable[[Coroutine[Any, Any, Any]], Awaitable[Any]],
         abort: Callable[[Sequence[str]], Awaitable[None]],
         loop: asyncio.AbstractEventLoop,
+        files_dir: str | None = None,
     ) -> None:
         self.llm: Any = llm
         self.adapter_table = AdapterTable(capacity)
         self.adapters = self.adapter_table.add_run(None, initial_version)
         self._acall, self._abort, self._loop = acall, abort, loop
+        if files_dir is not None:
+            Path(files_dir).mkdir(parents=True, exist_ok=True)
+        self.files = Path(tempfile.mkdtemp(prefix="offpolicy-lora-", dir=files_dir))
+        """The engine's copies of the adapters it holds: `<files>/<lora id>/`."""
 
     async def load_adapter(
         self, path: str, version: int, timeout_s: float | None = None, run_id: str | None = None
     ) -> None:
         """Register the LoRA adapter in folder `path` (peft's layout) as `version` of run `run_id` (None:
         the engine's own) while the engine generates; that run's requests submitted from now on carry it.
+        The engine registers its own copy of the folder (`hold_files`), so that `path` may go at any time.
         Superseded adapters no request uses are removed; past `capacity` adapters (all runs), the requests
         of the oldest superseded ones are aborted first (their prompts are generated again). Raises
-        `WeightLoadError` (`timeout`, or `engine`: vLLM refused the adapter, e.g. a rank above
-        `engine.lora.max_rank`); the engine then serves what it did. `RunNotFound` for a run not served."""
+        `WeightLoadError` (`timeout`; `missing`: the folder could not be copied, e.g. pruned before; or
+        `engine`: vLLM refused the adapter, e.g. a rank above `engine.lora.max_rank`); the engine then
+        serves what it did. `RunNotFound` for a run not served."""
         from vllm.lora.request import LoRARequest
 
         adapters = self.adapters_of(run_id)
@@ -59,7 +101,14 @@ class LoraServing:
             )  # fmt: skip
             await self._abort(sorted({rid for a in stale for rid in a.users}))
         lora_id = self.adapter_table.next_id()
-        request = LoRARequest(lora_name=adapters.name(version, lora_id), lora_int_id=lora_id, lora_path=path)
+        held = self.files / str(lora_id)
+        try:
+            await asyncio.to_thread(hold_files, path, held)
+        except OSError as e:
+            raise WeightLoadError(version, "missing", f"{path}: {type(e).__name__}: {e}") from e
+        request = LoRARequest(
+            lora_name=adapters.name(version, lora_id), lora_int_id=lora_id, lora_path=str(held)
+        )
         try:
             async with asyncio.timeout(timeout_s):
                 added = await self._acall(self.llm.add_lora(request))
@@ -70,10 +119,12 @@ class LoraServing:
             self._spawn(self._remove(lora_id))
             raise
         except Exception as e:  # translated: vLLM refuses adapters in many ways (files, rank, modules)
+            shutil.rmtree(held, ignore_errors=True)
             raise WeightLoadError(version, "engine", f"{type(e).__name__}: {e}") from e
         if not added:
+            shutil.rmtree(held, ignore_errors=True)
             raise WeightLoadError(version, "engine", f"vLLM did not register adapter {request.lora_name}")
-        for old in adapters.add(version, request):
+        for old in adapters.add(version, request, str(path)):
             self._retire(old)
 
     def adapters_of(self, run_id: str | None) -> Adapters:
@@ -103,8 +154,10 @@ class LoraServing:
             await self._remove(adapter.lora_id)
 
     def close(self) -> None:
-        """Forget `llm` (the engine shuts down: vLLM's `AsyncLLM` must go with its last reference)."""
+        """Forget `llm` (the engine shuts down: vLLM's `AsyncLLM` must go with its last reference) and delete
+        the engine's copies of its adapters."""
         self.llm = None
+        shutil.rmtree(self.files, ignore_errors=True)
 
     def _retire(self, adapter: Adapter) -> None:
         """Remove a superseded adapter that no request uses from the engine (in the background)."""
@@ -115,7 +168,9 @@ class LoraServing:
         asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     async def _remove(self, lora_id: int) -> None:
+        """Remove adapter `lora_id` from the engine, then its files (vLLM reads them no more)."""
         try:
             await self.llm.remove_lora(lora_id)
         except Exception as e:  # translated: an engine shutting down takes its adapters with it
             log.warning("LoRA adapter %d not removed from the engine: %s: %s", lora_id, type(e).__name__, e)
+        shutil.rmtree(self.files / str(lora_id), ignore_errors=True)

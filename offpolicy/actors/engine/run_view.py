@@ -32,9 +32,9 @@ class RunView:
 
     @property
     def loaded_path(self) -> str:
-        """This run's newest adapter's folder, or the base model's before any."""
+        """This run's newest adapter's published folder, or the base model's before any."""
         newest = self.adapters.newest
-        return self.engine.loaded_path if newest is None else str(newest.request.lora_path)
+        return self.engine.loaded_path if newest is None else newest.source
 
     @property
     def base_loads(self) -> int:

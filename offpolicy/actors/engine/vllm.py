@@ -154,7 +154,7 @@ class VLLMEngine:
         if config.lora is not None:
             self.lora = LoraServing(
                 self.llm, config.lora.max_cpu_loras, initial_version,
-                acall=self.acall, abort=self.abort, loop=self._loop,
+                acall=self.acall, abort=self.abort, loop=self._loop, files_dir=config.lora.files_dir,
             )  # fmt: skip
         self._weights_lock: asyncio.Lock | None = None  # one weight change at a time (files or transfer)
         self.broken: str | None = None  # set when the weights are unknown: the scheduler stays paused

@@ -212,7 +212,10 @@ async def push_groups(
     """Insert `groups` (with the encoded `images` they show, by sha256), retrying through Redis outages,
     rate limiting and a full buffer; return how many were new.
 
-    Retries are safe: inserts are idempotent by `group_id`. Invalid groups are counted and logged (the
+    Retries are safe: inserts are idempotent by `group_id`. An insert whose reply was lost (Redis went away
+    after storing the groups, or the reply outran `buffer.storage_timeout_s`) stored them all the same: its
+    retry finds them as duplicates, and they count as pushed (not as `duplicates`), so that what this returns
+    is what the buffer holds. Invalid groups are counted and logged (the
     buffer names the field); they are bugs, never retried. `BufferFull` is back-pressure, not a failure:
     the pusher waits (counted in `buffer_wait{reason="buffer_full"}`, logged once when the process's
     pushers start waiting and once when the buffer has room again) while the learner drains; the groups
@@ -221,6 +224,7 @@ async def push_groups(
     """
     global _full_since
     pending, inserted, delay, failed = list(groups), 0, retry.initial_s, False
+    lost = False  # an insert of `pending` may have been stored without its reply reaching us
     while pending:
         if stop.is_set() and failed:  # stopped, and the last attempt failed: give up
             metrics.failures.labels("dropped_on_stop").inc(len(pending))
@@ -236,7 +240,7 @@ async def push_groups(
             log.warning(
                 "insert: Redis unavailable (%s); retrying %d groups in %.1f s", e, len(pending), delay
             )
-            failed = True
+            failed = lost = True
             delay = await _backoff("redis_unavailable", delay, retry, metrics, stop)
             continue
         except RateLimited as e:
@@ -262,8 +266,11 @@ async def push_groups(
         for gid, field in result.rejected.items():
             metrics.failures.labels("invalid_group").inc()
             log.error("buffer rejected group %s as invalid: %s", gid, field)
-        inserted += len(result.inserted)
-        metrics.groups_pushed.inc(len(result.inserted))
-        metrics.duplicates.inc(len(result.duplicates))
+        ours = len(result.duplicates) if lost else 0  # stored by the attempt whose reply was lost
+        if ours:
+            log.info("insert: %d groups were stored by an attempt whose reply was lost", ours)
+        inserted += len(result.inserted) + ours
+        metrics.groups_pushed.inc(len(result.inserted) + ours)
+        metrics.duplicates.inc(len(result.duplicates) - ours)
         pending = []
     return inserted

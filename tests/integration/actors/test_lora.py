@@ -3,11 +3,13 @@ learner's publish path (`Persistence.publish`, as the trainer calls it) writes e
 folder with a policy record of kind `lora`; the actor registers each one with its engine while it
 generates, without reloading the base model, and every pushed token carries its request's adapter version:
 its behaviour log-prob is the learner's log-prob under that version's adapter (version 0, before the
-first adapter, is the base model exactly)."""
+first adapter, is the base model exactly). An adapter evicted from vLLM's cache after the learner pruned
+its folder is read again from the engine's own copy."""
 
 from __future__ import annotations
 
 import copy
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -103,6 +105,19 @@ def test_actor_serves_each_published_adapter_with_exact_versions_and_never_reloa
         wait_until(seen(2), 180, "groups generated with adapter v2")
         wait_until(
             lambda: actor.engine.adapters.status()["adapters_loaded"] == [2], 60, "adapter v1 to be removed"
+        )
+        # vLLM reads an adapter again whenever a request needs it and it is not in vLLM's cache (evicted):
+        # from the engine's own copy, so that the learner's pruning of its version folders cannot take it
+        # away (before, the worker failed the step on the missing folder and the engine died)
+        newest = actor.engine.adapters.newest
+        assert newest.source and Path(newest.request.lora_path).parent == actor.engine.lora.files
+        shutil.rmtree(newest.source)  # the learner pruned v2's folder
+        actor.engine.call(actor.engine.lora.llm.remove_lora(newest.lora_id), 60)  # evicted behind our back
+        evicted_at = len(groups)
+        wait_until(
+            lambda: bool(errors) or (seen(2)() and 2 in _versions_seen(groups[evicted_at:])),
+            180,
+            "v2's groups after its eviction",
         )
         status = actor.status()
     finally:

@@ -100,7 +100,7 @@ def test_the_configs_load_with_the_real_loaders_and_make_two_lora_runs_on_one_po
     actor = load_pool(POOL / "actor.yaml", environ)
     check_pool(learners, actor)
     assert actor.engine.lora.model_dump() == {
-        "max_rank": 16, "max_loras": 2, "max_cpu_loras": 4, "fully_sharded": False,
+        "max_rank": 16, "max_loras": 2, "max_cpu_loras": 4, "fully_sharded": False, "files_dir": None,
     }  # fmt: skip
     assert [r.run_id for r in actor.runs] == ["lora-b"] and actor.run_id == "lora-a"
     full = load_learner_config(ROOT / "configs" / "learner.yaml").optimizer.lr

@@ -1,10 +1,12 @@
 """The engine's LoRA adapters (`engine.lora`) on a stand-in for vLLM's `AsyncLLM` (hermetic): each request
 carries the newest adapter at its submission and keeps it, its tokens carry that adapter's version, a new
-version never pauses the engine, and a superseded adapter is removed once no request uses it."""
+version never pauses the engine, and a superseded adapter is removed once no request uses it (and the
+engine's copy of its folder with it)."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +15,9 @@ from offpolicy.actors.config import EngineConfig, LoraEngineConfig
 from offpolicy.actors.engine import vllm
 from offpolicy.actors.engine.lora_serving import LoraServing
 from offpolicy.actors.errors import WeightLoadError
+from tests.unit.actors.engine.conftest import source
+
+pytestmark = pytest.mark.usefixtures("stand_in_adapter_files")
 
 
 class StandInLLM:
@@ -86,7 +91,8 @@ def test_requests_keep_the_adapter_they_started_with_and_old_ones_go_once_unused
         await engine.load_adapter("/w/v1", 1)
         first = submit("r1")
         await settle()
-        assert llm.carried["r1"].lora_int_id == 1 and llm.carried["r1"].lora_path == "/w/v1"
+        assert llm.carried["r1"].lora_int_id == 1 and source(llm.carried["r1"]) == "/w/v1"
+        assert Path(llm.carried["r1"].lora_path).parent == engine.lora.files  # the engine's own copy
         await engine.load_adapter("/w/v2", 2)  # r1 still runs on v1: v1 stays
         second = submit("r2")
         await settle()
@@ -100,6 +106,7 @@ def test_requests_keep_the_adapter_they_started_with_and_old_ones_go_once_unused
         assert [c.versions.tolist() for c in done[2]] == [[2, 2, 2]] * 2
         await settle()
         assert llm.removed == [1], "v1 goes once its last request ended; v2, the newest, stays"
+        assert sorted(p.name for p in engine.lora.files.iterdir()) == ["2"], "v1's copy goes with it"
         await engine.load_adapter("/w/v3", 3)  # nobody uses v2: removed at once
         await settle()
         assert llm.removed == [1, 2]

@@ -10,7 +10,10 @@ import asyncio
 import pytest
 
 from offpolicy.actors.engine.adapters import AdapterTable
+from tests.unit.actors.engine.conftest import source
 from tests.unit.actors.engine.test_adapters import lora_engine, settle
+
+pytestmark = pytest.mark.usefixtures("stand_in_adapter_files")
 
 
 def test_runs_share_one_id_counter_and_each_request_carries_its_own_runs_newest_adapter():
@@ -22,7 +25,7 @@ def test_runs_share_one_id_counter_and_each_request_carries_its_own_runs_newest_
         await a.load_adapter("/a/v1", 1)
         await b.load_adapter("/b/v1", 1)
         await a.load_adapter("/a/v2", 2)
-        added = [(r.lora_int_id, r.lora_name, r.lora_path) for r in llm.added]
+        added = [(r.lora_int_id, r.lora_name, source(r)) for r in llm.added]
         assert added == [(1, "run-a-v1-1", "/a/v1"), (2, "run-b-v1-2", "/b/v1"), (3, "run-a-v2-3", "/a/v2")]
         requests = {
             rid: asyncio.create_task(view.generate_group(rid, [1, 2], None))
