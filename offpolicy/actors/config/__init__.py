@@ -33,6 +33,7 @@ from offpolicy.config.base import (
     RunId,
 )
 from offpolicy.config.loader import load_layered
+from offpolicy.config.vision import VisionConfig
 
 MAX_INFLIGHT_PROMPTS = 4096
 """Prompts one actor (or one run of a pool) keeps in its engine at most: a run cannot claim a shared engine
@@ -173,6 +174,13 @@ class GatewayConfig(ConfigModel):
     """Open episodes at most; `POST /v1/episodes` answers 429 beyond it."""
     model_name: str = Field("offpolicy", min_length=1, max_length=256)
     """The `model` the gateway answers with (any `model` is accepted in requests)."""
+    vision: VisionConfig = Field(default_factory=VisionConfig)
+    """What the images of a call may be (`image_url` content parts, a vision-language model): encoded size,
+    count per call, formats; a refused image refuses the call (422, naming the part)."""
+    remote_image_timeout_s: float | None = Field(None, gt=0.0, le=600.0)
+    """None: an `image_url` must be a `data:` URL (remote URLs are refused). A number: http(s) URLs are
+    fetched, each within this many seconds and `vision.max_image_bytes` bytes, redirects not followed.
+    Allow it only where the actor may reach what agents name (the fetch runs from the actor's network)."""
 
 
 class RetryConfig(ConfigModel):

@@ -65,7 +65,7 @@ def read_images(value: Any, key: str, base: Path, vision: VisionConfig) -> tuple
     items = list(value) if isinstance(value, (list, tuple)) else [value]
     if len(items) > vision.max_images:
         raise ImageRefused(key, vision.max_images, f"{len(items)} images > dataset.vision.max_images")
-    return tuple(_image(_bytes(item, key, i, base), key, i, vision) for i, item in enumerate(items))
+    return tuple(check_image(_bytes(item, key, i, base), key, i, vision) for i, item in enumerate(items))
 
 
 def _bytes(item: Any, key: str, i: int, base: Path) -> bytes:
@@ -79,13 +79,10 @@ def _bytes(item: Any, key: str, i: int, base: Path) -> bytes:
         raise ImageRefused(key, i, "an image object with neither `bytes` nor `path`")
     if isinstance(item, str):
         if item.startswith("data:"):
-            head, comma, payload = item.partition(",")
-            if not comma or not head.endswith(";base64"):
-                raise ImageRefused(key, i, "a data URL that is not base64 (`data:image/png;base64,...`)")
             try:
-                return base64.b64decode(payload, validate=True)
-            except binascii.Error as e:
-                raise ImageRefused(key, i, f"a data URL whose base64 does not decode: {e}") from e
+                return decode_data_url(item)
+            except ValueError as e:
+                raise ImageRefused(key, i, str(e)) from e
         if item.startswith(("http://", "https://")):
             raise ImageRefused(key, i, f"a remote URL ({item[:80]}): download the images next to the dataset")
         path = Path(item) if Path(item).is_absolute() else base / item
@@ -98,7 +95,19 @@ def _bytes(item: Any, key: str, i: int, base: Path) -> bytes:
     )
 
 
-def _image(data: bytes, key: str, i: int, vision: VisionConfig) -> PromptImage:
+def decode_data_url(url: str) -> bytes:
+    """The bytes of a `data:<type>;base64,...` URL; `ValueError` saying what is wrong with it."""
+    head, comma, payload = url.partition(",")
+    if not comma or not head.endswith(";base64"):
+        raise ValueError("a data URL that is not base64 (`data:image/png;base64,...`)")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except binascii.Error as e:
+        raise ValueError(f"a data URL whose base64 does not decode: {e}") from e
+
+
+def check_image(data: bytes, key: str, i: int, vision: VisionConfig) -> PromptImage:
+    """`data` checked against `vision` (size, format, a whole decode): the image, or `ImageRefused`."""
     from PIL import Image
 
     if len(data) > vision.max_image_bytes:

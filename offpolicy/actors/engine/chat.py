@@ -31,13 +31,17 @@ _BASE: list[Message] = [{"role": "user", "content": "x"}, {"role": "assistant", 
 
 
 def render_prompt(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]], tools: list[Any] | None = None
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    tools: list[Any] | None = None,
+    images: bool = False,
 ) -> list[int]:
     """Token ids of a whole conversation and the opening of the assistant's turn (the template's own
-    tokenization: `apply_chat_template(tokenize=True)`)."""
+    tokenization: `apply_chat_template(tokenize=True)`). `images`: `image_url` content parts become the
+    template's image placeholders (a vision-language model); else they are refused."""
     if not messages:
         raise ChatRequestError("messages", "a conversation needs at least one message")
-    return ids_of(_template(tokenizer, [as_template_message(m) for m in messages], tools, True))
+    return ids_of(_template(tokenizer, [as_template_message(m, images) for m in messages], tools, True))
 
 
 def render_messages(
@@ -81,17 +85,32 @@ def text_of(content: Any) -> str:
     if isinstance(content, list):
         parts = []
         for part in content:
+            if _is_image(part):
+                raise ChatRequestError(
+                    "messages.content",
+                    "image_url parts need a vision-language model, in an episode's first call",
+                )
             if not isinstance(part, Mapping) or part.get("type") != "text":
-                raise ChatRequestError("messages.content", "only text content parts are supported")
+                raise ChatRequestError(
+                    "messages.content", "only text and image_url content parts are supported"
+                )
             parts.append(str(part.get("text", "")))
         return "".join(parts)
     raise ChatRequestError("messages.content", f"expected a string or content parts, got {type(content)}")
 
 
-def as_template_message(message: Mapping[str, Any]) -> Message:
-    """A message as chat templates read it: content as text, tool-call arguments as objects."""
+def as_template_message(message: Mapping[str, Any], images: bool = False) -> Message:
+    """A message as chat templates read it: content as text, tool-call arguments as objects. With
+    `images`, content that holds `image_url` parts stays parts: its text parts and an `{"type": "image"}`
+    per image, which vision-language templates render as the image's placeholder."""
     out: Message = {k: v for k, v in message.items() if v is not None}
-    out["content"] = text_of(message.get("content"))
+    content = message.get("content")
+    if images and isinstance(content, list) and any(_is_image(p) for p in content):
+        out["content"] = [
+            {"type": "image"} if _is_image(p) else {"type": "text", "text": text_of([p])} for p in content
+        ]
+    else:
+        out["content"] = text_of(content)
     if calls := message.get("tool_calls"):
         out["tool_calls"] = [
             {
@@ -128,6 +147,44 @@ def new_messages(
     return added
 
 
+def image_parts(messages: Sequence[Mapping[str, Any]], first: int = 0) -> list[tuple[str, str]]:
+    """(field, url) of each `image_url` content part of `messages`, in order (`messages[i]` counted from
+    `first`); a malformed part is refused (`ChatRequestError` naming it)."""
+    out = []
+    for i, message in enumerate(messages, start=first):
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if not isinstance(part, Mapping) or part.get("type") != "image_url":
+                continue
+            field = f"messages[{i}].content[{j}].image_url"
+            ref = part.get("image_url")
+            url = ref.get("url") if isinstance(ref, Mapping) else ref
+            if not isinstance(url, str) or not url:
+                raise ChatRequestError(field, "an image part needs `image_url.url` (a data: or http(s) URL)")
+            out.append((field, url))
+    return out
+
+
+def _is_image(part: Any) -> bool:
+    return isinstance(part, Mapping) and part.get("type") == "image_url"
+
+
+def _content_key(content: Any) -> Any:
+    """A message's content as compared between calls: its text, and each image by its URL, in order."""
+    if isinstance(content, list) and any(_is_image(p) for p in content):
+        return tuple(
+            ("image", str((p.get("image_url") or {}).get("url", "")))
+            if _is_image(p) and isinstance(p.get("image_url"), Mapping)
+            else ("image", str(p.get("image_url")))
+            if _is_image(p)
+            else ("text", text_of([p]))
+            for p in content
+        )
+    return text_of(content)
+
+
 def _key(message: Mapping[str, Any]) -> tuple[Any, ...]:
     calls = tuple(
         (c["function"]["name"], _canonical(c["function"].get("arguments")))
@@ -135,7 +192,7 @@ def _key(message: Mapping[str, Any]) -> tuple[Any, ...]:
     )
     return (
         message.get("role"),
-        text_of(message.get("content")),
+        _content_key(message.get("content")),
         calls,
         message.get("tool_call_id") or "",
         message.get("name") or "",

@@ -8,13 +8,17 @@ and every model call they make is recorded exactly (docs/agents.md).
   body). Within an episode it is `Episode.chat`: the first call's conversation (and `tools`) becomes the
   prompt; later calls must repeat the recorded conversation (the assistant turns as the gateway returned
   them) and may append messages, which become environment tokens through the chat template; a call that
-  rewrites an earlier turn is refused (`EpisodeConflict`: a new branch needs a new episode). Tool calls are
+  rewrites an earlier turn is refused (`EpisodeConflict`: a new branch needs a new episode). On a
+  vision-language model the first call may show images (`image_url` parts: gateway/images.py reads and
+  checks them; later calls may not add any). Tool calls are
   read by `tool_parser`. The actor's sampling parameters are used (the learner corrects with them): a call
   that asks for another temperature, top_p or top_k is refused. Without an episode the call is served and
   not recorded.
 - `finish(episode_id, reward=None)`: closes it; without a reward the configured reward function scores
   it. When every episode of its group has finished (or expired), the group is pushed: its prompt is the
-  longest common prefix of its episodes' prompts, each episode one completion with its policy mask.
+  longest common prefix of its episodes' prompts, each episode one completion with its policy mask; the
+  images its episodes showed go with it (episodes of one group must show the same images, else the group
+  is set aside, counted as `invalid_group`).
 - `expire()`: episodes idle for `gateway.episode_timeout_s` are dropped (counted) and their groups pushed
   with the episodes that finished.
 
@@ -33,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from offpolicy.actors.data.prompts import Prompt
-from offpolicy.actors.engine.chat import ToolCallParser, chat_request
+from offpolicy.actors.engine.chat import ToolCallParser, chat_request, image_parts
 from offpolicy.actors.errors import (
     ChatRequestError,
     EpisodeConflict,
@@ -42,6 +46,7 @@ from offpolicy.actors.errors import (
     RewardError,
     TooManyEpisodes,
 )
+from offpolicy.actors.gateway.images import read_call_images
 from offpolicy.actors.rollout.episodes import ChatTurn, Episode, group_completions
 from offpolicy.actors.rollout.submit import stamp_group
 
@@ -65,7 +70,7 @@ class GatewayHost(Protocol):
     actor_id: str
     stamp: SamplingParams
 
-    def submit(self, group: TrajectoryGroup) -> None: ...
+    def submit(self, group: TrajectoryGroup, images: Mapping[str, bytes] | None = None) -> None: ...
 
 
 log = logging.getLogger(__name__)
@@ -215,7 +220,7 @@ class Gateway:
         kwargs = {"max_tokens": max_tokens, "stop": stop, "request": request, "refuse_past_budget": True}
         if episode_id is None:
             episode = self._scratch_episode()
-            turn = await episode.chat(messages, tools, **kwargs)
+            turn = await episode.chat(messages, tools, images=await self._images(episode, messages), **kwargs)
         else:
             open_ = self._get(episode_id)
             async with open_.lock:  # one call at a time per episode: the next must extend this one
@@ -223,11 +228,21 @@ class Gateway:
                     raise EpisodeNotFound(f"episode {episode_id} is not open")
                 open_.last_active = time.monotonic()
                 episode = open_.episode
-                turn = await episode.chat(messages, tools, **kwargs)
+                images = await self._images(episode, messages)
+                turn = await episode.chat(messages, tools, images=images, **kwargs)
                 open_.last_active = time.monotonic()
         self.metrics.chat_calls.labels("true" if episode_id else "false").inc()
         self.metrics.gateway_seconds.labels("engine").inc(episode.engine_seconds_last)
         return self._response(turn, request)
+
+    async def _images(self, episode: Episode, messages: list[dict[str, Any]]) -> tuple[Any, ...]:
+        """The images of an episode's first call, read and checked (none for a later call: the episode
+        refuses new ones and compares the recorded ones by URL)."""
+        if episode.prompt_ids or not image_parts(messages):
+            return ()
+        if not getattr(self.actor.engine, "vision", False):
+            raise ChatRequestError(image_parts(messages)[0][0], "the actor's model reads no images")
+        return await read_call_images(messages, self.config.gateway)
 
     @staticmethod
     def _max_tokens(body: Mapping[str, Any]) -> int | None:
@@ -322,7 +337,22 @@ class Gateway:
             return True
         first = done[0].episode.messages or []
         user = next((m for m in first if m.get("role") == "user"), {})
-        prompt = replace(group.prompt, text=str(user.get("content") or ""))
+        images = done[0].episode.images
+        if any([i.sha256 for i in o.episode.images] != [i.sha256 for i in images] for o in done):
+            self.metrics.failures.labels("invalid_group").inc()
+            log.warning("gateway group %s: its episodes showed different images; set aside", group.group_id)
+            return True
+        content = user.get("content")
+        text = (
+            content
+            if isinstance(content, str)
+            else " ".join(
+                str(p.get("text", ""))
+                for p in content or ()
+                if isinstance(p, Mapping) and p.get("type") == "text"
+            )
+        )
+        prompt = replace(group.prompt, text=text, images=images)
         unscored = [o for o in done if o.reward is None]
         if unscored:
             try:
@@ -351,7 +381,10 @@ class Gateway:
             self.actor.actor_id,
             self.actor.stamp,
         )
-        self.actor.submit(record)
+        if images:  # the encoded images go with the group (hosts without images keep their signature)
+            self.actor.submit(record, {i.sha256: i.data for i in images})
+        else:
+            self.actor.submit(record)
         return True
 
     def holds(self, episode_id: str | None) -> bool:

@@ -23,7 +23,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections import ChainMap
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -121,6 +122,7 @@ class Actor:
         self.state = "idle"
         self.groups_pushed = 0
         self._pending: list[TrajectoryGroup] = []  # scored groups the pusher has not taken yet
+        self._pending_images: dict[str, bytes] = {}  # the images they show beyond the dataset's (gateway)
         self._fatal: BaseException | None = None  # a task's error: raised by the admission loop
         self._wake, self._push_wake = asyncio.Event(), asyncio.Event()  # the admission loop's, the pusher's
         self.generation = PromptGeneration(
@@ -210,7 +212,7 @@ class Actor:
             else None
         )
         self._params = self.engine.sampling_params(cfg.sampling)
-        self._pending, self._fatal = [], None
+        self._pending, self._pending_images, self._fatal = [], {}, None
         closing = asyncio.Event()
         pusher = asyncio.create_task(self._push_loop(buffer, stop, closing))
         expiry = asyncio.create_task(self.gateway.expire_loop()) if self.gateway is not None else None
@@ -336,14 +338,18 @@ class Actor:
 
     # --- pushing
 
-    def submit(self, group: TrajectoryGroup) -> None:
+    def submit(self, group: TrajectoryGroup, images: Mapping[str, bytes] | None = None) -> None:
         """Hand a scored group to the pusher, observing its rewards (on the engine's loop: the loop's own
-        groups and the gateway's finished ones)."""
+        groups and the gateway's finished ones). `images`: the encoded images it shows by sha256, where
+        they are not the dataset's (a gateway episode's screenshots); they go with the group and are not
+        kept after it."""
         if not self._loop_running:
             raise ActorNotRunning("the actor's loop is not running: groups cannot be pushed")
         for t in group.trajectories:
             self.metrics.reward.observe(t.reward)
         self._pending.append(group)
+        if images:
+            self._pending_images.update(images)
         self._push_wake.set()
 
     async def _push_loop(self, buffer: AsyncReplayBuffer, stop: threading.Event, closing: asyncio.Event):
@@ -359,8 +365,9 @@ class Actor:
             if len(self._pending) < self.config.max_inflight_prompts // 2 and not closing.is_set():
                 await asyncio.sleep(_PUSH_LINGER_S)  # let a few groups gather: one round trip for them
             batch, self._pending = self._pending, []
+            shown, self._pending_images = self._pending_images, {}
             self.groups_pushed += await push_groups(
-                buffer, batch, self.config.retry, self.metrics, stop, self.images
+                buffer, batch, self.config.retry, self.metrics, stop, ChainMap(shown, self.images)
             )
             self._wake.set()
 

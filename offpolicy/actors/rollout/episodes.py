@@ -15,7 +15,11 @@ prompt, then every turn) and records who wrote each token:
   tool calls read by `tool_parser`, the recorded tokens and log-probs). The gateway
   (actors/gateway/agent_episodes.py)
   serves `POST /v1/chat/completions` with it; an episode opened there has no prompt until its first call,
-  whose whole conversation (with its `tools`) becomes the prompt.
+  whose whole conversation (with its `tools`) becomes the prompt. On a vision-language model that first
+  call may show images (`image_url` parts, read by the gateway: `chat(..., images=)`); each turn sends them
+  to the engine with the prompt, and the episode records the prompt as the engine ran it (each image's
+  placeholder widened to its tokens). Images in later calls are refused: the learner reads a sequence's
+  images in its prompt.
 
 The episode returns its reward (and metadata). `sampling.n` episodes of one prompt run concurrently and
 form one group, pushed as soon as all are done, as single-turn groups are. `finish_reason` is the last
@@ -43,6 +47,7 @@ from offpolicy.actors.engine.chat import (
     Message,
     ToolCallParser,
     chat_request,
+    image_parts,
     new_messages,
     render_messages,
     render_prompt,
@@ -54,6 +59,7 @@ from offpolicy.actors.errors import BudgetExceeded, ChatRequestError, RewardErro
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from offpolicy.actors.data.images import PromptImage
     from offpolicy.actors.data.prompts import Prompt
     from offpolicy.actors.engine.vllm import VLLMEngine
 
@@ -140,6 +146,8 @@ class Episode:
         self.finish_reason = "length"
         self.turns = 0
         self.ended = False  # the budget ran out: no more turns
+        self._images: tuple[PromptImage, ...] = ()  # the first call's images (a vision-language model)
+        self._sent: list[int] = []  # with images: the prompt as sent (one placeholder per image)
 
     @property
     def tokens(self) -> list[int]:
@@ -167,6 +175,11 @@ class Episode:
         return list(self._prompt)
 
     @property
+    def images(self) -> tuple[PromptImage, ...]:
+        """The images the episode's prompt shows (its first call's), in order."""
+        return self._images
+
+    @property
     def messages(self) -> list[Message] | None:
         """The conversation recorded so far (None when the prompt was not a conversation)."""
         return None if self._messages is None else [dict(m) for m in self._messages]
@@ -187,8 +200,15 @@ class Episode:
         """One policy turn with `params` (built and checked by the caller), recorded."""
         request, t0 = f"episode-{next(_ids)}", time.perf_counter()
         routing = getattr(self._engine, "return_routed_experts", False)
-        kw = {"routed_start": self._routed_len} if routing else {}  # contiguous rows (module docstring)
-        (out,) = await self._engine.generate_group(request, self.tokens, params, **kw)
+        kw: dict[str, Any] = {"routed_start": self._routed_len} if routing else {}  # contiguous rows
+        tokens = self.tokens
+        if self._images:  # the prompt as sent, its images; the engine widens each placeholder again
+            from offpolicy.actors.data.images import decoded_images
+
+            kw["images"], tokens = decoded_images(self), self._sent + self._ids
+        (out,) = await self._engine.generate_group(request, tokens, params, **kw)
+        if self._images and not self._ids and out.prompt_ids is not None:  # the prompt as the engine ran it
+            self._prompt = [int(t) for t in out.prompt_ids]
         self.engine_seconds_last = time.perf_counter() - t0
         if routing and out.routed_experts is not None:  # positions routed_len.. (len(tokens) + R - 2)
             self._routed.append(out.routed_experts)
@@ -212,6 +232,7 @@ class Episode:
         stop: list[str] | None = None,
         request: Any = None,
         refuse_past_budget: bool = False,
+        images: Sequence[PromptImage] = (),
     ) -> ChatTurn:
         """One policy turn after `messages` (the recorded conversation, then new messages appended as
         environment tokens); see the module docstring. `request`: the caller's vLLM `ChatCompletionRequest`
@@ -221,8 +242,13 @@ class Episode:
         `EpisodeConflict`) and the sampling parameters (vLLM's own checks: `InvalidSampling`). Messages
         that leave no room for one answer token end the episode (the turn is ""), or, with
         `refuse_past_budget` (the gateway), raise `BudgetExceeded`. A refused call leaves the episode as
-        it was."""
+        it was. `images`: the first call's images, one per `image_url` part of `messages`, read and checked
+        by the caller (the gateway); the engine must be a vision-language one."""
         prompt, added, env = self._pending(messages, tools)
+        if not self._prompt and len(images) != len(image_parts(messages)):
+            raise ChatRequestError(
+                "messages", f"{len(image_parts(messages))} image parts, {len(images)} images"
+            )
         left = self._room(len(prompt), len(self._ids) + len(env))
         if refuse_past_budget and (self.ended or left < 1):
             have = 0 if self.ended else self.budget_left
@@ -239,15 +265,17 @@ class Episode:
         # --- recorded from here on: everything above raised before anything changed
         if not self._prompt:
             self._prompt, self._messages, self.tools = prompt, [dict(m) for m in messages], tools
+            self._images, self._sent = tuple(images), list(prompt) if images else []
         else:
             self.add_tokens(env)
             self._messages += added  # type: ignore[operator]
-        before = len(self.tokens)
+        answered = len(self._ids)
         self.last_turn, self.engine_seconds_last = None, 0.0
         if params is None or self.ended:
             self.ended, self.finish_reason, text = True, "length", ""
         else:
             text = await self._sample(params)
+        before = len(self._prompt) + answered  # the prompt as the engine ran it (images widened)
         out = self.last_turn
         content, calls = text, []
         wants = request is None or getattr(request, "tool_choice", "auto") != "none"
@@ -273,7 +301,10 @@ class Episode:
         """What a `chat` call would record, changing nothing: the prompt (rendered by the first call,
         else the recorded one), the messages it adds and their environment tokens."""
         if not self._prompt:
-            prompt = render_prompt(self._tokenizer, messages, tools)
+            vision = bool(getattr(self._engine, "vision", False))
+            if image_parts(messages) and not vision:
+                raise ChatRequestError(image_parts(messages)[0][0], "the actor's model reads no images")
+            prompt = render_prompt(self._tokenizer, messages, tools, images=vision)
             if self._max_len is not None and len(prompt) >= self._max_len:
                 raise ChatRequestError(
                     "messages", f"the conversation is {len(prompt)} tokens: no room to answer"
@@ -282,6 +313,12 @@ class Episode:
         if self._messages is None:
             raise ChatRequestError("messages", "this episode's prompt is not a conversation: use generate()")
         added = new_messages(self._messages, messages)
+        if shown := image_parts(added, first=len(self._messages)):
+            raise ChatRequestError(
+                shown[0][0],
+                "images after an episode's first call are not supported (the learner reads a sequence's "
+                "images in its prompt): show them in the first call, or open a new episode",
+            )
         return self._prompt, added, render_messages(self._tokenizer, added, self.tools)
 
     def add_tokens(self, token_ids: Sequence[int]) -> None:

@@ -239,3 +239,92 @@ def test_a_published_vision_language_version_loads_into_vllm_and_stays_exact(
     with torch.no_grad():  # the engine sampled under the trained weights: the starting ones score otherwise
         before, _ = LogProbs(load_model(vl_model, "cpu", torch.float32))(batch, chunk_tokens=64)
     assert float((before - batch.behavior_logprobs).abs()[mask].max()) > 1e-3
+
+
+def test_an_openai_agent_shows_a_screenshot_through_the_gateway_and_the_learner_reads_what_the_model_saw(
+    vl_model: Path, vl_engine, redis_url: str, run_id: str
+) -> None:
+    """The `openai` client sends a screenshot (an `image_url` data: URL) in each episode's first call
+    and a text follow-up; the group goes into the buffer with the image stored once and the prompt as the
+    engine ran it (the placeholder widened to the image's 4 tokens), and the learner's log-probs of the
+    policy's tokens, with the image and the follow-up in context, equal the behaviour log-probs. Refused
+    before anything is recorded (422, naming the part): a remote URL, a corrupt image, an image in a later
+    call."""
+    import base64
+
+    from fastapi.testclient import TestClient
+    from openai import OpenAI, UnprocessableEntityError
+
+    from offpolicy.services.actor_api.main import create_app
+    from offpolicy.services.common.settings import ActorServiceSettings
+    from tests.integration.actors.actor_run import actor_config, wait_until
+
+    shot = drawn((30, 200, 30), (56, 56))
+    url = "data:image/png;base64," + base64.b64encode(shot).decode()
+    cfg = actor_config(
+        vl_model, None, redis_url, run_id, dataset=None, gateway={"enabled": True, "group_size": 2},
+        sampling=SamplingConfig(temperature=1.0, max_tokens=40, n=2),
+        engine=EngineConfig.cpu_tiny(max_model_len=512, max_images_per_prompt=2, image_pixels=BUDGET),
+    )  # fmt: skip
+    app = create_app(ActorServiceSettings(), config=cfg, engine=vl_engine)
+
+    def screenshot(ref: str) -> dict:
+        return {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": ref}},
+                {"type": "text", "text": "what colour is the square?"},
+            ],
+        }
+
+    with TestClient(app) as http:
+        wait_until(lambda: http.get("/readyz").status_code == 200, 60, "the actor service")
+        client = OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+        for _ in range(2):  # one group of two episodes
+            eid = http.post("/v1/episodes", json={"prompt_id": "shot-1"}).json()["episode_id"]
+            headers = {"X-Episode-Id": eid}
+            for ref, why in (
+                ("https://example.com/a.png", "remote image URLs are refused"),
+                ("data:image/png;base64," + base64.b64encode(shot[:60]).decode(), "Pillow"),
+            ):
+                with pytest.raises(UnprocessableEntityError, match=r"messages\[0\]\.content\[0\]") as e:
+                    client.chat.completions.create(
+                        model="m", messages=[screenshot(ref)], max_tokens=4, extra_headers=headers
+                    )
+                assert why in str(e.value)
+            messages = [screenshot(url)]
+            r = client.chat.completions.create(
+                model="m", messages=messages, max_tokens=6, extra_headers=headers
+            )
+            assert r.usage.prompt_tokens == r.usage.total_tokens - r.usage.completion_tokens > 4
+            messages += [r.choices[0].message.model_dump(exclude_none=True), screenshot(url)]
+            with pytest.raises(UnprocessableEntityError, match=r"messages\[2\]\.content\[0\].*first call"):
+                client.chat.completions.create(
+                    model="m", messages=messages, max_tokens=6, extra_headers=headers
+                )
+            messages[-1] = {"role": "user", "content": "are you sure?"}
+            client.chat.completions.create(model="m", messages=messages, max_tokens=6, extra_headers=headers)
+            assert http.post(f"/v1/episodes/{eid}/finish", json={"reward": 1.0}).status_code == 200
+        with ReplayBuffer(redis_url, run_id, BufferConfig()) as buf:
+            try:
+                wait_until(lambda: buf.stats().size == 1, 60, "the group in the buffer")
+                assert buf.stats().images == 1 and buf.stats().image_bytes == len(shot)
+                leased = buf.lease(1, 0, consumer="learner-0", lease_s=600)
+                read = buf.images(s for g in leased.groups for s in g.images)
+                buf.ack("learner-0", leased.lease_ids)
+            finally:
+                buf.clear()
+    (group,) = leased.groups
+    tok = load_tokenizer(vl_model)
+    image_token = int(tok.convert_tokens_to_ids("<|image_pad|>"))
+    assert group.images == [hashlib.sha256(shot).hexdigest()]
+    assert int((np.asarray(group.prompt_ids) == image_token).sum()) == 4  # widened as the engine ran it
+    for t in group.trajectories:
+        assert t.policy_mask is not None and (~t.policy_mask).sum() > 0  # the follow-up: environment tokens
+    model = load_model(vl_model, "cpu", torch.float32)
+    pixels = process_images(load_image_processor(str(vl_model), **BUDGET), read, read)
+    batch = collate([group], tok.pad_token_id, pixels)
+    with torch.no_grad():
+        mine, _ = LogProbs(model)(batch, chunk_tokens=64)
+    mask = batch.response_mask > 0
+    assert int(mask.sum()) >= 4 and float((mine - batch.behavior_logprobs).abs()[mask].max()) <= TOL
