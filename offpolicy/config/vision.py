@@ -53,3 +53,12 @@ class ImagePixels(ConfigModel):
     def processor_kwargs(self) -> dict[str, Any]:
         """The image processor's keyword arguments for this budget (none for the checkpoint's own)."""
         return {k: v for k, v in (("min_pixels", self.min_pixels), ("max_pixels", self.max_pixels)) if v}
+
+
+class VisionTraining(ConfigModel):
+    """What a vision-language policy's learner trains (the learner's `vision` section)."""
+
+    train: bool = False
+    """Train the vision tower (and its merger) with the language model. False (the default, as verl,
+    AReaL and prime-rl start): the tower is frozen, the language model alone trains; its weights are
+    still published whole, so the actors serve the same tower."""

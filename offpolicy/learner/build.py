@@ -103,7 +103,10 @@ def build_trainables(
     if lean:
         model = meta_model(config.model_path, base, attn_implementation=attn)
     else:
-        model = load_model(config.model_path, "cpu" if sharded else device, base, attn_implementation=attn)
+        model = load_model(
+            config.model_path, "cpu" if sharded else device, base, attn_implementation=attn,
+            train_vision=config.vision.train,
+        )  # fmt: skip
     router = moe.prepare(model, device, config.moe, config.model_path)  # MoE: grouped GEMMs, routers hooked
     if config.lora is not None:  # before the checkpointing, compile and FSDP wrappers see the layers
         lora.inject(model, config.lora, config.seed, masters=dtype)  # lean: factors on meta, drawn by `fill`

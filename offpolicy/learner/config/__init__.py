@@ -30,7 +30,7 @@ from offpolicy.config.base import (
 from offpolicy.config.loader import env_overrides as env_overrides
 from offpolicy.config.loader import load_layered
 from offpolicy.config.loader import merge as merge
-from offpolicy.config.vision import ImagePixels
+from offpolicy.config.vision import ImagePixels, VisionTraining
 from offpolicy.learner.config.control import ControlConfig
 from offpolicy.learner.config.lora import LoraConfig
 from offpolicy.learner.config.models import (
@@ -196,6 +196,9 @@ class LearnerConfig(ConfigModel):
     image_pixels: ImagePixels = Field(ImagePixels(), json_schema_extra=FROZEN)
     """A vision-language policy's pixel budget per image (its image processor's `min_pixels` /
     `max_pixels`; None: the checkpoint's); the actors' `engine.image_pixels` must be the same."""
+    vision: VisionTraining = Field(VisionTraining(), json_schema_extra=FROZEN)
+    """A vision-language policy's tower: frozen by default (`vision.train: true` trains it too; not with
+    `lora`, whose adapter covers the language model)."""
     moe: MoeConfig = MoeConfig()
     """A mixture-of-experts policy's router losses (load balancing, z-loss); off by default, refused above 0
     for a dense policy (docs/learner.md "MoE models")."""
@@ -290,6 +293,11 @@ class LearnerConfig(ConfigModel):
                 "delivery='checkpoint' acknowledges leases at periodic checkpoints, but checkpoint_dir="
                 f"{self.checkpoint.checkpoint_dir!r}, checkpoint_every={self.checkpoint.checkpoint_every!r}: "
                 "set both, or use delivery='step'"
+            )
+        if self.vision.train and self.lora is not None:
+            raise ValueError(
+                "vision.train with lora: the adapter covers the language model and the tower stays frozen; "
+                "set vision.train: false, or train full weights (lora: null)"
             )
         if self.lora is not None and self.publish.transport != "files":
             raise ValueError(

@@ -29,9 +29,11 @@ def load_model(
     *,
     gradient_checkpointing: bool = False,
     attn_implementation: str | None = None,
+    train_vision: bool = False,
 ) -> PreTrainedModel:
     """Load a causal LM by local path or hub id with parameters in `dtype` on `device`, in train mode. A
-    vision-language checkpoint (Qwen2.5-VL) loads whole, its vision tower frozen (learner/model/vision.py).
+    vision-language checkpoint (Qwen2.5-VL) loads whole, its vision tower frozen (learner/model/vision.py)
+    unless `train_vision` (the learner's `vision.train`).
 
     `dtype` is the master weights' dtype (`Precision.param_dtype`), not the checkpoint's: a bf16 release is
     upcast to fp32 masters under `bf16_mixed`; published weights are cast back to `checkpoint_dtype(path)`.
@@ -40,7 +42,7 @@ def load_model(
     config = AutoConfig.from_pretrained(str(path_or_id))
     auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
     model = auto.from_pretrained(str(path_or_id), dtype=dtype, attn_implementation=attn_implementation)
-    if is_vision_language(config):
+    if is_vision_language(config) and not train_vision:
         freeze_vision(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -38,6 +38,13 @@ under FSDP, 1 on one process):
 - the teacher of on-policy distillation (`teacher.model_path` set): counted as the reference is, with its
   own shape and `teacher.cpu_offload`.
 
+Vision-language models (Qwen2.5-VL; `ModelShape.vision`, the tower's parameters): the tower's weights
+are counted as any, its gradients, AdamW moments and autocast copies only under `vision.train` (frozen
+by default). Image tokens are tokens of the micro-batch (their activations in the decoder counted above).
+Not counted: the tower's own activations. Frozen, it runs without gradients before the decoder's forward
+and keeps only its output (h per image token, merged into the embeddings); under `vision.train` it keeps
+its blocks' saved tensors per patch (4 per image token) until the backward: not yet estimated.
+
 Mixture-of-experts models (`ModelShape.moe`, read from config.json by learner/plan/shape.py): P is every
 parameter, the routed experts' E of them included, so the weights, gradients and AdamW state are P as
 above, the experts' share E / N per rank (`expert_state`). `ep` (expert parallelism, default 1) divides
@@ -95,6 +102,7 @@ class ModelShape:
     moe: Experts | None = None  # the mixture-of-experts part (plan/shape.py); None = a dense model
     expert_params: int = 0  # the routed experts' parameters, all layers (part of `params`)
     active: int = 0  # parameters a token passes through (plan/shape.py); 0 = `params` (dense)
+    vision: int = 0  # a vision-language model's vision tower (and merger) parameters, part of `params`
 
     @property
     def active_params(self) -> int:
@@ -106,7 +114,8 @@ class ModelShape:
     def of(cls, hf: PretrainedConfig, lora: LoraConfig | None = None) -> ModelShape:
         """The shape of a Hugging Face config; the parameters counted on the meta device (nothing loaded),
         with `lora` those of its adapter too. A vision-language config: the whole model's parameters (its
-        vision tower too), the language model's sizes (its vision tokens' activations are not counted)."""
+        vision tower too, also counted apart: `vision`), the language model's sizes (the image tokens are
+        tokens of the micro-batch like any; the tower's own activations are not counted: see `estimate`)."""
         vision = getattr(hf, "vision_config", None) is not None
         with torch.device("meta"):
             model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_config(hf)
@@ -124,6 +133,7 @@ class ModelShape:
             hf.max_position_embeddings, hf.num_attention_heads * head_dim, kv_heads * head_dim,
             any(n.endswith("q_norm.weight") for n in names),
             0 if lora is None else adapter_params(model, lora), moe, experts, active,
+            sum(p.numel() for n, p in named.items() if n.startswith("model.visual.")),
         )  # fmt: skip
 
     @classmethod
@@ -263,16 +273,19 @@ def estimate(
     lora = config.lora is not None
     share = ranks if sharded else 1
     base = compute if lora else master
+    # a vision-language model's tower is frozen unless `vision.train`: masters, no gradients or moments
+    frozen = 0 if config.vision.train else shape.vision
     state = (shape.params * base + (critic + (shape.adapter if lora else 0)) * master) // share
-    trained = ((shape.adapter if lora else shape.params) + critic) * master // share
+    trained = ((shape.adapter if lora else shape.params - frozen) + critic) * master // share
     offload = sharded and config.fsdp.cpu_offload
     if precision != "bf16_mixed":
         copies = 0
     elif sharded:
         layer = shape.gathered_layer_params(ep)
         copies = 2 * (2 * layer + 2 * shape.vocab * shape.hidden)
-    else:  # autocast's bf16 copies of the fp32 weights (under LoRA: of the adapter and the critic alone)
-        copies = 2 * (critic + shape.adapter if lora else params)
+    else:  # autocast's bf16 copies of the fp32 weights it caches: those that train (under LoRA: the
+        # adapter and the critic alone; a frozen vision tower's are cast on the fly, not cached)
+        copies = 2 * (critic + shape.adapter if lora else params - frozen)
     if tokens is None:
         budget = config.micro_batch_tokens
         tokens = (budget if isinstance(budget, int) else DEFAULT_TOKENS) if config.packing else (

@@ -114,6 +114,27 @@ def test_a_vision_language_learner_trains_its_language_model_on_groups_showing_i
     )
 
 
+def test_vision_train_trains_the_tower_too_and_is_refused_with_lora(vl_dir, redis_url, tmp_path):
+    """`vision.train: true`: the same step moves the vision tower's weights as well (the default run
+    above leaves them); with `lora` it is refused (the adapter covers the language model)."""
+    groups, blobs = vl_groups(vl_dir, 4)
+    cfg = vl_config(vl_dir, redis_url, tmp_path, vision={"train": True})
+    with ReplayBuffer(cfg.redis_url, cfg.run_id, cfg.buffer) as buf:
+        assert buf.insert_many(groups, images=blobs).ok
+    learner = Learner(cfg)
+    try:
+        before = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+        assert np.isfinite(learner.step()["loss"])
+        after = dict(learner.model.named_parameters())
+        moved = {n for n in before if not torch.equal(before[n], after[n].detach())}
+        assert any(n.startswith("model.visual.blocks.") for n in moved), sorted(moved)[:5]
+        assert any(n.startswith("model.language_model.") for n in moved)
+    finally:
+        learner.close()
+    with pytest.raises(ValueError, match=r"vision\.train with lora"):
+        vl_config(vl_dir, redis_url, tmp_path, vision={"train": True}, lora={"rank": 4})
+
+
 def test_a_text_learner_sets_aside_a_group_that_shows_images(tiny_dir, vl_dir, redis_url, tmp_path):  # noqa: F811
     shown, blobs = vl_groups(vl_dir, 1)
     text = TrajectoryGroup(

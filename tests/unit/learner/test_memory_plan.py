@@ -206,3 +206,25 @@ def test_auto_checkpoints_the_fewest_layers_that_fit(shape_1_8b):
     budget = choose(cfg(micro_batch_tokens="auto"), shape_4b, 1, False, True, H200)
     assert budget.checkpointed_layers == choose(cfg(), shape_4b, 1, False, True, H200).checkpointed_layers
     assert MIN_TOKENS <= budget.micro_batch_tokens < MIN_TOKENS + 1024 * 2
+
+
+def test_a_frozen_vision_tower_has_weights_but_no_gradients_moments_or_copies(tmp_path):
+    """A vision-language model's tower is counted apart (`ModelShape.vision`, the parameters under
+    `model.visual.` of the model transformers builds); frozen (the default) it has its weights alone,
+    `vision.train` adds its gradients, AdamW moments and autocast copies, byte for byte."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from offpolicy.learner.model import make_tiny_vl_model
+
+    path = make_tiny_vl_model(tmp_path / "vl")
+    shape = ModelShape.of(AutoConfig.from_pretrained(path))
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    tower = sum(p.numel() for p in model.model.visual.parameters())
+    assert 0 < shape.vision == tower < shape.params == sum(p.numel() for p in model.parameters())
+    base = {"model_path": str(path), "precision": "bf16_mixed"}
+    frozen = estimate(LearnerConfig(**base), shape, 1, False, False, cuda=True)
+    trained = estimate(LearnerConfig(**base, vision={"train": True}), shape, 1, False, False, cuda=True)
+    assert trained.weights == frozen.weights
+    assert trained.gradients - frozen.gradients == 4 * tower  # fp32 master gradients
+    assert trained.optimizer - frozen.optimizer == 8 * tower  # two fp32 moments
+    assert trained.compute_copies - frozen.compute_copies == 2 * tower  # autocast's bf16 copies
