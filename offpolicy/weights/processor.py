@@ -85,6 +85,9 @@ class ImagesOnlyVideoProcessor(PushToHubMixin):
 
         self.valid_kwargs = VideosKwargs
         self.patch_size, self.merge_size, self.temporal_patch_size = 14, 2, 2
+        # what vLLM's Qwen3-VL reads to size its (unused) video budget: Qwen3-VL's video defaults
+        self.size = {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}
+        self.fps, self.min_frames, self.max_frames = 2, 4, 768
         self.__dict__.update(config)
 
     @classmethod

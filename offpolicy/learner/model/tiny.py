@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
+from typing import Literal
 
 import torch
 from tokenizers import Tokenizer, decoders, models
@@ -156,6 +157,7 @@ def make_tiny_vl_model(
     max_pixels: int = 112 * 112,
     seed: int = 0,
     dtype: str = "float32",
+    family: Literal["qwen2_5_vl", "qwen3_vl"] = "qwen2_5_vl",
 ) -> Path:
     """Write a tiny random Qwen2.5-VL (a 2-block vision tower of patch 14 merging 2x2 patches into one
     token, window attention in its first block; a Llama-sized text model with 3-row rotary positions, head
@@ -163,9 +165,16 @@ def make_tiny_vl_model(
     `min_pixels`..`max_pixels`: a 56x56 image is 4 tokens) to `out_dir`; return the folder. transformers and
     vLLM both load it (on a machine without torchvision: weights/processor.py). The other sizes build the
     benchmarks' shapes (a Qwen2.5-VL-7B-shaped one: benchmarks/vision.py `--gpu`); `vocab_size` pads the
-    embedding past the character tokenizer's."""
+    embedding past the character tokenizer's. `family="qwen3_vl"`: a Qwen3-VL instead (patch 16, learned
+    position embeddings, the first block's deepstack features added to the decoder's first layer, Qwen3
+    text layers with interleaved 3-row rotary positions; a 64x64 image is 4 tokens)."""
     head_dim = _head_dim(hidden_size, num_heads)
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+    )
 
     from offpolicy.weights.processor import image_processor_class, images_without_torchvision
 
@@ -206,7 +215,24 @@ def make_tiny_vl_model(
         "window_size": 56,
         "fullatt_block_indexes": [vision_depth - 1],
     }
-    config = Qwen2_5_VLConfig(
+    patch = 14
+    if family == "qwen3_vl":
+        patch = 16
+        text["head_dim"] = head_dim
+        text["rope_parameters"]["mrope_interleaved"] = True
+        vision = {
+            **{k: vision[k] for k in ("depth", "hidden_size", "intermediate_size", "num_heads")},
+            "out_hidden_size": hidden_size, "patch_size": patch, "spatial_merge_size": 2,
+            "temporal_patch_size": 2, "num_position_embeddings": 64, "deepstack_visual_indexes": [0],
+        }  # fmt: skip
+        if min_pixels == 56 * 56 and max_pixels == 112 * 112:  # the defaults: the same tokens per image
+            min_pixels, max_pixels = 64 * 64, 128 * 128
+    config_class, model_class = (
+        (Qwen3VLConfig, Qwen3VLForConditionalGeneration)
+        if family == "qwen3_vl"
+        else (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration)
+    )
+    config = config_class(
         text_config=text,
         vision_config=vision,
         image_token_id=ids["<|image_pad|>"],
@@ -219,10 +245,12 @@ def make_tiny_vl_model(
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).to(getattr(torch, dtype))
+    model = model_class(config).to(getattr(torch, dtype))
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    image_processor_class()(min_pixels=min_pixels, max_pixels=max_pixels).save_pretrained(out)
+    image_processor_class()(
+        patch_size=patch, merge_size=2, temporal_patch_size=2, min_pixels=min_pixels, max_pixels=max_pixels
+    ).save_pretrained(out)
     return out
 
 

@@ -1,5 +1,5 @@
-"""Vision-language policies (the Qwen2-VL family: Qwen2.5-VL): the images of a batch as the vision tower takes
-them, and the decoder's forward over rows that show them.
+"""Vision-language policies (the Qwen2-VL family: Qwen2.5-VL, Qwen3-VL): the images of a batch as the vision
+tower takes them, and the decoder's forward over rows that show them.
 
 `process_images` turns each image's bytes into its pixel values and patch grid with the model's own image
 processor (the checkpoint's `preprocessor_config.json`: the same pixel budget as the actor's vLLM, which
@@ -8,7 +8,8 @@ distinct image (a group's n completions share it; frozen by default: no gradient
 its outputs placed at each row's prompt image tokens in placeholder order (an image token sampled in a
 response stays text, as in the engine), the 3-row rotary positions computed
 from the grids and the attention mask (left padding included), then the language model on the merged
-embeddings. Rows are padded (`Batch`); the packed layout does not carry 3-row positions yet, so the
+embeddings (Qwen3-VL: with the tower's deepstack features, added to the image tokens' states in its first
+layers). Rows are padded (`Batch`); the packed layout does not carry 3-row positions yet, so the
 policy's forward takes the padded one for such a batch (learner/model/policy.py).
 """
 
@@ -111,9 +112,9 @@ def decoder_states(model: PreTrainedModel, batch: Batch) -> torch.Tensor:
     tower = inner.visual
     frozen = not any(p.requires_grad for p in tower.parameters())
     with torch.no_grad() if frozen else nullcontext():
-        encoded = inner.get_image_features(
-            images.pixel_values.to(tower.dtype), images.grid_thw, return_dict=True
-        ).pooler_output  # one (tokens, H) per distinct image
+        out = inner.get_image_features(images.pixel_values.to(tower.dtype), images.grid_thw, return_dict=True)
+    encoded = out.pooler_output  # one (tokens, H) per distinct image
+    deepstack = getattr(out, "deepstack_features", None)  # Qwen3-VL: per tower layer, one per image
     order = [i for row in images.rows for i in row]  # every row's images, in placeholder order
     image_tokens = batch.input_ids == model.config.image_token_id
     image_tokens[:, batch.prompt_width :] = False  # sampled in a response: text
@@ -131,9 +132,16 @@ def decoder_states(model: PreTrainedModel, batch: Batch) -> torch.Tensor:
         image_grid_thw=images.grid_thw[order],
         attention_mask=batch.attention_mask,
     )  # (3, B, L)
+    extra: dict[str, Any] = {}
+    if deepstack:  # Qwen3-VL adds each tower layer's features to the image tokens' states of early layers
+        extra["visual_pos_masks"] = image_tokens
+        extra["deepstack_visual_embeds"] = [
+            torch.cat([layer[i] for i in order]).to(embeds.dtype) for layer in deepstack
+        ]
     return inner.language_model(
         inputs_embeds=embeds,
         attention_mask=batch.attention_mask,
         position_ids=position_ids,
         use_cache=False,
+        **extra,
     ).last_hidden_state
