@@ -86,15 +86,25 @@ def process_images(image_processor: Any, blobs: Mapping[str, bytes], shas: Itera
 def image_problem(
     image_processor: Any, image_token_id: int, group: Any, blobs: Mapping[str, bytes]
 ) -> str | None:
-    """Why a group's images cannot be trained with its prompt (an image that does not decode, or image
-    tokens in the prompt other than its images make: another pixel budget than the actor's, a prompt
-    built by hand), or None."""
-    try:
-        pixels = process_images(image_processor, blobs, group.images)
-    except BatchError as e:
-        return str(e)
+    """Why a group's images cannot be trained with its prompt (an image missing or that does not decode, or
+    image tokens in the prompt other than its images make: another pixel budget than the actor's, a prompt
+    built by hand), or None. Each image is decoded, and its tokens counted from its size by the processor's
+    own resize rule (`get_number_of_image_patches`): the pixels themselves are made once, by the step."""
+    from PIL import Image, UnidentifiedImageError
+
     merge = int(getattr(image_processor, "merge_size", 2))
-    want = sum(int(pixels[sha][1].prod()) // merge**2 for sha in group.images)
+    want = 0
+    for sha in group.images:
+        data = blobs.get(sha)
+        if data is None:
+            return f"image {sha} is not among the images read"
+        try:
+            with Image.open(io.BytesIO(data)) as img:
+                img.load()
+                width, height = img.size
+        except (UnidentifiedImageError, OSError, ValueError) as e:
+            return f"image {sha} does not decode: {e}"
+        want += image_processor.get_number_of_image_patches(height, width, {}) // merge**2
     have = int((np.asarray(group.prompt_ids) == image_token_id).sum())
     if want != have:
         return f"the prompt holds {have} image tokens, its images make {want}"

@@ -119,3 +119,39 @@ def test_padded_rows_with_images_equal_transformers_and_the_tower_stays_frozen(v
     assert torch.isfinite(lp).all()
     with pytest.raises(BatchError, match="image tokens"):  # a prompt whose placeholders do not fit its images
         policy(collate([group(prompt([shas[0]], "x")[:-9], [shas[1]])], tok.pad_token_id, pixels), 64)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_the_intakes_image_check_counts_the_tokens_the_pixels_make(tmp_path: Path, family: str) -> None:
+    """`image_problem` counts an image's tokens from its size (no pixels made): for odd sizes, under the
+    checkpoint's budget and a smaller one, the count equals what `process_images` makes; a prompt with one
+    token fewer, a missing image and a corrupt one are each named."""
+    from offpolicy.actors.data.toy import square_png
+    from offpolicy.learner.model.vision import image_problem
+
+    path = make_tiny_vl_model(tmp_path / family, family=family)
+    token = int(load_tokenizer(path).convert_tokens_to_ids("<|image_pad|>"))
+    blobs = {}
+    for w, h in ((56, 56), (200, 31), (33, 300), (640, 480), (17, 17)):
+        data = square_png((10, 200, 10), w, h)
+        blobs[hashlib.sha256(data).hexdigest()] = data
+    for budget in ({}, {"max_pixels": 56 * 56}):
+        processor = load_image_processor(str(path), **budget)
+        merge = int(processor.merge_size)
+        pixels = process_images(processor, blobs, blobs)
+        for sha, (_, grid) in pixels.items():
+            n = int(grid.prod()) // merge**2
+            group = SimpleGroup([sha], np.array([1] + [token] * n + [2]))
+            assert image_problem(processor, token, group, blobs) is None
+            short = SimpleGroup([sha], np.array([1] + [token] * (n - 1) + [2]))
+            assert image_problem(processor, token, short, blobs) == (
+                f"the prompt holds {n - 1} image tokens, its images make {n}"
+            )
+    assert "not among the images read" in image_problem(processor, token, SimpleGroup(["0" * 64], []), blobs)
+    broken = {"f" * 64: b"\x89PNG\r\n\x1a\nnot really"}
+    assert "does not decode" in image_problem(processor, token, SimpleGroup(["f" * 64], []), broken)
+
+
+class SimpleGroup:
+    def __init__(self, images: list[str], prompt_ids) -> None:
+        self.images, self.prompt_ids = images, prompt_ids
