@@ -167,7 +167,8 @@ class Evaluator:
         budget = self.eval.max_tokens or s.max_tokens
         tok = self.engine.tokenizer
         episodes = [
-            Episode(prompt, ids, self.engine, tok, params_for, budget, version) for _ in range(params.n)
+            Episode(prompt, ids, self.engine, tok, params_for, budget, version, images=prompt.images)
+            for _ in range(params.n)
         ]
         try:
             results = await asyncio.gather(*(self.environment(ep) for ep in episodes))

@@ -89,11 +89,6 @@ class Actor:
         )
         # the encoded images of the shard's prompts, by sha256: sent with the groups that show them
         self.images = {im.sha256: im.data for p in self.prompts for im in p.images}
-        if self.images and env is not None:
-            raise DatasetError(
-                f"{config.dataset.path if config.dataset else ''}: prompts with images and an environment "
-                f"({env.name}): episodes do not send images yet; set dataset.image_key: null"
-            )
         if config.dataset is not None and not self.prompts:
             raise DatasetError(
                 f"actor {config.actor_index}/{config.num_actors} has an empty shard of {config.dataset.path}"

@@ -19,7 +19,8 @@ prompt, then every turn) and records who wrote each token:
   call may show images (`image_url` parts, read by the gateway: `chat(..., images=)`); each turn sends them
   to the engine with the prompt, and the episode records the prompt as the engine ran it (each image's
   placeholder widened to its tokens). Images in later calls are refused: the learner reads a sequence's
-  images in its prompt.
+  images in its prompt. An environment's episode on a prompt with images (the dataset's) is the same:
+  `Episode(..., images=prompt.images)`; `prompt_ids` is the widened prompt once it has generated.
 
 The episode returns its reward (and metadata). `sampling.n` episodes of one prompt run concurrently and
 form one group, pushed as soon as all are done, as single-turn groups are. `finish_reason` is the last
@@ -127,6 +128,7 @@ class Episode:
         messages: Sequence[Mapping[str, Any]] | None = None,
         tool_parser: ToolCallParser | None = None,
         max_len: int | None = None,
+        images: Sequence[PromptImage] = (),
     ) -> None:
         self.prompt = prompt
         self._engine, self._tokenizer, self._params_for = engine, tokenizer, params_for
@@ -146,8 +148,11 @@ class Episode:
         self.finish_reason = "length"
         self.turns = 0
         self.ended = False  # the budget ran out: no more turns
-        self._images: tuple[PromptImage, ...] = ()  # the first call's images (a vision-language model)
-        self._sent: list[int] = []  # with images: the prompt as sent (one placeholder per image)
+        # the prompt's images (a vision-language model: the dataset's, or a gateway episode's first call's)
+        # and the prompt as sent with them (one placeholder per image; `_prompt` becomes the prompt as the
+        # engine ran it, each placeholder widened, at the first turn)
+        self._images: tuple[PromptImage, ...] = tuple(images) if self._prompt else ()
+        self._sent: list[int] = list(self._prompt) if self._images else []
 
     @property
     def tokens(self) -> list[int]:

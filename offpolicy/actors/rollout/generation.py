@@ -165,8 +165,9 @@ class PromptGeneration:
         def params_for(max_tokens: int, **overrides: Any) -> Any:  # overrides: an episode's `stop`, ...
             return self.engine.sampling_params(sampling, n=1, max_tokens=max_tokens, **overrides)
 
+        tok, budget, shown = self.engine.tokenizer, sampling.max_tokens, prompt.images
         episodes = [
-            Episode(prompt, ids, self.engine, self.engine.tokenizer, params_for, sampling.max_tokens, version)
+            Episode(prompt, ids, self.engine, tok, params_for, budget, version, images=shown)
             for _ in range(sampling.n)
         ]
         assert self.environment is not None
@@ -194,6 +195,8 @@ class PromptGeneration:
             return
         self.reward_failures.scored()
         stamp = stamped_sampling(sampling)
+        if prompt.images:  # the prompt as the engine ran it: each image's placeholder widened
+            ids = next((np.asarray(ep.prompt_ids, np.int32) for ep in episodes if ep.turns), ids)
         self._submit(stamp_group(prompt, ids, completions, rewards, version, self.actor_id, stamp))
 
     def _release_slot(self, request_id: str) -> None:

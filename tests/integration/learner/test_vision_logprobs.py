@@ -270,6 +270,56 @@ def test_an_openai_agent_shows_a_screenshot_through_the_gateway_and_the_learner_
     assert int(mask.sum()) >= 4 and float((mine - batch.behavior_logprobs).abs()[mask].max()) <= TOL
 
 
+def test_an_environments_episodes_on_a_prompt_with_an_image_are_recorded_exactly(
+    vl_model: Path, vl_engine, redis_url: str, run_id: str, tmp_path: Path
+) -> None:
+    """The guessing game (three policy turns, two user replies) on a dataset prompt showing an image: each
+    turn sends the image with the prompt, the group holds the prompt as the engine ran it and its image
+    once, and the learner's log-probs of the policy's tokens (the image and the replies in context) equal
+    the behaviour log-probs."""
+    import asyncio
+    import threading
+
+    from prometheus_client import CollectorRegistry
+
+    from offpolicy.actors.config import DatasetConfig
+    from offpolicy.actors.rollout.actor import Actor
+    from tests.integration.actors.actor_run import actor_config
+
+    (tmp_path / "red.png").write_bytes(drawn((220, 30, 30), (56, 56)))
+    row = {"prompt": "<image>what colour is the square?", "answer": "r", "images": ["red.png"]}
+    (tmp_path / "d.jsonl").write_text(json.dumps(row) + "\n")
+    data = DatasetConfig(path=str(tmp_path / "d.jsonl"), chat_template=True, image_key="images", max_epochs=1)
+    cfg = actor_config(
+        vl_model, tmp_path / "d.jsonl", redis_url, run_id, dataset=data,
+        sampling=SamplingConfig(temperature=1.0, max_tokens=80, n=2),
+        environment={"name": "offpolicy.actors.rollout.environments.guessing_game"},
+    )  # fmt: skip
+    actor = Actor(cfg, CollectorRegistry(), engine=vl_engine)
+    asyncio.run(actor.arun(threading.Event()))
+    with ReplayBuffer(redis_url, run_id, BufferConfig()) as buf:
+        try:
+            s = buf.stats()
+            assert s.size == 1 and s.images == 1
+            leased = buf.lease(1, 0, consumer="learner-0", lease_s=600)
+            read = buf.images(sha for g in leased.groups for sha in g.images)
+            buf.ack("learner-0", leased.lease_ids)
+        finally:
+            buf.clear()
+    (group,) = leased.groups
+    tok = load_tokenizer(vl_model)
+    assert int((np.asarray(group.prompt_ids) == tok.convert_tokens_to_ids("<|image_pad|>")).sum()) == 4
+    for t in group.trajectories:
+        assert t.policy_mask is not None and (~t.policy_mask).sum() > 0  # the user's replies
+    model = load_model(vl_model, "cpu", torch.float32)
+    pixels = process_images(load_image_processor(str(vl_model), **BUDGET), read, read)
+    batch = collate([group], tok.pad_token_id, pixels)
+    with torch.no_grad():
+        mine, _ = LogProbs(model)(batch, chunk_tokens=64)
+    mask = batch.response_mask > 0
+    assert int(mask.sum()) >= 6 and float((mine - batch.behavior_logprobs).abs()[mask].max()) <= TOL
+
+
 def test_a_published_vision_language_version_loads_into_vllm_and_stays_exact(
     vl_model: Path, vl_engine, redis_url: str, run_id: str, tmp_path: Path
 ) -> None:
