@@ -58,25 +58,16 @@ def decoded(data: bytes):
     return Image.open(io.BytesIO(data)).convert("RGB")
 
 
-def test_learner_logprobs_equal_vllms_for_prompts_with_one_and_two_images(
-    vl_model: Path, vl_engine, redis_url: str, run_id: str
-) -> None:
-    tok = load_tokenizer(vl_model)
-    # 4 and 12 image tokens under the checkpoint's budget; under BUDGET the blue one is scaled down to 2
-    red, blue = drawn((220, 30, 30), (56, 56)), drawn((30, 30, 220), (112, 84))
-    blobs = {hashlib.sha256(b).hexdigest(): b for b in (red, blue)}
-    sha = {red: hashlib.sha256(red).hexdigest(), blue: hashlib.sha256(blue).hexdigest()}
-    shown = [[red], [red, blue]]
-    prompts = [image_question_ids(tok, len(images), "what colour is the square?") for images in shown]
-    sampling = SamplingConfig(temperature=1.0, max_tokens=12, n=3)
-    outs = vl_engine.generate(
-        prompts, sampling, images=[[decoded(b) for b in imgs] for imgs in shown], timeout_s=300
-    )
+def sampled_groups(
+    tok, shown: list[list[bytes]], outs: list, tokens: dict[int, int]
+) -> list[TrajectoryGroup]:
+    """One group per prompt of the engine's completions (`outs`), holding the prompt as the engine ran it
+    (which must show `tokens[number of images]` image tokens) and naming its images (`shown`) by sha256."""
+    image_token = int(tok.convert_tokens_to_ids("<|image_pad|>"))
     groups = []
     for images, completions in zip(shown, outs, strict=True):
         widened = completions[0].prompt_ids
-        image_token = int(tok.convert_tokens_to_ids("<|image_pad|>"))
-        assert widened is not None and int((widened == image_token).sum()) == {1: 4, 2: 6}[len(images)]
+        assert widened is not None and int((widened == image_token).sum()) == tokens[len(images)]
         groups.append(
             TrajectoryGroup(
                 group_id=uuid.uuid4().hex, prompt_id=f"p{len(images)}", prompt_ids=widened, policy_version=0,
@@ -84,9 +75,55 @@ def test_learner_logprobs_equal_vllms_for_prompts_with_one_and_two_images(
                 trajectories=[
                     Trajectory(c.token_ids, c.behavior_logprobs, 0.0, c.finish_reason) for c in completions
                 ],
-                images=[sha[b] for b in images],
+                images=[hashlib.sha256(b).hexdigest() for b in images],
             )
         )  # fmt: skip
+    return groups
+
+
+def take_all(redis_url: str, run_id: str) -> tuple[list[TrajectoryGroup], dict[str, bytes]]:
+    """Every group in the run's buffer, leased and acknowledged as the learner does, and their images."""
+    with ReplayBuffer(redis_url, run_id, BufferConfig()) as buf:
+        try:
+            leased = buf.lease(buf.stats().size, 0, consumer="learner-0", lease_s=600)
+            read = buf.images(sha for g in leased.groups for sha in g.images)
+            buf.ack("learner-0", leased.lease_ids)
+        finally:
+            buf.clear()
+    return leased.groups, read
+
+
+def assert_multi_turn_exact(vl_model: Path, group: TrajectoryGroup, read: dict[str, bytes]) -> None:
+    """A multi-turn group on a prompt showing one 56x56 image: the prompt holds its 4 image tokens (widened
+    as the engine ran it), every trajectory has environment tokens, and the learner's log-probs of the
+    policy's tokens (the image and the environment's tokens in context) equal the behaviour log-probs."""
+    tok = load_tokenizer(vl_model)
+    assert int((np.asarray(group.prompt_ids) == tok.convert_tokens_to_ids("<|image_pad|>")).sum()) == 4
+    for t in group.trajectories:
+        assert t.policy_mask is not None and (~t.policy_mask).sum() > 0
+    model = load_model(vl_model, "cpu", torch.float32)
+    pixels = process_images(load_image_processor(str(vl_model), **BUDGET), read, read)
+    batch = collate([group], tok.pad_token_id, pixels)
+    with torch.no_grad():
+        mine, _ = LogProbs(model)(batch, chunk_tokens=64)
+    mask = batch.response_mask > 0
+    assert int(mask.sum()) >= 4 and float((mine - batch.behavior_logprobs).abs()[mask].max()) <= TOL
+
+
+def test_learner_logprobs_equal_vllms_for_prompts_with_one_and_two_images(
+    vl_model: Path, vl_engine, redis_url: str, run_id: str
+) -> None:
+    tok = load_tokenizer(vl_model)
+    # 4 and 12 image tokens under the checkpoint's budget; under BUDGET the blue one is scaled down to 2
+    red, blue = drawn((220, 30, 30), (56, 56)), drawn((30, 30, 220), (112, 84))
+    blobs = {hashlib.sha256(b).hexdigest(): b for b in (red, blue)}
+    shown = [[red], [red, blue]]
+    prompts = [image_question_ids(tok, len(images), "what colour is the square?") for images in shown]
+    sampling = SamplingConfig(temperature=1.0, max_tokens=12, n=3)
+    outs = vl_engine.generate(
+        prompts, sampling, images=[[decoded(b) for b in imgs] for imgs in shown], timeout_s=300
+    )
+    groups = sampled_groups(tok, shown, outs, {1: 4, 2: 6})
 
     with ReplayBuffer(redis_url, run_id, BufferConfig()) as buf:
         try:
@@ -246,28 +283,11 @@ def test_an_openai_agent_shows_a_screenshot_through_the_gateway_and_the_learner_
             client.chat.completions.create(model="m", messages=messages, max_tokens=6, extra_headers=headers)
             assert http.post(f"/v1/episodes/{eid}/finish", json={"reward": 1.0}).status_code == 200
         with ReplayBuffer(redis_url, run_id, BufferConfig()) as buf:
-            try:
-                wait_until(lambda: buf.stats().size == 1, 60, "the group in the buffer")
-                assert buf.stats().images == 1 and buf.stats().image_bytes == len(shot)
-                leased = buf.lease(1, 0, consumer="learner-0", lease_s=600)
-                read = buf.images(s for g in leased.groups for s in g.images)
-                buf.ack("learner-0", leased.lease_ids)
-            finally:
-                buf.clear()
-    (group,) = leased.groups
-    tok = load_tokenizer(vl_model)
-    image_token = int(tok.convert_tokens_to_ids("<|image_pad|>"))
+            wait_until(lambda: buf.stats().size == 1, 60, "the group in the buffer")
+            assert buf.stats().images == 1 and buf.stats().image_bytes == len(shot)
+    (group,), read = take_all(redis_url, run_id)
     assert group.images == [hashlib.sha256(shot).hexdigest()]
-    assert int((np.asarray(group.prompt_ids) == image_token).sum()) == 4  # widened as the engine ran it
-    for t in group.trajectories:
-        assert t.policy_mask is not None and (~t.policy_mask).sum() > 0  # the follow-up: environment tokens
-    model = load_model(vl_model, "cpu", torch.float32)
-    pixels = process_images(load_image_processor(str(vl_model), **BUDGET), read, read)
-    batch = collate([group], tok.pad_token_id, pixels)
-    with torch.no_grad():
-        mine, _ = LogProbs(model)(batch, chunk_tokens=64)
-    mask = batch.response_mask > 0
-    assert int(mask.sum()) >= 4 and float((mine - batch.behavior_logprobs).abs()[mask].max()) <= TOL
+    assert_multi_turn_exact(vl_model, group, read)  # the follow-up: environment tokens
 
 
 def test_an_environments_episodes_on_a_prompt_with_an_image_are_recorded_exactly(
@@ -298,26 +318,9 @@ def test_an_environments_episodes_on_a_prompt_with_an_image_are_recorded_exactly
     actor = Actor(cfg, CollectorRegistry(), engine=vl_engine)
     asyncio.run(actor.arun(threading.Event()))
     with ReplayBuffer(redis_url, run_id, BufferConfig()) as buf:
-        try:
-            s = buf.stats()
-            assert s.size == 1 and s.images == 1
-            leased = buf.lease(1, 0, consumer="learner-0", lease_s=600)
-            read = buf.images(sha for g in leased.groups for sha in g.images)
-            buf.ack("learner-0", leased.lease_ids)
-        finally:
-            buf.clear()
-    (group,) = leased.groups
-    tok = load_tokenizer(vl_model)
-    assert int((np.asarray(group.prompt_ids) == tok.convert_tokens_to_ids("<|image_pad|>")).sum()) == 4
-    for t in group.trajectories:
-        assert t.policy_mask is not None and (~t.policy_mask).sum() > 0  # the user's replies
-    model = load_model(vl_model, "cpu", torch.float32)
-    pixels = process_images(load_image_processor(str(vl_model), **BUDGET), read, read)
-    batch = collate([group], tok.pad_token_id, pixels)
-    with torch.no_grad():
-        mine, _ = LogProbs(model)(batch, chunk_tokens=64)
-    mask = batch.response_mask > 0
-    assert int(mask.sum()) >= 6 and float((mine - batch.behavior_logprobs).abs()[mask].max()) <= TOL
+        assert (buf.stats().size, buf.stats().images) == (1, 1)
+    (group,), read = take_all(redis_url, run_id)
+    assert_multi_turn_exact(vl_model, group, read)  # the user's replies: environment tokens
 
 
 def test_a_published_vision_language_version_loads_into_vllm_and_stays_exact(
@@ -405,21 +408,7 @@ def test_a_qwen3_vl_policys_logprobs_equal_vllms(tmp_path: Path) -> None:
         )
     finally:
         engine.shutdown()
-    image_token = int(tok.convert_tokens_to_ids("<|image_pad|>"))
-    groups = []
-    for images, completions in zip(shown, outs, strict=True):
-        widened = completions[0].prompt_ids
-        assert int((widened == image_token).sum()) == {1: 4, 2: 16}[len(images)]
-        groups.append(
-            TrajectoryGroup(
-                group_id=uuid.uuid4().hex, prompt_id=f"p{len(images)}", prompt_ids=widened, policy_version=0,
-                actor_id="a0", created_at=0.0, sampling=SamplingParams(1.0, 1.0, -1, 12),
-                trajectories=[
-                    Trajectory(c.token_ids, c.behavior_logprobs, 0.0, c.finish_reason) for c in completions
-                ],
-                images=[hashlib.sha256(b).hexdigest() for b in images],
-            )
-        )  # fmt: skip
+    groups = sampled_groups(tok, shown, outs, {1: 4, 2: 16})
     model = load_model(path, "cpu", torch.float32)
     assert type(model).__name__ == "Qwen3VLForConditionalGeneration"
     assert not any(p.requires_grad for p in model.model.visual.parameters())
