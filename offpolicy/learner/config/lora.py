@@ -40,9 +40,11 @@ class LoraConfig(ConfigModel):
             raise ValueError("target_modules must be `all-linear` or a non-empty list of module names")
         return v
 
-    def peft(self) -> Any:
+    def peft(self, vision: bool = False) -> Any:
         """peft's `LoraConfig` of this section (bias none, the causal-LM task): what the learner injects
-        (learner/model/lora.py) and the memory plan counts (learner/plan/memory.py)."""
+        (learner/model/lora.py) and the memory plan counts (learner/plan/memory.py). `vision`: a
+        vision-language model, whose tower (`model.visual`) the adapter leaves out: it covers the language
+        model, as vLLM serves it."""
         from peft import LoraConfig as PeftLoraConfig
 
         targets = self.target_modules
@@ -51,6 +53,7 @@ class LoraConfig(ConfigModel):
             lora_alpha=self.alpha,
             lora_dropout=self.dropout,
             target_modules=targets if isinstance(targets, str) else list(targets),
+            exclude_modules=r"(.*\.)?visual\..*" if vision else None,
             modules_to_save=list(self.modules_to_save) or None,
             bias="none",
             task_type="CAUSAL_LM",

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from offpolicy.weights.processor import is_vision_language
+
 if TYPE_CHECKING:
     from offpolicy.learner.config.lora import LoraConfig
 
@@ -30,9 +32,10 @@ _ADAPTER_PART = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B)
 _SAVED_PART = re.compile(r"\.modules_to_save\.default(?=\.|$)")
 
 
-def peft_config(cfg: LoraConfig) -> Any:
-    """peft's `LoraConfig` of our `lora` section (bias none, the causal-LM task)."""
-    return cfg.peft()
+def peft_config(cfg: LoraConfig, model: torch.nn.Module | None = None) -> Any:
+    """peft's `LoraConfig` of our `lora` section (bias none, the causal-LM task) for `model` (a
+    vision-language one: its vision tower left out)."""
+    return cfg.peft(vision=is_vision_language(getattr(model, "config", None)))
 
 
 def inject(
@@ -46,7 +49,7 @@ def inject(
     from peft import inject_adapter_in_model
 
     with torch.random.fork_rng(devices=[]):  # peft's own draws are replaced below: the caller's RNG untouched
-        inject_adapter_in_model(peft_config(cfg), model, adapter_name=ADAPTER)
+        inject_adapter_in_model(peft_config(cfg, model), model, adapter_name=ADAPTER)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.requires_grad_(is_adapter_name(name))
@@ -115,7 +118,7 @@ def adapter_config(cfg: LoraConfig, model: torch.nn.Module, base_model: str) -> 
     and `base_model_name_or_path`."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    doc = peft_config(cfg).to_dict()
+    doc = peft_config(cfg, model).to_dict()
     layers = [n for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)]
     targeted = sorted({n.rsplit(".", 1)[-1] for n in layers})
     doc.update(target_modules=targeted, base_model_name_or_path=str(base_model), inference_mode=True)

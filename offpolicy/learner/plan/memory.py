@@ -77,6 +77,7 @@ from offpolicy.learner.config import LearnerConfig
 from offpolicy.learner.config.lora import LoraConfig
 from offpolicy.learner.errors import MemoryPlanError
 from offpolicy.learner.plan.shape import Experts, count, experts_of, text_config
+from offpolicy.weights.processor import is_vision_language
 
 HEADROOM = 0.9
 """The share of the device's memory a plan may use (the rest: CUDA context, NCCL, fragmentation)."""
@@ -210,7 +211,7 @@ def adapter_params(model: torch.nn.Module, lora: LoraConfig) -> int:
     from peft import inject_adapter_in_model
 
     with torch.device("meta"):
-        inject_adapter_in_model(lora.peft(), model, low_cpu_mem_usage=True)
+        inject_adapter_in_model(lora.peft(is_vision_language(model.config)), model, low_cpu_mem_usage=True)
     # peft marks the adapter (factors and `modules_to_save` copies) trainable, everything else frozen
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 

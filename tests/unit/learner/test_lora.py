@@ -321,3 +321,21 @@ def test_lora_refuses_the_vllm_transport():
     named = LearnerConfig(model_path="m", lora={"rank": 8}, reference={"model_path": "r"})
     assert not named.adapter_reference
     assert not LearnerConfig(model_path="m").adapter_reference
+
+
+def test_a_vision_language_models_adapter_covers_its_language_model_alone(tmp_path) -> None:
+    """On a vision-language model the adapter leaves the vision tower out (peft's `all-linear` would take
+    its linear layers too, which vLLM does not serve): every factor is the language model's, the published
+    config names no tower-only layer, and the memory plan counts the same adapter."""
+    from offpolicy.learner.config.lora import LoraConfig
+    from offpolicy.learner.model import make_tiny_vl_model
+
+    path = make_tiny_vl_model(tmp_path / "vl")
+    cfg = LoraConfig(rank=4, alpha=8.0)
+    model = lora.inject(load_model(path, "cpu"), cfg, seed=0)
+    factors = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert factors and all(n.startswith("model.language_model.") for n in factors), factors[:3]
+    assert not any("visual" in n for n, p in model.named_parameters() if lora.is_adapter_name(n))
+    assert not {"qkv", "proj"} & set(lora.adapter_config(cfg, model, str(path))["target_modules"])
+    shape = ModelShape.of(AutoConfig.from_pretrained(path), cfg)
+    assert shape.adapter == sum(p.numel() for p in model.parameters() if p.requires_grad)
