@@ -159,8 +159,7 @@ def image_parts(messages: Sequence[Mapping[str, Any]], first: int = 0) -> list[t
             if not isinstance(part, Mapping) or part.get("type") != "image_url":
                 continue
             field = f"messages[{i}].content[{j}].image_url"
-            ref = part.get("image_url")
-            url = ref.get("url") if isinstance(ref, Mapping) else ref
+            url = _image_url(part)
             if not isinstance(url, str) or not url:
                 raise ChatRequestError(field, "an image part needs `image_url.url` (a data: or http(s) URL)")
             out.append((field, url))
@@ -171,16 +170,17 @@ def _is_image(part: Any) -> bool:
     return isinstance(part, Mapping) and part.get("type") == "image_url"
 
 
+def _image_url(part: Mapping[str, Any]) -> Any:
+    """An `image_url` part's URL (`{"image_url": {"url": ...}}`, or the bare string some clients send)."""
+    ref = part.get("image_url")
+    return ref.get("url") if isinstance(ref, Mapping) else ref
+
+
 def _content_key(content: Any) -> Any:
     """A message's content as compared between calls: its text, and each image by its URL, in order."""
     if isinstance(content, list) and any(_is_image(p) for p in content):
         return tuple(
-            ("image", str((p.get("image_url") or {}).get("url", "")))
-            if _is_image(p) and isinstance(p.get("image_url"), Mapping)
-            else ("image", str(p.get("image_url")))
-            if _is_image(p)
-            else ("text", text_of([p]))
-            for p in content
+            ("image", str(_image_url(p))) if _is_image(p) else ("text", text_of([p])) for p in content
         )
     return text_of(content)
 

@@ -238,10 +238,10 @@ class Gateway:
     async def _images(self, episode: Episode, messages: list[dict[str, Any]]) -> tuple[Any, ...]:
         """The images of an episode's first call, read and checked (none for a later call: the episode
         refuses new ones and compares the recorded ones by URL)."""
-        if episode.prompt_ids or not image_parts(messages):
+        if episode.prompt_ids or not (parts := image_parts(messages)):
             return ()
         if not getattr(self.actor.engine, "vision", False):
-            raise ChatRequestError(image_parts(messages)[0][0], "the actor's model reads no images")
+            raise ChatRequestError(parts[0][0], "the actor's model reads no images")
         return await read_call_images(messages, self.config.gateway)
 
     @staticmethod
